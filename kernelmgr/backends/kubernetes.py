@@ -1,0 +1,69 @@
+"""Dispatch from a GPU size to the Kubernetes mechanism that provides it.
+
+Each mechanism lives in its own module (``whole``, ``mig``, ``shared``, ``hami``, ``volcano``,
+``dra``) with the same three members: ``OPTION_KEYS``, ``parse_options`` (checks the size's
+``options`` and raises ``ConfigError`` naming the bad key) and ``render`` (size → ``PodFragment``).
+This module only maps the profile's ``backend`` name to that module, so the provisioner and the
+configuration loader never branch on vendor names themselves.
+
+``validate_backend_options`` is meant to run when configuration is loaded, so a bad option
+fails the server start; ``render_pod_fragment`` checks again, so it is safe to call on a
+profile that was built some other way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from kernelmgr.backends import dra, hami, mig, shared, volcano, whole
+from kernelmgr.backends.common import profile_error
+from kernelmgr.backends.fragment import PodFragment
+from kernelmgr.core.profiles import GpuProfile
+
+
+@dataclass(frozen=True)
+class SliceBackend:
+    """One Kubernetes mechanism: its option keys, validator and renderer."""
+
+    name: str
+    option_keys: frozenset[str]
+    validate: Callable[[GpuProfile], object]
+    render: Callable[[GpuProfile, str], PodFragment]
+
+
+REGISTRY: Mapping[str, SliceBackend] = MappingProxyType(
+    {
+        "whole": SliceBackend("whole", whole.OPTION_KEYS, whole.parse_options, whole.render),
+        "mig": SliceBackend("mig", mig.OPTION_KEYS, mig.parse_options, mig.render),
+        "shared": SliceBackend("shared", shared.OPTION_KEYS, shared.parse_options, shared.render),
+        "hami": SliceBackend("hami", hami.OPTION_KEYS, hami.parse_options, hami.render),
+        "volcano": SliceBackend("volcano", volcano.OPTION_KEYS, volcano.parse_options, volcano.render),
+        "dra": SliceBackend("dra", dra.OPTION_KEYS, dra.parse_options, dra.render),
+    }
+)
+
+
+def backend_for(profile: GpuProfile) -> SliceBackend:
+    """The mechanism named by ``profile.backend``."""
+    backend = REGISTRY.get(profile.backend)
+    if backend is None:
+        raise profile_error(
+            profile, "backend", f"must be one of {', '.join(REGISTRY)} on Kubernetes, got {profile.backend!r}"
+        )
+    return backend
+
+
+def validate_backend_options(profile: GpuProfile) -> None:
+    """Raise ``ConfigError`` if the size's ``options`` do not suit its backend."""
+    backend_for(profile).validate(profile)
+
+
+def render_pod_fragment(profile: GpuProfile, kernel_id: str) -> PodFragment:
+    """The pod-spec fragment that requests ``profile`` for the kernel ``kernel_id``.
+
+    Today every backend renders the same fragment for every kernel of a size (the kernel id
+    is accepted so that per-kernel objects can be added without changing callers).
+    """
+    return backend_for(profile).render(profile, kernel_id)

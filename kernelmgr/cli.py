@@ -1,0 +1,229 @@
+"""``jupyter elastic``: look at GPU sizes, GPUs and managed kernels of a running server.
+
+Talks to the REST API only (never imports the server), so it works the same against a local
+server, a remote one or the gateway. Without ``--url`` it finds the newest running local
+server through its runtime file, the way ``jupyter server list`` does.
+
+Exit codes: 0 success; 1 the server could not be reached or refused the request (one line
+on stderr saying why); 2 bad usage (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from jupyter_core.paths import jupyter_runtime_dir
+
+USAGE_ERROR = 2
+FAILURE = 1
+
+
+class CliError(Exception):
+    """A failure to report as one line on stderr with exit code 1."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but usage errors are one line and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see --help)\n")
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str
+    token: str
+
+
+def _pid_alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, TypeError, ValueError):
+        return False
+    return True
+
+
+def find_local_server(runtime_dir: str | None = None) -> Target:
+    """The newest running server that wrote a ``jpserver-*.json`` runtime file."""
+    directory = runtime_dir or jupyter_runtime_dir()
+    candidates = sorted(
+        glob.glob(os.path.join(directory, "jpserver-*.json")), key=os.path.getmtime, reverse=True
+    )
+    for path in candidates:
+        try:
+            with open(path) as handle:
+                info = json.load(handle)
+        except (OSError, ValueError):
+            continue
+        if _pid_alive(info.get("pid")) and info.get("url"):
+            return Target(url=str(info["url"]).rstrip("/"), token=str(info.get("token", "")))
+    raise CliError(f"no running Jupyter server found in {directory}; pass --url and --token")
+
+
+def resolve_target(url: str | None, token: str | None) -> Target:
+    if url:
+        parsed = urllib.parse.urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"--url must look like http://host:port/base/, got {url!r}")
+        return Target(url=url.rstrip("/"), token=token or os.environ.get("JUPYTER_TOKEN", ""))
+    found = find_local_server()
+    return Target(url=found.url, token=token or found.token)
+
+
+def fetch(target: Target, path: str) -> Any:
+    """GET a JSON document, turning every failure into one readable :class:`CliError`."""
+    request = urllib.request.Request(f"{target.url}{path}")
+    if target.token:
+        request.add_header("Authorization", f"token {target.token}")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as err:
+        try:
+            message = json.loads(err.read()).get("message") or err.reason
+        except (ValueError, AttributeError):
+            message = err.reason
+        if err.code in (401, 403):
+            raise CliError(f"{target.url} refused the request (HTTP {err.code}): check --token") from None
+        if err.code == 404 and path.startswith("/api/elastic/") and path.count("/") <= 3:
+            raise CliError(
+                f"{target.url} has no /api/elastic API: is the kernelmgr extension enabled?"
+            ) from None
+        raise CliError(f"HTTP {err.code} from {target.url}{path}: {message}") from None
+    except urllib.error.URLError as err:
+        raise CliError(f"cannot reach {target.url}: {err.reason}") from None
+    except (TimeoutError, ValueError) as err:
+        raise CliError(f"bad answer from {target.url}{path}: {err}") from None
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Left-aligned columns, two spaces apart; ``-`` for missing values."""
+    cells = [[("-" if value in (None, "") else str(value)) for value in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def _gib(mib: Any) -> str:
+    return "-" if mib is None else f"{mib / 1024:g} GiB"
+
+
+def _fraction(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{int(value)} GPU" if value >= 1 else f"{value:.0%}"
+
+
+def render_profiles(doc: dict[str, Any]) -> str:
+    rows = [
+        [
+            p["name"],
+            p["display_name"],
+            _fraction(p["gpu_fraction"]),
+            _gib(p["memory_mib"]),
+            p["backend"],
+            "yes" if p.get("fits_now") else "no",
+            ", ".join(p.get("kernelspecs", [])),
+        ]
+        for p in doc.get("profiles", [])
+    ]
+    out = table(["SIZE", "DISPLAY NAME", "GPU", "MEMORY", "BACKEND", "FITS NOW", "KERNELSPECS"], rows)
+    if not doc.get("gpus_available", True):
+        out += f"\n\n{doc.get('message', 'No GPUs.')}"
+    return out
+
+
+def render_gpus(doc: dict[str, Any]) -> str:
+    rows = [
+        [
+            d["index"],
+            d["uuid"],
+            d["name"],
+            _gib(d["memory_mib"]),
+            _fraction(d["used_fraction"]) if d["used_fraction"] else "0%",
+            _gib(d["free_memory_mib"]),
+            len(d["slices"]),
+        ]
+        for d in doc.get("devices", [])
+    ]
+    head = f"{doc.get('message', '')} (placement: {doc.get('strategy', '-')})"
+    return head + "\n" + table(["#", "UUID", "NAME", "MEMORY", "USED", "FREE MEMORY", "KERNELS"], rows)
+
+
+def render_kernels(kernels: list[dict[str, Any]]) -> str:
+    rows = []
+    for k in kernels:
+        devices = [d["uuid"] for d in (k.get("slice") or {}).get("devices", [])]
+        rows.append(
+            [
+                k["id"],
+                k.get("profile") or "cpu",
+                k.get("state"),
+                k.get("execution_state"),
+                k.get("owner"),
+                ",".join(devices),
+                (k.get("activity") or {}).get("last_activity"),
+            ]
+        )
+    if not rows:
+        return "no kernels"
+    return table(["KERNEL", "SIZE", "STATE", "EXECUTION", "OWNER", "GPUS", "LAST ACTIVITY"], rows)
+
+
+Renderer = Callable[[Any], str]
+
+COMMANDS: dict[str, tuple[str, Renderer, str]] = {
+    "profiles": ("/api/elastic/profiles", render_profiles, "the GPU sizes offered"),
+    "gpus": ("/api/elastic/gpus", render_gpus, "the GPUs and the slices on them"),
+    "list": ("/api/elastic/kernels", render_kernels, "every managed kernel"),
+}
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(
+        prog="jupyter elastic", description="GPU-size kernels of a running Jupyter server."
+    )
+    parser.add_argument("--url", help="server URL (default: the newest running local server)")
+    parser.add_argument("--token", help="API token (default: the local server's, or $JUPYTER_TOKEN)")
+    parser.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    for name, (_path, _render, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.error("a command is required: " + ", ".join(COMMANDS))
+    path, render, _help = COMMANDS[args.command]
+    try:
+        target = resolve_target(args.url, args.token)
+    except ValueError as err:
+        parser.error(str(err))
+    except CliError as err:
+        print(f"jupyter elastic: {err}", file=sys.stderr)
+        return FAILURE
+    try:
+        doc = fetch(target, path)
+    except CliError as err:
+        print(f"jupyter elastic: {err}", file=sys.stderr)
+        return FAILURE
+    print(json.dumps(doc, indent=2) if args.json else render(doc))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

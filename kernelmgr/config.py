@@ -1,0 +1,147 @@
+"""Admin configuration (traitlets) and the runtime built from it.
+
+``ElasticKernels`` holds the pinned configuration names (``c.ElasticKernels.profiles`` …) so a
+plain ``jupyter_server_config.json`` — or a Helm ConfigMap holding one — configures the
+project. :meth:`ElasticKernels.build` validates everything once, at start-up, and returns an
+:class:`ElasticRuntime`: the validated profiles, the inventory, the allocator and the kernel
+registry that the provisioner, the server extension and (later) the gateway share.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jupyter_core.paths import jupyter_data_dir
+from traitlets import Bool, Dict, Enum, Float, List, Unicode
+from traitlets.config import LoggingConfigurable
+
+from kernelmgr.activity.nvml import Nvml, PynvmlNvml, discover_inventory
+from kernelmgr.backends.kubernetes import validate_backend_options
+from kernelmgr.core.allocator import STRATEGIES, SliceAllocator
+from kernelmgr.core.errors import ConfigError, UnknownProfileError
+from kernelmgr.core.inventory import GpuInventory
+from kernelmgr.core.kernels import KernelRegistry
+from kernelmgr.core.profiles import GpuProfile, parse_profiles
+
+DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
+    "small": {"gpu_fraction": 0.25, "memory_mib": 10 * 1024},
+    "medium": {"gpu_fraction": 0.5, "memory_mib": 20 * 1024},
+    "whole": {"gpu_fraction": 1},
+}
+
+
+@dataclass
+class ElasticRuntime:
+    """Everything validated from configuration, shared by the adapters of one process."""
+
+    profiles: dict[str, GpuProfile]
+    inventory: GpuInventory
+    allocator: SliceAllocator
+    base_kernels: list[str]
+    checkpoint_root: str
+    use_mps: bool = False
+    reap_interval: float = 5.0
+    owner: str = field(default_factory=getpass.getuser)
+    kernels: KernelRegistry = field(default_factory=KernelRegistry)
+
+    @property
+    def gpus_available(self) -> bool:
+        return len(self.inventory) > 0
+
+    def profile(self, name: str) -> GpuProfile:
+        try:
+            return self.profiles[name]
+        except KeyError:
+            offered = ", ".join(self.profiles) or "none"
+            raise UnknownProfileError(f"unknown GPU size {name!r}; sizes offered here: {offered}") from None
+
+
+class ElasticKernels(LoggingConfigurable):
+    """GPU sizes, the GPU inventory and where checkpoints go."""
+
+    profiles = Dict(
+        default_value=DEFAULT_PROFILES,
+        config=True,
+        help="""GPU sizes offered to users: name -> {display_name, gpu_fraction, memory_mib,
+        compute_percent, backend, options}. gpu_fraction is a fraction of one GPU (0 < f < 1) or a
+        whole number of GPUs (1, 2, ...); memory_mib is required for fractions. backend names the
+        Kubernetes mechanism (whole, mig, shared, hami, volcano, dra); local kernels always get
+        CUDA_VISIBLE_DEVICES and a memory cap.""",
+    )
+    gpu_inventory = List(
+        Dict(),
+        default_value=[],
+        config=True,
+        help="""Declared GPUs: a list of {uuid, name, memory_mib[, index, node]}. Empty means
+        discover GPUs with NVML; if NVML is unavailable too, only CPU kernels are offered.""",
+    )
+    checkpoint_root = Unicode(
+        config=True,
+        help="Directory that holds kernel checkpoints, one subdirectory per owner and kernel.",
+    )
+    allocation_strategy = Enum(
+        list(STRATEGIES),
+        default_value="binpack",
+        config=True,
+        help="""How slices are placed: binpack fills the fullest GPU that fits (keeps whole GPUs
+        free for big sizes); spread uses the emptiest (less contention between kernels).""",
+    )
+    base_kernels = List(
+        Unicode(),
+        default_value=["python3"],
+        config=True,
+        help="Kernelspecs that get one GPU-size variant per profile in the launcher.",
+    )
+    local_mps = Bool(
+        False,
+        config=True,
+        help="""Set CUDA MPS client limits (active thread percentage, pinned memory) for local
+        kernels. Only enforced when an MPS control daemon serves the GPUs.""",
+    )
+    reap_interval = Float(
+        5.0,
+        config=True,
+        help="""Seconds between checks that every kernel holding a GPU slice still has a process;
+        a kernel that died gives its slice back at the next check (or at once when autorestart
+        notices first).""",
+    )
+
+    def _checkpoint_root_default(self) -> str:
+        return os.path.join(jupyter_data_dir(), "elastic", "checkpoints")
+
+    def build(self, nvml_factory: Callable[[], Nvml] = PynvmlNvml) -> ElasticRuntime:
+        """Validate the configuration and assemble the runtime; raises :class:`ConfigError`."""
+        profiles = parse_profiles(self.profiles)
+        for profile in profiles.values():
+            validate_backend_options(profile)
+        if self.gpu_inventory:
+            inventory = GpuInventory.declared(self.gpu_inventory)
+        else:
+            inventory = discover_inventory(nvml_factory())
+        allocator = SliceAllocator(inventory, strategy=self.allocation_strategy)
+        for profile in profiles.values():
+            if inventory.devices and not allocator.ever_fits(profile):
+                self.log.warning(
+                    "GPU size %r can never fit on the GPUs here (%s); kernels of that size will be refused",
+                    profile.name,
+                    ", ".join(f"{d.name} {d.memory_mib} MiB" for d in inventory),
+                )
+        if self.reap_interval <= 0:
+            raise ConfigError(f"ElasticKernels.reap_interval must be > 0 seconds, got {self.reap_interval}")
+        if not self.base_kernels:
+            raise ConfigError(
+                "ElasticKernels.base_kernels is empty: name at least one kernelspec, e.g. python3"
+            )
+        return ElasticRuntime(
+            profiles=profiles,
+            inventory=inventory,
+            allocator=allocator,
+            base_kernels=list(self.base_kernels),
+            checkpoint_root=self.checkpoint_root,
+            use_mps=self.local_mps,
+            reap_interval=self.reap_interval,
+        )

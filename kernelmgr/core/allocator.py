@@ -1,0 +1,277 @@
+"""The slice allocator: places GPU sizes on devices and remembers who holds what.
+
+Fractions are kept as integer thousandths of a device ("milli-GPUs") so that adding and
+removing slices never drifts through floating-point error: three slices of 1/3 always free
+exactly what they took. The allocator is the single owner of this state; callers hold no
+references into it, and every public method takes one lock, so provisioners running on
+different threads (or the event loop and a worker thread) cannot double-book a device.
+
+Placement is deterministic: candidates are ranked by a key that ends in the device index,
+so the same sequence of requests always yields the same placement (tests and operators can
+predict it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kernelmgr.core.errors import CapacityError, ConfigError
+from kernelmgr.core.inventory import GpuDevice, GpuInventory
+from kernelmgr.core.profiles import GpuProfile
+
+MILLI = 1000
+STRATEGIES = ("binpack", "spread")
+
+
+def to_milli(fraction: float) -> int:
+    """A fraction of one device in thousandths (at least 1, so tiny sizes still count)."""
+    return max(1, min(MILLI, round(fraction * MILLI)))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The part of one device that a slice holds."""
+
+    device_uuid: str
+    milli: int
+    memory_mib: int
+
+    @property
+    def fraction(self) -> float:
+        return self.milli / MILLI
+
+
+@dataclass(frozen=True)
+class Slice:
+    """What one kernel holds: a GPU size placed on one or more devices."""
+
+    kernel_id: str
+    profile: str
+    placements: tuple[Placement, ...]
+
+    @property
+    def device_uuids(self) -> tuple[str, ...]:
+        return tuple(p.device_uuid for p in self.placements)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kernel_id": self.kernel_id,
+            "profile": self.profile,
+            "devices": [
+                {"uuid": p.device_uuid, "fraction": p.fraction, "memory_mib": p.memory_mib}
+                for p in self.placements
+            ],
+        }
+
+
+@dataclass(frozen=True)
+class DeviceUsage:
+    """A snapshot of one device: its capacity and the slices on it."""
+
+    device: GpuDevice
+    used_milli: int
+    used_memory_mib: int
+    slices: tuple[Slice, ...]
+
+    @property
+    def free_milli(self) -> int:
+        return MILLI - self.used_milli
+
+    @property
+    def free_memory_mib(self) -> int:
+        return self.device.memory_mib - self.used_memory_mib
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.device.to_dict(),
+            "used_fraction": self.used_milli / MILLI,
+            "free_fraction": self.free_milli / MILLI,
+            "used_memory_mib": self.used_memory_mib,
+            "free_memory_mib": self.free_memory_mib,
+            "slices": [
+                {
+                    "kernel_id": s.kernel_id,
+                    "profile": s.profile,
+                    "fraction": p.fraction,
+                    "memory_mib": p.memory_mib,
+                }
+                for s in self.slices
+                for p in s.placements
+                if p.device_uuid == self.device.uuid
+            ],
+        }
+
+
+def describe_size(profile: GpuProfile) -> str:
+    """``'small' (25% of a GPU, 10 GiB)`` — how sizes are named in messages."""
+    if profile.whole_gpus:
+        amount = f"{profile.whole_gpus} whole GPU{'s' if profile.whole_gpus > 1 else ''}"
+    else:
+        amount = f"{profile.gpu_fraction:.0%} of a GPU"
+    if profile.memory_mib is not None:
+        amount += f", {profile.memory_mib / 1024:g} GiB"
+    return f"{profile.name!r} ({amount})"
+
+
+class SliceAllocator:
+    """Thread-safe placement of GPU sizes on an inventory, binpack or spread."""
+
+    def __init__(self, inventory: GpuInventory, strategy: str = "binpack") -> None:
+        if strategy not in STRATEGIES:
+            raise ConfigError(
+                f"ElasticKernels.allocation_strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}"
+            )
+        self.inventory = inventory
+        self.strategy = strategy
+        self._lock = threading.Lock()
+        self._slices: dict[str, Slice] = {}
+        self._used_milli: dict[str, int] = {d.uuid: 0 for d in inventory}
+        self._used_memory: dict[str, int] = {d.uuid: 0 for d in inventory}
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def slice_of(self, kernel_id: str) -> Slice | None:
+        with self._lock:
+            return self._slices.get(kernel_id)
+
+    def slices(self) -> list[Slice]:
+        with self._lock:
+            return list(self._slices.values())
+
+    def usage(self) -> list[DeviceUsage]:
+        with self._lock:
+            return [self._usage_locked(d) for d in self.inventory]
+
+    def fits(self, profile: GpuProfile) -> bool:
+        """Whether ``profile`` could be placed right now."""
+        with self._lock:
+            return self._choose_locked(profile) is not None
+
+    def check(self, profile: GpuProfile) -> None:
+        """Raise :class:`CapacityError` saying why, if ``profile`` does not fit right now."""
+        with self._lock:
+            if self._choose_locked(profile) is None:
+                raise CapacityError(self._no_fit_message_locked(profile))
+
+    def ever_fits(self, profile: GpuProfile) -> bool:
+        """Whether ``profile`` could be placed on an empty inventory."""
+        if profile.whole_gpus:
+            big_enough = [
+                d for d in self.inventory if profile.memory_mib is None or d.memory_mib >= profile.memory_mib
+            ]
+            return len(big_enough) >= profile.whole_gpus
+        return any(d.memory_mib >= (profile.memory_mib or 0) for d in self.inventory)
+
+    # -- changes ---------------------------------------------------------------------------
+
+    def allocate(self, kernel_id: str, profile: GpuProfile) -> Slice:
+        """Place ``profile`` for ``kernel_id``, or raise :class:`CapacityError` saying why not.
+
+        Idempotent for a kernel that already holds a slice of the same size (a restart that
+        did not release first must not double-book); a different size is an error.
+        """
+        with self._lock:
+            held = self._slices.get(kernel_id)
+            if held is not None:
+                if held.profile == profile.name:
+                    return held
+                raise CapacityError(
+                    f"kernel {kernel_id} already holds a GPU slice of size {held.profile!r}; "
+                    f"release it before asking for {profile.name!r}"
+                )
+            placements = self._choose_locked(profile)
+            if placements is None:
+                raise CapacityError(self._no_fit_message_locked(profile))
+            granted = Slice(kernel_id=kernel_id, profile=profile.name, placements=tuple(placements))
+            for p in granted.placements:
+                self._used_milli[p.device_uuid] += p.milli
+                self._used_memory[p.device_uuid] += p.memory_mib
+            self._slices[kernel_id] = granted
+            return granted
+
+    def release(self, kernel_id: str) -> Slice | None:
+        """Free what ``kernel_id`` holds. Safe to call more than once."""
+        with self._lock:
+            granted = self._slices.pop(kernel_id, None)
+            if granted is not None:
+                for p in granted.placements:
+                    self._used_milli[p.device_uuid] -= p.milli
+                    self._used_memory[p.device_uuid] -= p.memory_mib
+            return granted
+
+    # -- internals (lock held) -------------------------------------------------------------
+
+    def _usage_locked(self, device: GpuDevice) -> DeviceUsage:
+        on_device = tuple(s for s in self._slices.values() if device.uuid in s.device_uuids)
+        return DeviceUsage(
+            device=device,
+            used_milli=self._used_milli[device.uuid],
+            used_memory_mib=self._used_memory[device.uuid],
+            slices=on_device,
+        )
+
+    def _choose_locked(self, profile: GpuProfile) -> list[Placement] | None:
+        if profile.whole_gpus:
+            return self._choose_whole_locked(profile)
+        need_milli = to_milli(profile.gpu_fraction)
+        need_memory = profile.memory_mib or 0
+        candidates = [
+            d
+            for d in self.inventory
+            if MILLI - self._used_milli[d.uuid] >= need_milli
+            and d.memory_mib - self._used_memory[d.uuid] >= need_memory
+        ]
+        if not candidates:
+            return None
+
+        def remaining(d: GpuDevice) -> tuple[int, int, int]:
+            free = MILLI - self._used_milli[d.uuid] - need_milli
+            free_memory = d.memory_mib - self._used_memory[d.uuid] - need_memory
+            if self.strategy == "binpack":
+                return (free, free_memory, d.index)
+            return (-free, -free_memory, d.index)
+
+        best = min(candidates, key=remaining)
+        return [Placement(device_uuid=best.uuid, milli=need_milli, memory_mib=need_memory)]
+
+    def _choose_whole_locked(self, profile: GpuProfile) -> list[Placement] | None:
+        empty = [
+            d
+            for d in self.inventory
+            if self._used_milli[d.uuid] == 0
+            and (profile.memory_mib is None or d.memory_mib >= profile.memory_mib)
+        ]
+        if len(empty) < profile.whole_gpus:
+            return None
+        chosen = sorted(empty, key=lambda d: d.index)[: profile.whole_gpus]
+        return [Placement(device_uuid=d.uuid, milli=MILLI, memory_mib=d.memory_mib) for d in chosen]
+
+    def _no_fit_message_locked(self, profile: GpuProfile) -> str:
+        size = describe_size(profile)
+        if not len(self.inventory):
+            return (
+                f"GPU size {size} cannot start: this server has no GPUs "
+                f"({self.inventory.note or 'none found'}). Start a CPU kernel instead."
+            )
+        if not self.ever_fits(profile):
+            return (
+                f"GPU size {size} can never fit on this server's GPUs ({_capacity_summary(self.inventory)}). "
+                "Pick a smaller size, or ask your admin to fix the size."
+            )
+        free = "; ".join(
+            f"{d.name} {d.uuid}: {(MILLI - self._used_milli[d.uuid]) / MILLI:.0%} free, "
+            f"{(d.memory_mib - self._used_memory[d.uuid]) / 1024:g} GiB free"
+            for d in self.inventory
+        )
+        return (
+            f"GPU size {size} does not fit right now. Free: {free}. "
+            "Pick a smaller size, shut down (or hibernate) a GPU kernel you no longer need, "
+            "or try again later."
+        )
+
+
+def _capacity_summary(devices: Iterable[GpuDevice]) -> str:
+    return ", ".join(f"{d.name} with {d.memory_mib / 1024:g} GiB" for d in devices)

@@ -1,0 +1,72 @@
+"""The registry of managed kernels: what the project knows about each one.
+
+jupyter_server knows a kernel's id, kernelspec and Jupyter execution state; this registry
+adds what it does not: the GPU size, the owner and the lifecycle state. It is keyed by
+kernel id and survives a kernel process ending (a hibernated kernel has no process but is
+still a kernel). Thread-safe, because provisioners may run on other threads than handlers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kernelmgr.core.lifecycle import KernelState, Lifecycle
+
+
+@dataclass
+class ManagedKernel:
+    """One kernel under elastic management."""
+
+    kernel_id: str
+    kernelspec: str
+    profile: str | None
+    owner: str
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    created: float = field(default_factory=time.time)
+    launches: int = 0
+    last_error: str = ""
+
+    @property
+    def state(self) -> KernelState:
+        return self.lifecycle.state
+
+
+class KernelRegistry:
+    """Thread-safe map of kernel id to :class:`ManagedKernel`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kernels: dict[str, ManagedKernel] = {}
+
+    def register(self, kernel_id: str, kernelspec: str, profile: str | None, owner: str) -> ManagedKernel:
+        """Add a kernel, or return the existing record (a restart keeps its record)."""
+        with self._lock:
+            record = self._kernels.get(kernel_id)
+            if record is None:
+                record = ManagedKernel(
+                    kernel_id=kernel_id, kernelspec=kernelspec, profile=profile, owner=owner
+                )
+                self._kernels[kernel_id] = record
+            return record
+
+    def get(self, kernel_id: str) -> ManagedKernel | None:
+        with self._lock:
+            return self._kernels.get(kernel_id)
+
+    def remove(self, kernel_id: str) -> ManagedKernel | None:
+        with self._lock:
+            return self._kernels.pop(kernel_id, None)
+
+    def all(self) -> list[ManagedKernel]:
+        with self._lock:
+            return list(self._kernels.values())
+
+    def __contains__(self, kernel_id: object) -> bool:
+        with self._lock:
+            return kernel_id in self._kernels
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._kernels)

@@ -1,0 +1,146 @@
+"""A local-process kernel provisioner that holds a GPU slice for the kernel's life.
+
+jupyter_client creates one provisioner per kernel (reused across restarts) and calls it at
+every step of the kernel's life, which makes it the one place that sees *every* way a kernel
+ends. The slice is therefore taken in :meth:`pre_launch` — before any process exists, so a
+size that does not fit fails at once — and given back on each of those ends:
+
+* shutdown and server exit: ``cleanup(restart=False)``;
+* a crash: the restarter's ``poll()`` sees the exit code first, and we release there, so a
+  dead kernel never keeps a GPU even if nobody restarts or shuts it down;
+* a restart asked for by the user: the slice is kept from ``shutdown_requested(restart=True)``
+  through ``cleanup(restart=True)`` (nobody can take it in the gap) and re-checked,
+  idempotently, by the next ``pre_launch``; an automatic restart after a crash releases at the
+  crash and allocates again (jupyter_client#1061: the restart flag does not reach every call);
+* a launch that fails after the slice was taken: released before the error propagates.
+
+The provisioner is selected by kernelspec metadata (``kernel_provisioner.provisioner_name =
+"elastic-local-provisioner"``, written by the generated kernelspecs) and finds the shared
+:class:`~kernelmgr.config.ElasticRuntime` on its kernel manager's parent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.provisioning import LocalProvisioner
+
+from kernelmgr.backends.local import MANAGED_VARIABLES, cpu_environment, local_environment
+from kernelmgr.config import ElasticRuntime
+from kernelmgr.core.lifecycle import KernelState
+
+PROVISIONER_NAME = "elastic-local-provisioner"
+
+
+def find_runtime(start: Any) -> ElasticRuntime:
+    """Walk the traitlets ``parent`` chain to the object that carries the runtime."""
+    node = start
+    while node is not None:
+        runtime = getattr(node, "elastic_runtime", None)
+        if isinstance(runtime, ElasticRuntime):
+            return runtime
+        node = getattr(node, "parent", None)
+    raise RuntimeError(
+        f"{PROVISIONER_NAME} needs the kernelmgr server extension (it installs the elastic kernel "
+        "manager that owns the GPU allocator); enable it with `jupyter server extension enable kernelmgr`"
+    )
+
+
+class ElasticLocalProvisioner(LocalProvisioner):
+    """Local kernel process + GPU slice bookkeeping."""
+
+    #: True between a restart's shutdown request and the relaunch, so the exit seen by
+    #: ``poll()`` during a restart does not give the slice away.
+    _restarting = False
+
+    @property
+    def runtime(self) -> ElasticRuntime:
+        return find_runtime(self.parent)
+
+    @property
+    def profile_name(self) -> str | None:
+        elastic = (self.kernel_spec.metadata or {}).get("elastic") or {}
+        profile = elastic.get("profile")
+        return str(profile) if profile else None
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        runtime = self.runtime
+        kernelspec_name = getattr(self.parent, "kernel_name", "") or ""
+        record = runtime.kernels.register(self.kernel_id, kernelspec_name, self.profile_name, runtime.owner)
+        if record.state is not KernelState.STARTING:
+            record.lifecycle.move(KernelState.STARTING, "launch")
+        slice_env = cpu_environment()
+        if self.profile_name is not None:
+            profile = runtime.profile(self.profile_name)
+            try:
+                granted = runtime.allocator.allocate(self.kernel_id, profile)
+            except Exception as exc:
+                record.lifecycle.move(KernelState.DEAD, str(exc))
+                record.last_error = str(exc)
+                runtime.kernels.remove(self.kernel_id)
+                raise
+            slice_env = local_environment(profile, granted, runtime.inventory, use_mps=runtime.use_mps)
+        try:
+            kwargs = await super().pre_launch(**kwargs)
+        except BaseException:
+            self._release("launch preparation failed")
+            raise
+        env = kwargs.get("env") or {}
+        for name in MANAGED_VARIABLES:
+            env.pop(name, None)
+        env.update(slice_env)
+        env["ELASTIC_KERNEL_ID"] = self.kernel_id
+        kwargs["env"] = env
+        return kwargs
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        try:
+            info = await super().launch_kernel(cmd, **kwargs)
+        except BaseException:
+            self._release("kernel process failed to launch")
+            raise
+        self._restarting = False
+        record = self.runtime.kernels.get(self.kernel_id)
+        if record is not None:
+            record.launches += 1
+            if record.state is KernelState.STARTING:
+                record.lifecycle.move(KernelState.RUNNING, "process launched")
+        return info
+
+    async def poll(self) -> int | None:
+        status = await super().poll()
+        if status is not None and self.process is not None and not self._restarting:
+            # The process is gone without a shutdown: a crash or an external kill -9.
+            self._release(f"kernel process exited with status {status}")
+        return status
+
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        self._restarting = restart
+        await super().shutdown_requested(restart=restart)
+
+    async def cleanup(self, restart: bool = False) -> None:
+        await super().cleanup(restart=restart)
+        if restart:
+            return
+        self._release("kernel shut down")
+        self.runtime.kernels.remove(self.kernel_id)
+
+    def _release(self, reason: str) -> None:
+        runtime = self.runtime
+        released = runtime.allocator.release(self.kernel_id)
+        record = runtime.kernels.get(self.kernel_id)
+        if (
+            record is not None
+            and record.lifecycle.can(KernelState.DEAD)
+            and record.state is not KernelState.DEAD
+        ):
+            record.lifecycle.move(KernelState.DEAD, reason)
+        if released is not None:
+            self.log.info(
+                "Released GPU slice of kernel %s (size %s on %s): %s",
+                self.kernel_id,
+                released.profile,
+                ", ".join(released.device_uuids),
+                reason,
+            )

@@ -1,0 +1,1 @@
+"""jupyter_server integration: extension, kernel and kernelspec managers, REST handlers."""

@@ -1,0 +1,24 @@
+"""HTTP errors whose JSON ``message`` is exactly the text we wrote.
+
+tornado (6.5+) hands out ``HTTPError.log_message`` with every ``%`` doubled when the error
+has no format arguments, and jupyter_server's API handlers send ``log_message`` to the client
+as is, so "25% of a GPU" would reach users as "25%% of a GPU". This subclass returns the
+message untouched.
+"""
+
+from __future__ import annotations
+
+from tornado import web
+
+
+class ClearHTTPError(web.HTTPError):
+    """An ``HTTPError`` whose ``log_message`` is the literal message."""
+
+    @property
+    def log_message(self) -> str | None:
+        return self.get_message()
+
+
+def http_error(status: int, message: str) -> web.HTTPError:
+    """An error that jupyter_server renders as ``{"message": message}`` with ``status``."""
+    return ClearHTTPError(status, message)

@@ -1,0 +1,85 @@
+"""The ``kernelmgr`` jupyter_server extension.
+
+Linking installs the elastic kernel manager and kernelspec manager into the ServerApp (they
+must be in place before the ServerApp creates its managers); loading validates the admin's
+configuration, builds the runtime and hands it to the managers and the REST handlers.
+
+A configuration error stops the server with one clear line: a server that silently came up
+without its GPU sizes would look healthy while handing out no GPUs, or the wrong ones.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from jupyter_server.extension.application import ExtensionApp
+from tornado import ioloop
+from traitlets import TraitError
+
+from kernelmgr.config import ElasticKernels, ElasticRuntime
+from kernelmgr.core.errors import ConfigError
+from kernelmgr.server.handlers import elastic_handlers
+from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
+from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
+
+CONFIG_ERROR_EXIT = 2
+
+
+class ElasticKernelsExtension(ExtensionApp):
+    """GPU-size kernels for Jupyter: kernelspecs, slice allocation and the /api/elastic API."""
+
+    name = "kernelmgr"
+    load_other_extensions = True
+
+    runtime: ElasticRuntime | None = None
+
+    def _link_jupyter_server_extension(self, serverapp: Any) -> None:
+        """Install the elastic managers; linking runs before the ServerApp creates its managers."""
+        super()._link_jupyter_server_extension(serverapp)
+        for trait, ours in (
+            ("kernel_manager_class", ElasticMappingKernelManager),
+            ("kernel_spec_manager_class", ElasticKernelSpecManager),
+        ):
+            if serverapp.trait_has_value(trait):
+                # Configured explicitly: ours, an admin's subclass of ours, or a conflicting
+                # class that initialize_settings reports.
+                continue
+            setattr(serverapp, trait, ours)
+
+    def initialize_settings(self) -> None:
+        try:
+            runtime = ElasticKernels(parent=self.serverapp, log=self.log).build()
+        except (ConfigError, TraitError) as exc:
+            message = exc.message if isinstance(exc, ConfigError) else " ".join(str(exc).split())
+            self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", message)
+            sys.exit(CONFIG_ERROR_EXIT)
+        assert self.serverapp is not None, "initialize_settings runs after linking"
+        km = self.serverapp.kernel_manager
+        ksm = self.serverapp.kernel_spec_manager
+        if not isinstance(km, ElasticMappingKernelManager) or not isinstance(ksm, ElasticKernelSpecManager):
+            self.log.critical(
+                "jupyter-elastic-kernels: ServerApp.kernel_manager_class / kernel_spec_manager_class were "
+                "overridden (%s, %s); GPU-size kernels need the elastic managers",
+                type(km).__name__,
+                type(ksm).__name__,
+            )
+            sys.exit(CONFIG_ERROR_EXIT)
+        km.elastic_runtime = runtime
+        ksm.elastic_runtime = runtime
+        self.runtime = runtime
+        self.settings["elastic_runtime"] = runtime
+        if runtime.gpus_available:
+            self.log.info(
+                "jupyter-elastic-kernels: %s; GPU sizes: %s",
+                runtime.inventory.note,
+                ", ".join(p.display_name for p in runtime.profiles.values()),
+            )
+        else:
+            self.log.warning("jupyter-elastic-kernels: no GPUs (%s)", runtime.inventory.note)
+
+        reaper = ioloop.PeriodicCallback(km.reap_dead_slices, runtime.reap_interval * 1000)
+        reaper.start()
+
+    def initialize_handlers(self) -> None:
+        self.handlers.extend(elastic_handlers())

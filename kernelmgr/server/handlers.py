@@ -1,0 +1,119 @@
+"""REST handlers under ``/api/elastic``.
+
+Thin: each reads the runtime or the kernel manager and writes a model from
+:mod:`kernelmgr.server.models`. Authentication and authorization are jupyter_server's
+(``kernels`` resource), so the same tokens and the same JupyterHub scopes apply.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.services.sessions.handlers import SessionRootHandler
+from tornado import web
+
+from kernelmgr.config import ElasticRuntime
+from kernelmgr.server.errors import http_error
+from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
+from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
+from kernelmgr.server.models import gpus_model, profiles_model
+
+AUTH_RESOURCE = "kernels"
+_KERNEL_ID = r"(?P<kernel_id>[\w-]+)"
+
+
+class ElasticHandler(APIHandler):
+    """Base: access to the runtime and JSON output."""
+
+    auth_resource = AUTH_RESOURCE
+
+    @property
+    def runtime(self) -> ElasticRuntime:
+        runtime = self.settings.get("elastic_runtime")
+        if not isinstance(runtime, ElasticRuntime):
+            raise http_error(503, "the kernelmgr extension is not loaded")
+        return runtime
+
+    @property
+    def elastic_kernel_manager(self) -> ElasticMappingKernelManager:
+        km = self.kernel_manager
+        if not isinstance(km, ElasticMappingKernelManager):
+            raise http_error(503, "the kernelmgr extension's kernel manager is not installed")
+        return km
+
+    def write_json(self, payload: Any) -> None:
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(payload))
+
+
+class ProfilesHandler(ElasticHandler):
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        ksm = self.kernel_spec_manager
+        names = ksm.elastic_kernel_names() if isinstance(ksm, ElasticKernelSpecManager) else {}
+        self.write_json(profiles_model(self.runtime, names))
+
+
+class GpusHandler(ElasticHandler):
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.write_json(gpus_model(self.runtime))
+
+
+class KernelsHandler(ElasticHandler):
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.write_json(self.elastic_kernel_manager.elastic_models())
+
+
+class KernelHandler(ElasticHandler):
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        self.write_json(self.elastic_kernel_manager.elastic_model(kernel_id))
+
+
+class SessionsPreflightHandler(SessionRootHandler):
+    """``POST /api/sessions`` with the GPU-size check done first.
+
+    jupyter_server's sessions handler turns every error from starting a kernel into a 500;
+    checking the size before delegating gives notebook users the same 4xx message as
+    ``POST /api/kernels``. Everything else is jupyter_server's own handler.
+    """
+
+    @web.authenticated
+    @authorized
+    async def post(self) -> None:
+        model = self.get_json_body() or {}
+        kernel = model.get("kernel") or {}
+        name = kernel.get("name")
+        path = model.get("path")
+        km = self.kernel_manager
+        if name and not kernel.get("id") and isinstance(km, ElasticMappingKernelManager):
+            exists = path is not None and await self.session_manager.session_exists(path=path)
+            if not exists:
+                try:
+                    km.check_size(name)
+                except web.HTTPError as err:
+                    if err.status_code != 404:  # unknown kernelspecs keep jupyter_server's answer
+                        raise
+        delegated = super().post()
+        if delegated is not None:
+            await delegated
+
+
+def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:
+    """Routes, relative to the server's base URL."""
+    return [
+        (r"/api/elastic/profiles", ProfilesHandler),
+        (r"/api/elastic/gpus", GpusHandler),
+        (r"/api/elastic/kernels", KernelsHandler),
+        (rf"/api/elastic/kernels/{_KERNEL_ID}", KernelHandler),
+        (r"/api/sessions", SessionsPreflightHandler),
+    ]

@@ -1,0 +1,73 @@
+"""JSON models of the REST API, built from the runtime and jupyter_server's kernel model.
+
+Kept apart from the handlers so the CLI's expectations, the handlers and the tests all
+read one definition of each field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kernelmgr.config import ElasticRuntime
+
+
+def elastic_kernel_model(runtime: ElasticRuntime, jupyter_model: dict[str, Any]) -> dict[str, Any]:
+    """One managed kernel: jupyter_server's fields plus size, state, owner, slice, activity."""
+    kernel_id = jupyter_model["id"]
+    record = runtime.kernels.get(kernel_id)
+    granted = runtime.allocator.slice_of(kernel_id)
+    return {
+        "id": kernel_id,
+        "name": jupyter_model.get("name"),
+        "profile": record.profile if record else None,
+        "state": record.state.value if record else "running",
+        "state_reason": record.lifecycle.reason if record else "",
+        "execution_state": jupyter_model.get("execution_state"),
+        "connections": jupyter_model.get("connections", 0),
+        "owner": record.owner if record else runtime.owner,
+        "slice": granted.to_dict() if granted else None,
+        "activity": {
+            "last_activity": jupyter_model.get("last_activity"),
+            # Filled by the activity sources (NVML sampling) in a later release.
+            "gpu_utilization": None,
+            "gpu_memory_mib": None,
+            "gpu_idle_seconds": None,
+        },
+        # Filled once hibernation (checkpoints) lands.
+        "checkpoint": None,
+    }
+
+
+def profiles_model(runtime: ElasticRuntime, kernelspecs: dict[str, str]) -> dict[str, Any]:
+    """The GPU sizes, each with whether it fits now and the kernelspecs that launch it."""
+    by_profile: dict[str, list[str]] = {}
+    for spec_name, profile_name in kernelspecs.items():
+        by_profile.setdefault(profile_name, []).append(spec_name)
+    profiles = []
+    for profile in runtime.profiles.values():
+        entry = profile.to_dict()
+        entry["kernelspecs"] = sorted(by_profile.get(profile.name, []))
+        entry["fits_now"] = runtime.gpus_available and runtime.allocator.fits(profile)
+        entry["fits_ever"] = runtime.gpus_available and runtime.allocator.ever_fits(profile)
+        profiles.append(entry)
+    return {
+        "gpus_available": runtime.gpus_available,
+        "message": _gpu_message(runtime),
+        "profiles": profiles,
+    }
+
+
+def gpus_model(runtime: ElasticRuntime) -> dict[str, Any]:
+    """The inventory with each device's capacity and current slices."""
+    return {
+        "source": runtime.inventory.source,
+        "message": _gpu_message(runtime),
+        "strategy": runtime.allocator.strategy,
+        "devices": [usage.to_dict() for usage in runtime.allocator.usage()],
+    }
+
+
+def _gpu_message(runtime: ElasticRuntime) -> str:
+    if runtime.gpus_available:
+        return runtime.inventory.note
+    return f"No GPUs: {runtime.inventory.note}."

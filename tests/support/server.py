@@ -1,0 +1,209 @@
+"""Start a real jupyter_server (with the kernelmgr extension) as a subprocess.
+
+A subprocess keeps the server's event loop, kernels and config fully real and separate from
+pytest's process, and lets tests kill it, read its log and restart it like an operator would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import websocket
+
+TOKEN = "elastic-test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def isolated_env(home: Path) -> dict[str, str]:
+    """Environment with Jupyter's config, data and runtime dirs inside ``home``."""
+    env = dict(os.environ)
+    for var in ("JUPYTER_CONFIG_DIR", "JUPYTER_DATA_DIR", "JUPYTER_RUNTIME_DIR"):
+        env.pop(var, None)
+    env["JUPYTER_CONFIG_DIR"] = str(home / "config")
+    env["JUPYTER_DATA_DIR"] = str(home / "data")
+    env["JUPYTER_RUNTIME_DIR"] = str(home / "runtime")
+    env["JUPYTER_PLATFORM_DIRS"] = "1"
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+@dataclass
+class Reply:
+    status: int
+    body: Any
+
+
+@dataclass
+class RunningServer:
+    url: str
+    process: subprocess.Popen[bytes]
+    home: Path
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def request(self, method: str, path: str, body: Any = None, token: str | None = TOKEN) -> Reply:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        if token:
+            req.add_header("Authorization", f"token {token}")
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                raw = resp.read()
+                return Reply(resp.status, json.loads(raw) if raw else None)
+        except urllib.error.HTTPError as err:
+            raw = err.read()
+            try:
+                payload = json.loads(raw) if raw else None
+            except json.JSONDecodeError:
+                payload = raw.decode(errors="replace")
+            return Reply(err.code, payload)
+
+    def get(self, path: str) -> Any:
+        reply = self.request("GET", path)
+        assert reply.status == 200, (path, reply)
+        return reply.body
+
+    def start_kernel(self, name: str) -> str:
+        reply = self.request("POST", "/api/kernels", {"name": name})
+        assert reply.status == 201, reply
+        return str(reply.body["id"])
+
+    def shutdown_kernel(self, kernel_id: str) -> None:
+        reply = self.request("DELETE", f"/api/kernels/{kernel_id}")
+        assert reply.status == 204, reply
+
+    def execute(self, kernel_id: str, code: str, timeout: float = 60) -> str:
+        """Run ``code`` through the kernel's websocket; return its stdout (raises on error)."""
+        ws_url = self.url.replace("http://", "ws://") + f"/api/kernels/{kernel_id}/channels"
+        conn = websocket.create_connection(
+            f"{ws_url}?session_id={uuid.uuid4().hex}",
+            header=[f"Authorization: token {TOKEN}"],
+            timeout=timeout,
+        )
+        try:
+            msg_id = uuid.uuid4().hex
+            conn.send(
+                json.dumps(
+                    {
+                        "header": {
+                            "msg_id": msg_id,
+                            "msg_type": "execute_request",
+                            "username": "test",
+                            "session": uuid.uuid4().hex,
+                            "version": "5.3",
+                            "date": "",
+                        },
+                        "parent_header": {},
+                        "metadata": {},
+                        "content": {"code": code, "silent": False, "store_history": True},
+                        "channel": "shell",
+                        "buffers": [],
+                    }
+                )
+            )
+            out: list[str] = []
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                msg = json.loads(conn.recv())
+                if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                    continue
+                kind = msg["msg_type"]
+                if kind == "stream":
+                    out.append(msg["content"]["text"])
+                elif kind == "error":
+                    raise AssertionError(
+                        f"kernel error: {msg['content']['ename']}: {msg['content']['evalue']}"
+                    )
+                elif kind == "status" and msg["content"]["execution_state"] == "idle":
+                    return "".join(out)
+            raise TimeoutError(f"no idle status within {timeout}s")
+        finally:
+            conn.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def launch(
+    home: Path, config: dict[str, Any], extra_args: list[str] | None = None
+) -> tuple[subprocess.Popen[bytes], Path, str, dict[str, str]]:
+    """Start the server process; returns it without waiting for it to be ready."""
+    (home / "config").mkdir(parents=True, exist_ok=True)
+    full = {"ServerApp": {"jpserver_extensions": {"kernelmgr": True}}}
+    for section, values in config.items():
+        full.setdefault(section, {}).update(values)
+    (home / "config" / "jupyter_server_config.json").write_text(json.dumps(full))
+    (home / "root").mkdir(exist_ok=True)
+    port = free_port()
+    log_path = home / f"server-{port}.log"
+    env = isolated_env(home)
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyter_server",
+        "--allow-root",
+        "--no-browser",
+        f"--port={port}",
+        "--ip=127.0.0.1",
+        f"--IdentityProvider.token={TOKEN}",
+        f"--ServerApp.root_dir={home / 'root'}",
+        *(extra_args or []),
+    ]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=home)
+    return proc, log_path, f"http://127.0.0.1:{port}", env
+
+
+def start_server(home: Path, config: dict[str, Any], extra_args: list[str] | None = None) -> RunningServer:
+    """Start the server and wait until ``/api/status`` answers."""
+    proc, log_path, url, env = launch(home, config, extra_args)
+    server = RunningServer(url=url, process=proc, home=home, log_path=log_path, env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if server.request("GET", "/api/status").status == 200:
+                return server
+        except OSError:
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise RuntimeError(f"server did not start within 60s:\n{server.log()}")
+
+
+def wait_for(predicate: Any, timeout: float = 30, interval: float = 0.2, what: str = "condition") -> Any:
+    """Poll ``predicate`` until it returns a truthy value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

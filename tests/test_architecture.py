@@ -1,0 +1,62 @@
+"""The layering rule: the core model imports no web, Jupyter, Kubernetes or config framework."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import kernelmgr
+
+PACKAGE = Path(kernelmgr.__file__).parent
+FORBIDDEN_IN_CORE = ("tornado", "jupyter_server", "jupyter_client", "kubernetes", "traitlets", "pynvml")
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return found
+
+
+def violations(directory: Path, forbidden: tuple[str, ...]) -> list[str]:
+    """Every import under ``directory`` of a top-level package in ``forbidden``."""
+    bad = []
+    for path in sorted(directory.rglob("*.py")):
+        for module in imported_modules(path):
+            if module.split(".")[0] in forbidden:
+                bad.append(f"{path.relative_to(directory.parent)} imports {module}")
+    return bad
+
+
+def test_core_imports_no_framework() -> None:
+    assert violations(PACKAGE / "core", FORBIDDEN_IN_CORE) == []
+
+
+def test_core_does_not_import_adapters() -> None:
+    adapters = tuple(
+        f"kernelmgr.{name}" for name in ("backends", "provisioners", "activity", "server", "cli", "config")
+    )
+    bad = [
+        f"{path.name} imports {module}"
+        for path in (PACKAGE / "core").rglob("*.py")
+        for module in imported_modules(path)
+        if module.startswith(adapters)
+    ]
+    assert bad == []
+
+
+def test_backends_import_no_web_framework() -> None:
+    assert (
+        violations(PACKAGE / "backends", ("tornado", "jupyter_server", "jupyter_client", "kubernetes")) == []
+    )
+
+
+def test_the_rule_catches_a_violation(tmp_path: Path) -> None:
+    fake = tmp_path / "core"
+    fake.mkdir()
+    (fake / "bad.py").write_text("from tornado import web\n")
+    assert violations(fake, FORBIDDEN_IN_CORE) == ["core/bad.py imports tornado"]

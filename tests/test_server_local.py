@@ -1,0 +1,280 @@
+"""Local mode end to end: a real jupyter_server with the extension and real ipykernel kernels."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import CONFIG, PROFILES
+from tests.support.server import RunningServer, launch, start_server, wait_for
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    home = tmp_path_factory.mktemp("server")
+    # A hand-written kernelspec that asks for a size the admin never configured.
+    bad = home / "data" / "kernels" / "bad-size"
+    bad.mkdir(parents=True)
+    (bad / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "Bad size",
+                "language": "python",
+                "metadata": {
+                    "elastic": {"profile": "gigantic"},
+                    "kernel_provisioner": {"provisioner_name": "elastic-local-provisioner"},
+                },
+            }
+        )
+    )
+    running = start_server(home, CONFIG)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_kernels_left(server: RunningServer) -> Iterator[None]:
+    yield
+    for kernel in server.get("/api/kernels"):
+        server.shutdown_kernel(kernel["id"])
+    wait_for(
+        lambda: (
+            not server.get("/api/elastic/gpus")["devices"][0]["slices"]
+            and not server.get("/api/elastic/gpus")["devices"][1]["slices"]
+        ),
+        what="all slices free",
+    )
+
+
+def slices(server: RunningServer) -> list[dict]:
+    return [s for d in server.get("/api/elastic/gpus")["devices"] for s in d["slices"]]
+
+
+def test_profiles_are_listed_with_their_kernelspecs(server: RunningServer) -> None:
+    body = server.get("/api/elastic/profiles")
+    assert body["gpus_available"] is True
+    by_name = {p["name"]: p for p in body["profiles"]}
+    assert list(by_name) == ["small", "whole", "huge"]
+    assert by_name["small"]["gpu_fraction"] == 0.25 and by_name["small"]["memory_mib"] == 10240
+    assert by_name["small"]["kernelspecs"] == ["python3-gpu-small"]
+    assert by_name["small"]["fits_now"] is True
+    assert by_name["huge"]["fits_ever"] is False
+
+
+def test_kernelspecs_are_generated_per_size(server: RunningServer) -> None:
+    specs = server.get("/api/kernelspecs")["kernelspecs"]
+    assert "python3" in specs, "the CPU kernel stays available"
+    small = specs["python3-gpu-small"]["spec"]
+    assert small["display_name"] == "Python 3 · GPU small (10 GiB)"
+    assert small["metadata"]["elastic"]["profile"] == "small"
+    assert small["metadata"]["kernel_provisioner"]["provisioner_name"] == "elastic-local-provisioner"
+    assert specs["python3-gpu-whole"]["spec"]["display_name"] == "Python 3 · GPU whole (1 GPU)"
+    assert "logo-64x64" in specs["python3-gpu-small"]["resources"]
+
+
+def test_small_kernel_sees_its_slice_and_frees_it_on_shutdown(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    out = server.execute(
+        kernel_id,
+        "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['ELASTIC_GPU_MEMORY_MIB'])",
+    )
+    assert out.split() == ["GPU-test-0000", "10240"]
+
+    model = server.get(f"/api/elastic/kernels/{kernel_id}")
+    assert model["profile"] == "small" and model["state"] == "running"
+    assert model["name"] == "python3-gpu-small"
+    assert model["slice"]["devices"] == [{"uuid": "GPU-test-0000", "fraction": 0.25, "memory_mib": 10240}]
+    assert set(model["activity"]) == {
+        "last_activity",
+        "gpu_utilization",
+        "gpu_memory_mib",
+        "gpu_idle_seconds",
+    }
+    assert [k["id"] for k in server.get("/api/elastic/kernels")] == [kernel_id]
+    assert slices(server) == [
+        {"kernel_id": kernel_id, "profile": "small", "fraction": 0.25, "memory_mib": 10240}
+    ]
+
+    server.shutdown_kernel(kernel_id)
+    assert slices(server) == []
+    assert server.request("GET", f"/api/elastic/kernels/{kernel_id}").status == 404
+
+
+def test_cpu_kernel_sees_no_gpu_and_is_not_given_a_slice(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3")
+    out = server.execute(kernel_id, "import os; print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))")
+    assert out.strip() in ("None", "''")
+    assert slices(server) == []
+
+
+def test_over_capacity_is_a_clear_409(server: RunningServer) -> None:
+    first = server.start_kernel("python3-gpu-whole")
+    second = server.start_kernel("python3-gpu-whole")
+    reply = server.request("POST", "/api/kernels", {"name": "python3-gpu-small"})
+    assert reply.status == 409
+    message = reply.body["message"]
+    assert "'small' (25% of a GPU, 10 GiB) does not fit right now" in message
+    assert "GPU-test-0000: 0% free" in message and "shut down" in message
+    assert len(server.get("/api/kernels")) == 2, "the refused kernel was not half-created"
+
+    server.shutdown_kernel(first)
+    third = server.start_kernel("python3-gpu-small")
+    assert {s["kernel_id"] for s in slices(server)} == {second, third}
+
+
+def test_size_that_never_fits_says_so(server: RunningServer) -> None:
+    reply = server.request("POST", "/api/kernels", {"name": "python3-gpu-huge"})
+    assert reply.status == 409
+    assert "can never fit" in reply.body["message"]
+
+
+def test_unknown_kernelspec_is_404_listing_gpu_kernels(server: RunningServer) -> None:
+    reply = server.request("POST", "/api/kernels", {"name": "python3-gpu-enormous"})
+    assert reply.status == 404
+    assert "no kernelspec named 'python3-gpu-enormous'" in reply.body["message"]
+    assert "python3-gpu-small" in reply.body["message"]
+
+
+def test_kernelspec_with_unconfigured_size_is_400(server: RunningServer) -> None:
+    reply = server.request("POST", "/api/kernels", {"name": "bad-size"})
+    assert reply.status == 400
+    assert "unknown GPU size 'gigantic'" in reply.body["message"]
+    assert "small, whole, huge" in reply.body["message"]
+
+
+def test_sessions_api_gets_the_same_errors(server: RunningServer) -> None:
+    reply = server.request(
+        "POST",
+        "/api/sessions",
+        {"path": "a.ipynb", "type": "notebook", "kernel": {"name": "python3-gpu-huge"}},
+    )
+    assert reply.status == 409 and "can never fit" in reply.body["message"]
+
+
+def test_unknown_kernel_id_is_404(server: RunningServer) -> None:
+    reply = server.request("GET", "/api/elastic/kernels/not-a-kernel")
+    assert reply.status == 404 and "no kernel with id" in reply.body["message"]
+
+
+def test_api_requires_auth(server: RunningServer) -> None:
+    assert server.request("GET", "/api/elastic/gpus", token=None).status == 403
+
+
+def kernel_pid(server: RunningServer, kernel_id: str) -> int:
+    return int(server.execute(kernel_id, "import os; print(os.getpid())").strip())
+
+
+def test_killed_kernel_gives_back_its_slice_and_autorestarts(server: RunningServer) -> None:
+    """Both GPUs full; kill -9 one kernel: its restart only succeeds if the dead one's slice was freed."""
+    victim = server.start_kernel("python3-gpu-whole")
+    other = server.start_kernel("python3-gpu-whole")
+    old_pid = kernel_pid(server, victim)
+    os.kill(old_pid, signal.SIGKILL)
+
+    def restarted() -> bool:
+        try:
+            return kernel_pid(server, victim) != old_pid
+        except (AssertionError, TimeoutError, OSError):
+            return False
+
+    wait_for(restarted, timeout=60, what="the killed kernel to be restarted")
+    held = sorted(s["kernel_id"] for s in slices(server))
+    assert held == sorted([victim, other])
+    assert server.get(f"/api/elastic/kernels/{victim}")["state"] == "running"
+
+
+def test_restart_keeps_one_slice(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    before = server.get(f"/api/elastic/kernels/{kernel_id}")["slice"]
+    reply = server.request("POST", f"/api/kernels/{kernel_id}/restart")
+    assert reply.status == 200, reply
+    assert server.get(f"/api/elastic/kernels/{kernel_id}")["slice"] == before
+    assert len(slices(server)) == 1
+    assert (
+        server.execute(kernel_id, "import os; print(os.environ['CUDA_VISIBLE_DEVICES'])").strip()
+        == "GPU-test-0000"
+    )
+
+
+def test_dead_kernel_without_autorestart_frees_its_slice(tmp_path: Path) -> None:
+    running = start_server(tmp_path, CONFIG, ["--KernelManager.autorestart=False"])
+    try:
+        kernel_id = running.start_kernel("python3-gpu-whole")
+        os.kill(kernel_pid(running, kernel_id), signal.SIGKILL)
+        wait_for(lambda: not slices(running), timeout=30, what="the dead kernel's slice to be reaped")
+        assert running.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "dead"
+        running.start_kernel("python3-gpu-whole")
+        running.start_kernel("python3-gpu-whole")
+    finally:
+        running.stop()
+
+
+def test_server_exit_shuts_kernels_down(tmp_path: Path) -> None:
+    running = start_server(tmp_path, CONFIG)
+    kernel_id = running.start_kernel("python3-gpu-small")
+    pid = kernel_pid(running, kernel_id)
+    running.stop()
+    assert running.process.returncode == 0
+    assert "Released GPU slice of kernel" in running.log()
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), timeout=30, what="kernel exit")
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize(
+    ("config", "fragment"),
+    [
+        ({"profiles": {"small": {"gpu_fraction": 1.5}}}, "ElasticKernels.profiles['small'].gpu_fraction"),
+        ({"gpu_inventory": [{"uuid": "GPU-x", "name": "A"}]}, "ElasticKernels.gpu_inventory[0].memory_mib"),
+        ({"allocation_strategy": "random"}, "allocation_strategy"),
+    ],
+)
+def test_bad_config_stops_the_server_with_one_clear_line(tmp_path: Path, config: dict, fragment: str) -> None:
+    proc, log_path, _url, _env = launch(tmp_path, {"ElasticKernels": {**CONFIG["ElasticKernels"], **config}})
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    log = log_path.read_text()
+    assert proc.returncode != 0
+    assert fragment in log
+    assert "Traceback" not in log
+
+
+def test_no_gpus_means_cpu_kernels_only(tmp_path: Path) -> None:
+    from kernelmgr.activity.nvml import NvmlUnavailable, PynvmlNvml
+
+    try:
+        PynvmlNvml().devices()
+        pytest.skip("this machine has a GPU driver; the no-GPU path needs one without")
+    except NvmlUnavailable:
+        pass
+    running = start_server(tmp_path, {"ElasticKernels": {"profiles": PROFILES}})
+    try:
+        gpus = running.get("/api/elastic/gpus")
+        assert gpus["source"] == "none" and gpus["devices"] == []
+        assert gpus["message"].startswith("No GPUs: NVML unavailable")
+        assert "only CPU kernels are offered" in gpus["message"]
+        profiles = running.get("/api/elastic/profiles")
+        assert profiles["gpus_available"] is False
+        assert all(p["kernelspecs"] == [] and not p["fits_now"] for p in profiles["profiles"])
+        specs = running.get("/api/kernelspecs")["kernelspecs"]
+        assert "python3" in specs and not [n for n in specs if "-gpu-" in n]
+        assert "only CPU kernels are offered" in running.log()
+    finally:
+        running.stop()
