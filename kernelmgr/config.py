@@ -21,6 +21,8 @@ from traitlets.config import LoggingConfigurable
 
 from kernelmgr.activity.nvml import Nvml, PynvmlNvml, discover_inventory
 from kernelmgr.backends.kubernetes import validate_backend_options
+from kernelmgr.checkpoint.integrity import load_or_create_secret
+from kernelmgr.checkpoint.store import CheckpointStore
 from kernelmgr.core.allocator import STRATEGIES, SliceAllocator
 from kernelmgr.core.errors import ConfigError, UnknownProfileError
 from kernelmgr.core.inventory import GpuInventory
@@ -43,8 +45,11 @@ class ElasticRuntime:
     allocator: SliceAllocator
     base_kernels: list[str]
     checkpoint_root: str
+    checkpoints: CheckpointStore
     use_mps: bool = False
     reap_interval: float = 5.0
+    checkpoint_timeout: float = 600.0
+    hibernate_on_shutdown: bool = True
     owner: str = field(default_factory=getpass.getuser)
     kernels: KernelRegistry = field(default_factory=KernelRegistry)
 
@@ -110,6 +115,26 @@ class ElasticKernels(LoggingConfigurable):
         notices first).""",
     )
 
+    checkpoint_secret_file = Unicode(
+        "",
+        config=True,
+        help="""File holding the secret that checkpoint HMAC keys are derived from (one key per
+        owner). Created (0600) if missing. Default: <checkpoint_root>/.secret. Every server that
+        reads the same checkpoints (e.g. after a move) needs the same secret.""",
+    )
+    checkpoint_timeout = Float(
+        600.0,
+        config=True,
+        help="Seconds a kernel may take to write its checkpoint before hibernation gives up "
+        "(the kernel then keeps running).",
+    )
+    hibernate_on_shutdown = Bool(
+        True,
+        config=True,
+        help="""When the server stops, hibernate idle elastic kernels instead of shutting them down,
+        so the next server start lists them and the next cell resumes them with their variables.""",
+    )
+
     def _checkpoint_root_default(self) -> str:
         return os.path.join(jupyter_data_dir(), "elastic", "checkpoints")
 
@@ -130,6 +155,10 @@ class ElasticKernels(LoggingConfigurable):
                     profile.name,
                     ", ".join(f"{d.name} {d.memory_mib} MiB" for d in inventory),
                 )
+        if self.checkpoint_timeout <= 0:
+            raise ConfigError(
+                f"ElasticKernels.checkpoint_timeout must be > 0 seconds, got {self.checkpoint_timeout}"
+            )
         if self.reap_interval <= 0:
             raise ConfigError(f"ElasticKernels.reap_interval must be > 0 seconds, got {self.reap_interval}")
         if not self.base_kernels:
@@ -141,7 +170,22 @@ class ElasticKernels(LoggingConfigurable):
             inventory=inventory,
             allocator=allocator,
             base_kernels=list(self.base_kernels),
-            checkpoint_root=self.checkpoint_root,
+            checkpoint_root=os.path.abspath(os.path.expanduser(self.checkpoint_root)),
             use_mps=self.local_mps,
             reap_interval=self.reap_interval,
+            checkpoints=self._checkpoint_store(),
+            checkpoint_timeout=self.checkpoint_timeout,
+            hibernate_on_shutdown=self.hibernate_on_shutdown,
         )
+
+    def _checkpoint_store(self) -> CheckpointStore:
+        root = os.path.abspath(os.path.expanduser(self.checkpoint_root))
+        try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+            secret = load_or_create_secret(self.checkpoint_secret_file or os.path.join(root, ".secret"))
+        except OSError as exc:
+            raise ConfigError(
+                f"ElasticKernels.checkpoint_root {root!r} is not usable ({exc.strerror or exc}); "
+                "point it at a writable directory"
+            ) from None
+        return CheckpointStore(root, secret)

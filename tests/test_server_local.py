@@ -217,13 +217,19 @@ def test_dead_kernel_without_autorestart_frees_its_slice(tmp_path: Path) -> None
         running.stop()
 
 
-def test_server_exit_shuts_kernels_down(tmp_path: Path) -> None:
+def test_server_exit_hibernates_or_shuts_kernels_down(tmp_path: Path) -> None:
+    """Idle elastic kernels are hibernated on exit (default), CPU kernels shut down; no process is left."""
     running = start_server(tmp_path, CONFIG)
     kernel_id = running.start_kernel("python3-gpu-small")
+    cpu_id = running.start_kernel("python3")
     pid = kernel_pid(running, kernel_id)
+    cpu_pid = kernel_pid(running, cpu_id)
     running.stop()
     assert running.process.returncode == 0
-    assert "Released GPU slice of kernel" in running.log()
+    assert f"Kernel {kernel_id} hibernated (server shutdown)" in running.log()
+    wait_for(
+        lambda: not os.path.exists(f"/proc/{cpu_pid}") or _zombie(cpu_pid), timeout=30, what="CPU kernel exit"
+    )
     wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), timeout=30, what="kernel exit")
 
 

@@ -27,6 +27,8 @@ class ManagedKernel:
     created: float = field(default_factory=time.time)
     launches: int = 0
     last_error: str = ""
+    #: Set while resuming: the next launch restores the committed checkpoint.
+    restore_on_start: bool = False
 
     @property
     def state(self) -> KernelState:
@@ -40,13 +42,24 @@ class KernelRegistry:
         self._lock = threading.Lock()
         self._kernels: dict[str, ManagedKernel] = {}
 
-    def register(self, kernel_id: str, kernelspec: str, profile: str | None, owner: str) -> ManagedKernel:
+    def register(
+        self,
+        kernel_id: str,
+        kernelspec: str,
+        profile: str | None,
+        owner: str,
+        state: KernelState = KernelState.STARTING,
+    ) -> ManagedKernel:
         """Add a kernel, or return the existing record (a restart keeps its record)."""
         with self._lock:
             record = self._kernels.get(kernel_id)
             if record is None:
                 record = ManagedKernel(
-                    kernel_id=kernel_id, kernelspec=kernelspec, profile=profile, owner=owner
+                    kernel_id=kernel_id,
+                    kernelspec=kernelspec,
+                    profile=profile,
+                    owner=owner,
+                    lifecycle=Lifecycle(state=state),
                 )
                 self._kernels[kernel_id] = record
             return record

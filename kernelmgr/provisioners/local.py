@@ -21,6 +21,7 @@ The provisioner is selected by kernelspec metadata (``kernel_provisioner.provisi
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
@@ -28,9 +29,27 @@ from jupyter_client.provisioning import LocalProvisioner
 
 from kernelmgr.backends.local import MANAGED_VARIABLES, cpu_environment, local_environment
 from kernelmgr.config import ElasticRuntime
+from kernelmgr.core.kernels import ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
 
 PROVISIONER_NAME = "elastic-local-provisioner"
+
+
+AGENT_EXTENSION = "kernelmgr.checkpoint.agent"
+
+
+def with_agent(cmd: list[str]) -> list[str]:
+    """Load the checkpoint agent into an ipykernel command line (other kernels are left alone)."""
+    if any("ipykernel" in part for part in cmd) and not any(AGENT_EXTENSION in part for part in cmd):
+        cmd.append(f"--IPKernelApp.extra_extensions={AGENT_EXTENSION}")
+    return cmd
+
+
+def agent_environment(runtime: ElasticRuntime, record: ManagedKernel) -> dict[str, str]:
+    """What the in-kernel agent needs: where its checkpoints go, its owner's key, whether to restore."""
+    env = runtime.checkpoints.agent_env(record.owner, record.kernel_id, restore=record.restore_on_start)
+    env["ELASTIC_SERVER_PID"] = str(os.getpid())
+    return env
 
 
 def find_runtime(start: Any) -> ElasticRuntime:
@@ -68,7 +87,8 @@ class ElasticLocalProvisioner(LocalProvisioner):
         runtime = self.runtime
         kernelspec_name = getattr(self.parent, "kernel_name", "") or ""
         record = runtime.kernels.register(self.kernel_id, kernelspec_name, self.profile_name, runtime.owner)
-        if record.state is not KernelState.STARTING:
+        resuming = record.state is KernelState.RESUMING
+        if not resuming and record.state is not KernelState.STARTING:
             record.lifecycle.move(KernelState.STARTING, "launch")
         slice_env = cpu_environment()
         if self.profile_name is not None:
@@ -76,9 +96,10 @@ class ElasticLocalProvisioner(LocalProvisioner):
             try:
                 granted = runtime.allocator.allocate(self.kernel_id, profile)
             except Exception as exc:
-                record.lifecycle.move(KernelState.DEAD, str(exc))
-                record.last_error = str(exc)
-                runtime.kernels.remove(self.kernel_id)
+                if not resuming:  # a resume keeps its record and its checkpoint; the hibernator decides
+                    record.lifecycle.move(KernelState.DEAD, str(exc))
+                    record.last_error = str(exc)
+                    runtime.kernels.remove(self.kernel_id)
                 raise
             slice_env = local_environment(profile, granted, runtime.inventory, use_mps=runtime.use_mps)
         try:
@@ -90,8 +111,12 @@ class ElasticLocalProvisioner(LocalProvisioner):
         for name in MANAGED_VARIABLES:
             env.pop(name, None)
         env.update(slice_env)
-        env["ELASTIC_KERNEL_ID"] = self.kernel_id
+        env.update(agent_environment(runtime, record))
         kwargs["env"] = env
+        kwargs["cmd"] = with_agent(list(kwargs["cmd"]))
+        # The kernel must outlive a crashed server long enough to checkpoint itself; the agent
+        # watches ELASTIC_SERVER_PID instead of ipykernel's parent poller (which would kill it).
+        kwargs["independent"] = True
         return kwargs
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
@@ -104,6 +129,7 @@ class ElasticLocalProvisioner(LocalProvisioner):
         record = self.runtime.kernels.get(self.kernel_id)
         if record is not None:
             record.launches += 1
+            record.restore_on_start = False
             if record.state is KernelState.STARTING:
                 record.lifecycle.move(KernelState.RUNNING, "process launched")
         return info

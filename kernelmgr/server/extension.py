@@ -10,6 +10,7 @@ without its GPU sizes would look healthy while handing out no GPUs, or the wrong
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -20,8 +21,12 @@ from traitlets import TraitError
 from kernelmgr.config import ElasticKernels, ElasticRuntime
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.server.handlers import elastic_handlers
+from kernelmgr.server.hibernation import Hibernator
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
+from kernelmgr.server.persistence import KernelStateFile
+from kernelmgr.server.sessions import ElasticSessionManager, server_identity
+from kernelmgr.server.websocket import ElasticWebsocketConnection
 
 CONFIG_ERROR_EXIT = 2
 
@@ -40,6 +45,8 @@ class ElasticKernelsExtension(ExtensionApp):
         for trait, ours in (
             ("kernel_manager_class", ElasticMappingKernelManager),
             ("kernel_spec_manager_class", ElasticKernelSpecManager),
+            ("session_manager_class", ElasticSessionManager),
+            ("kernel_websocket_connection_class", ElasticWebsocketConnection),
         ):
             if serverapp.trait_has_value(trait):
                 # Configured explicitly: ours, an admin's subclass of ours, or a conflicting
@@ -67,6 +74,11 @@ class ElasticKernelsExtension(ExtensionApp):
             sys.exit(CONFIG_ERROR_EXIT)
         km.elastic_runtime = runtime
         ksm.elastic_runtime = runtime
+        state_file = KernelStateFile(
+            os.path.join(runtime.checkpoint_root, f"kernels-{server_identity(self.serverapp.root_dir)}.json")
+        )
+        km.hibernator = Hibernator(km, runtime, state_file, checkpoint_timeout=runtime.checkpoint_timeout)
+        km.hibernator.recover()
         self.runtime = runtime
         self.settings["elastic_runtime"] = runtime
         if runtime.gpus_available:

@@ -79,6 +79,24 @@ class KernelHandler(ElasticHandler):
         self.write_json(self.elastic_kernel_manager.elastic_model(kernel_id))
 
 
+class HibernateHandler(ElasticHandler):
+    """Checkpoint the kernel, stop it, release its slice; 409 if it is busy or not elastic."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        self.write_json(await self.elastic_kernel_manager.hibernate(kernel_id, "api"))
+
+
+class ResumeHandler(ElasticHandler):
+    """Bring a hibernated kernel back now (the next execute would do it anyway)."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        self.write_json(await self.elastic_kernel_manager.resume(kernel_id, "api"))
+
+
 class SessionsPreflightHandler(SessionRootHandler):
     """``POST /api/sessions`` with the GPU-size check done first.
 
@@ -115,5 +133,7 @@ def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:
         (r"/api/elastic/gpus", GpusHandler),
         (r"/api/elastic/kernels", KernelsHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}", KernelHandler),
+        (rf"/api/elastic/kernels/{_KERNEL_ID}/hibernate", HibernateHandler),
+        (rf"/api/elastic/kernels/{_KERNEL_ID}/resume", ResumeHandler),
         (r"/api/sessions", SessionsPreflightHandler),
     ]

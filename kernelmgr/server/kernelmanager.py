@@ -1,34 +1,45 @@
 """The elastic kernel manager installed into jupyter_server.
 
 It is jupyter_server's own ``AsyncMappingKernelManager`` (so ``/api/kernels``, sessions,
-websockets, culling and restarts behave exactly as users know them) plus two things:
+websockets, culling and restarts behave exactly as users know them) plus:
 
 * it carries the :class:`~kernelmgr.config.ElasticRuntime` that provisioners find through
   their ``parent`` chain;
 * it checks a GPU size *before* anything is created, so a size that is unknown or does not
   fit fails at once with a 4xx JSON message naming the size, what is free and what to do —
-  instead of jupyter_client logging a traceback and the user seeing a 500.
+  instead of jupyter_client logging a traceback and the user seeing a 500;
+* it keeps hibernated kernels registered (no process, same id, same sessions) and knows what
+  shutdown, interrupt, restart and culling mean for them;
+* on server exit it hibernates idle elastic kernels instead of killing them (configurable),
+  and on start it re-registers the hibernated kernels of the previous run.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from jupyter_client.kernelspec import NoSuchKernel
 from jupyter_core.utils import ensure_async
+from jupyter_server._tz import utcnow
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.errors import CapacityError, UnknownProfileError
+from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.server.errors import http_error
+from kernelmgr.server.hibernation import HibernationError, Hibernator
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import elastic_kernel_model
+from kernelmgr.server.persistence import KernelRecord
 
 
 class ElasticMappingKernelManager(AsyncMappingKernelManager):
     """jupyter_server's kernel manager with GPU sizes checked up front."""
 
     elastic_runtime: ElasticRuntime | None = None
+    hibernator: Hibernator | None = None
+    _exiting = False
 
     def _require_runtime(self) -> ElasticRuntime:
         if self.elastic_runtime is None:
@@ -67,15 +78,109 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
     ) -> str:
         if kernel_id is None or kernel_id not in self:
             self.check_size(kwargs.get("kernel_name") or self.default_kernel_name)
+        elif self.hibernator is not None and self.hibernator.is_hibernated(kernel_id):
+            return kernel_id  # an existing, hibernated kernel: the next execute resumes it
         try:
             started: str = await super()._async_start_kernel(kernel_id=kernel_id, path=path, **kwargs)
         except CapacityError as exc:  # lost a race with another start after the check
             raise http_error(409, exc.message) from None
         except UnknownProfileError as exc:
             raise http_error(400, exc.message) from None
+        if self.hibernator is not None and self.hibernator.state_of(started) is not None:
+            self.hibernator.track(started)
         return started
 
     start_kernel = _async_start_kernel  # type: ignore[assignment]
+
+    # -- hibernated kernels inside jupyter_server's kernel life ----------------------------
+
+    def _hibernated(self, kernel_id: str) -> bool:
+        return self.hibernator is not None and self.hibernator.is_hibernated(kernel_id)
+
+    async def _async_shutdown_kernel(
+        self, kernel_id: str, now: bool | None = False, restart: bool | None = False
+    ) -> None:
+        hibernator = self.hibernator
+        if hibernator is not None and self._hibernated(kernel_id) and not restart:
+            # No process to stop: unregister it (and, unless the server is exiting, forget it).
+            hibernator.cancel_resume(kernel_id)
+            self._check_kernel_id(kernel_id)
+            self.stop_watching_activity(kernel_id)
+            self.stop_buffering(kernel_id)
+            km = self.remove_kernel(kernel_id)
+            km.cleanup_connection_file()
+            self._kernel_connections.pop(kernel_id, None)
+            self._kernel_ports.pop(kernel_id, None)
+            if not self._exiting:
+                hibernator.forget(kernel_id)
+            self.log.info(
+                "Hibernated kernel %s shut down%s", kernel_id, "" if self._exiting else " and forgotten"
+            )
+            return
+        await super()._async_shutdown_kernel(kernel_id, now=now, restart=restart)
+        if hibernator is not None and not restart:
+            hibernator.forget(kernel_id)
+
+    shutdown_kernel = _async_shutdown_kernel  # type: ignore[assignment]
+
+    async def _async_shutdown_all(self, now: bool = False) -> None:
+        runtime = self.elastic_runtime
+        hibernator = self.hibernator
+        if hibernator is not None and runtime is not None and runtime.hibernate_on_shutdown and not now:
+            for record in runtime.kernels.all():
+                if record.state is KernelState.RUNNING and record.kernel_id in self:
+                    try:
+                        await hibernator.hibernate(record.kernel_id, "server shutdown")
+                    except HibernationError as exc:
+                        self.log.warning("Not hibernated at shutdown, shutting down: %s", exc.message)
+        self._exiting = True
+        await super()._async_shutdown_all(now=now)
+
+    shutdown_all = _async_shutdown_all  # type: ignore[assignment]
+
+    async def interrupt_kernel(self, kernel_id: str, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        if self.hibernator is not None and self._hibernated(kernel_id):
+            self.hibernator.cancel_resume(kernel_id)  # an interrupt while waiting for a slice stops waiting
+            return
+        await ensure_async(super().interrupt_kernel(kernel_id, *args, **kwargs))
+
+    async def restart_kernel(self, kernel_id: str, now: bool = False) -> Any:  # type: ignore[override]
+        if self.hibernator is not None and self._hibernated(kernel_id):
+            # Restart means "fresh kernel": start it without restoring the checkpoint.
+            try:
+                await self.hibernator.resume(kernel_id, "restart", restore=False)
+            except HibernationError as exc:
+                raise http_error(exc.status, exc.message) from None
+            return None
+        return await super().restart_kernel(kernel_id, now=now)
+
+    async def cull_kernel_if_idle(self, kernel_id: str) -> None:
+        if self._hibernated(kernel_id):
+            return  # holds no process and no GPU; hibernated_ttl (later) decides its end
+        await super().cull_kernel_if_idle(kernel_id)
+
+    def adopt_hibernated(self, record: KernelRecord) -> None:
+        """Register a kernel hibernated by a previous server run, without starting it."""
+        runtime = self._require_runtime()
+        km = self.kernel_manager_factory(
+            connection_file=os.path.join(self.connection_dir, f"kernel-{record.kernel_id}.json"),
+            parent=self,
+            log=self.log,
+            kernel_name=record.kernelspec,
+            kernel_spec_manager=self.kernel_spec_manager,
+        )
+        km.kernel_id = record.kernel_id
+        km._launch_args = {"cwd": record.cwd} if record.cwd else {}
+        km.execution_state = "hibernated"
+        km.reason = ""
+        km.last_activity = utcnow()
+        km.ready.set_result(None)  # nothing pending: websockets may connect at once
+        km._attempted_start = True  # so the resume's start makes a fresh ``ready`` future
+        self._kernels[record.kernel_id] = km
+        self._kernel_connections[record.kernel_id] = 0
+        runtime.kernels.register(
+            record.kernel_id, record.kernelspec, record.profile, record.owner, state=KernelState.HIBERNATED
+        )
 
     async def reap_dead_slices(self) -> None:
         """Poll every kernel that holds a slice, so a dead process gives its slice back.
@@ -99,3 +204,24 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
     def elastic_models(self) -> list[dict[str, Any]]:
         runtime = self._require_runtime()
         return [elastic_kernel_model(runtime, model) for model in self.list_kernels()]
+
+    async def hibernate(self, kernel_id: str, reason: str = "api") -> dict[str, Any]:
+        """``POST /api/elastic/kernels/{id}/hibernate``; returns the kernel model."""
+        try:
+            await self._require_hibernator().hibernate(kernel_id, reason)
+        except HibernationError as exc:
+            raise http_error(exc.status, exc.message) from None
+        return self.elastic_model(kernel_id)
+
+    async def resume(self, kernel_id: str, reason: str = "api") -> dict[str, Any]:
+        """``POST /api/elastic/kernels/{id}/resume``; returns the kernel model."""
+        try:
+            await self._require_hibernator().resume(kernel_id, reason)
+        except HibernationError as exc:
+            raise http_error(exc.status, exc.message) from None
+        return self.elastic_model(kernel_id)
+
+    def _require_hibernator(self) -> Hibernator:
+        if self.hibernator is None:
+            raise http_error(503, "the kernelmgr extension has not finished loading; try again")
+        return self.hibernator

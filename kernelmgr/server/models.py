@@ -22,6 +22,7 @@ def elastic_kernel_model(runtime: ElasticRuntime, jupyter_model: dict[str, Any])
         "profile": record.profile if record else None,
         "state": record.state.value if record else "running",
         "state_reason": record.lifecycle.reason if record else "",
+        "last_error": record.last_error if record else "",
         "execution_state": jupyter_model.get("execution_state"),
         "connections": jupyter_model.get("connections", 0),
         "owner": record.owner if record else runtime.owner,
@@ -33,9 +34,16 @@ def elastic_kernel_model(runtime: ElasticRuntime, jupyter_model: dict[str, Any])
             "gpu_memory_mib": None,
             "gpu_idle_seconds": None,
         },
-        # Filled once hibernation (checkpoints) lands.
-        "checkpoint": None,
+        "checkpoint": _checkpoint(runtime, record.owner, kernel_id) if record else None,
     }
+
+
+def _checkpoint(runtime: ElasticRuntime, owner: str, kernel_id: str) -> dict[str, Any] | None:
+    """The committed checkpoint's summary, or why it cannot be read (never raises)."""
+    try:
+        return runtime.checkpoints.summary(owner, kernel_id)
+    except Exception as exc:  # refused or unreadable: the store has already kept it aside
+        return {"error": str(exc)}
 
 
 def profiles_model(runtime: ElasticRuntime, kernelspecs: dict[str, str]) -> dict[str, Any]:

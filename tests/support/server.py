@@ -44,6 +44,106 @@ def isolated_env(home: Path) -> dict[str, str]:
 
 
 @dataclass
+class ExecResult:
+    stdout: str = ""
+    stderr: str = ""
+    displays: list[str] = field(default_factory=list)
+    error: str = ""
+    reply: dict[str, Any] = field(default_factory=dict)
+    statuses: list[str] = field(default_factory=list)
+
+
+class KernelChannel:
+    """A real websocket client for one kernel (the legacy JSON protocol, like older frontends)."""
+
+    def __init__(self, url: str, kernel_id: str, timeout: float = 60) -> None:
+        ws_url = url.replace("http://", "ws://") + f"/api/kernels/{kernel_id}/channels"
+        self.session = uuid.uuid4().hex
+        self.timeout = timeout
+        self.conn = websocket.create_connection(
+            f"{ws_url}?session_id={self.session}", header=[f"Authorization: token {TOKEN}"], timeout=timeout
+        )
+
+    def __enter__(self) -> KernelChannel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def send(self, msg_type: str, content: dict[str, Any], channel: str = "shell") -> str:
+        msg_id = uuid.uuid4().hex
+        self.conn.send(
+            json.dumps(
+                {
+                    "header": {
+                        "msg_id": msg_id,
+                        "msg_type": msg_type,
+                        "username": "test",
+                        "session": self.session,
+                        "version": "5.3",
+                        "date": "",
+                    },
+                    "parent_header": {},
+                    "metadata": {},
+                    "content": content,
+                    "channel": channel,
+                    "buffers": [],
+                }
+            )
+        )
+        return msg_id
+
+    def collect(
+        self, msg_id: str, timeout: float | None = None
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """Messages for ``msg_id`` until its reply and its idle status: (reply, iopub messages)."""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        reply: dict[str, Any] = {}
+        iopub: list[dict[str, Any]] = []
+        idle = False
+        while time.monotonic() < deadline and not (reply and idle):
+            self.conn.settimeout(max(0.1, deadline - time.monotonic()))
+            msg = json.loads(self.conn.recv())
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            if msg["channel"] == "iopub":
+                iopub.append(msg)
+                if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                    idle = True
+            elif msg["msg_type"].endswith("_reply"):
+                reply = msg
+        if not (reply and idle):
+            raise TimeoutError(f"no complete reply to {msg_id} within the timeout")
+        return reply, iopub
+
+    def request(self, msg_type: str, content: dict[str, Any], channel: str = "shell") -> dict[str, Any]:
+        reply, _iopub = self.collect(self.send(msg_type, content, channel))
+        return reply
+
+    def execute(self, code: str, timeout: float | None = None) -> ExecResult:
+        msg_id = self.send("execute_request", {"code": code, "silent": False, "store_history": True})
+        reply, iopub = self.collect(msg_id, timeout)
+        result = ExecResult(reply=reply)
+        for msg in iopub:
+            kind, content = msg["msg_type"], msg["content"]
+            if kind == "stream":
+                if content["name"] == "stdout":
+                    result.stdout += content["text"]
+                else:
+                    result.stderr += content["text"]
+            elif kind in ("display_data", "execute_result"):
+                result.displays.append(content["data"].get("text/plain", ""))
+            elif kind == "error":
+                result.error = f"{content['ename']}: {content['evalue']}"
+            elif kind == "status":
+                result.statuses.append(content["execution_state"])
+        return result
+
+
+@dataclass
 class Reply:
     status: int
     body: Any
@@ -91,51 +191,15 @@ class RunningServer:
 
     def execute(self, kernel_id: str, code: str, timeout: float = 60) -> str:
         """Run ``code`` through the kernel's websocket; return its stdout (raises on error)."""
-        ws_url = self.url.replace("http://", "ws://") + f"/api/kernels/{kernel_id}/channels"
-        conn = websocket.create_connection(
-            f"{ws_url}?session_id={uuid.uuid4().hex}",
-            header=[f"Authorization: token {TOKEN}"],
-            timeout=timeout,
-        )
-        try:
-            msg_id = uuid.uuid4().hex
-            conn.send(
-                json.dumps(
-                    {
-                        "header": {
-                            "msg_id": msg_id,
-                            "msg_type": "execute_request",
-                            "username": "test",
-                            "session": uuid.uuid4().hex,
-                            "version": "5.3",
-                            "date": "",
-                        },
-                        "parent_header": {},
-                        "metadata": {},
-                        "content": {"code": code, "silent": False, "store_history": True},
-                        "channel": "shell",
-                        "buffers": [],
-                    }
-                )
-            )
-            out: list[str] = []
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                msg = json.loads(conn.recv())
-                if msg.get("parent_header", {}).get("msg_id") != msg_id:
-                    continue
-                kind = msg["msg_type"]
-                if kind == "stream":
-                    out.append(msg["content"]["text"])
-                elif kind == "error":
-                    raise AssertionError(
-                        f"kernel error: {msg['content']['ename']}: {msg['content']['evalue']}"
-                    )
-                elif kind == "status" and msg["content"]["execution_state"] == "idle":
-                    return "".join(out)
-            raise TimeoutError(f"no idle status within {timeout}s")
-        finally:
-            conn.close()
+        with self.channel(kernel_id, timeout=timeout) as chan:
+            result = chan.execute(code, timeout=timeout)
+        if result.error:
+            raise AssertionError(f"kernel error: {result.error}")
+        return result.stdout
+
+    def channel(self, kernel_id: str, timeout: float = 60) -> KernelChannel:
+        """An open websocket to the kernel, as a notebook holds one."""
+        return KernelChannel(self.url, kernel_id, timeout)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -1,0 +1,196 @@
+"""Hibernate and resume against their floors, side by side in one run.
+
+For each state size (a NumPy array of that many bytes, plus a few small variables):
+
+* hibernate: ``POST /api/elastic/kernels/{id}/hibernate`` (checkpoint + stop + release),
+  beside its floor, a raw write of the same bytes with fsync to the same directory;
+* resume: hibernated -> the first cell's reply through the kernel's websocket, beside its
+  floor, a cold kernel start (start + first reply) plus a raw read of the same bytes, and
+  beside what users do today: a fresh kernel plus re-running the cells that built the state
+  (here: generating the array, which is far cheaper than the loading or training that builds
+  real state, so this column flatters the re-run);
+* peak extra memory of the kernel process while it checkpoints (VmHWM after the peak is
+  reset through /proc/<pid>/clear_refs, minus the resident size before).
+
+Run: ``python benchmarks/bench_hibernate.py [--sizes 0,100,1024] [--repeat 3]`` (sizes in
+MiB). Prints a Markdown table of medians and ratios for docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.support.server import RunningServer, start_server
+
+MIB = 1024 * 1024
+PROFILES = {"small": {"gpu_fraction": 0.25, "memory_mib": 10240}}
+INVENTORY = [{"uuid": "GPU-bench-0000", "name": "Declared benchmark GPU", "memory_mib": 40960}]
+
+
+def build_cells(size_mib: int) -> str:
+    count = size_mib * MIB // 8
+    return (
+        "import numpy as np\n"
+        f"x = np.random.default_rng(0).random({count})\n"
+        "meta = {'rows': len(x), 'note': 'benchmark'}\n"
+        "labels = [str(i) for i in range(1000)]\n"
+    )
+
+
+def raw_write(directory: Path, nbytes: int) -> float:
+    payload = os.urandom(min(nbytes, MIB)) if nbytes else b""
+    path = directory / "raw-floor.bin"
+    start = time.perf_counter()
+    with open(path, "wb") as handle:
+        written = 0
+        while written < nbytes:
+            chunk = payload[: min(len(payload), nbytes - written)]
+            handle.write(chunk)
+            written += len(chunk)
+        handle.flush()
+        os.fsync(handle.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    return time.perf_counter() - start
+
+
+def raw_read(directory: Path, nbytes: int) -> float:
+    path = directory / "raw-floor.bin"
+    buffer = bytearray(nbytes)
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as handle:
+        view = memoryview(buffer)
+        done = 0
+        while done < nbytes:
+            got = handle.readinto(view[done:])
+            if not got:
+                break
+            done += got
+    elapsed = time.perf_counter() - start
+    path.unlink()
+    return elapsed
+
+
+def rss_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def one_round(server: RunningServer, size_mib: int, scratch: Path) -> dict[str, float]:
+    nbytes = size_mib * MIB
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id, timeout=600) as chan:
+        chan.execute(build_cells(size_mib), timeout=600)
+        pid = int(chan.execute("import os; print(os.getpid())").stdout)
+        before = rss_kib(pid, "VmRSS")
+        with open(f"/proc/{pid}/clear_refs", "w") as clear:
+            clear.write("5")  # reset VmHWM so it measures the checkpoint's own peak
+        start = time.perf_counter()
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        hibernate = time.perf_counter() - start
+        assert reply.status == 200, reply
+        peak_extra = (
+            max(0, rss_kib(pid, "VmHWM") - before) if os.path.exists(f"/proc/{pid}") else float("nan")
+        )
+        start = time.perf_counter()
+        result = chan.execute("print(x.shape)", timeout=600)
+        resume = time.perf_counter() - start
+        assert not result.error, result.error
+    server.shutdown_kernel(kernel_id)
+
+    write_floor = raw_write(scratch, nbytes)
+    start = time.perf_counter()
+    cold = server.start_kernel("python3-gpu-small")
+    server.execute(cold, "1")
+    cold_start = time.perf_counter() - start
+    read_floor = raw_read(scratch, nbytes)
+    server.shutdown_kernel(cold)
+
+    start = time.perf_counter()
+    fresh = server.start_kernel("python3-gpu-small")
+    server.execute(fresh, build_cells(size_mib) + "print(x.shape)", timeout=600)
+    rerun = time.perf_counter() - start
+    server.shutdown_kernel(fresh)
+    return {
+        "hibernate": hibernate,
+        "write_floor": write_floor,
+        "resume": resume,
+        "resume_floor": cold_start + read_floor,
+        "rerun": rerun,
+        "peak_extra_mib": peak_extra / 1024,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="0,100,1024", help="state sizes in MiB, comma-separated")
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="elastic-bench-") as tmp:
+        home = Path(tmp)
+        checkpoints = home / "checkpoints"
+        config = {
+            "ElasticKernels": {
+                "profiles": PROFILES,
+                "gpu_inventory": INVENTORY,
+                "checkpoint_root": str(checkpoints),
+            }
+        }
+        server = start_server(home, config)
+        try:
+            scratch = checkpoints / "floor"
+            scratch.mkdir(parents=True, exist_ok=True)
+            rows = []
+            for size in sizes:
+                runs = [one_round(server, size, scratch) for _ in range(args.repeat)]
+                med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+                rows.append((size, med))
+                print(f"done {size} MiB: {med}", file=sys.stderr)
+        finally:
+            server.stop()
+    print(f"Machine: {os.cpu_count()} cores; medians of {args.repeat} runs; times in seconds.\n")
+    headers = [
+        "state",
+        "hibernate",
+        "raw write+fsync",
+        "ratio",
+        "resume (to first reply)",
+        "cold start + raw read",
+        "ratio",
+        "fresh kernel + re-run cells",
+        "resume / re-run",
+        "peak extra memory",
+    ]
+    print("| " + " | ".join(headers) + " |")
+    print("|" + "---|" * len(headers))
+    for size, m in rows:
+        cells = [
+            f"{size} MiB",
+            f"{m['hibernate']:.3f}",
+            f"{m['write_floor']:.3f}",
+            f"{m['hibernate'] / max(m['write_floor'], 1e-9):.2f}×",
+            f"{m['resume']:.3f}",
+            f"{m['resume_floor']:.3f}",
+            f"{m['resume'] / m['resume_floor']:.2f}×",
+            f"{m['rerun']:.3f}",
+            f"{m['resume'] / m['rerun']:.2f}×",
+            f"{m['peak_extra_mib']:.0f} MiB",
+        ]
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""The in-kernel agent: an IPython extension that checkpoints and restores ``user_ns``.
+
+It runs inside every managed kernel because that is where the variables are: the server
+cannot pickle objects that live in another process. The server configures it with
+environment variables when it starts the kernel:
+
+``ELASTIC_CHECKPOINT_DIR``  the kernel directory, ``<root>/<owner>/<kernel_id>``
+``ELASTIC_CHECKPOINT_KEY``  this owner's checkpoint key, hex (never the server secret)
+``ELASTIC_KERNEL_ID``       the kernel id (checkpoints name it; another kernel's is refused)
+``ELASTIC_OWNER``           the owner (likewise)
+``ELASTIC_RESTORE``         ``1``: restore the committed checkpoint while the extension loads
+``ELASTIC_SERVER_PID``      optional: the server's pid. Kernels are launched independent of the
+                            server (ipykernel's parent poller would kill them mid-checkpoint);
+                            a :class:`~kernelmgr.checkpoint.watchdog.ServerWatchdog` then
+                            checkpoints the kernel and exits it once the server is gone and no
+                            cell is running, so a crashed server loses no variables
+
+Restoring at load time means it happens before the kernel serves its first request, so
+the user's first cell (the one that woke the kernel) already sees the variables.
+
+To checkpoint, the server sends a *silent* ``execute_request`` with :data:`CHECKPOINT_CODE`.
+Silent executions do not bump the execution count, store no history and display nothing,
+and the expression binds no name, so the user's session looks untouched. A failure raises
+:class:`CheckpointFailed`, whose one-line message reaches the server as the reply's
+``evalue``; the server then keeps the kernel running.
+
+After a restore, the first user cell shows a short report (what came back, what did not
+and why); the full report is also written to ``restore-report.json`` for the server. The
+agent prints nothing else: everything else goes to the kernel's log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
+from kernelmgr.checkpoint.layout import RESTORE_REPORT, write_file_atomic
+from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
+from kernelmgr.checkpoint.writer import describe_error, write_checkpoint
+
+ENV_DIR = "ELASTIC_CHECKPOINT_DIR"
+ENV_KEY = "ELASTIC_CHECKPOINT_KEY"
+ENV_KERNEL_ID = "ELASTIC_KERNEL_ID"
+ENV_OWNER = "ELASTIC_OWNER"
+ENV_RESTORE = "ELASTIC_RESTORE"
+ENV_SERVER_PID = "ELASTIC_SERVER_PID"
+
+#: What the server sends (silently) to checkpoint a kernel.
+CHECKPOINT_CODE = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.checkpoint()'
+
+_fallback_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Where and as whom this kernel checkpoints."""
+
+    kernel_dir: Path
+    key: bytes
+    kernel_id: str
+    owner: str
+    restore: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> AgentConfig | None:
+        """``None`` when the kernel is not managed (no ``ELASTIC_CHECKPOINT_DIR``).
+
+        Raises ``ValueError`` naming the variable when the configuration is incomplete.
+        """
+        directory = env.get(ENV_DIR, "")
+        if not directory:
+            return None
+        missing = [name for name in (ENV_KEY, ENV_KERNEL_ID, ENV_OWNER) if not env.get(name)]
+        if missing:
+            raise ValueError(f"{ENV_DIR} is set but {', '.join(missing)} is not")
+        try:
+            key = bytes.fromhex(env[ENV_KEY])
+        except ValueError:
+            raise ValueError(f"{ENV_KEY} is not hex") from None
+        return cls(
+            kernel_dir=Path(directory),
+            key=key,
+            kernel_id=env[ENV_KERNEL_ID],
+            owner=env[ENV_OWNER],
+            restore=env.get(ENV_RESTORE, "") == "1",
+        )
+
+
+def human_bytes(count: int) -> str:
+    """``512 B``, ``3.0 MiB``, ``1.0 GiB``."""
+    if count < 1024:
+        return f"{count} B"
+    value = float(count)
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1024:.1f} TiB"
+
+
+def format_report(report: Mapping[str, Any]) -> tuple[str, str]:
+    """The restore report as ``(text/plain, text/markdown)`` for the first cell's output."""
+    if report.get("refused"):
+        kept = report.get("quarantined")
+        body = f"the checkpoint was not loaded ({report['refused']}). The kernel started empty."
+        plain = f"Kernel resumed without its variables: {body}"
+        markdown = f"**Kernel resumed without its variables**: {body}"
+        if kept:
+            plain += f" The checkpoint was kept in {kept} for inspection."
+            markdown += f" The checkpoint was kept in `{kept}` for inspection."
+        return plain, markdown
+    restored = list(report.get("restored", []))
+    count = len(restored)
+    noun = "variable" if count == 1 else "variables"
+    size = human_bytes(int(report.get("bytes", 0)))
+    head = f"restored {count} {noun} ({size}) in {float(report.get('seconds', 0)):.1f} s."
+    missing = [f"{item['name']} ({item['reason']})" for item in report.get("not_restored", [])]
+    plain = f"Kernel resumed: {head}"
+    markdown = f"**Kernel resumed**: {head}"
+    if missing:
+        plain += " Not restored: " + ", ".join(missing) + "."
+        markdown += "\n\nNot restored:\n" + "\n".join(
+            f"- `{item['name']}` ({item['reason']})" for item in report.get("not_restored", [])
+        )
+    for title, items in (("Moved", report.get("remapped", [])), ("Note", report.get("warnings", []))):
+        if items:
+            plain += f" {title}: " + "; ".join(items) + "."
+            markdown += f"\n\n{title}:\n" + "\n".join(f"- {item}" for item in items)
+    return plain, markdown
+
+
+class _Agent:
+    """The extension's state inside one shell."""
+
+    def __init__(self, shell: Any, config: AgentConfig | None) -> None:
+        self.shell = shell
+        self.config = config
+        self.report: dict[str, Any] | None = None
+        self.log: logging.Logger = getattr(shell, "log", None) or _fallback_log
+        self._hook_registered = False
+        self.busy = False  # a cell is running (the watchdog waits for it to finish)
+        shell.events.register("pre_run_cell", self._cell_started)
+        shell.events.register("post_run_cell", self._cell_finished)
+
+    def _cell_started(self, info: Any = None) -> None:
+        self.busy = True
+
+    def _cell_finished(self, result: Any = None) -> None:
+        self.busy = False
+
+    # -- checkpoint -----------------------------------------------------------------------
+
+    def hidden_names(self) -> set[str]:
+        """Names the shell itself put in the namespace (and that still hold its objects)."""
+        ns = self.shell.user_ns
+        hidden = getattr(self.shell, "user_ns_hidden", {}) or {}
+        return {name for name, value in hidden.items() if name in ns and ns[name] is value}
+
+    def checkpoint(self) -> dict[str, Any]:
+        if self.config is None:
+            raise CheckpointFailed(f"this kernel has no checkpoint directory ({ENV_DIR} is not set)")
+        try:
+            manifest = write_checkpoint(
+                self.config.kernel_dir,
+                self.shell.user_ns,
+                key=self.config.key,
+                owner=self.config.owner,
+                kernel_id=self.config.kernel_id,
+                skip=self.hidden_names(),
+            )
+        except CheckpointFailed as exc:
+            self.log.error("checkpoint failed: %s", exc)
+            raise
+        except Exception as exc:
+            self.log.exception("checkpoint failed")
+            raise CheckpointFailed(f"checkpoint failed: {describe_error(exc)}") from exc
+        summary = manifest.summary()
+        self.log.info("checkpoint %s written: %d variables saved", summary["id"], len(summary["saved"]))
+        return summary
+
+    # -- restore --------------------------------------------------------------------------
+
+    def restore(self) -> dict[str, Any]:
+        assert self.config is not None
+        started = time.perf_counter()
+        directory = self.config.kernel_dir
+        try:
+            report = restore_checkpoint(
+                directory,
+                self.shell.user_ns,
+                key=self.config.key,
+                owner=self.config.owner,
+                kernel_id=self.config.kernel_id,
+            )
+            if report is None:
+                report = refused_report(
+                    CheckpointRefused(f"no committed checkpoint was found in {directory}"),
+                    time.perf_counter() - started,
+                )
+        except CheckpointRefused as exc:
+            self.log.error("restore refused: %s", exc)
+            report = refused_report(exc, time.perf_counter() - started)
+        except Exception as exc:
+            self.log.exception("restore failed")
+            report = refused_report(
+                CheckpointRefused(f"restore failed: {describe_error(exc)}"), time.perf_counter() - started
+            )
+        self.report = report
+        try:
+            write_file_atomic(
+                directory / RESTORE_REPORT, json.dumps(report, indent=1).encode("utf-8"), mode=0o640
+            )
+        except OSError as exc:
+            self.log.warning("could not write %s: %s", directory / RESTORE_REPORT, exc)
+        self.log.info(
+            "restore: %d restored, %d not restored, refused=%s",
+            len(report["restored"]),
+            len(report["not_restored"]),
+            report["refused"],
+        )
+        self.shell.events.register("pre_run_cell", self.show_report)
+        self._hook_registered = True
+        return report
+
+    def show_report(self, info: Any = None) -> None:
+        """``pre_run_cell`` hook: show the report in the first user cell, then unregister."""
+        if getattr(info, "silent", False):
+            return
+        self.unregister()
+        if self.report is None:
+            return
+        plain, markdown = format_report(self.report)
+        try:
+            # This shell's publisher (ipykernel's sends display_data to the running cell).
+            self.shell.display_pub.publish(data={"text/plain": plain, "text/markdown": markdown}, metadata={})
+        except Exception:
+            self.log.exception("could not display the restore report")
+
+    def unregister(self) -> None:
+        if self._hook_registered:
+            self._hook_registered = False
+            with contextlib.suppress(ValueError):
+                self.shell.events.unregister("pre_run_cell", self.show_report)
+
+    def unload(self) -> None:
+        self.unregister()
+        for event, hook in (("pre_run_cell", self._cell_started), ("post_run_cell", self._cell_finished)):
+            with contextlib.suppress(ValueError):
+                self.shell.events.unregister(event, hook)
+
+    def watch_server(self, server_pid: str) -> None:
+        """Start the server watchdog (once per process)."""
+        global _WATCHDOG
+        if _WATCHDOG is not None or self.config is None:
+            return
+        try:
+            pid = int(server_pid)
+        except ValueError:
+            self.log.error("%s is not a pid: %r; not watching the server", ENV_SERVER_PID, server_pid)
+            return
+        from kernelmgr.checkpoint.watchdog import ServerWatchdog
+
+        def checkpoint_and_report() -> None:
+            agent = _AGENT if _AGENT is not None else self
+            agent.checkpoint()
+
+        def busy() -> bool:
+            agent = _AGENT if _AGENT is not None else self
+            return agent.busy
+
+        _WATCHDOG = ServerWatchdog(pid, on_server_gone=checkpoint_and_report, is_busy=busy)
+        _WATCHDOG.start()
+        self.log.info("watching the server (pid %d): checkpoint and exit when it is gone", pid)
+
+
+_AGENT: _Agent | None = None
+_WATCHDOG: Any = None
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Set up the agent in ``ipython``; restore now if ``ELASTIC_RESTORE=1``."""
+    global _AGENT
+    if _AGENT is not None:
+        _AGENT.unload()
+    log: logging.Logger = getattr(ipython, "log", None) or _fallback_log
+    try:
+        config = AgentConfig.from_env(os.environ)
+    except ValueError as exc:
+        log.error("checkpoint agent not configured: %s", exc)
+        config = None
+    _AGENT = _Agent(ipython, config)
+    if config is None:
+        log.info("checkpoint agent loaded without a checkpoint directory: checkpoints are disabled")
+        return
+    if config.restore:
+        _AGENT.restore()
+    server_pid = os.environ.get(ENV_SERVER_PID, "")
+    if server_pid:
+        _AGENT.watch_server(server_pid)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    global _AGENT
+    if _AGENT is not None and _AGENT.shell is ipython:
+        _AGENT.unload()
+        _AGENT = None
+
+
+def checkpoint() -> dict[str, Any]:
+    """Checkpoint the user namespace now; return the manifest summary.
+
+    Raises :class:`CheckpointFailed` with a one-line message when it could not be written
+    (the previous checkpoint, if any, is still the committed one).
+    """
+    if _AGENT is None:
+        raise CheckpointFailed("the checkpoint agent is not loaded in this kernel")
+    return _AGENT.checkpoint()
+
+
+def last_restore_report() -> dict[str, Any] | None:
+    """The report of the restore done when the extension loaded (``None`` if none)."""
+    return _AGENT.report if _AGENT is not None else None
+
+
+__all__ = [
+    "CHECKPOINT_CODE",
+    "AgentConfig",
+    "checkpoint",
+    "format_report",
+    "last_restore_report",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]

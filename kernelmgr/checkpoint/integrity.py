@@ -1,0 +1,222 @@
+"""Integrity of checkpoints: a server secret, per-owner keys, and the manifest HMAC.
+
+Why an HMAC at all: unpickling runs code chosen by whoever wrote the bytes. Checkpoints
+sit on shared storage (a PVC, a node disk) that other tenants or a compromised pod might
+write to, so the reader must know the bytes were written by *this owner's* kernel before
+it unpickles anything. A keyed MAC proves that; a plain checksum would not.
+
+Why per-owner keys: the server holds one secret and gives each kernel only
+``owner_key(secret, owner)``. Code in a notebook can read its own key (it runs in the same
+process as the agent), so a user can forge checkpoints for themselves, which gains them
+nothing: they can already run any code in their own kernel. They can never produce a
+checkpoint that verifies under another user's key, so one user's bytes never get
+unpickled in another user's kernel.
+
+What is covered: the HMAC is computed over the canonical JSON of the manifest without its
+``hmac`` field. The manifest carries the digest and the size of ``data.bin``, so the MAC
+covers the data file's contents too, while the server can check a manifest without
+reading the data. The reader recomputes the data digest (:class:`DataDigest`) while it
+reads ``data.bin`` and compares it before the first ``pickle.loads``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import stat
+from collections.abc import Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kernelmgr.core.errors import ConfigError
+from kernelmgr.core.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+SECRET_BYTES = 32
+_OWNER_KEY_LABEL = b"jupyter-elastic-kernels/owner-key/v1\x00"
+_MANIFEST_LABEL = b"jupyter-elastic-kernels/manifest/v1\x00"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable.
+
+    A rename changes the *directory*, not the file: fsyncing the file alone leaves the
+    new name in the page cache, and after a power loss the directory may still show the
+    old state. Fsyncing the directory's own descriptor writes the entry out.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_or_create_secret(path: str | os.PathLike[str]) -> bytes:
+    """The server's checkpoint secret: read from ``path``, or created there (mode 0600).
+
+    Creation is atomic and race-free: the bytes go to a private temporary file, fsynced,
+    which is then hard-linked to ``path``. ``link`` fails if another process created the
+    secret first, and then both use the winner's, so two servers starting at once never end
+    up with different secrets (which would make each refuse the other's checkpoints).
+    """
+    target = Path(path)
+    try:
+        return _read_secret(target)
+    except FileNotFoundError:
+        pass
+    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, secrets.token_bytes(SECRET_BYTES))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(target.parent)
+    return _read_secret(target)
+
+
+def _read_secret(path: Path) -> bytes:
+    data = path.read_bytes()
+    if len(data) < SECRET_BYTES:
+        raise ConfigError(
+            f"checkpoint secret {path} holds {len(data)} bytes, needs at least {SECRET_BYTES}: "
+            "delete it to have a new one created (existing checkpoints will then be refused)"
+        )
+    mode = path.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("checkpoint secret %s is readable by group or others (mode %o): chmod 600 it", path, mode)
+    return data
+
+
+def owner_key(secret: bytes, owner: str) -> bytes:
+    """The key one owner's kernels sign and verify checkpoints with.
+
+    HMAC(secret, label || owner): knowing one owner's key reveals nothing about the secret
+    or about another owner's key.
+    """
+    if not owner:
+        raise ValueError("owner must be a non-empty string")
+    return hmac.new(secret, _OWNER_KEY_LABEL + owner.encode("utf-8"), hashlib.sha256).digest()
+
+
+def canonical_json(value: Any) -> bytes:
+    """One byte string per value: sorted keys, no whitespace, ASCII only."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False
+    ).encode("ascii")
+
+
+def manifest_hmac(key: bytes, manifest: Manifest) -> str:
+    """Hex HMAC-SHA256 over the canonical manifest without its ``hmac`` field."""
+    body = canonical_json(manifest.to_dict(with_hmac=False))
+    return hmac.new(key, _MANIFEST_LABEL + body, hashlib.sha256).hexdigest()
+
+
+def sign(key: bytes, manifest: Manifest) -> None:
+    """Set ``manifest.hmac``. Call it last: any later change to the manifest invalidates it."""
+    manifest.hmac = manifest_hmac(key, manifest)
+
+
+def manifest_is_authentic(key: bytes, manifest: Manifest) -> bool:
+    """Whether ``manifest.hmac`` was made with ``key`` over exactly these fields."""
+    return hmac.compare_digest(manifest.hmac, manifest_hmac(key, manifest))
+
+
+#: ``data.bin`` is digested in chunks of this size, each on a worker thread.
+DIGEST_CHUNK = 16 << 20
+
+
+def _sha256(parts: list[memoryview]) -> bytes:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return digest.digest()
+
+
+@dataclass
+class DigestMark:
+    """Where a :class:`DataDigest` was, so a failed group's bytes can be taken back out."""
+
+    chunks: int
+    fill: int
+    parts: list[memoryview]
+
+
+class DataDigest:
+    """The digest of ``data.bin``: SHA-256 over the SHA-256 of each 16 MiB chunk.
+
+    Why not one SHA-256 over the file: hashing runs at about 1 GB/s per core, as slow as
+    the disk, and would double the time to hibernate or resume a big kernel. Each chunk
+    (at a fixed offset, so writer and reader agree) is hashed on a worker thread as soon
+    as it is complete (hashlib releases the GIL), in parallel with other chunks and with
+    the next ``write``/``readinto``. The size is in the manifest, so the result binds the
+    file as tightly as a flat hash.
+
+    Chunks are collected as memoryviews of the data, not copies, so the data must not
+    change until :meth:`hexdigest`: the writer writes bytes that stay put (pickle frames,
+    the objects' own buffers) and the reader unpickles only after the digest matched.
+    An object mutated by a *background thread* while a checkpoint is written can make
+    that checkpoint fail verification later (it would be torn anyway).
+    """
+
+    def __init__(self, executor: Executor | None = None) -> None:
+        self._executor = executor
+        self._chunks: list[Future[bytes] | bytes] = []
+        self._parts: list[memoryview] = []
+        self._fill = 0
+
+    def update(self, data: Any) -> None:
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        while view:
+            part = view[: DIGEST_CHUNK - self._fill]
+            self._parts.append(part)
+            self._fill += len(part)
+            view = view[len(part) :]
+            if self._fill == DIGEST_CHUNK:
+                parts, self._parts, self._fill = self._parts, [], 0
+                pool = self._executor
+                self._chunks.append(pool.submit(_sha256, parts) if pool is not None else _sha256(parts))
+
+    def mark(self) -> DigestMark:
+        return DigestMark(len(self._chunks), self._fill, list(self._parts))
+
+    def rollback(self, mark: DigestMark) -> None:
+        del self._chunks[mark.chunks :]
+        self._fill, self._parts = mark.fill, list(mark.parts)
+
+    def hexdigest(self) -> str:
+        top = hashlib.sha256()
+        for chunk in self._chunks:
+            top.update(chunk if isinstance(chunk, bytes) else chunk.result())
+        if self._fill:
+            top.update(_sha256(self._parts))
+        return top.hexdigest()
+
+
+@contextlib.contextmanager
+def digest_workers() -> Iterator[Executor]:
+    """Threads for :class:`DataDigest` (a few: the disk is the other limit)."""
+    with ThreadPoolExecutor(
+        max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="ckpt-digest"
+    ) as pool:
+        yield pool
+
+
+def digests_match(expected_hex: str, actual_hex: str) -> bool:
+    return hmac.compare_digest(expected_hex.encode("ascii", "replace"), actual_hex.encode("ascii", "replace"))

@@ -1,0 +1,179 @@
+"""The kernel directory: names in it, the ``current`` pointer, quarantine, and cleanup.
+
+Everything that renames or deletes inside a kernel directory lives here, so the rules that
+make a crash safe are in one place:
+
+* a checkpoint is written under ``.partial-<id>/`` and renamed to ``<id>/`` only when
+  complete and fsynced; readers never look at ``.partial-*``;
+* ``current`` is the single commit point: a checkpoint exists for readers only once
+  ``current`` names it, and ``current`` is replaced with ``rename`` (atomic), so a reader
+  sees the old name or the new one, never a torn file;
+* older checkpoints are deleted only after ``current`` names the new one;
+* a checkpoint that fails verification is *moved* to ``quarantine/`` with a reason, never
+  deleted automatically: it may be the only copy of someone's work, and an admin may want
+  to see what was wrong with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import secrets
+import shutil
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from kernelmgr.checkpoint.integrity import fsync_dir
+
+log = logging.getLogger(__name__)
+
+CURRENT = "current"
+DATA_FILE = "data.bin"
+MANIFEST_FILE = "manifest.json"
+QUARANTINE = "quarantine"
+REASON_FILE = "reason.txt"
+RESTORE_REPORT = "restore-report.json"
+PARTIAL_PREFIX = ".partial-"
+CHECKPOINT_PREFIX = "ckpt-"
+
+#: Out-of-band buffers start at multiples of this in ``data.bin``, so restored arrays are
+#: aligned for any dtype and SIMD loads; the only gaps in ``data.bin`` are this padding.
+ALIGN = 64
+
+CHECKPOINT_ID_RE = re.compile(r"^ckpt-\d{8}T\d{12}-[0-9a-f]{8}$")
+
+
+def new_checkpoint_id(now: float | None = None) -> str:
+    """``ckpt-<UTC time to the microsecond>-<8 hex>``: sorts by time, never collides."""
+    moment = datetime.fromtimestamp(time.time() if now is None else now, tz=timezone.utc)
+    return f"{CHECKPOINT_PREFIX}{moment:%Y%m%dT%H%M%S%f}-{secrets.token_hex(4)}"
+
+
+def is_checkpoint_id(name: str) -> bool:
+    return bool(CHECKPOINT_ID_RE.match(name))
+
+
+def write_file_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``data`` so readers see the old file or the new one, whole.
+
+    Write a temporary file beside it, fsync it (so the new name never points at missing
+    data after a crash), rename it over ``path`` (atomic on POSIX), fsync the directory (so
+    the rename itself survives a crash).
+    """
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+def read_current(kernel_dir: Path) -> str | None:
+    """The committed checkpoint's id, or ``None`` when nothing was ever committed.
+
+    Raises ``ValueError`` when ``current`` does not hold a checkpoint id: its content is
+    used as a path, so anything else (``../x``) is refused rather than followed.
+    """
+    try:
+        text = (kernel_dir / CURRENT).read_text(encoding="ascii").strip()
+    except FileNotFoundError:
+        return None
+    except UnicodeDecodeError:
+        raise ValueError(f"{kernel_dir / CURRENT} is not a checkpoint name") from None
+    if not is_checkpoint_id(text):
+        raise ValueError(f"{kernel_dir / CURRENT} names {text[:80]!r}, which is not a checkpoint")
+    return text
+
+
+def publish_current(kernel_dir: Path, checkpoint_id: str) -> None:
+    """The commit point: make ``current`` name ``checkpoint_id``."""
+    write_file_atomic(kernel_dir / CURRENT, f"{checkpoint_id}\n".encode("ascii"), mode=0o644)
+
+
+def remove_stale(kernel_dir: Path, keep: str | None) -> None:
+    """Delete what a crashed or superseded write left: ``.partial-*``, temp files, and
+    every ``ckpt-*`` except ``keep`` (the committed one, ``None`` if nothing is).
+
+    When ``current`` is unreadable, no ``ckpt-*`` is deleted: which one was committed is
+    unknown, and deleting could lose the only good copy. Only the kernel's own agent calls
+    this, and only one agent writes a kernel directory at a time.
+    """
+    if not kernel_dir.is_dir():
+        return
+    try:
+        read_current(kernel_dir)
+        current_known = True
+    except ValueError:
+        current_known = False
+    for entry in kernel_dir.iterdir():
+        name = entry.name
+        stale = (
+            name.startswith(PARTIAL_PREFIX)
+            or (name.startswith(".") and name.endswith(".tmp"))
+            or (current_known and is_checkpoint_id(name) and name != keep)
+        )
+        if not stale:
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError as exc:
+            log.warning("could not remove %s: %s", entry, exc)
+
+
+def quarantined_path(kernel_dir: Path, checkpoint_id: str) -> Path | None:
+    """Where ``checkpoint_id`` was quarantined, if it was."""
+    path = kernel_dir / QUARANTINE / checkpoint_id
+    return path if path.is_dir() else None
+
+
+def quarantine_reason(path: Path) -> str:
+    try:
+        lines = (path / REASON_FILE).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return "it was quarantined earlier"
+    return lines[0] if lines else "it was quarantined earlier"
+
+
+def quarantine(kernel_dir: Path, checkpoint_id: str, reason: str) -> Path | None:
+    """Move a checkpoint aside with ``reason.txt``; return where it went.
+
+    ``None`` when the checkpoint directory is gone (another process quarantined it first
+    or it was never there). ``current`` is left alone: the next commit replaces it, and
+    a reader that finds ``current`` naming a quarantined checkpoint refuses it again with
+    the recorded reason instead of reporting "no checkpoint".
+    """
+    source = kernel_dir / checkpoint_id
+    box = kernel_dir / QUARANTINE
+    box.mkdir(exist_ok=True)
+    target = box / checkpoint_id
+    suffix = 1
+    while target.exists():
+        target = box / f"{checkpoint_id}.{suffix}"
+        suffix += 1
+    try:
+        os.rename(source, target)
+    except FileNotFoundError:
+        return quarantined_path(kernel_dir, checkpoint_id)
+    stamp = datetime.now(tz=timezone.utc).isoformat()
+    (target / REASON_FILE).write_text(f"{reason}\nquarantined at {stamp}\n", encoding="utf-8")
+    with contextlib.suppress(OSError):
+        fsync_dir(box)
+    log.warning("quarantined checkpoint %s: %s", target, reason)
+    return target

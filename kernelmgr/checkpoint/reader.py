@@ -1,0 +1,200 @@
+"""Reading the committed checkpoint back into a namespace, and the restore report.
+
+Order matters for safety: the manifest is verified (HMAC, owner, kernel, layout), then
+*all* of ``data.bin`` is read and its digest compared with the manifest's, and only then
+does the first ``pickle.loads`` run. Reading everything first costs no extra memory: the
+bytes read are the very buffers the restored objects will use.
+
+Memory: every region of ``data.bin`` is read with ``readinto`` straight into its own
+``bytearray``, and the out-of-band buffers are handed to ``pickle.loads(buffers=...)`` as
+writable memoryviews, so numpy arrays, pandas blocks and CPU tensors are restored *on*
+those bytearrays, writable, with no second copy. One bytearray per buffer (not one for
+the whole file) lets a variable the user deletes later free its memory alone.
+
+Each group is unpickled on its own: a group that fails (a module that no longer imports,
+a class that changed) is reported and the others are still restored.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kernelmgr.checkpoint.errors import CheckpointRefused
+from kernelmgr.checkpoint.integrity import DIGEST_CHUNK, DataDigest, digest_workers, digests_match
+from kernelmgr.checkpoint.layout import DATA_FILE
+from kernelmgr.checkpoint.serialize import RestoreContext, restoring
+from kernelmgr.checkpoint.verify import Untrusted, check_layout, load_verified_manifest, refuse
+from kernelmgr.checkpoint.writer import describe_error, library_versions
+from kernelmgr.core.manifest import GroupRecord, Manifest, iso_utc
+
+#: One group's bytes: its pickle stream and its out-of-band buffers, in order.
+Payload = dict[int, tuple[bytearray, list[bytearray]]]
+
+
+def _readinto_fully(file: io.RawIOBase, target: memoryview, what: str, digest: DataDigest) -> None:
+    """Fill ``target``, feeding the digest piece by piece so hashing overlaps reading."""
+    for start in range(0, len(target), DIGEST_CHUNK):
+        piece = target[start : start + DIGEST_CHUNK]
+        rest = piece
+        while rest:
+            count = file.readinto(rest)
+            if not count:
+                raise Untrusted(f"{DATA_FILE} ended early while reading {what}")
+            rest = rest[count:]
+        digest.update(piece)
+
+
+def read_payload(path: Path, manifest: Manifest) -> Payload:
+    """All group regions of ``data.bin``, read once and checked against the manifest digest.
+
+    Raises :class:`Untrusted` on a short file, a size mismatch or a digest mismatch.
+    """
+    slots: list[tuple[int, int, int, int]] = []  # offset, length, group id, slot (-1 = pickle)
+    for group in manifest.groups:
+        slots.append((group.pickle_offset, group.pickle_length, group.id, -1))
+        slots.extend((offset, length, group.id, i) for i, (offset, length) in enumerate(group.buffers))
+    slots.sort()
+    payload: Payload = {
+        group.id: (bytearray(), [bytearray()] * len(group.buffers)) for group in manifest.groups
+    }
+    try:
+        file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed below, readinto on the raw file
+    except FileNotFoundError:
+        raise Untrusted(f"{DATA_FILE} is missing") from None
+    with file, digest_workers() as workers:
+        digest = DataDigest(workers)
+        check_layout(manifest, os.fstat(file.fileno()).st_size)
+        position = 0
+        for offset, length, group_id, slot in [*slots, (manifest.data_bytes, 0, -1, -2)]:
+            if position < offset:  # padding, under ALIGN bytes (check_layout made sure)
+                _readinto_fully(file, memoryview(bytearray(offset - position)), "padding", digest)
+                position = offset
+            if slot == -2:
+                break
+            buffer = bytearray(length)
+            _readinto_fully(file, memoryview(buffer), f"group {group_id}", digest)
+            position += length
+            if slot == -1:
+                payload[group_id] = (buffer, payload[group_id][1])
+            else:
+                payload[group_id][1][slot] = buffer
+        if file.read(1):
+            raise Untrusted(f"{DATA_FILE} is longer than the manifest says")
+        actual = digest.hexdigest()
+    if not digests_match(manifest.data_sha256, actual):
+        raise Untrusted(f"{DATA_FILE} does not match the manifest's digest: it was modified or corrupted")
+    return payload
+
+
+def _version_warnings(manifest: Manifest) -> list[str]:
+    warnings = []
+    written = manifest.python.split(".")[:2]
+    running = platform.python_version_tuple()[:2]
+    if written != list(running):
+        warnings.append(
+            f"checkpoint written by Python {manifest.python}, this kernel runs {platform.python_version()}: "
+            "functions and classes defined in the notebook may not load"
+        )
+    now = library_versions()
+    for name, version in sorted(manifest.libraries.items()):
+        if name in now and now[name] != version:
+            warnings.append(f"{name} {version} wrote this checkpoint, {now[name]} reads it")
+    return warnings
+
+
+def _load_group(group: GroupRecord, pickled: bytearray, buffers: list[bytearray]) -> dict[str, Any]:
+    import pickle
+
+    values = pickle.loads(pickled, buffers=[memoryview(b) for b in buffers])
+    if not isinstance(values, dict) or list(values) != group.names:
+        raise ValueError(f"group {group.id} holds {sorted(values) if isinstance(values, dict) else values!r}")
+    return values
+
+
+def restore_checkpoint(
+    kernel_dir: str | os.PathLike[str],
+    namespace: dict[str, Any],
+    *,
+    key: bytes,
+    owner: str,
+    kernel_id: str,
+    cuda_count: int | None = None,
+) -> dict[str, Any] | None:
+    """Restore the committed checkpoint's variables into ``namespace``; return the report.
+
+    ``None`` when nothing was ever committed. Raises :class:`CheckpointRefused` (after
+    quarantining the checkpoint) when it cannot be trusted; nothing has been unpickled
+    then. ``cuda_count`` overrides the number of visible GPUs (for tests).
+    """
+    started = time.perf_counter()
+    directory = Path(kernel_dir)
+    manifest = load_verified_manifest(directory, key, owner, kernel_id)
+    if manifest is None:
+        return None
+    try:
+        payload = read_payload(directory / manifest.checkpoint_id / DATA_FILE, manifest)
+    except Untrusted as exc:
+        raise refuse(directory, manifest.checkpoint_id, str(exc)) from None
+
+    context = RestoreContext(namespace, cuda_count=cuda_count)
+    restored: list[str] = []
+    not_restored = [
+        {"name": v.name, "type": v.type, "reason": f"{v.type.rsplit('.', 1)[-1]}: {v.reason}"}
+        for v in manifest.skipped()
+    ]
+    remapped: list[str] = []
+    for group in manifest.groups:
+        pickled, buffers = payload.pop(group.id)
+        seen = len(context.remapped)
+        try:
+            with restoring(context):
+                values = _load_group(group, pickled, buffers)
+        except Exception as exc:
+            reason = f"could not be loaded: {describe_error(exc)}"
+            types = {v.name: v.type for v in manifest.variables}
+            not_restored.extend({"name": n, "type": types.get(n, ""), "reason": reason} for n in group.names)
+            continue
+        finally:
+            del pickled, buffers
+        namespace.update(values)
+        restored.extend(group.names)
+        for note in dict.fromkeys(context.remapped[seen:]):
+            remapped.append(f"{', '.join(group.names)}: {note}")
+
+    order = {v.name: i for i, v in enumerate(manifest.variables)}
+    restored.sort(key=lambda name: order.get(name, sys.maxsize))
+    not_restored.sort(key=lambda item: order.get(item["name"], sys.maxsize))
+    return {
+        "checkpoint": manifest.checkpoint_id,
+        "created": iso_utc(manifest.created),
+        "restored": restored,
+        "not_restored": not_restored,
+        "bytes": manifest.data_bytes,
+        "seconds": round(time.perf_counter() - started, 3),
+        "remapped": remapped,
+        "warnings": _version_warnings(manifest),
+        "refused": None,
+        "quarantined": None,
+    }
+
+
+def refused_report(exc: CheckpointRefused, seconds: float = 0.0) -> dict[str, Any]:
+    """The report for a restore that loaded nothing because the checkpoint was refused."""
+    return {
+        "checkpoint": None,
+        "created": None,
+        "restored": [],
+        "not_restored": [],
+        "bytes": 0,
+        "seconds": round(seconds, 3),
+        "remapped": [],
+        "warnings": [],
+        "refused": exc.reason,
+        "quarantined": str(exc.quarantined) if exc.quarantined is not None else None,
+    }

@@ -1,0 +1,133 @@
+"""The server's view of checkpoints: one directory per kernel under a root, per owner.
+
+The server never unpickles: it locates kernel directories, derives each owner's key for
+the agent, reads verified manifests for the REST API, reads the agent's restore report,
+and deletes a kernel's checkpoints when the kernel is shut down for good. Everything here
+is cheap (manifests only; ``data.bin`` is checked by size, its digest by the agent before
+it unpickles).
+
+Paths are built from an owner name and a kernel id that come from requests, so both are
+validated to be one plain path component: nothing can point outside the root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from kernelmgr.checkpoint.errors import CheckpointRefused
+from kernelmgr.checkpoint.integrity import owner_key
+from kernelmgr.checkpoint.layout import RESTORE_REPORT, read_current
+from kernelmgr.checkpoint.verify import load_verified_manifest
+from kernelmgr.core.manifest import Manifest
+
+_MAX_COMPONENT = 128
+
+
+def _check_component(what: str, value: str) -> str:
+    """``value`` if it is safe as one path component, else ``ValueError`` saying why."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string")
+    if len(value) > _MAX_COMPONENT:
+        raise ValueError(f"{what} is longer than {_MAX_COMPONENT} characters")
+    if value.startswith("."):
+        raise ValueError(f"{what} {value!r} must not start with '.'")
+    if any(ch in value for ch in "/\\") or any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        raise ValueError(f"{what} {value!r} must not contain '/', '\\\\' or control characters")
+    if value != value.strip():
+        raise ValueError(f"{what} {value!r} must not start or end with whitespace")
+    return value
+
+
+class CheckpointStore:
+    """Checkpoints under ``root``: ``<root>/<owner>/<kernel_id>/`` per kernel."""
+
+    def __init__(self, root: str | os.PathLike[str], secret: bytes) -> None:
+        if len(secret) < 16:
+            raise ValueError("the checkpoint secret must be at least 16 bytes")
+        self.root = Path(root)
+        self._secret = secret
+
+    def kernel_dir(self, owner: str, kernel_id: str) -> Path:
+        """The kernel directory (not created). Raises ``ValueError`` for unsafe names."""
+        path = self.root / _check_component("owner", owner) / _check_component("kernel id", kernel_id)
+        resolved_root = self.root.resolve()
+        if resolved_root not in path.resolve().parents:
+            raise ValueError(f"kernel directory for {owner!r}/{kernel_id!r} would be outside {self.root}")
+        return path
+
+    def key_for(self, owner: str) -> bytes:
+        """The key ``owner``'s kernels sign and verify with (give it to the agent, hex)."""
+        return owner_key(self._secret, _check_component("owner", owner))
+
+    def agent_env(self, owner: str, kernel_id: str, *, restore: bool) -> dict[str, str]:
+        """The environment variables the agent reads (see :mod:`kernelmgr.checkpoint.agent`)."""
+        return {
+            "ELASTIC_CHECKPOINT_DIR": str(self.kernel_dir(owner, kernel_id)),
+            "ELASTIC_CHECKPOINT_KEY": self.key_for(owner).hex(),
+            "ELASTIC_KERNEL_ID": kernel_id,
+            "ELASTIC_OWNER": owner,
+            "ELASTIC_RESTORE": "1" if restore else "0",
+        }
+
+    def latest(self, owner: str, kernel_id: str) -> Manifest | None:
+        """The committed checkpoint's manifest, verified; ``None`` if there is none.
+
+        Raises :class:`CheckpointRefused` (after quarantining it) when it fails
+        verification.
+        """
+        return load_verified_manifest(
+            self.kernel_dir(owner, kernel_id), self.key_for(owner), owner, kernel_id
+        )
+
+    def has_checkpoint(self, owner: str, kernel_id: str) -> bool:
+        """Whether ``current`` names a checkpoint (without verifying it)."""
+        try:
+            return read_current(self.kernel_dir(owner, kernel_id)) is not None
+        except ValueError:
+            return False
+
+    def summary(self, owner: str, kernel_id: str) -> dict[str, Any] | None:
+        """The REST shape of the committed checkpoint, or ``None``.
+
+        Always has ``refused`` (``None``, or why the checkpoint was refused) and
+        ``quarantined`` (``None``, or where a refused checkpoint was kept).
+        """
+        try:
+            manifest = self.latest(owner, kernel_id)
+        except CheckpointRefused as exc:
+            return {
+                "id": exc.quarantined.name if exc.quarantined is not None else None,
+                "created": None,
+                "bytes": 0,
+                "saved": [],
+                "not_saved": [],
+                "seconds": 0.0,
+                "refused": exc.reason,
+                "quarantined": str(exc.quarantined) if exc.quarantined is not None else None,
+            }
+        if manifest is None:
+            return None
+        return {**manifest.summary(), "refused": None, "quarantined": None}
+
+    def restore_report(self, owner: str, kernel_id: str) -> dict[str, Any] | None:
+        """The report the agent wrote after its last restore, or ``None``."""
+        path = self.kernel_dir(owner, kernel_id) / RESTORE_REPORT
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # missing, unreadable, or half-written by hand
+            return None
+        return report if isinstance(report, dict) else None
+
+    def remove(self, owner: str, kernel_id: str) -> None:
+        """Delete the kernel directory, quarantine included (the kernel is gone for good)."""
+        directory = self.kernel_dir(owner, kernel_id)
+        shutil.rmtree(directory, ignore_errors=True)
+        if directory.exists():
+            shutil.rmtree(directory)  # raise the real error
+        with contextlib.suppress(OSError):
+            directory.parent.rmdir()  # the owner directory, once it is empty

@@ -1,0 +1,129 @@
+"""Deciding whether a committed checkpoint may be trusted, before anything is unpickled.
+
+Two stages, both refusing (quarantine + :class:`CheckpointRefused`) on any doubt:
+
+1. :func:`load_verified_manifest` (cheap, used by the server and the agent): the manifest
+   parses, its HMAC verifies under the owner's key, it names this owner, kernel and
+   checkpoint, ``data.bin`` has the recorded size, and every region the manifest points
+   at lies inside the file without overlapping another. The last check matters because
+   the reader allocates buffers from these numbers before the data digest is known.
+2. The data digest, checked by the reader while it reads ``data.bin`` (``reader.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kernelmgr.checkpoint.errors import CheckpointRefused
+from kernelmgr.checkpoint.integrity import manifest_is_authentic
+from kernelmgr.checkpoint.layout import (
+    ALIGN,
+    DATA_FILE,
+    MANIFEST_FILE,
+    quarantine,
+    quarantine_reason,
+    quarantined_path,
+    read_current,
+)
+from kernelmgr.core.manifest import Manifest, ManifestError
+
+#: How many times a reader follows ``current`` when it changes under it (a commit that
+#: deletes the checkpoint being read); after that it gives up rather than spin.
+_ATTEMPTS = 3
+
+
+class Untrusted(Exception):
+    """Internal: why one checkpoint directory cannot be trusted."""
+
+
+def check_layout(manifest: Manifest, size: int) -> None:
+    """Raise :class:`Untrusted` unless every group region lies inside ``size`` bytes, in order."""
+    if manifest.data_bytes != size:
+        raise Untrusted(f"{DATA_FILE} has {size} bytes, the manifest says {manifest.data_bytes}")
+    end = 0
+    regions = sorted(region for group in manifest.groups for region in group.regions())
+    for offset, length in regions:
+        if offset < end:
+            raise Untrusted(f"the manifest points at overlapping regions of {DATA_FILE} (offset {offset})")
+        if offset - end >= ALIGN:
+            raise Untrusted(f"the manifest leaves an unexplained gap in {DATA_FILE} (offset {end})")
+        end = offset + length
+        if end > size:
+            raise Untrusted(
+                f"the manifest points past the end of {DATA_FILE} (offset {offset}, {length} bytes)"
+            )
+    if size - end >= ALIGN:
+        raise Untrusted(f"{DATA_FILE} has {size - end} bytes the manifest does not account for")
+
+
+def _verify_dir(directory: Path, key: bytes, owner: str, kernel_id: str) -> Manifest:
+    try:
+        text = (directory / MANIFEST_FILE).read_bytes()
+    except FileNotFoundError:
+        raise Untrusted(f"{MANIFEST_FILE} is missing") from None
+    except OSError as exc:
+        raise Untrusted(f"{MANIFEST_FILE} cannot be read: {exc}") from None
+    try:
+        manifest = Manifest.from_json(text)
+    except ManifestError as exc:
+        raise Untrusted(exc.message) from None
+    if not manifest_is_authentic(key, manifest):
+        raise Untrusted(
+            "its HMAC does not verify: the manifest or data was modified, or it was written "
+            "with another owner's key"
+        )
+    if manifest.owner != owner:
+        raise Untrusted(f"it belongs to owner {manifest.owner!r}, not {owner!r}")
+    if manifest.kernel_id != kernel_id:
+        raise Untrusted(f"it belongs to kernel {manifest.kernel_id!r}, not {kernel_id!r}")
+    if manifest.checkpoint_id != directory.name:
+        raise Untrusted(f"its manifest names checkpoint {manifest.checkpoint_id!r}, not {directory.name!r}")
+    try:
+        size = os.stat(directory / DATA_FILE).st_size
+    except FileNotFoundError:
+        raise Untrusted(f"{DATA_FILE} is missing") from None
+    check_layout(manifest, size)
+    return manifest
+
+
+def refuse(kernel_dir: Path, checkpoint_id: str, reason: str) -> CheckpointRefused:
+    """Quarantine ``checkpoint_id`` and build the error to raise (refused either way)."""
+    try:
+        return CheckpointRefused(reason, quarantine(kernel_dir, checkpoint_id, reason))
+    except OSError as exc:
+        return CheckpointRefused(f"{reason} (and it could not be moved to quarantine: {exc})")
+
+
+def load_verified_manifest(kernel_dir: Path, key: bytes, owner: str, kernel_id: str) -> Manifest | None:
+    """The committed checkpoint's manifest, verified; ``None`` if nothing is committed.
+
+    Raises :class:`CheckpointRefused` (after quarantining) when it cannot be trusted, and
+    again, with the recorded reason, each time ``current`` still names a checkpoint that
+    was quarantined earlier.
+    """
+    for _ in range(_ATTEMPTS):
+        try:
+            checkpoint_id = read_current(kernel_dir)
+        except ValueError as exc:
+            raise CheckpointRefused(str(exc)) from None
+        if checkpoint_id is None:
+            return None
+        directory = kernel_dir / checkpoint_id
+        try:
+            return _verify_dir(directory, key, owner, kernel_id)
+        except Untrusted as exc:
+            reason = str(exc)
+        try:
+            still_current = read_current(kernel_dir) == checkpoint_id
+        except ValueError:
+            still_current = False
+        if not still_current:
+            continue
+        if not directory.exists():
+            earlier = quarantined_path(kernel_dir, checkpoint_id)
+            if earlier is not None:
+                raise CheckpointRefused(quarantine_reason(earlier), earlier)
+            raise CheckpointRefused(f"checkpoint {checkpoint_id} is missing")
+        raise refuse(kernel_dir, checkpoint_id, reason)
+    raise CheckpointRefused(f"the committed checkpoint in {kernel_dir} kept changing while it was read")

@@ -1,0 +1,407 @@
+"""Writing one checkpoint of a namespace, and committing it atomically.
+
+Memory: nothing is assembled in memory. Each group's pickle stream goes straight to
+``data.bin`` through :class:`_DataFile` (the pickler writes frames of at most 64 KiB, plus
+large in-band bytes objects as they are), and each out-of-band buffer is written from
+its own memory with ``os.write`` on a memoryview. The extra memory a checkpoint needs is
+the pickler's working set, not the size of the state. (GPU tensors are the exception:
+each group's storages are copied to host memory while that group is written.)
+
+Failure of one group (an unpicklable object somewhere in it) rewinds ``data.bin`` to where
+the group started (truncate, and restore the running digest from a copy taken there), then
+retries its variables one by one, so everything that can be saved is. An ``OSError`` from
+the disk aborts the whole checkpoint instead: the partial directory is removed, ``current``
+is untouched, and :class:`CheckpointFailed` says what happened and where.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import pickle
+import platform
+import shutil
+import sys
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kernelmgr.checkpoint.errors import CheckpointFailed
+from kernelmgr.checkpoint.grouping import DEFAULT_MAX_OBJECTS, VariableGroup, group_variables
+from kernelmgr.checkpoint.integrity import (
+    DIGEST_CHUNK,
+    DataDigest,
+    DigestMark,
+    digest_workers,
+    fsync_dir,
+    sign,
+)
+from kernelmgr.checkpoint.layout import (
+    ALIGN,
+    DATA_FILE,
+    MANIFEST_FILE,
+    PARTIAL_PREFIX,
+    new_checkpoint_id,
+    publish_current,
+    read_current,
+    remove_stale,
+)
+from kernelmgr.checkpoint.serialize import GroupPickler
+from kernelmgr.core.manifest import GroupRecord, Manifest, VariableRecord
+
+log = logging.getLogger(__name__)
+
+#: ``(fd, data) -> bytes written``, like :func:`os.write`. The seam for fault injection:
+#: tests pass one that fails with ``ENOSPC`` part-way, or one that is slow.
+WriteFn = Callable[[int, memoryview], int]
+
+#: Names IPython and ipykernel put in the user namespace; never user state.
+MACHINERY_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit"})
+
+#: Libraries whose versions are worth recording when the notebook has imported them.
+LIBRARIES = ("numpy", "pandas", "torch", "cloudpickle")
+
+_REASON_LIMIT = 300
+_MIB = 1 << 20
+
+
+def is_machinery(name: str) -> bool:
+    """Whether ``name`` is kernel machinery rather than a user variable."""
+    return name.startswith("_") or name in MACHINERY_NAMES
+
+
+def type_name(obj: Any) -> str:
+    """``module.Qualname`` of ``obj``'s type (just ``Qualname`` for builtins)."""
+    cls = type(obj)
+    module = getattr(cls, "__module__", "") or ""
+    qualname = getattr(cls, "__qualname__", cls.__name__)
+    return qualname if module == "builtins" else f"{module}.{qualname}"
+
+
+def describe_error(exc: BaseException) -> str:
+    """``TypeError: cannot pickle 'generator' object``: one line, bounded."""
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return line if len(line) <= _REASON_LIMIT else line[: _REASON_LIMIT - 1] + "…"
+
+
+def library_versions() -> dict[str, str]:
+    found = {}
+    for name in LIBRARIES:
+        module = sys.modules.get(name)
+        if module is not None:
+            found[name] = str(getattr(module, "__version__", "unknown"))
+    return found
+
+
+class _DiskError(Exception):
+    """Internal: an ``OSError`` from writing, kept apart from errors raised by ``__reduce__``."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+@dataclass
+class _Mark:
+    offset: int
+    digest: DigestMark
+
+
+class _DataFile:
+    """``data.bin`` being written: the pickler's file object, and the buffer writer.
+
+    Counts bytes, feeds the data digest, and can rewind to a mark.
+    """
+
+    def __init__(self, fd: int, write_fn: WriteFn, digest: DataDigest) -> None:
+        self.fd = fd
+        self.write_fn = write_fn
+        self.offset = 0
+        self.written = 0  # handed to the OS, including rewound groups and a failed last write
+        self.digest = digest
+        self.write_seconds = 0.0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        total = view.nbytes
+        # Piece by piece, so the digest of one piece (on a worker thread) overlaps the
+        # write of the next.
+        for start in range(0, total, DIGEST_CHUNK):
+            piece = view[start : start + DIGEST_CHUNK]
+            started = time.perf_counter()
+            try:
+                rest = piece
+                while rest:
+                    count = self.write_fn(self.fd, rest)
+                    self.written += count
+                    rest = rest[count:]
+            except OSError as exc:
+                raise _DiskError(exc) from exc
+            finally:
+                self.write_seconds += time.perf_counter() - started
+            self.digest.update(piece)
+        self.offset += total
+        return total
+
+    def pad(self) -> None:
+        gap = -self.offset % ALIGN
+        if gap:
+            self.write(bytes(gap))
+
+    def mark(self) -> _Mark:
+        return _Mark(self.offset, self.digest.mark())
+
+    def rollback(self, mark: _Mark) -> None:
+        try:
+            os.ftruncate(self.fd, mark.offset)
+            os.lseek(self.fd, mark.offset, os.SEEK_SET)
+        except OSError as exc:
+            raise _DiskError(exc) from exc
+        self.offset = mark.offset
+        self.digest.rollback(mark.digest)
+
+
+@dataclass
+class _GroupResult:
+    record: GroupRecord | None
+    error: BaseException | None
+
+
+def _save_group(data: _DataFile, namespace: dict[str, Any], names: list[str], group_id: int) -> _GroupResult:
+    """Pickle ``names`` as one stream plus buffers at the end of ``data``; rewind on failure."""
+    mark = data.mark()
+    buffers: list[memoryview] = []
+
+    def take(buffer: pickle.PickleBuffer) -> bool:
+        try:
+            buffers.append(buffer.raw())
+        except BufferError:  # not contiguous: let the pickler copy it in-band
+            return True
+        return False
+
+    # The pickler lives until the buffers are written: it owns host copies of GPU storages.
+    pickler = GroupPickler(data, namespace, take)
+    try:
+        pickler.dump({name: namespace[name] for name in names})
+    except _DiskError:
+        raise
+    except Exception as exc:
+        data.rollback(mark)
+        return _GroupResult(None, exc)
+    pickle_length = data.offset - mark.offset
+    placed = []
+    for view in buffers:
+        data.pad()
+        placed.append((data.offset, view.nbytes))
+        data.write(view)
+    del pickler
+    return _GroupResult(GroupRecord(group_id, list(names), mark.offset, pickle_length, placed), None)
+
+
+def _failure_message(exc: OSError, written: int, expected: int, kernel_dir: Path) -> str:
+    progress = f"wrote {written / _MIB:.1f} of {max(expected, written) / _MIB:.1f} MiB"
+    if exc.errno == errno.ENOSPC:
+        return (
+            f"no space left on device while writing the checkpoint ({progress}) — free space in {kernel_dir}"
+        )
+    if exc.errno == errno.EDQUOT:
+        return f"disk quota exceeded while writing the checkpoint ({progress}) — free space in {kernel_dir}"
+    detail = exc.strerror or str(exc)
+    where = f" ({progress})" if written else ""
+    return f"could not write the checkpoint in {kernel_dir}: {detail}{where}"
+
+
+def _create(path: Path, mode: int = 0o600) -> int:
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+
+
+@dataclass
+class _DataResult:
+    records: dict[str, VariableRecord]
+    groups: list[GroupRecord]
+    size: int
+    sha256: str
+    timings: dict[str, float]
+
+
+def _write_data(ns: dict[str, Any], groups: list[VariableGroup], data: _DataFile) -> _DataResult:
+    """Fill ``data.bin`` group by group, then fsync it."""
+    started = time.perf_counter()
+    records, group_records = _save_all(data, ns, groups)
+    serialize = time.perf_counter() - started - data.write_seconds
+    started = time.perf_counter()
+    os.fsync(data.fd)
+    fsync = time.perf_counter() - started
+    return _DataResult(
+        records,
+        group_records,
+        data.offset,
+        data.digest.hexdigest(),
+        {"serialize": serialize, "write": data.write_seconds, "fsync": fsync},
+    )
+
+
+def _committed_id(directory: Path) -> str | None:
+    try:
+        return read_current(directory)
+    except (ValueError, OSError):
+        return None
+
+
+def write_checkpoint(
+    kernel_dir: str | os.PathLike[str],
+    namespace: Mapping[str, Any],
+    *,
+    key: bytes,
+    owner: str,
+    kernel_id: str,
+    skip: Collection[str] = (),
+    write_fn: WriteFn = os.write,
+    max_objects: int = DEFAULT_MAX_OBJECTS,
+) -> Manifest:
+    """Checkpoint the user variables of ``namespace`` into ``kernel_dir`` and commit it.
+
+    Every name except machinery (:func:`is_machinery`) and ``skip`` is considered.
+    Returns the committed manifest. Raises :class:`CheckpointFailed` when the disk fails;
+    the previously committed checkpoint then stays committed.
+
+    ``timings["total"]`` runs until the manifest is complete; the commit that follows
+    (a rename, ``current`` replaced, a few small fsyncs) is logged, not recorded.
+    """
+    started = time.perf_counter()
+    directory = Path(kernel_dir)
+    ns = dict(namespace) if not isinstance(namespace, dict) else namespace
+    names = [
+        name for name in list(ns) if isinstance(name, str) and not is_machinery(name) and name not in skip
+    ]
+    groups = group_variables(ns, names, max_objects=max_objects)
+    grouping = time.perf_counter() - started
+    expected = sum(group.approx_bytes for group in groups)
+
+    created = time.time()
+    checkpoint_id = new_checkpoint_id(created)
+    partial = directory / f"{PARTIAL_PREFIX}{checkpoint_id}"
+    final = directory / checkpoint_id
+    data: _DataFile | None = None
+    publishing = False
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        remove_stale(directory, keep=_committed_id(directory))
+        partial.mkdir()
+        fd = _create(partial / DATA_FILE)
+        try:
+            with digest_workers() as workers:
+                data = _DataFile(fd, write_fn, DataDigest(workers))
+                result = _write_data(ns, groups, data)
+        finally:
+            os.close(fd)
+        manifest = Manifest(
+            checkpoint_id=checkpoint_id,
+            kernel_id=kernel_id,
+            owner=owner,
+            created=created,
+            python=platform.python_version(),
+            libraries=library_versions(),
+            variables=[result.records[name] for name in names],
+            groups=result.groups,
+            totals={
+                "variables": len(names),
+                "saved": sum(1 for r in result.records.values() if r.status == "saved"),
+                "skipped": sum(1 for r in result.records.values() if r.status == "skipped"),
+                "groups": len(result.groups),
+                "buffers": sum(len(g.buffers) for g in result.groups),
+                "bytes": result.size,
+            },
+            data_sha256=result.sha256,
+        )
+        timings = {"grouping": grouping, **result.timings, "total": time.perf_counter() - started}
+        manifest.timings = {name: round(seconds, 6) for name, seconds in timings.items()}
+        sign(key, manifest)
+        _write_manifest(partial / MANIFEST_FILE, manifest)
+        fsync_dir(partial)
+        os.rename(partial, final)
+        fsync_dir(directory)
+        publishing = True
+        publish_current(directory, checkpoint_id)
+    except BaseException as exc:
+        # Once `current` names the new checkpoint it is the committed one: keep it.
+        committed = publishing and _committed_id(directory) == checkpoint_id
+        if not committed:
+            _discard(partial, final)
+        written = data.written if data is not None else 0
+        if isinstance(exc, _DiskError):
+            raise CheckpointFailed(_failure_message(exc.error, written, expected, directory)) from exc.error
+        if isinstance(exc, OSError) and committed:
+            raise CheckpointFailed(
+                f"the checkpoint {checkpoint_id} was committed but could not be confirmed on disk: {exc}"
+            ) from exc
+        if isinstance(exc, OSError):
+            raise CheckpointFailed(_failure_message(exc, written, expected, directory)) from exc
+        raise
+
+    remove_stale(directory, keep=checkpoint_id)
+    log.info(
+        "checkpoint %s: %d saved, %d skipped, %.1f MiB in %.2f s (%.2f s with the commit)",
+        checkpoint_id,
+        manifest.totals["saved"],
+        manifest.totals["skipped"],
+        manifest.data_bytes / _MIB,
+        manifest.timings["total"],
+        time.perf_counter() - started,
+    )
+    return manifest
+
+
+def _save_all(
+    data: _DataFile, ns: dict[str, Any], groups: list[VariableGroup]
+) -> tuple[dict[str, VariableRecord], list[GroupRecord]]:
+    records: dict[str, VariableRecord] = {}
+    group_records: list[GroupRecord] = []
+
+    def saved(record: GroupRecord) -> None:
+        group_records.append(record)
+        for name in record.names:
+            records[name] = VariableRecord(
+                name, type_name(ns[name]), "saved", "", group=record.id, bytes=record.nbytes
+            )
+
+    for group in groups:
+        result = _save_group(data, ns, group.names, len(group_records))
+        if result.record is not None:
+            saved(result.record)
+            continue
+        if len(group.names) > 1:
+            log.info("group %s failed (%s); saving its variables one by one", group.names, result.error)
+        for name in group.names:
+            single = result if len(group.names) == 1 else _save_group(data, ns, [name], len(group_records))
+            if single.record is not None:
+                saved(single.record)
+            else:
+                error = single.error or RuntimeError("not saved")
+                records[name] = VariableRecord(name, type_name(ns[name]), "skipped", describe_error(error))
+    return records, group_records
+
+
+def _write_manifest(path: Path, manifest: Manifest) -> None:
+    fd = _create(path, 0o640)  # the server reads manifests; data.bin stays 0600
+    try:
+        view = memoryview(manifest.to_json().encode("utf-8"))
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _discard(*paths: Path | None) -> None:
+    for path in paths:
+        if path is not None:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(path)

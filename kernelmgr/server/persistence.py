@@ -1,0 +1,87 @@
+"""The on-disk registry of managed kernels, so hibernated kernels outlive the server.
+
+A hibernated kernel has no process: everything that makes it resumable is its checkpoint
+and this record (id, owner, kernelspec, size, working directory, last kernel_info reply).
+The file is small JSON, rewritten atomically (write beside, fsync, rename, fsync dir) on
+every lifecycle change, so a server killed at any moment leaves the previous or the new
+version, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = 1
+
+
+@dataclass
+class KernelRecord:
+    """What the server must remember about a kernel across its own restarts."""
+
+    kernel_id: str
+    kernelspec: str
+    profile: str | None
+    owner: str
+    state: str
+    cwd: str | None = None
+    pid: int | None = None
+    hibernated_at: float | None = None
+    checkpoint_id: str | None = None
+    kernel_info: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> KernelRecord:
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+class KernelStateFile:
+    """Atomic JSON file of :class:`KernelRecord` keyed by kernel id."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+
+    def load(self) -> dict[str, KernelRecord]:
+        """Records from disk; a missing file is an empty registry, a corrupt one an error."""
+        try:
+            raw = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise ValueError(
+                f"kernel registry {self.path} is unreadable ({exc}); move it aside to start fresh"
+            ) from exc
+        kernels = raw.get("kernels", {}) if isinstance(raw, dict) else {}
+        return {kid: KernelRecord.from_dict(rec) for kid, rec in kernels.items() if isinstance(rec, dict)}
+
+    def save(self, records: dict[str, KernelRecord]) -> None:
+        payload = json.dumps(
+            {"format": FORMAT, "kernels": {kid: asdict(rec) for kid, rec in records.items()}},
+            indent=1,
+            sort_keys=True,
+        )
+        with self._lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".kernels-", dir=self.path.parent)
+            try:
+                with os.fdopen(fd, "w") as handle:
+                    handle.write(payload)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+                os.replace(tmp, self.path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)

@@ -1,0 +1,43 @@
+"""A session manager whose notebook ↔ kernel sessions survive a server restart.
+
+jupyter_server keeps sessions in an in-memory SQLite database, so after a restart every
+notebook loses its kernel. With hibernated kernels re-registered at start-up that is the one
+missing piece: this manager keeps its database in a file next to the server's kernel
+registry (one per server root directory), so an open notebook reconnects to the same,
+hibernated kernel and its next cell resumes it.
+
+Hibernated kernels stay registered in the kernel manager, so jupyter_server's own
+``kernel_culled`` test (``kernel_id not in kernel_manager``) already keeps their sessions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from jupyter_server.services.sessions.sessionmanager import SessionManager
+from traitlets import default
+
+from kernelmgr.config import ElasticKernels
+
+
+def server_identity(root_dir: str) -> str:
+    """A short stable name for "this server", from its root directory."""
+    return hashlib.sha256(os.path.abspath(root_dir).encode()).hexdigest()[:12]
+
+
+def state_dir(parent: object) -> str:
+    """Where this server keeps its kernel registry and sessions (beside the checkpoints)."""
+    root = ElasticKernels(parent=parent).checkpoint_root
+    return os.path.abspath(os.path.expanduser(root))
+
+
+class ElasticSessionManager(SessionManager):
+    """jupyter_server's session manager with a persistent database by default."""
+
+    @default("database_filepath")
+    def _elastic_database_filepath(self) -> str:
+        root_dir = getattr(self.parent, "root_dir", os.getcwd())
+        directory = state_dir(self.parent)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        return os.path.join(directory, f"sessions-{server_identity(root_dir)}.db")

@@ -1,0 +1,417 @@
+"""The in-kernel agent, in real IPython shells (no jupyter server, no kernel process).
+
+A "kernel" here is an ``InteractiveShell`` with the extension loaded and the environment
+the server would set. Resuming is simulated with a *fresh* shell on the same kernel
+directory; one test does it in a fresh Python process, as a resumed pod would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from IPython.core.displaypub import CapturingDisplayPublisher
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+
+from kernelmgr.checkpoint import agent
+from kernelmgr.checkpoint.agent import CHECKPOINT_CODE, AgentConfig, format_report, human_bytes
+from kernelmgr.checkpoint.errors import CheckpointFailed
+from kernelmgr.checkpoint.store import CheckpointStore
+
+SECRET = b"k" * 32
+OWNER = "alice"
+KERNEL = "0a1b2c3d-0000-4000-8000-00000000beef"
+ROOT = Path(__file__).resolve().parent.parent
+EXTENSION = "kernelmgr.checkpoint.agent"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CheckpointStore:
+    return CheckpointStore(tmp_path / "checkpoints", SECRET)
+
+
+@pytest.fixture(autouse=True)
+def isolate(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Shells replace ``sys.modules['__main__']``; put pytest's back afterwards."""
+    main = sys.modules["__main__"]
+    names = (agent.ENV_DIR, agent.ENV_KEY, agent.ENV_KERNEL_ID, agent.ENV_OWNER, agent.ENV_RESTORE)
+    for name in (*names, agent.ENV_SERVER_PID):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    sys.modules["__main__"] = main
+    agent._AGENT = None
+
+
+def new_shell(monkeypatch: pytest.MonkeyPatch, env: dict[str, str] | None) -> InteractiveShell:
+    """A fresh shell, like a new kernel process: env as the server sets it, extension loaded."""
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    shell = InteractiveShell(config=config)
+    shell.display_pub = CapturingDisplayPublisher()
+    assert shell.extension_manager is not None
+    shell.extension_manager.load_extension(EXTENSION)
+    return shell
+
+
+def run(shell: InteractiveShell, code: str) -> Any:
+    result = shell.run_cell(code, store_history=True)
+    result.raise_error()
+    return result.result
+
+
+def displayed(shell: InteractiveShell) -> list[dict[str, str]]:
+    assert isinstance(shell.display_pub, CapturingDisplayPublisher)
+    outputs = shell.display_pub.outputs
+    found = [dict(out["data"]) for out in outputs]
+    outputs.clear()
+    return found
+
+
+def user_variables(shell: InteractiveShell) -> set[str]:
+    hidden = shell.user_ns_hidden
+    return {
+        name
+        for name, value in shell.user_ns.items()
+        if not name.startswith("_") and not (name in hidden and hidden[name] is value)
+    }
+
+
+def test_checkpoint_then_resume_in_a_fresh_shell(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shell = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=False))
+    run(shell, "import json as js\nb = [1]\nc = [b, b]\narr = bytearray(b'abc')")
+    run(shell, "def f(x):\n    return x + len(c)\nclass P:\n    def __init__(self, v):\n        self.v = v")
+    run(shell, "p = P(3)\ngen = (i for i in range(3))\nc")
+    count = shell.execution_count
+    assert shell.history_manager is not None
+    history = list(shell.history_manager.get_range(output=False))
+    last_value = shell.user_ns.get("_")
+
+    # What the server sends: a silent execute of CHECKPOINT_CODE.
+    result = shell.run_cell(CHECKPOINT_CODE, silent=True)
+    assert result.success and result.error_in_exec is None
+    assert shell.execution_count == count and shell.user_ns.get("_") is last_value
+    assert list(shell.history_manager.get_range(output=False)) == history
+    assert displayed(shell) == []
+    assert "agent" not in shell.user_ns and "kernelmgr" not in shell.user_ns
+
+    summary = store.summary(OWNER, KERNEL)
+    assert summary is not None
+    assert summary["saved"] == ["js", "b", "c", "arr", "f", "P", "p"]
+    assert summary["not_saved"] == [
+        {"name": "gen", "type": "generator", "reason": "TypeError: cannot pickle 'generator' object"}
+    ]
+
+    resumed = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=True))
+    assert user_variables(resumed) == {"js", "b", "c", "arr", "f", "P", "p"}
+    assert displayed(resumed) == []  # nothing shown until the user runs a cell
+    ns = resumed.user_ns
+    assert ns["c"][0] is ns["c"][1] is ns["b"]
+    assert isinstance(ns["p"], ns["P"]) and ns["f"](1) == 3
+    assert ns["arr"] == bytearray(b"abc") and ns["js"] is sys.modules["json"]
+
+    resumed.run_cell("1 + 1", silent=True)  # e.g. a frontend's own silent request
+    assert displayed(resumed) == []
+    assert run(resumed, "f(10)") == 12
+    [report] = displayed(resumed)
+    assert report["text/plain"].startswith("Kernel resumed: restored 7 variables (")
+    assert (
+        "Not restored: gen (generator: TypeError: cannot pickle 'generator' object)." in report["text/plain"]
+    )
+    assert "**Kernel resumed**" in report["text/markdown"] and "- `gen`" in report["text/markdown"]
+    run(resumed, "c.append(1)")
+    assert displayed(resumed) == []  # once only
+
+    written = store.restore_report(OWNER, KERNEL)
+    assert written is not None and written == agent.last_restore_report()
+    assert written["restored"] == ["js", "b", "c", "arr", "f", "P", "p"]
+    assert written["refused"] is None
+
+
+def test_checkpoint_returns_the_summary_and_skips_shell_names(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shell = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=False))
+    run(shell, "x = 1\n_private = 2\nx")
+    summary = agent.checkpoint()
+    assert summary["saved"] == ["x"] and summary["not_saved"] == []
+    assert summary["id"].startswith("ckpt-") and summary["bytes"] > 0
+
+
+def test_a_refused_checkpoint_starts_the_kernel_empty_and_says_why(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shell = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=False))
+    run(shell, "secret_work = [1, 2, 3]")
+    summary = agent.checkpoint()
+    data = store.kernel_dir(OWNER, KERNEL) / summary["id"] / "data.bin"
+    content = bytearray(data.read_bytes())
+    content[-1] ^= 1
+    data.write_bytes(content)
+
+    resumed = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=True))
+    assert user_variables(resumed) == set()
+    run(resumed, "y = 1")
+    [report] = displayed(resumed)
+    kept = store.kernel_dir(OWNER, KERNEL) / "quarantine" / summary["id"]
+    text = report["text/plain"]
+    assert text.startswith("Kernel resumed without its variables")
+    assert "does not match the manifest's digest" in text and "The kernel started empty." in text
+    assert str(kept) in text and (kept / "reason.txt").exists()
+    written = store.restore_report(OWNER, KERNEL)
+    assert written is not None and "digest" in written["refused"] and written["quarantined"] == str(kept)
+
+
+def test_another_owners_kernel_cannot_load_the_checkpoint(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=False))
+    run(agent._AGENT.shell, "x = 1")  # type: ignore[union-attr]
+    agent.checkpoint()
+    env = store.agent_env(OWNER, KERNEL, restore=True)
+    env[agent.ENV_KEY] = store.key_for("mallory").hex()
+    resumed = new_shell(monkeypatch, env)
+    assert user_variables(resumed) == set()
+    report = agent.last_restore_report()
+    assert report is not None and "HMAC does not verify" in report["refused"]
+
+
+def test_a_failed_checkpoint_reaches_the_server_as_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    env = CheckpointStore(tmp_path, SECRET).agent_env(OWNER, KERNEL, restore=False)
+    env[agent.ENV_DIR] = str(blocker / "kernel")
+    shell = new_shell(monkeypatch, env)
+    run(shell, "x = 1")
+    result = shell.run_cell(CHECKPOINT_CODE, silent=True)
+    error = result.error_in_exec
+    assert isinstance(error, CheckpointFailed)
+    assert type(error).__name__ == "CheckpointFailed" and "\n" not in str(error)
+    assert "could not write the checkpoint" in str(error) and str(blocker) in str(error)
+
+
+def test_an_unconfigured_kernel_refuses_to_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    new_shell(monkeypatch, None)
+    with pytest.raises(CheckpointFailed, match="ELASTIC_CHECKPOINT_DIR is not set"):
+        agent.checkpoint()
+
+
+def test_nothing_to_restore_is_reported(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    resumed = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=True))
+    run(resumed, "1")
+    [report] = displayed(resumed)
+    assert "no committed checkpoint was found" in report["text/plain"]
+
+
+def test_config_from_env() -> None:
+    assert AgentConfig.from_env({}) is None
+    with pytest.raises(ValueError, match="ELASTIC_OWNER"):
+        AgentConfig.from_env(
+            {"ELASTIC_CHECKPOINT_DIR": "/x", "ELASTIC_CHECKPOINT_KEY": "00", "ELASTIC_KERNEL_ID": "k"}
+        )
+    with pytest.raises(ValueError, match="not hex"):
+        AgentConfig.from_env(
+            {
+                "ELASTIC_CHECKPOINT_DIR": "/x",
+                "ELASTIC_CHECKPOINT_KEY": "zz",
+                "ELASTIC_KERNEL_ID": "k",
+                "ELASTIC_OWNER": "o",
+            }
+        )
+
+
+def test_report_text() -> None:
+    plain, markdown = format_report(
+        {
+            "restored": [f"v{i}" for i in range(12)],
+            "not_restored": [
+                {"name": "gen", "reason": "generator: TypeError: cannot pickle 'generator' object"}
+            ],
+            "bytes": 1 << 30,
+            "seconds": 0.8,
+            "remapped": ["model: cuda:1 -> cpu"],
+            "warnings": [],
+            "refused": None,
+        }
+    )
+    assert plain == (
+        "Kernel resumed: restored 12 variables (1.0 GiB) in 0.8 s. "
+        "Not restored: gen (generator: TypeError: cannot pickle 'generator' object). "
+        "Moved: model: cuda:1 -> cpu."
+    )
+    assert "- model: cuda:1 -> cpu" in markdown
+    assert human_bytes(512) == "512 B" and human_bytes(3 << 20) == "3.0 MiB"
+
+
+RESUME_IN_A_NEW_PROCESS = """
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+config = Config()
+config.HistoryManager.hist_file = ":memory:"
+shell = InteractiveShell(config=config)
+shell.extension_manager.load_extension("kernelmgr.checkpoint.agent")
+for cell in [
+    "assert isinstance(p, Point) and isinstance(points[1], Point)",
+    "assert p.norm() == 7 and double(4) == 8",
+    "scale = 3",
+    "assert double(4) == 12, 'notebook functions read the live namespace'",
+    "assert add3(1) == 4 and total() == 7",
+]:
+    shell.run_cell(cell, store_history=True).raise_error()
+print("ok")
+"""
+
+
+def test_notebook_classes_and_functions_resume_in_a_new_process(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shell = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=False))
+    run(
+        shell,
+        textwrap.dedent(
+            """
+            scale = 2
+            def double(x):
+                return x * scale
+            class Point:
+                def __init__(self, x, y):
+                    self.x, self.y = x, y
+                def norm(self):
+                    return abs(self.x) + abs(self.y)
+            def make_adder(n):
+                return lambda x: x + n
+            p = Point(3, -4)
+            points = [p, Point(1, 1)]
+            add3 = make_adder(3)
+            total = lambda: p.norm()
+            """
+        ),
+    )
+    agent.checkpoint()
+    env = {**os.environ, **store.agent_env(OWNER, KERNEL, restore=True), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", RESUME_IN_A_NEW_PROCESS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("ok")
+    report = json.loads((store.kernel_dir(OWNER, KERNEL) / "restore-report.json").read_text())
+    assert report["not_restored"] == [] and "Point" in report["restored"]
+
+
+def test_a_real_ipykernel_checkpoints_silently_and_resumes(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The claims about silent executes, checked against ipykernel itself."""
+    manager = pytest.importorskip("jupyter_client.manager")
+
+    def start(restore: bool) -> Any:
+        env = {**os.environ, **store.agent_env(OWNER, KERNEL, restore=restore), "PYTHONPATH": str(ROOT)}
+        return manager.start_new_kernel(
+            extra_arguments=[f"--IPKernelApp.extensions=['{EXTENSION}']"], env=env
+        )
+
+    km, kc = start(False)
+    try:
+        reply = kc.execute_interactive("data = {'a': [1, 2]}\ngen = (i for i in ())", timeout=30)
+        assert reply["content"]["execution_count"] == 1
+        seen: list[dict[str, Any]] = []
+        reply = kc.execute_interactive(CHECKPOINT_CODE, silent=True, timeout=30, output_hook=seen.append)
+        assert reply["content"]["status"] == "ok"
+        assert {m["msg_type"] for m in seen} == {"status"}  # no output, no execute_input
+        assert kc.execute_interactive("1", timeout=30)["content"]["execution_count"] == 2
+    finally:
+        km.shutdown_kernel(now=True)
+
+    km, kc = start(True)
+    try:
+        outputs: list[dict[str, Any]] = []
+        reply = kc.execute_interactive("data['a']", timeout=30, output_hook=outputs.append)
+        assert reply["content"]["status"] == "ok" and reply["content"]["execution_count"] == 1
+        kinds = [(m["msg_type"], m["content"].get("data", {}).get("text/plain", "")) for m in outputs]
+        assert [k for k, _ in kinds if k in ("display_data", "execute_result")] == [
+            "display_data",
+            "execute_result",
+        ]
+        assert kinds[[k for k, _ in kinds].index("display_data")][1].startswith(
+            "Kernel resumed: restored 1 variable"
+        )
+        assert ("execute_result", "[1, 2]") in kinds
+
+        # A failing checkpoint (the kernel directory is now a file): the reply carries the
+        # error for the server to read.
+        directory = store.kernel_dir(OWNER, KERNEL)
+        shutil.rmtree(directory)
+        directory.write_text("")
+        reply = kc.execute_interactive(CHECKPOINT_CODE, silent=True, timeout=30)
+        assert reply["content"]["status"] == "error"
+        assert reply["content"]["ename"] == "CheckpointFailed"
+        assert reply["content"]["evalue"] == f"could not write the checkpoint in {directory}: File exists"
+    finally:
+        km.shutdown_kernel(now=True)
+
+
+KERNEL_THAT_OUTLIVES_ITS_SERVER = """
+import sys, time
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+config = Config()
+config.HistoryManager.hist_file = ":memory:"
+shell = InteractiveShell(config=config)
+shell.extension_manager.load_extension("kernelmgr.checkpoint.agent")
+shell.run_cell("x = 1", store_history=True).raise_error()
+print("ready", flush=True)
+shell.run_cell("import time; time.sleep(1.5); y = 2", store_history=True).raise_error()
+time.sleep(30)
+print("the watchdog did not fire", flush=True)
+"""
+
+
+def test_a_kernel_checkpoints_itself_and_exits_when_its_server_dies(store: CheckpointStore) -> None:
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    env = {
+        **os.environ,
+        **store.agent_env(OWNER, KERNEL, restore=False),
+        agent.ENV_SERVER_PID: str(server.pid),
+        "PYTHONPATH": str(ROOT),
+    }
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", KERNEL_THAT_OUTLIVES_ITS_SERVER],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert kernel.stdout is not None and kernel.stdout.readline().strip() == "ready"
+        server.kill()  # while the second cell is still running
+        server.wait(10)
+        out, err = kernel.communicate(timeout=30)
+    finally:
+        for process in (server, kernel):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert kernel.returncode == 0, err
+    assert "did not fire" not in out
+    summary = store.summary(OWNER, KERNEL)
+    assert summary is not None and summary["saved"] == ["x", "time", "y"]  # waited for the running cell

@@ -1,0 +1,835 @@
+"""The checkpoint format, store and integrity, on plain dicts (no kernel, no server).
+
+Notebook code is simulated by exec-ing source in a dict whose ``__name__`` is
+``__main__``: functions defined there have that dict as their globals and classes have
+``__module__ == "__main__"``, exactly as in a kernel's user namespace.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pickle
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+import tracemalloc
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kernelmgr.checkpoint import layout, writer
+from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
+from kernelmgr.checkpoint.format import (
+    ALIGN,
+    remap_device,
+    restore_checkpoint,
+    write_checkpoint,
+)
+from kernelmgr.checkpoint.grouping import group_variables
+from kernelmgr.checkpoint.integrity import (
+    load_or_create_secret,
+    manifest_hmac,
+    manifest_is_authentic,
+    owner_key,
+)
+from kernelmgr.checkpoint.serialize import RestoreContext, _rebuild_storage, restoring
+from kernelmgr.checkpoint.store import CheckpointStore
+from kernelmgr.core.manifest import FORMAT, GroupRecord, Manifest, ManifestError, VariableRecord
+
+SECRET = b"s" * 32
+OWNER = "alice"
+KERNEL = "3f2a9c1e-0000-4000-8000-000000000001"
+KEY = owner_key(SECRET, OWNER)
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def save(kernel_dir: Path, ns: dict[str, Any], **kwargs: Any) -> Manifest:
+    return write_checkpoint(kernel_dir, ns, key=KEY, owner=OWNER, kernel_id=KERNEL, **kwargs)
+
+
+def load(kernel_dir: Path, **kwargs: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    ns: dict[str, Any] = {"__name__": "__main__"}
+    options = {"key": KEY, "owner": OWNER, "kernel_id": KERNEL, **kwargs}
+    report = restore_checkpoint(kernel_dir, ns, **options)
+    assert report is not None
+    return ns, report
+
+
+def notebook(source: str, **preset: Any) -> dict[str, Any]:
+    """A namespace as a notebook would leave it after running ``source``."""
+    ns: dict[str, Any] = {"__name__": "__main__", **preset}
+    exec(textwrap.dedent(source), ns)
+    return ns
+
+
+def entries(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
+@pytest.fixture
+def kdir(tmp_path: Path) -> Path:
+    return tmp_path / OWNER / KERNEL
+
+
+# --- objects used to prove "nothing was unpickled" -----------------------------------------
+
+
+def touch(path: str) -> str:
+    """Runs at unpickling time: leaves a file behind as evidence."""
+    Path(path).write_text("unpickled")
+    return path
+
+
+class Marker:
+    """Unpickling it creates a file, so a test can tell whether unpickling happened."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (touch, (self.path,))
+
+
+# --- round trips ---------------------------------------------------------------------------
+
+
+def test_plain_values_round_trip(kdir: Path) -> None:
+    ns = notebook(
+        """
+        n = 42
+        big = 2 ** 100
+        s = "héllo"
+        raw = b"\\x00\\x01"
+        nums = [1, 2.5, None, True]
+        table = {"a": (1, 2), "b": {3, 4}, 5: frozenset({6})}
+        nothing = None
+        """
+    )
+    manifest = save(kdir, ns)
+    restored, report = load(kdir)
+    for name in ("n", "big", "s", "raw", "nums", "table", "nothing"):
+        assert restored[name] == ns[name], name
+    assert report["restored"] == ["n", "big", "s", "raw", "nums", "table", "nothing"]
+    assert report["not_restored"] == [] and report["refused"] is None
+    assert report["checkpoint"] == manifest.checkpoint_id
+    assert (kdir / "current").read_text().strip() == manifest.checkpoint_id
+
+
+def test_manifest_records_types_versions_totals_and_timings(kdir: Path) -> None:
+    manifest = save(kdir, notebook("import json\nx = [1, 2]\ngen = (i for i in ())"))
+    assert manifest.format == FORMAT and manifest.owner == OWNER and manifest.kernel_id == KERNEL
+    assert manifest.python.count(".") == 2
+    assert "cloudpickle" in manifest.libraries
+    by_name = {v.name: v for v in manifest.variables}
+    assert by_name["x"].type == "list" and by_name["x"].status == "saved" and by_name["x"].bytes > 0
+    assert by_name["json"].type == "module"
+    assert by_name["gen"].status == "skipped" and by_name["gen"].group is None
+    assert manifest.totals["saved"] == 2 and manifest.totals["skipped"] == 1
+    assert manifest.totals["bytes"] == (kdir / manifest.checkpoint_id / "data.bin").stat().st_size
+    assert set(manifest.timings) >= {"serialize", "write", "fsync", "total"}
+    on_disk = Manifest.from_json((kdir / manifest.checkpoint_id / "manifest.json").read_text())
+    assert on_disk == manifest
+    summary = manifest.summary()
+    assert summary["id"] == manifest.checkpoint_id and summary["created"].endswith("Z")
+    assert summary["saved"] == ["json", "x"]
+    assert summary["not_saved"] == [
+        {"name": "gen", "type": "generator", "reason": "TypeError: cannot pickle 'generator' object"}
+    ]
+
+
+def test_ipython_machinery_is_not_saved(kdir: Path) -> None:
+    ns = notebook("x = 1", In=[""], Out={}, get_ipython=print, exit=None, quit=None, _=5, _i1="x = 1")
+    manifest = save(kdir, ns, skip={"hidden_by_shell"})
+    ns["hidden_by_shell"] = 3
+    assert [v.name for v in manifest.variables] == ["x"]
+
+
+def test_shared_references_survive_within_and_across_variables(kdir: Path) -> None:
+    ns = notebook(
+        """
+        b = [1]
+        c = [b, b]
+        d = {"x": b}
+        alias = c
+        unrelated = [1]
+        def f(): return 1
+        g = f
+        """
+    )
+    manifest = save(kdir, ns)
+    groups = [g.names for g in manifest.groups]
+    assert ["b", "c", "d", "alias"] in groups and ["unrelated"] in groups and ["f", "g"] in groups
+    r, _ = load(kdir)
+    assert r["c"][0] is r["c"][1] is r["d"]["x"] is r["b"]
+    assert r["alias"] is r["c"] and r["g"] is r["f"]
+    r["b"].append(2)
+    assert r["d"]["x"] == [1, 2]
+
+
+def test_grouping_cap_loses_only_identity() -> None:
+    shared = [0]
+    ns = {"a": [list(range(50)), shared], "b": [shared]}
+    assert [g.names for g in group_variables(ns, ["a", "b"])] == [["a", "b"]]
+    capped = group_variables(ns, ["a", "b"], max_objects=1)
+    assert [g.names for g in capped] == [["a"], ["b"]] and capped[0].truncated
+
+
+def test_generator_is_skipped_with_its_reason(kdir: Path) -> None:
+    ns = notebook("gen = (i for i in range(3))\nok = 1")
+    manifest = save(kdir, ns)
+    skipped = manifest.skipped()
+    assert [v.name for v in skipped] == ["gen"]
+    assert skipped[0].reason == "TypeError: cannot pickle 'generator' object"
+    r, report = load(kdir)
+    assert "gen" not in r and r["ok"] == 1
+    assert report["not_restored"] == [
+        {
+            "name": "gen",
+            "type": "generator",
+            "reason": "generator: TypeError: cannot pickle 'generator' object",
+        }
+    ]
+
+
+def test_a_bad_member_does_not_lose_its_group(kdir: Path) -> None:
+    ns = notebook(
+        """
+        shared = [1, 2]
+        good = {"k": shared}
+        bad = (shared, (i for i in range(3)))
+        """
+    )
+    manifest = save(kdir, ns)
+    by_name = {v.name: v for v in manifest.variables}
+    assert by_name["shared"].status == by_name["good"].status == "saved"
+    assert by_name["bad"].status == "skipped" and "generator" in by_name["bad"].reason
+    r, _ = load(kdir)
+    assert r["good"] == {"k": [1, 2]} and r["shared"] == [1, 2]
+    # Saved one by one: the values survive, the identity between them does not.
+    assert r["good"]["k"] is not r["shared"]
+    # The failed attempt left nothing behind in data.bin: every byte is accounted for.
+    data_size = manifest.data_bytes
+    used = sum(g.nbytes for g in manifest.groups)
+    assert used <= data_size < used + ALIGN * (1 + sum(len(g.buffers) for g in manifest.groups))
+
+
+# --- notebook code ------------------------------------------------------------------------
+
+NOTEBOOK_CODE = """
+import functools
+scale = 2
+
+def double(x):
+    return x * scale
+
+class Point:
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+    def norm1(self):
+        return abs(self.x) + abs(self.y) + offset()
+
+def offset():
+    return 0
+
+def make_adder(n):
+    def add(x):
+        return x + n
+    return add
+
+def fact(n):
+    return 1 if n <= 1 else n * fact(n - 1)
+
+@functools.lru_cache
+def cached(x):
+    return x + 1
+
+def make_dangling():
+    def inner():
+        return never
+    return inner
+    never = 1
+
+p = Point(1, -2)
+points = [p, Point(3, 4)]
+dangling = make_dangling()
+add3 = make_adder(3)
+square = lambda v: v * v
+"""
+
+
+def test_notebook_functions_and_classes_restore(kdir: Path) -> None:
+    ns = notebook(NOTEBOOK_CODE)
+    save(kdir, ns)
+    r, report = load(kdir)
+    assert report["not_restored"] == []
+    assert isinstance(r["p"], r["Point"]) and all(isinstance(q, r["Point"]) for q in r["points"])
+    assert r["double"](5) == 10 and r["add3"](1) == 4 and r["square"](3) == 9 and r["fact"](5) == 120
+    assert r["cached"](1) == 2
+    with pytest.raises(NameError):  # its closure cell was empty when saved, and still is
+        r["dangling"]()
+    # Notebook functions see the restored namespace, including names defined later.
+    assert r["double"].__globals__ is r
+    r["scale"] = 10
+    assert r["double"](5) == 50
+    r["offset"] = lambda: 100
+    assert r["p"].norm1() == 103
+    assert r["functools"] is sys.modules["functools"]
+
+
+def test_modules_are_saved_by_name(kdir: Path) -> None:
+    import collections.abc as cabc
+
+    manifest = save(kdir, notebook("import json\nimport os.path as osp", cabc=cabc))
+    assert manifest.data_bytes < 1000
+    r, _ = load(kdir)
+    assert r["json"] is sys.modules["json"] and r["osp"] is sys.modules["os.path"] and r["cabc"] is cabc
+
+
+def test_a_group_that_fails_to_load_does_not_stop_the_others(kdir: Path) -> None:
+    gone = types.ModuleType("elastic_test_vanishing")
+    exec("class Thing:\n    pass\n", gone.__dict__)
+    gone.Thing.__module__ = "elastic_test_vanishing"
+    sys.modules["elastic_test_vanishing"] = gone
+    try:
+        save(kdir, {"mod": gone, "thing": gone.Thing(), "kept": [1]})
+    finally:
+        del sys.modules["elastic_test_vanishing"]
+    r, report = load(kdir)
+    assert r["kept"] == [1] and "mod" not in r and "thing" not in r
+    reasons = {item["name"]: item["reason"] for item in report["not_restored"]}
+    assert set(reasons) == {"mod", "thing"}
+    assert "ModuleNotFoundError" in reasons["mod"] and "elastic_test_vanishing" in reasons["mod"]
+
+
+# --- numpy, pandas, torch -----------------------------------------------------------------
+
+
+def test_numpy_arrays_come_back_writable_and_without_a_copy(kdir: Path) -> None:
+    np = pytest.importorskip("numpy")
+    ns = {
+        "a": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "f": np.asfortranarray(np.ones((3, 5))),
+        "strided": np.arange(10)[::2],
+        "objects": np.array([[1], "x"], dtype=object),
+        "empty": np.zeros(0),
+    }
+    manifest = save(kdir, ns)
+    assert len(manifest.groups[0].buffers) == 1 and manifest.groups[0].buffers[0][0] % ALIGN == 0
+    r, _ = load(kdir)
+    for name, value in ns.items():
+        assert r[name].dtype == value.dtype and r[name].shape == value.shape, name
+        assert r[name].tolist() == value.tolist(), name
+    assert r["f"].flags.f_contiguous
+    a = r["a"]
+    assert a.flags.writeable
+    a[0, 0] = 7
+    base: Any = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, memoryview) and isinstance(base.obj, bytearray)
+    assert len(base.obj) == a.nbytes
+
+
+def test_large_arrays_cost_no_extra_copy_to_write_or_read(kdir: Path) -> None:
+    np = pytest.importorskip("numpy")
+    size = 100 << 20
+    ns = {"big": np.ones(size // 8)}
+    tracemalloc.start()
+    try:
+        save(kdir, ns)
+        _, write_peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        before, _ = tracemalloc.get_traced_memory()
+        r, _ = load(kdir)
+        _, read_peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert write_peak < 8 << 20, f"writing 100 MiB allocated {write_peak >> 20} MiB"
+    assert size <= read_peak - before < size + (8 << 20), (
+        f"reading allocated {(read_peak - before) >> 20} MiB"
+    )
+    assert r["big"].sum() == size // 8
+
+
+def test_pandas_dataframe_round_trip(kdir: Path) -> None:
+    pd = pytest.importorskip("pandas")
+    df = pd.DataFrame({"i": range(1000), "f": [0.5] * 1000, "s": ["x"] * 1000})
+    df["c"] = pd.Categorical(["a", "b"] * 500)
+    manifest = save(kdir, {"df": df, "col": df["f"]})
+    assert manifest.totals["buffers"] >= 2
+    r, _ = load(kdir)
+    pd.testing.assert_frame_equal(r["df"], df)
+    pd.testing.assert_series_equal(r["col"], df["f"])
+
+
+def test_torch_tensors_round_trip(kdir: Path) -> None:
+    torch = pytest.importorskip("torch")
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    ns = {
+        "w": torch.randn(3, 4, dtype=torch.bfloat16),
+        "grad": torch.ones(2, 2, requires_grad=True),
+        "param": torch.nn.Parameter(torch.zeros(3)),
+        "ints": torch.tensor([1, 2, 3], dtype=torch.int64),
+        "flags": torch.tensor([True, False]),
+        "half": torch.ones(5, dtype=torch.float16),
+        "base": base,
+        "view": base[1:, ::2],
+        "transposed": base.t(),
+        "conj": torch.tensor([1 + 2j, 3 - 1j]).conj(),
+        "empty": torch.zeros(0, 3),
+        "model": torch.nn.Linear(4, 2),
+    }
+    manifest = save(kdir, ns)
+    assert manifest.totals["skipped"] == 0
+    r, report = load(kdir)
+    assert report["not_restored"] == [] and report["remapped"] == []
+    for name in (
+        "w",
+        "grad",
+        "param",
+        "ints",
+        "flags",
+        "half",
+        "base",
+        "view",
+        "transposed",
+        "conj",
+        "empty",
+    ):
+        got, want = r[name], ns[name]
+        assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == want.stride(), name
+        assert torch.equal(got.detach(), want.detach().resolve_conj()), name
+        assert got.requires_grad == want.requires_grad, name
+    assert isinstance(r["param"], torch.nn.Parameter) and r["param"].requires_grad
+    assert r["w"].dtype == torch.bfloat16
+    # Views of one storage, held by different variables, still share it.
+    assert r["view"].untyped_storage().data_ptr() == r["base"].untyped_storage().data_ptr()
+    r["base"][1, 0] = 100.0
+    assert r["view"][0, 0].item() == 100.0 and r["transposed"][0, 1].item() == 100.0
+    x = torch.ones(1, 4)
+    assert torch.equal(r["model"](x), ns["model"](x))
+    loss = (r["grad"] * 2).sum()
+    loss.backward()
+    assert torch.equal(r["grad"].grad, torch.full((2, 2), 2.0))
+
+
+def test_device_remapping_decision() -> None:
+    assert remap_device("cpu", 0) == ("cpu", None)
+    assert remap_device("cuda:0", 1) == ("cuda:0", None)
+    assert remap_device("cuda:1", 2) == ("cuda:1", None)
+    assert remap_device("cuda:1", 1) == ("cuda:0", "cuda:1 -> cuda:0")
+    assert remap_device("cuda:1", 0) == ("cpu", "cuda:1 -> cpu")
+    assert remap_device("cuda", 0) == ("cpu", "cuda:0 -> cpu")
+    assert remap_device("mps", 0) == ("cpu", "mps -> cpu")
+
+
+def test_a_gpu_storage_comes_back_on_the_cpu_when_there_is_no_gpu() -> None:
+    torch = pytest.importorskip("torch")
+    context = RestoreContext({}, cuda_count=0)
+    with restoring(context):
+        storage = _rebuild_storage(memoryview(bytearray(b"\x01\x02\x03\x04")), 4, "cuda:1")
+    assert storage.device == torch.device("cpu") and bytes(storage) == b"\x01\x02\x03\x04"
+    assert context.remapped == ["cuda:1 -> cpu"]
+
+
+# --- commits, crashes and full disks -------------------------------------------------------
+
+
+def test_a_second_checkpoint_replaces_the_first_only_once_committed(kdir: Path) -> None:
+    first = save(kdir, {"v": 1})
+    second = save(kdir, {"v": 2})
+    assert entries(kdir) == {"current", second.checkpoint_id}
+    assert load(kdir)[0]["v"] == 2
+    assert first.checkpoint_id < second.checkpoint_id
+
+
+def test_a_crash_before_the_commit_point_keeps_the_old_checkpoint(
+    kdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = save(kdir, {"v": "old"})
+    monkeypatch.setattr(writer, "publish_current", crash_before_commit)
+    with pytest.raises(KeyboardInterrupt):
+        save(kdir, {"v": "new"})
+    monkeypatch.undo()
+    assert layout.read_current(kdir) == old.checkpoint_id
+    assert load(kdir)[0]["v"] == "old"
+    newer = save(kdir, {"v": "newer"})
+    assert entries(kdir) == {"current", newer.checkpoint_id}
+
+
+def crash_before_commit(directory: Path, checkpoint_id: str) -> None:
+    """Stands in for ``publish_current``: the process dies right before the commit point."""
+    raise KeyboardInterrupt
+
+
+def fail_after(limit: int) -> Callable[[int, memoryview], int]:
+    """A write function for a disk that fills up after ``limit`` bytes."""
+    written = 0
+
+    def write(fd: int, data: memoryview) -> int:
+        nonlocal written
+        room = limit - written
+        if room <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        count = os.write(fd, data[:room])
+        written += count
+        return count
+
+    return write
+
+
+def test_disk_full_leaves_the_committed_checkpoint_alone(kdir: Path) -> None:
+    old = save(kdir, {"v": "old"})
+    payload = {"v": "new", "blob": bytearray(3 << 20)}
+    with pytest.raises(CheckpointFailed) as caught:
+        save(kdir, payload, write_fn=fail_after(1 << 20))
+    message = str(caught.value)
+    assert message.startswith("no space left on device while writing the checkpoint (wrote 1.0 of ")
+    assert "MiB) — free space in " in message and str(kdir) in message
+    assert entries(kdir) == {"current", old.checkpoint_id}
+    assert load(kdir)[0]["v"] == "old"
+
+
+def test_disk_full_on_a_real_small_filesystem(tmp_path: Path) -> None:
+    mountpoint = tmp_path / "small"
+    mountpoint.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mountpoint)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        kdir = mountpoint / OWNER / KERNEL
+        old = save(kdir, {"v": "old"})
+        with pytest.raises(CheckpointFailed, match=r"^no space left on device .* free space in "):
+            save(kdir, {"v": "new", "blob": bytearray(4 << 20)})
+        assert entries(kdir) == {"current", old.checkpoint_id}
+        assert load(kdir)[0]["v"] == "old"
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=False)
+
+
+CRASH_WRITER = """
+import os, sys, time
+from kernelmgr.checkpoint.format import write_checkpoint
+directory, key = sys.argv[1], bytes.fromhex(sys.argv[2])
+
+def slow(fd, data):
+    count = os.write(fd, data[: 1 << 20])
+    time.sleep(0.01)
+    return count
+
+print("writing", flush=True)
+write_checkpoint(directory, {"v": "new", "big": bytearray(64 << 20)}, key=key, owner=sys.argv[3],
+                 kernel_id=sys.argv[4], write_fn=slow)
+print("done", flush=True)
+"""
+
+
+def test_kill_9_in_the_middle_of_a_write_keeps_the_old_checkpoint(kdir: Path) -> None:
+    old = save(kdir, {"v": "old"})
+    process = subprocess.Popen(
+        [sys.executable, "-c", CRASH_WRITER, str(kdir), KEY.hex(), OWNER, KERNEL],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        partial_data: Path | None = None
+        while time.monotonic() < deadline and process.poll() is None:
+            partials = list(kdir.glob(".partial-*/data.bin"))
+            if partials and partials[0].stat().st_size > 8 << 20:
+                partial_data = partials[0]
+                break
+            time.sleep(0.005)
+        assert partial_data is not None, "the writer never got going"
+        process.send_signal(signal.SIGKILL)
+        process.wait(10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert layout.read_current(kdir) == old.checkpoint_id
+    assert partial_data.exists()
+    assert load(kdir)[0]["v"] == "old"
+    newer = save(kdir, {"v": "newer"})
+    assert entries(kdir) == {"current", newer.checkpoint_id}
+
+
+# --- integrity ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def marked(kdir: Path, tmp_path: Path) -> tuple[Manifest, Path]:
+    """A committed checkpoint holding a Marker, and the file unpickling it would create."""
+    evidence = tmp_path / "unpickled.txt"
+    manifest = save(kdir, {"marker": Marker(evidence), "x": 1})
+    return manifest, evidence
+
+
+def assert_refused_and_quarantined(
+    kdir: Path, manifest: Manifest, evidence: Path, reason: str, **kw: Any
+) -> None:
+    with pytest.raises(CheckpointRefused, match=reason) as caught:
+        load(kdir, **kw)
+    assert not evidence.exists(), "something was unpickled from a refused checkpoint"
+    kept = kdir / "quarantine" / manifest.checkpoint_id
+    assert caught.value.quarantined == kept
+    assert (kept / "manifest.json").exists() and (kept / "data.bin").exists()
+    assert reason.split(" ")[0] in (kept / "reason.txt").read_text()
+    assert not (kdir / manifest.checkpoint_id).exists()
+    # Asking again refuses again, with the same reason, without unpickling.
+    with pytest.raises(CheckpointRefused, match=reason):
+        load(kdir, **kw)
+    assert not evidence.exists()
+
+
+def test_the_marker_really_runs_when_a_checkpoint_is_trusted(
+    kdir: Path, marked: tuple[Manifest, Path]
+) -> None:
+    _, evidence = marked
+    r, _ = load(kdir)
+    assert evidence.read_text() == "unpickled" and r["x"] == 1
+
+
+def test_tampered_data_is_refused_before_unpickling(kdir: Path, marked: tuple[Manifest, Path]) -> None:
+    manifest, evidence = marked
+    data = kdir / manifest.checkpoint_id / "data.bin"
+    content = bytearray(data.read_bytes())
+    content[-3] ^= 0xFF
+    data.write_bytes(content)
+    assert_refused_and_quarantined(kdir, manifest, evidence, "does not match the manifest's digest")
+
+
+def test_tampered_manifest_is_refused(kdir: Path, marked: tuple[Manifest, Path]) -> None:
+    manifest, evidence = marked
+    path = kdir / manifest.checkpoint_id / "manifest.json"
+    raw = json.loads(path.read_text())
+    raw["variables"][1]["type"] = "something-else"
+    path.write_text(json.dumps(raw))
+    assert_refused_and_quarantined(kdir, manifest, evidence, "HMAC does not verify")
+
+
+def test_another_owners_key_is_refused(kdir: Path, marked: tuple[Manifest, Path]) -> None:
+    manifest, evidence = marked
+    other = owner_key(SECRET, "mallory")
+    assert_refused_and_quarantined(kdir, manifest, evidence, "HMAC does not verify", key=other)
+
+
+def test_a_checkpoint_of_another_kernel_is_refused(kdir: Path, marked: tuple[Manifest, Path]) -> None:
+    manifest, evidence = marked
+    assert_refused_and_quarantined(kdir, manifest, evidence, "belongs to kernel", kernel_id="someone-else")
+
+
+def test_missing_data_and_malformed_manifest_are_refused(kdir: Path, marked: tuple[Manifest, Path]) -> None:
+    manifest, evidence = marked
+    (kdir / manifest.checkpoint_id / "data.bin").unlink()
+    with pytest.raises(CheckpointRefused, match=r"data\.bin is missing"):
+        load(kdir)
+    fresh = save(kdir, {"marker": Marker(evidence)})
+    (kdir / fresh.checkpoint_id / "manifest.json").write_text("{not json")
+    with pytest.raises(CheckpointRefused, match="not valid JSON"):
+        load(kdir)
+    assert not evidence.exists()
+    assert sorted(p.name for p in (kdir / "quarantine").iterdir()) == sorted(
+        [manifest.checkpoint_id, fresh.checkpoint_id]
+    )
+
+
+def test_current_must_name_a_checkpoint(kdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = save(kdir, {"x": 1})
+    (kdir / "current").write_text("../../etc\n")
+    with pytest.raises(CheckpointRefused, match="not a checkpoint"):
+        load(kdir)
+    # A write cannot tell which checkpoint was committed, so it deletes none before its commit...
+    monkeypatch.setattr(writer, "publish_current", crash_before_commit)
+    with pytest.raises(KeyboardInterrupt):
+        save(kdir, {"x": 2})
+    monkeypatch.undo()
+    assert (kdir / first.checkpoint_id).is_dir()
+    # ...and once its own commit is in place, the older ones go.
+    second = save(kdir, {"x": 3})
+    assert entries(kdir) == {"current", second.checkpoint_id}
+
+
+def test_nothing_committed_means_no_report(kdir: Path) -> None:
+    assert restore_checkpoint(kdir, {}, key=KEY, owner=OWNER, kernel_id=KERNEL) is None
+
+
+def test_secret_is_created_private_and_reused(tmp_path: Path) -> None:
+    path = tmp_path / "conf" / "checkpoint.secret"
+    secret = load_or_create_secret(path)
+    assert len(secret) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_or_create_secret(path) == secret
+    assert [p.name for p in path.parent.iterdir()] == ["checkpoint.secret"]
+
+
+def test_owner_keys_differ_and_sign_manifests(kdir: Path) -> None:
+    assert owner_key(SECRET, "alice") != owner_key(SECRET, "bob")
+    assert owner_key(SECRET, "alice") != owner_key(b"t" * 32, "alice")
+    manifest = save(kdir, {"x": 1})
+    assert manifest_is_authentic(KEY, manifest)
+    assert not manifest_is_authentic(owner_key(SECRET, "bob"), manifest)
+    assert manifest.hmac == manifest_hmac(KEY, manifest)
+
+
+# --- the manifest ------------------------------------------------------------------------
+
+
+def example_manifest() -> Manifest:
+    return Manifest(
+        checkpoint_id="ckpt-20250101T000000000000-0123abcd",
+        kernel_id=KERNEL,
+        owner=OWNER,
+        created=1735689600.0,
+        python="3.11.7",
+        libraries={"numpy": "2.0.0"},
+        variables=[
+            VariableRecord("x", "list", "saved", "", 0, 10),
+            VariableRecord("g", "generator", "skipped", "TypeError: cannot pickle 'generator' object"),
+        ],
+        groups=[GroupRecord(0, ["x"], 0, 10, [(64, 80)])],
+        totals={"bytes": 144, "saved": 1, "skipped": 1},
+        timings={"total": 0.25},
+        data_sha256="00" * 32,
+        hmac="ab" * 32,
+    )
+
+
+def test_manifest_json_round_trip_and_summary() -> None:
+    manifest = example_manifest()
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert manifest.summary() == {
+        "id": "ckpt-20250101T000000000000-0123abcd",
+        "created": "2025-01-01T00:00:00Z",
+        "bytes": 144,
+        "saved": ["x"],
+        "not_saved": [
+            {"name": "g", "type": "generator", "reason": "TypeError: cannot pickle 'generator' object"}
+        ],
+        "seconds": 0.25,
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda raw: raw.pop("owner"), "missing owner"),
+        (lambda raw: raw.update(format="other/9"), "unsupported checkpoint format"),
+        (lambda raw: raw.update(created="yesterday"), "created must be a number"),
+        (lambda raw: raw["variables"][0].update(status="maybe"), r"variables\[0\].status"),
+        (lambda raw: raw["groups"][0].update(buffers=[[1]]), r"groups\[0\].buffers\[0\]"),
+        (lambda raw: raw["groups"][0].update(pickle_offset=-1), "must be >= 0"),
+        (lambda raw: raw["groups"][0].update(pickle_length=True), "must be an integer"),
+        (lambda raw: raw["variables"][0].update(group=7), "not listed in group 7"),
+        (lambda raw: raw.update(variables={}), "variables must be a list"),
+    ],
+)
+def test_malformed_manifests_are_rejected_clearly(
+    change: Callable[[dict[str, Any]], Any], message: str
+) -> None:
+    raw = example_manifest().to_dict()
+    change(raw)
+    with pytest.raises(ManifestError, match=message):
+        Manifest.from_dict(raw)
+
+
+def test_manifest_from_json_rejects_non_json() -> None:
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        Manifest.from_json(b"\xff\xfe")
+    with pytest.raises(ManifestError, match="must be an object"):
+        Manifest.from_json("[]")
+
+
+# --- the store ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[CheckpointStore]:
+    yield CheckpointStore(tmp_path / "root", SECRET)
+
+
+@pytest.mark.parametrize(
+    "bad", ["", ".", "..", "../x", "a/b", "a\\b", ".hidden", "x\x00", " padded", "x" * 200]
+)
+def test_store_refuses_names_that_could_escape_the_root(store: CheckpointStore, bad: str) -> None:
+    with pytest.raises(ValueError):
+        store.kernel_dir(bad, KERNEL)
+    with pytest.raises(ValueError):
+        store.kernel_dir(OWNER, bad)
+
+
+def test_store_reads_what_the_agent_writes(store: CheckpointStore) -> None:
+    assert store.latest(OWNER, KERNEL) is None and store.summary(OWNER, KERNEL) is None
+    assert store.restore_report(OWNER, KERNEL) is None
+    directory = store.kernel_dir(OWNER, KERNEL)
+    assert directory == store.root / OWNER / KERNEL
+    assert store.key_for(OWNER) == KEY
+    env = store.agent_env(OWNER, KERNEL, restore=True)
+    assert env["ELASTIC_CHECKPOINT_KEY"] == KEY.hex() and env["ELASTIC_RESTORE"] == "1"
+    manifest = save(directory, {"x": [1], "gen": (i for i in range(0))})
+    latest = store.latest(OWNER, KERNEL)
+    assert latest is not None and latest.checkpoint_id == manifest.checkpoint_id
+    summary = store.summary(OWNER, KERNEL)
+    assert summary is not None and summary["saved"] == ["x"] and summary["refused"] is None
+    assert store.has_checkpoint(OWNER, KERNEL)
+    # Another owner's store view never verifies alice's checkpoint.
+    assert store.latest("bob", KERNEL) is None
+
+
+def test_store_quarantines_a_bad_checkpoint_and_reports_it(store: CheckpointStore) -> None:
+    directory = store.kernel_dir(OWNER, KERNEL)
+    manifest = save(directory, {"x": 1})
+    (directory / manifest.checkpoint_id / "data.bin").write_bytes(b"short")
+    with pytest.raises(CheckpointRefused, match=r"data\.bin has 5 bytes"):
+        store.latest(OWNER, KERNEL)
+    summary = store.summary(OWNER, KERNEL)
+    assert summary is not None and "data.bin has 5 bytes" in summary["refused"]
+    assert summary["quarantined"] == str(directory / "quarantine" / manifest.checkpoint_id)
+    store.remove(OWNER, KERNEL)
+    assert not directory.exists() and not directory.parent.exists()
+    store.remove(OWNER, KERNEL)  # removing twice is fine
+
+
+def test_pickle_streams_hold_no_big_buffers(kdir: Path) -> None:
+    """Out-of-band buffers really are out of band: the pickle streams stay tiny."""
+    np = pytest.importorskip("numpy")
+    manifest = save(kdir, {"a": np.zeros(1 << 20), "b": np.ones(1 << 18)})
+    assert all(g.pickle_length < 1024 for g in manifest.groups)
+    data = (kdir / manifest.checkpoint_id / "data.bin").read_bytes()
+    group = manifest.groups[0]
+    stream = data[group.pickle_offset : group.pickle_offset + group.pickle_length]
+    buffers = [data[o : o + n] for o, n in group.buffers]
+    assert pickle.loads(stream, buffers=buffers)["a"].shape == (1 << 20,)
+
+
+def test_data_digest_does_not_depend_on_how_the_bytes_arrive() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kernelmgr.checkpoint.integrity import DIGEST_CHUNK, DataDigest
+
+    blob = os.urandom(DIGEST_CHUNK * 2 + 12345)
+    whole = DataDigest()
+    whole.update(blob)
+    with ThreadPoolExecutor(2) as pool:
+        pieces = DataDigest(pool)
+        pieces.update(blob[:100])
+        mark = pieces.mark()
+        pieces.update(b"junk that a failed group wrote" * 1000)
+        pieces.rollback(mark)
+        for start in range(100, len(blob), 7_000_001):
+            pieces.update(memoryview(blob)[start : start + 7_000_001])
+        assert pieces.hexdigest() == whole.hexdigest()
+    other = DataDigest()
+    other.update(blob[:-1] + b"\x00" if blob[-1] else blob[:-1] + b"\x01")
+    assert other.hexdigest() != whole.hexdigest()

@@ -1,0 +1,365 @@
+"""Hibernate and resume end to end: real server, real kernels, real websockets."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import INVENTORY, PROFILES
+from tests.support.server import Reply, RunningServer, start_server, wait_for
+
+pytest.importorskip("numpy")
+
+
+def config(checkpoints: Path) -> dict:
+    return {
+        "ElasticKernels": {
+            "profiles": PROFILES,
+            "gpu_inventory": INVENTORY,
+            "reap_interval": 1,
+            "checkpoint_root": str(checkpoints),
+        }
+    }
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    home = tmp_path_factory.mktemp("hibernate")
+    running = start_server(home, config(home / "checkpoints"))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_kernels_left(server: RunningServer) -> Iterator[None]:
+    yield
+    if server.process.poll() is None:
+        for kernel in server.get("/api/kernels"):
+            server.shutdown_kernel(kernel["id"])
+
+
+STATE = """
+import numpy as np
+arr = np.arange(1_000_000, dtype=np.float64)
+b = [1, 2]
+c = [b, b]
+d = {"x": b, "name": "elastic"}
+def f(x):
+    return x * 3
+class K:
+    def __init__(self, value):
+        self.value = value
+obj = K(41)
+gen = (i for i in range(3))
+print("ready")
+"""
+
+CHECK = "print(arr.sum(), d['name'], c[0] is c[1] is d['x'], f(2), obj.value + 1, isinstance(obj, K))"
+EXPECTED = "499999500000.0 elastic True 6 42 True"
+
+
+def slow_object(seconds: int) -> str:
+    """Source of a class whose pickling takes ``seconds``: a checkpoint we can interrupt."""
+    return (
+        "import time\n"
+        "class Slow:\n"
+        "    def __reduce__(self):\n"
+        f"        time.sleep({seconds})\n"
+        "        return (Slow, ())\n"
+    )
+
+
+def pid_of(server: RunningServer, kernel_id: str) -> int:
+    return int(server.execute(kernel_id, "import os; print(os.getpid())").strip())
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def hibernate(server: RunningServer, kernel_id: str) -> Reply:
+    return server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+
+
+def test_hibernate_then_next_cell_resumes_with_variables(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id) as chan:
+        assert chan.execute(STATE).stdout.strip() == "ready"
+        pid = pid_of(server, kernel_id)
+
+        reply = hibernate(server, kernel_id)
+        assert reply.status == 200, reply
+        model = reply.body
+        assert model["state"] == "hibernated" and model["slice"] is None
+        checkpoint = model["checkpoint"]
+        assert {"arr", "b", "c", "d", "f", "obj", "K"} <= set(checkpoint["saved"])
+        assert [v["name"] for v in checkpoint["not_saved"]] == ["gen"]
+        assert checkpoint["bytes"] >= 8_000_000
+        wait_for(lambda: not alive(pid), what="the hibernated kernel's process to exit")
+        jupyter_model = server.get(f"/api/kernels/{kernel_id}")
+        assert jupyter_model["execution_state"] == "hibernated"
+        assert not [s for d in server.get("/api/elastic/gpus")["devices"] for s in d["slices"]]
+
+        # The same websocket, the next cell: resumed, restored, with a report.
+        result = chan.execute(CHECK, timeout=120)
+        assert result.error == ""
+        assert result.stdout.strip() == EXPECTED
+        report = "\n".join(result.displays)
+        assert "restored" in report and "gen" in report and "generator" in report
+
+    model = server.get(f"/api/elastic/kernels/{kernel_id}")
+    assert model["state"] == "running"
+    assert model["slice"]["devices"][0]["uuid"] == "GPU-test-0000"
+    assert pid_of(server, kernel_id) != pid
+
+
+def test_two_cycles_in_a_row(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id) as chan:
+        chan.execute("counter = 1")
+        for expected in (1, 2):
+            assert hibernate(server, kernel_id).status == 200
+            result = chan.execute("print(counter); counter += 1", timeout=120)
+            assert result.stdout.strip() == str(expected)
+        assert chan.execute("print(counter)").stdout.strip() == "3"
+
+
+def test_resume_by_api_and_report_on_first_cell(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    server.execute(kernel_id, "x = 'kept'")
+    assert hibernate(server, kernel_id).status == 200
+    reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/resume")
+    assert reply.status == 200 and reply.body["state"] == "running"
+    assert reply.body["slice"] is not None
+    with server.channel(kernel_id) as chan:
+        first = chan.execute("print(x)")
+        assert first.stdout.strip() == "kept"
+        assert any("restored 1 variable" in text for text in first.displays)
+        assert chan.execute("print(x)").displays == [], "the report is shown once"
+
+
+def test_opening_and_typing_do_not_wake_a_hibernated_kernel(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    server.execute(kernel_id, "value = 1")
+    assert hibernate(server, kernel_id).status == 200
+    with server.channel(kernel_id) as chan:
+        info = chan.request("kernel_info_request", {})
+        assert info["content"]["language_info"]["name"] == "python"
+        assert info["content"]["implementation"] == "ipython"
+        complete = chan.request("complete_request", {"code": "val", "cursor_pos": 3})
+        assert complete["content"]["status"] == "ok"
+        assert (
+            chan.request("is_complete_request", {"code": "for i in x:"})["content"]["status"] == "incomplete"
+        )
+        assert chan.request("is_complete_request", {"code": "x = 1"})["content"]["status"] == "complete"
+        assert (
+            chan.request("inspect_request", {"code": "value", "cursor_pos": 5})["content"]["found"] is False
+        )
+        assert (
+            chan.request("history_request", {"hist_access_type": "tail", "n": 10})["content"]["history"] == []
+        )
+        assert chan.request("comm_info_request", {})["content"]["comms"] == {}
+    time.sleep(0.5)
+    model = server.get(f"/api/elastic/kernels/{kernel_id}")
+    assert model["state"] == "hibernated" and model["slice"] is None
+
+
+def test_busy_kernel_is_not_hibernated(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id) as chan:
+        msg_id = chan.send("execute_request", {"code": "import time; time.sleep(4)", "silent": False})
+        wait_for(
+            lambda: server.get(f"/api/kernels/{kernel_id}")["execution_state"] == "busy", what="kernel busy"
+        )
+        reply = hibernate(server, kernel_id)
+        assert reply.status == 409
+        assert "busy" in reply.body["message"] and "once the running cell finishes" in reply.body["message"]
+        chan.collect(msg_id)
+    assert server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running"
+
+
+def test_cpu_kernel_cannot_hibernate(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3")
+    reply = hibernate(server, kernel_id)
+    assert reply.status == 409 and "not an elastic kernel" in reply.body["message"]
+    assert hibernate(server, "no-such-kernel").status == 404
+
+
+def test_resume_waits_for_a_slice_and_interrupt_stops_waiting(server: RunningServer) -> None:
+    sleeper = server.start_kernel("python3-gpu-whole")
+    server.execute(sleeper, "z = 5")
+    assert hibernate(server, sleeper).status == 200
+    hogs = [server.start_kernel("python3-gpu-whole") for _ in range(2)]  # both GPUs taken
+    with server.channel(sleeper) as chan:
+        msg_id = chan.send("execute_request", {"code": "print(z)", "silent": False})
+        deadline = time.monotonic() + 30
+        waiting = ""
+        while time.monotonic() < deadline and "Waiting for a GPU slice" not in waiting:
+            msg = __import__("json").loads(chan.conn.recv())
+            if msg["msg_type"] == "stream":
+                waiting += msg["content"]["text"]
+        assert "Waiting for a GPU slice of size GPU whole" in waiting
+        chan.send("interrupt_request", {}, channel="control")
+        reply, _iopub = chan.collect(msg_id)
+        assert reply["content"]["status"] == "error"
+        assert "cancelled" in reply["content"]["evalue"]
+    assert server.get(f"/api/elastic/kernels/{sleeper}")["state"] == "hibernated"
+    server.shutdown_kernel(hogs[0])
+    assert server.execute(sleeper, "print(z)", timeout=120).strip() == "5"
+
+
+def test_shutdown_of_hibernated_kernel_forgets_it(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    server.execute(kernel_id, "y = 1")
+    assert hibernate(server, kernel_id).status == 200
+    server.shutdown_kernel(kernel_id)
+    assert server.request("GET", f"/api/kernels/{kernel_id}").status == 404
+    owner_dirs = list((server.home / "checkpoints").glob(f"*/{kernel_id}"))
+    assert owner_dirs == []
+
+
+def test_restart_of_hibernated_kernel_starts_fresh(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    server.execute(kernel_id, "w = 1")
+    assert hibernate(server, kernel_id).status == 200
+    assert server.request("POST", f"/api/kernels/{kernel_id}/restart").status == 200
+    assert server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running"
+    assert server.execute(kernel_id, "print('w' in globals())").strip() == "False"
+
+
+def test_kill_kernel_during_checkpoint_keeps_previous_checkpoint(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    server.execute(kernel_id, "first = 'committed'")
+    assert hibernate(server, kernel_id).status == 200
+    server.execute(kernel_id, "print(first)")  # resumes
+    before = server.get(f"/api/elastic/kernels/{kernel_id}")["checkpoint"]["id"]
+    server.execute(
+        kernel_id,
+        slow_object(30) + "slow = Slow()",
+    )
+    pid = pid_of(server, kernel_id)
+    replies: list[Reply] = []
+    thread = threading.Thread(target=lambda: replies.append(hibernate(server, kernel_id)))
+    thread.start()
+    wait_for(
+        lambda: server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernating", what="hibernating"
+    )
+    time.sleep(1)
+    os.kill(pid, signal.SIGKILL)
+    thread.join(60)
+    assert replies and replies[0].status >= 400
+    model = server.get(f"/api/elastic/kernels/{kernel_id}")
+    assert model["state"] in ("running", "starting", "dead")
+    assert model["checkpoint"]["id"] == before, "the previous checkpoint is still the committed one"
+    kernel_dir = next((server.home / "checkpoints").glob(f"*/{kernel_id}"))
+    assert (kernel_dir / "current").read_text().strip() == before
+
+
+def test_tampered_checkpoint_is_refused_and_kept_aside(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    server.execute(kernel_id, "secret = [1, 2, 3]")
+    assert hibernate(server, kernel_id).status == 200
+    kernel_dir = next((server.home / "checkpoints").glob(f"*/{kernel_id}"))
+    committed = kernel_dir / (kernel_dir / "current").read_text().strip()
+    data = committed / "data.bin"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with server.channel(kernel_id) as chan:
+        result = chan.execute("print('secret' in globals())", timeout=120)
+    assert result.stdout.strip() == "False"
+    report = "\n".join(result.displays)
+    assert "without its variables" in report and "does not match" in report and "quarantine" in report
+    assert list((kernel_dir / "quarantine").iterdir()), "the bad checkpoint is kept aside, not deleted"
+
+
+def test_disk_full_keeps_the_kernel_running(tmp_path: Path) -> None:
+    small = tmp_path / "small-disk"
+    small.mkdir()
+    if os.system(f"mount -t tmpfs -o size=4m tmpfs {small} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        running = start_server(tmp_path, config(small))
+        try:
+            kernel_id = running.start_kernel("python3-gpu-small")
+            running.execute(kernel_id, "import numpy as np; big = np.ones(2_000_000)")
+            reply = hibernate(running, kernel_id)
+            assert reply.status == 507, reply
+            assert "no space left" in reply.body["message"].lower()
+            model = running.get(f"/api/elastic/kernels/{kernel_id}")
+            assert model["state"] == "running" and model["slice"] is not None
+            assert "no space left" in model["last_error"].lower()
+            assert running.execute(kernel_id, "print(big.sum())").strip() == "2000000.0"
+        finally:
+            running.stop()
+    finally:
+        os.system(f"umount {small}")
+
+
+def test_hibernated_kernel_survives_a_server_restart(tmp_path: Path) -> None:
+    first = start_server(tmp_path, config(tmp_path / "checkpoints"))
+    try:
+        session = first.request(
+            "POST",
+            "/api/sessions",
+            {"path": "nb.ipynb", "type": "notebook", "kernel": {"name": "python3-gpu-small"}},
+        )
+        assert session.status == 201, session
+        kernel_id = session.body["kernel"]["id"]
+        first.execute(kernel_id, "import numpy as np; kept = np.arange(10)")
+        assert hibernate(first, kernel_id).status == 200
+    finally:
+        first.stop()
+    second = start_server(tmp_path, config(tmp_path / "checkpoints"))
+    try:
+        model = second.get(f"/api/elastic/kernels/{kernel_id}")
+        assert model["state"] == "hibernated" and sorted(model["checkpoint"]["saved"]) == ["kept", "np"]
+        sessions = second.get("/api/sessions")
+        assert [s["kernel"]["id"] for s in sessions] == [kernel_id]
+        assert second.execute(kernel_id, "print(kept.sum())", timeout=120).strip() == "45"
+    finally:
+        second.stop()
+
+
+def test_server_killed_mid_hibernation_loses_nothing(tmp_path: Path) -> None:
+    first = start_server(tmp_path, config(tmp_path / "checkpoints"))
+    kernel_id = first.start_kernel("python3-gpu-small")
+    first.execute(
+        kernel_id,
+        slow_object(3) + "slow = Slow(); precious = {'a': 1}",
+    )
+    pid = pid_of(first, kernel_id)
+
+    def hibernate_until_killed() -> None:
+        with contextlib.suppress(OSError):  # the server dies under this request, on purpose
+            hibernate(first, kernel_id)
+
+    threading.Thread(target=hibernate_until_killed, daemon=True).start()
+    wait_for(
+        lambda: first.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernating", what="hibernating"
+    )
+    first.process.kill()
+    first.process.wait()
+    wait_for(lambda: not alive(pid), timeout=60, what="the orphaned kernel to checkpoint itself and exit")
+    second = start_server(tmp_path, config(tmp_path / "checkpoints"))
+    try:
+        model = second.get(f"/api/elastic/kernels/{kernel_id}")
+        assert model["state"] == "hibernated"
+        assert second.execute(kernel_id, "print(precious['a'])", timeout=120).strip() == "1"
+    finally:
+        second.stop()
