@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -88,7 +89,36 @@ def rss_kib(pid: int, field: str) -> int:
     return 0
 
 
-def one_round(server: RunningServer, size_mib: int, scratch: Path) -> dict[str, float]:
+def drop_caches() -> bool:
+    """Evict the page cache (root only), so reads come from the disk as after a long idle."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as handle:
+            handle.write("3")
+        return True
+    except OSError:
+        return False
+
+
+class PeakWatcher(threading.Thread):
+    """Polls a process's VmHWM until it exits; VmHWM only grows, so the last read is the peak."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.peak_kib = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.peak_kib = max(self.peak_kib, rss_kib(self.pid, "VmHWM"))
+            except OSError:
+                return
+            time.sleep(0.005)
+
+
+def one_round(server: RunningServer, size_mib: int, scratch: Path, cold: bool) -> dict[str, float]:
     nbytes = size_mib * MIB
     kernel_id = server.start_kernel("python3-gpu-small")
     with server.channel(kernel_id, timeout=600) as chan:
@@ -97,13 +127,17 @@ def one_round(server: RunningServer, size_mib: int, scratch: Path) -> dict[str, 
         before = rss_kib(pid, "VmRSS")
         with open(f"/proc/{pid}/clear_refs", "w") as clear:
             clear.write("5")  # reset VmHWM so it measures the checkpoint's own peak
+        watcher = PeakWatcher(pid)
+        watcher.start()
         start = time.perf_counter()
         reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
         hibernate = time.perf_counter() - start
+        watcher.stop.set()
+        watcher.join()
         assert reply.status == 200, reply
-        peak_extra = (
-            max(0, rss_kib(pid, "VmHWM") - before) if os.path.exists(f"/proc/{pid}") else float("nan")
-        )
+        peak_extra = max(0, watcher.peak_kib - before)
+        if cold:
+            drop_caches()
         start = time.perf_counter()
         result = chan.execute("print(x.shape)", timeout=600)
         resume = time.perf_counter() - start
@@ -111,6 +145,8 @@ def one_round(server: RunningServer, size_mib: int, scratch: Path) -> dict[str, 
     server.shutdown_kernel(kernel_id)
 
     write_floor = raw_write(scratch, nbytes)
+    if cold:
+        drop_caches()  # the floor's kernel start and read are as cold as the resume's
     start = time.perf_counter()
     cold = server.start_kernel("python3-gpu-small")
     server.execute(cold, "1")
@@ -137,7 +173,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="0,100,1024", help="state sizes in MiB, comma-separated")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--cold", action="store_true", help="drop the page cache before each resume and raw read (root only)"
+    )
     args = parser.parse_args()
+    if args.cold and not drop_caches():
+        parser.error("--cold needs root (writes /proc/sys/vm/drop_caches)")
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="elastic-bench-") as tmp:
         home = Path(tmp)
@@ -155,13 +196,14 @@ def main() -> None:
             scratch.mkdir(parents=True, exist_ok=True)
             rows = []
             for size in sizes:
-                runs = [one_round(server, size, scratch) for _ in range(args.repeat)]
+                runs = [one_round(server, size, scratch, args.cold) for _ in range(args.repeat)]
                 med = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
                 rows.append((size, med))
                 print(f"done {size} MiB: {med}", file=sys.stderr)
         finally:
             server.stop()
-    print(f"Machine: {os.cpu_count()} cores; medians of {args.repeat} runs; times in seconds.\n")
+    cache = "page cache dropped before each resume and raw read" if args.cold else "warm page cache"
+    print(f"Machine: {os.cpu_count()} cores; medians of {args.repeat} runs; {cache}; times in seconds.\n")
     headers = [
         "state",
         "hibernate",

@@ -14,6 +14,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 import urllib.error
 import urllib.parse
@@ -80,9 +81,11 @@ def resolve_target(url: str | None, token: str | None) -> Target:
     return Target(url=found.url, token=token or found.token)
 
 
-def fetch(target: Target, path: str) -> Any:
-    """GET a JSON document, turning every failure into one readable :class:`CliError`."""
-    request = urllib.request.Request(f"{target.url}{path}")
+def fetch(target: Target, path: str, method: str = "GET") -> Any:
+    """Call the API, turning every failure into one readable :class:`CliError`."""
+    request = urllib.request.Request(
+        f"{target.url}{path}", method=method, data=b"" if method == "POST" else None
+    )
     if target.token:
         request.add_header("Authorization", f"token {target.token}")
     try:
@@ -161,24 +164,70 @@ def render_gpus(doc: dict[str, Any]) -> str:
     return head + "\n" + table(["#", "UUID", "NAME", "MEMORY", "USED", "FREE MEMORY", "KERNELS"], rows)
 
 
+def _duration(seconds: Any) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
+
+
 def render_kernels(kernels: list[dict[str, Any]]) -> str:
     rows = []
     for k in kernels:
+        activity = k.get("activity") or {}
         devices = [d["uuid"] for d in (k.get("slice") or {}).get("devices", [])]
+        utilization = activity.get("gpu_utilization")
+        memory = activity.get("gpu_memory_mib")
+        checkpoint = k.get("checkpoint") or {}
         rows.append(
             [
                 k["id"],
                 k.get("profile") or "cpu",
                 k.get("state"),
                 k.get("execution_state"),
-                k.get("owner"),
+                _duration(activity.get("idle_seconds")),
+                "-" if utilization is None else f"{utilization:.0f}%",
+                "-" if memory is None else f"{memory} MiB",
+                _duration(activity.get("gpu_idle_seconds")),
                 ",".join(devices),
-                (k.get("activity") or {}).get("last_activity"),
+                _gib(checkpoint["bytes"] / MIB) if checkpoint.get("bytes") else "-",
+                k.get("owner"),
             ]
         )
     if not rows:
         return "no kernels"
-    return table(["KERNEL", "SIZE", "STATE", "EXECUTION", "OWNER", "GPUS", "LAST ACTIVITY"], rows)
+    headers = [
+        "KERNEL",
+        "SIZE",
+        "STATE",
+        "EXECUTION",
+        "IDLE",
+        "GPU",
+        "GPU MEM",
+        "GPU IDLE",
+        "GPUS",
+        "CHECKPOINT",
+        "OWNER",
+    ]
+    return table(headers, rows)
+
+
+def render_kernel(kernel: dict[str, Any]) -> str:
+    """One kernel after hibernate/resume: a line that says where it stands."""
+    line = f"kernel {kernel['id']} is {kernel.get('state')}"
+    checkpoint = kernel.get("checkpoint") or {}
+    if kernel.get("state") == "hibernated" and checkpoint:
+        not_saved = ", ".join(v["name"] for v in checkpoint.get("not_saved", [])) or "none"
+        saved = len(checkpoint.get("saved", []))
+        size = _gib(checkpoint.get("bytes", 0) / MIB)
+        line += f": {saved} variable(s) saved ({size}), not saved: {not_saved}"
+    elif kernel.get("slice"):
+        line += " on " + ", ".join(d["uuid"] for d in kernel["slice"]["devices"])
+    return line
 
 
 Renderer = Callable[[Any], str]
@@ -190,6 +239,14 @@ COMMANDS: dict[str, tuple[str, Renderer, str]] = {
 }
 
 
+KERNEL_ACTIONS = {
+    "hibernate": "checkpoint a kernel's variables, stop it and release its GPU slice",
+    "resume": "bring a hibernated kernel back now",
+}
+KERNEL_ID = re.compile(r"^[\w-]+$")
+MIB = 1024 * 1024
+
+
 def build_parser() -> OneLineParser:
     parser = OneLineParser(
         prog="jupyter elastic", description="GPU-size kernels of a running Jupyter server."
@@ -197,9 +254,12 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--url", help="server URL (default: the newest running local server)")
     parser.add_argument("--token", help="API token (default: the local server's, or $JUPYTER_TOKEN)")
     parser.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
-    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join(COMMANDS) + "}")
+    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join([*COMMANDS, *KERNEL_ACTIONS]) + "}")
     for name, (_path, _render, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text)
+    for name, help_text in KERNEL_ACTIONS.items():
+        action = sub.add_parser(name, help=help_text)
+        action.add_argument("kernel_id", help="the kernel's id (see `jupyter elastic list`)")
     return parser
 
 
@@ -207,8 +267,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
-        parser.error("a command is required: " + ", ".join(COMMANDS))
-    path, render, _help = COMMANDS[args.command]
+        parser.error("a command is required: " + ", ".join([*COMMANDS, *KERNEL_ACTIONS]))
+    method = "GET"
+    render: Renderer
+    if args.command in KERNEL_ACTIONS:
+        if not KERNEL_ID.match(args.kernel_id):
+            parser.error(f"{args.kernel_id!r} is not a kernel id (letters, digits and '-')")
+        path, render, method = f"/api/elastic/kernels/{args.kernel_id}/{args.command}", render_kernel, "POST"
+    else:
+        path, render, _help = COMMANDS[args.command]
     try:
         target = resolve_target(args.url, args.token)
     except ValueError as err:
@@ -217,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jupyter elastic: {err}", file=sys.stderr)
         return FAILURE
     try:
-        doc = fetch(target, path)
+        doc = fetch(target, path, method)
     except CliError as err:
         print(f"jupyter elastic: {err}", file=sys.stderr)
         return FAILURE

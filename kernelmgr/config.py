@@ -13,10 +13,10 @@ import getpass
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from jupyter_core.paths import jupyter_data_dir
-from traitlets import Bool, Dict, Enum, Float, List, Unicode
+from traitlets import Bool, Dict, Enum, Float, List, Type, Unicode
 from traitlets.config import LoggingConfigurable
 
 from kernelmgr.activity.nvml import Nvml, PynvmlNvml, discover_inventory
@@ -27,6 +27,7 @@ from kernelmgr.core.allocator import STRATEGIES, SliceAllocator
 from kernelmgr.core.errors import ConfigError, UnknownProfileError
 from kernelmgr.core.inventory import GpuInventory
 from kernelmgr.core.kernels import KernelRegistry
+from kernelmgr.core.policy import Policy, build_policy
 from kernelmgr.core.profiles import GpuProfile, parse_profiles
 
 DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
@@ -50,6 +51,8 @@ class ElasticRuntime:
     reap_interval: float = 5.0
     checkpoint_timeout: float = 600.0
     hibernate_on_shutdown: bool = True
+    nvml: Nvml | None = None
+    gpu_sample_interval: float = 10.0
     owner: str = field(default_factory=getpass.getuser)
     kernels: KernelRegistry = field(default_factory=KernelRegistry)
 
@@ -135,18 +138,37 @@ class ElasticKernels(LoggingConfigurable):
         so the next server start lists them and the next cell resumes them with their variables.""",
     )
 
+    nvml_class = Type(
+        default_value=PynvmlNvml,
+        klass=object,
+        config=True,
+        help="""Where NVML is reached (device discovery, per-process GPU activity). The default uses
+        pynvml; kernelmgr.activity.nvml_double.FileNvmlDouble is the documented TEST DOUBLE that reads
+        scripted devices and activity from $ELASTIC_NVML_DOUBLE_FILE.""",
+    )
+    gpu_sample_interval = Float(
+        10.0,
+        config=True,
+        help="Seconds between GPU activity samples (one NVML query per device per sample).",
+    )
+
     def _checkpoint_root_default(self) -> str:
         return os.path.join(jupyter_data_dir(), "elastic", "checkpoints")
 
-    def build(self, nvml_factory: Callable[[], Nvml] = PynvmlNvml) -> ElasticRuntime:
+    def build(self, nvml_factory: Callable[[], Nvml] | None = None) -> ElasticRuntime:
         """Validate the configuration and assemble the runtime; raises :class:`ConfigError`."""
         profiles = parse_profiles(self.profiles)
         for profile in profiles.values():
             validate_backend_options(profile)
+        nvml: Nvml = nvml_factory() if nvml_factory is not None else cast(Nvml, self.nvml_class())
         if self.gpu_inventory:
             inventory = GpuInventory.declared(self.gpu_inventory)
         else:
-            inventory = discover_inventory(nvml_factory())
+            inventory = discover_inventory(nvml)
+        if self.gpu_sample_interval <= 0:
+            raise ConfigError(
+                f"ElasticKernels.gpu_sample_interval must be > 0 seconds, got {self.gpu_sample_interval}"
+            )
         allocator = SliceAllocator(inventory, strategy=self.allocation_strategy)
         for profile in profiles.values():
             if inventory.devices and not allocator.ever_fits(profile):
@@ -176,6 +198,8 @@ class ElasticKernels(LoggingConfigurable):
             checkpoints=self._checkpoint_store(),
             checkpoint_timeout=self.checkpoint_timeout,
             hibernate_on_shutdown=self.hibernate_on_shutdown,
+            nvml=nvml,
+            gpu_sample_interval=self.gpu_sample_interval,
         )
 
     def _checkpoint_store(self) -> CheckpointStore:
@@ -189,3 +213,60 @@ class ElasticKernels(LoggingConfigurable):
                 "point it at a writable directory"
             ) from None
         return CheckpointStore(root, secret)
+
+
+class CullPolicy(LoggingConfigurable):
+    """When idle elastic kernels are warned, hibernated and finally removed.
+
+    A kernel is idle when it has not executed for ``idle_timeout`` seconds *and* its GPU
+    utilisation stayed under ``gpu_idle_threshold`` percent for that long (GPU activity is
+    used where NVML can measure it). Busy kernels are never hibernated. Elastic kernels follow
+    this policy only; jupyter_server's ``MappingKernelManager.cull_*`` settings still apply to
+    non-elastic (CPU) kernels, which they would shut down.
+    """
+
+    idle_timeout = Float(
+        0.0,
+        config=True,
+        help="Seconds without execution and without GPU activity before hibernation (0 = off).",
+    )
+    interval = Float(60.0, config=True, help="Seconds between policy checks.")
+    gpu_idle_threshold = Float(
+        5.0, config=True, help="GPU utilisation (percent) at or under which a kernel's GPU counts as idle."
+    )
+    warn_before = Float(
+        60.0,
+        config=True,
+        help="Seconds before hibernation that connected notebooks are warned (0 = no warning).",
+    )
+    hibernated_ttl = Float(
+        0.0,
+        config=True,
+        help="Seconds a kernel may stay hibernated before it and its checkpoint are removed (0 = never).",
+    )
+    busy_gpu_idle_warning = Float(
+        0.0,
+        config=True,
+        help="Warn (never hibernate) when a cell has been running but the GPU idle this many seconds "
+        "(0 = off).",
+    )
+    rules = List(
+        Dict(),
+        default_value=[],
+        config=True,
+        help="""Per-size overrides, first match wins: [{"profiles": ["whole"], "idle_timeout": 600}].
+        Keys: profiles (sizes, or "*") and any of idle_timeout, warn_before, hibernated_ttl,
+        busy_gpu_idle_warning (gpu_idle_threshold is global).""",
+    )
+
+    def build(self, known_profiles: list[str]) -> Policy:
+        return build_policy(
+            idle_timeout=self.idle_timeout,
+            interval=self.interval,
+            gpu_idle_threshold=self.gpu_idle_threshold,
+            warn_before=self.warn_before,
+            hibernated_ttl=self.hibernated_ttl,
+            busy_gpu_idle_warning=self.busy_gpu_idle_warning,
+            rules=self.rules,
+            known_profiles=known_profiles,
+        )

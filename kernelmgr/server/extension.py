@@ -18,12 +18,16 @@ from jupyter_server.extension.application import ExtensionApp
 from tornado import ioloop
 from traitlets import TraitError
 
-from kernelmgr.config import ElasticKernels, ElasticRuntime
+from kernelmgr.activity.gpu import GpuActivitySampler
+from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
 from kernelmgr.core.errors import ConfigError
+from kernelmgr.server.culler import Culler
+from kernelmgr.server.events import LifecycleEvents
 from kernelmgr.server.handlers import elastic_handlers
 from kernelmgr.server.hibernation import Hibernator
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
+from kernelmgr.server.metrics import install_collector
 from kernelmgr.server.persistence import KernelStateFile
 from kernelmgr.server.sessions import ElasticSessionManager, server_identity
 from kernelmgr.server.websocket import ElasticWebsocketConnection
@@ -57,6 +61,7 @@ class ElasticKernelsExtension(ExtensionApp):
     def initialize_settings(self) -> None:
         try:
             runtime = ElasticKernels(parent=self.serverapp, log=self.log).build()
+            policy = CullPolicy(parent=self.serverapp, log=self.log).build(list(runtime.profiles))
         except (ConfigError, TraitError) as exc:
             message = exc.message if isinstance(exc, ConfigError) else " ".join(str(exc).split())
             self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", message)
@@ -77,8 +82,30 @@ class ElasticKernelsExtension(ExtensionApp):
         state_file = KernelStateFile(
             os.path.join(runtime.checkpoint_root, f"kernels-{server_identity(self.serverapp.root_dir)}.json")
         )
-        km.hibernator = Hibernator(km, runtime, state_file, checkpoint_timeout=runtime.checkpoint_timeout)
+        events = LifecycleEvents(getattr(self.serverapp, "event_logger", None))
+        km.hibernator = Hibernator(
+            km, runtime, state_file, checkpoint_timeout=runtime.checkpoint_timeout, events=events
+        )
         km.hibernator.recover()
+        sampler = (
+            GpuActivitySampler(runtime.nvml, busy_threshold=policy.defaults.gpu_idle_threshold)
+            if runtime.nvml is not None
+            else None
+        )
+        km.culler = Culler(
+            km,
+            runtime,
+            km.hibernator,
+            policy,
+            sampler,
+            broadcast=ElasticWebsocketConnection.notify_kernel,
+            sample_interval=runtime.gpu_sample_interval,
+        )
+        km.culler.start()
+        self.settings["elastic_policy"] = policy
+        install_collector(lambda: km.elastic_runtime, km.hibernator.released)
+        if policy.enabled:
+            self.log.info("jupyter-elastic-kernels: cull policy %s", policy.to_dict())
         self.runtime = runtime
         self.settings["elastic_runtime"] = runtime
         if runtime.gpus_available:

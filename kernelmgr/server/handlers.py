@@ -79,6 +79,33 @@ class KernelHandler(ElasticHandler):
         self.write_json(self.elastic_kernel_manager.elastic_model(kernel_id))
 
 
+class PolicyHandler(ElasticHandler):
+    """The effective cull policy: defaults, rules, and what applies to each GPU size."""
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        policy = self.settings.get("elastic_policy")
+        if policy is None:
+            raise http_error(503, "the kernelmgr extension is not loaded")
+        runtime = self.runtime
+        culler = self.elastic_kernel_manager.culler
+        sampler = culler.sampler if culler is not None else None
+        self.write_json(
+            {
+                **policy.to_dict(),
+                "per_size": {name: policy.for_profile(name).to_dict() for name in runtime.profiles},
+                "gpu_activity": "nvml" if sampler is not None and runtime.gpus_available else "unavailable",
+                "gpu_sample_interval": runtime.gpu_sample_interval,
+                "jupyter_server_culling": {
+                    "cull_idle_timeout": self.kernel_manager.cull_idle_timeout,
+                    "applies_to": "non-elastic kernels only (it shuts them down); "
+                    "elastic kernels follow this policy",
+                },
+            }
+        )
+
+
 class HibernateHandler(ElasticHandler):
     """Checkpoint the kernel, stop it, release its slice; 409 if it is busy or not elastic."""
 
@@ -134,6 +161,7 @@ def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:
         (r"/api/elastic/kernels", KernelsHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}", KernelHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/hibernate", HibernateHandler),
+        (r"/api/elastic/policy", PolicyHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/resume", ResumeHandler),
         (r"/api/sessions", SessionsPreflightHandler),
     ]

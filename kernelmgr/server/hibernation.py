@@ -29,9 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 from jupyter_core.utils import ensure_async
 
+from kernelmgr.activity.jupyter import JupyterActivity
 from kernelmgr.checkpoint.agent import CHECKPOINT_CODE
 from kernelmgr.core.errors import CapacityError, ElasticError
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.server import metrics
+from kernelmgr.server.events import LifecycleEvents
+from kernelmgr.server.metrics import ReleasedSliceSeconds, size_label
 from kernelmgr.server.persistence import KernelRecord, KernelStateFile
 
 if TYPE_CHECKING:
@@ -64,10 +68,15 @@ class Hibernator:
         state_file: KernelStateFile,
         checkpoint_timeout: float = 600.0,
         start_timeout: float = 120.0,
+        activity: JupyterActivity | None = None,
+        events: LifecycleEvents | None = None,
     ) -> None:
         self.mkm = mkm
         self.runtime = runtime
         self.state_file = state_file
+        self.activity = activity or JupyterActivity()
+        self.events = events or LifecycleEvents(None)
+        self.released = ReleasedSliceSeconds()
         self.checkpoint_timeout = checkpoint_timeout
         self.start_timeout = start_timeout
         self._locks: dict[str, asyncio.Lock] = {}
@@ -135,6 +144,14 @@ class Hibernator:
             record.last_error = message
             self._remember(kernel_id)
             self.mkm.log.error("Hibernation of kernel %s failed; it keeps running: %s", kernel_id, message)
+            metrics.HIBERNATION_FAILURES.labels(reason, size_label(record.profile)).inc()
+            self.events.emit(
+                "hibernate_failed",
+                kernel_id,
+                f"hibernation failed: {message}",
+                reason=reason,
+                size=size_label(record.profile),
+            )
             status = exc.status if isinstance(exc, HibernationError) else 500
             if "No space left on device" in message or "no space left" in message.lower():
                 status = 507
@@ -143,7 +160,7 @@ class Hibernator:
             ) from None
 
         # The checkpoint is committed: only now may the process and the slice go.
-        await km.shutdown_kernel(now=False, restart=True)
+        await self._stop_process(km)
         released = self.runtime.allocator.release(kernel_id)
         record.lifecycle.move(KernelState.HIBERNATED, reason)
         record.last_error = ""
@@ -155,6 +172,23 @@ class Hibernator:
             checkpoint_id=manifest.checkpoint_id,
             kernel_info=kernel_info,
         )
+        size = size_label(record.profile)
+        took = time.time() - started
+        checkpoint_bytes = int(manifest.summary().get("bytes") or 0)
+        metrics.HIBERNATIONS.labels(reason, size).inc()
+        metrics.HIBERNATE_SECONDS.labels(size).observe(took)
+        metrics.CHECKPOINT_BYTES.labels(size).observe(checkpoint_bytes)
+        if released is not None:
+            self.released.hibernated(kernel_id, size, sum(p.fraction for p in released.placements))
+        self.events.emit(
+            "hibernate",
+            kernel_id,
+            f"kernel hibernated ({reason}) in {took:.2f}s",
+            reason=reason,
+            size=size,
+            duration_seconds=took,
+            checkpoint_bytes=checkpoint_bytes,
+        )
         self.mkm.log.info(
             "Kernel %s hibernated (%s): checkpoint %s, %s bytes, slice %s released",
             kernel_id,
@@ -163,6 +197,20 @@ class Hibernator:
             manifest.summary().get("bytes"),
             released.device_uuids if released else "-",
         )
+
+    @staticmethod
+    async def _stop_process(km: Any) -> None:
+        """Stop the kernel gracefully (its atexit handlers flush the user's files), keeping
+        its id, ports and connection file for the resume.
+
+        The same steps as ``shutdown_kernel(restart=True)`` minus the interrupt (the kernel
+        is idle) and with a 10 ms poll instead of 100 ms: a stop is on the hibernate path.
+        """
+        km.shutting_down = True
+        km.stop_restarter()
+        await km._async_request_shutdown(restart=True)
+        await km._async_finish_shutdown(pollinterval=0.01, restart=True)
+        await km._async_cleanup_resources(restart=True)
 
     async def _checkpoint(self, km: Any) -> dict[str, Any]:
         """Run the agent's checkpoint through a private client; returns the kernel_info content."""
@@ -173,6 +221,7 @@ class Hibernator:
             info_id = client.kernel_info()
             info = await self._reply(client, info_id, 30, km, pid)
             msg_id = client.execute(CHECKPOINT_CODE, silent=True, store_history=False, allow_stdin=False)
+            self.activity.internal(msg_id)  # the server's own request is not the user's activity
             reply = await self._reply(client, msg_id, self.checkpoint_timeout, km, pid)
         finally:
             client.stop_channels()
@@ -238,6 +287,7 @@ class Hibernator:
         return True
 
     async def _resume(self, kernel_id: str, reason: str, notify: Notify | None, restore: bool) -> None:
+        began = time.time()
         lock = self._locks.setdefault(kernel_id, asyncio.Lock())
         async with lock:
             record = self.runtime.kernels.get(kernel_id)
@@ -268,7 +318,23 @@ class Hibernator:
             record.lifecycle.move(KernelState.RUNNING, reason)
             km.execution_state = "idle"
             self._remember(kernel_id, pid=self._pid(km), hibernated_at=None)
-            self.mkm.log.info("Kernel %s resumed (%s)", kernel_id, reason)
+            # Waking up is activity: the idle clock starts again from now.
+            self.activity.restarted(kernel_id)
+            self.activity.get(kernel_id).last_execution_end = time.time()
+            size = size_label(record.profile)
+            took = time.time() - began
+            metrics.RESUMES.labels(reason, size).inc()
+            metrics.RESUME_SECONDS.labels(size).observe(took)
+            self.released.woke(kernel_id)
+            self.events.emit(
+                "resume",
+                kernel_id,
+                f"kernel resumed ({reason}) in {took:.2f}s",
+                reason=reason,
+                size=size,
+                duration_seconds=took,
+            )
+            self.mkm.log.info("Kernel %s resumed (%s) in %.2fs", kernel_id, reason, took)
 
     async def _wait_for_slice(
         self, kernel_id: str, profile_name: str | None, notify: Notify | None, cancel: asyncio.Event
@@ -307,9 +373,11 @@ class Hibernator:
             except CapacityError:  # lost the slice to another start after the check
                 await asyncio.sleep(0.5)
         client = km.client()
-        client.start_channels()
+        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
         try:
-            await client.wait_for_ready(timeout=self.start_timeout)
+            # One kernel_info round trip proves the kernel serves requests (the agent has
+            # restored by then: it runs at extension load, before the first request).
+            await self._reply(client, client.kernel_info(), self.start_timeout, km, self._pid(km))
         finally:
             client.stop_channels()
 
@@ -416,6 +484,8 @@ class Hibernator:
 
     def forget(self, kernel_id: str) -> None:
         """The kernel was shut down for good: drop its record and its checkpoints."""
+        self.released.woke(kernel_id)
+        self.activity.forget(kernel_id)
         record = self.records.pop(kernel_id, None)
         managed = self.runtime.kernels.remove(kernel_id)
         owner = record.owner if record else managed.owner if managed else None

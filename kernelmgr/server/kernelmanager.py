@@ -27,6 +27,7 @@ from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelMana
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.errors import CapacityError, UnknownProfileError
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.server.culler import Culler
 from kernelmgr.server.errors import http_error
 from kernelmgr.server.hibernation import HibernationError, Hibernator
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
@@ -39,7 +40,40 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
 
     elastic_runtime: ElasticRuntime | None = None
     hibernator: Hibernator | None = None
+    culler: Culler | None = None
     _exiting = False
+
+    def _check_kernel_id(self, kernel_id: str) -> None:
+        culler = self.culler
+        if culler is not None and kernel_id in culler.tombstones and kernel_id not in self:
+            raise http_error(404, culler.tombstones[kernel_id])
+        super()._check_kernel_id(kernel_id)
+
+    def start_watching_activity(self, kernel_id: str) -> None:
+        """jupyter_server's IOPub watcher, also feeding execution activity to the cull policy."""
+        super().start_watching_activity(kernel_id)
+        hibernator = self.hibernator
+        kernel = self._kernels[kernel_id]
+        stream = getattr(kernel, "_activity_stream", None)
+        original = getattr(stream, "_recv_callback", None)
+        if hibernator is None or stream is None or original is None:
+            return
+        activity = hibernator.activity
+        session = kernel.session
+        activity.restarted(kernel_id)
+
+        def record(msg_list: list[Any]) -> None:
+            try:
+                _idents, fed = session.feed_identities(msg_list)
+                msg = session.deserialize(fed, content=False)
+                msg_type = msg["header"]["msg_type"]
+                content = session.unpack(msg["content"]) if msg_type == "status" else None
+                activity.observe(kernel_id, msg_type, msg.get("parent_header") or {}, content)
+            except Exception:  # never let bookkeeping break jupyter_server's own watcher
+                self.log.debug("could not read IOPub message of %s for activity", kernel_id, exc_info=True)
+            original(msg_list)
+
+        stream.on_recv(record)
 
     def _require_runtime(self) -> ElasticRuntime:
         if self.elastic_runtime is None:
@@ -155,8 +189,9 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         return await super().restart_kernel(kernel_id, now=now)
 
     async def cull_kernel_if_idle(self, kernel_id: str) -> None:
-        if self._hibernated(kernel_id):
-            return  # holds no process and no GPU; hibernated_ttl (later) decides its end
+        runtime = self.elastic_runtime
+        if runtime is not None and kernel_id in runtime.kernels:
+            return  # elastic kernels follow CullPolicy (hibernate, never kill); see the README
         await super().cull_kernel_if_idle(kernel_id)
 
     def adopt_hibernated(self, record: KernelRecord) -> None:
@@ -199,11 +234,16 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         runtime = self._require_runtime()
         if kernel_id not in self:
             raise http_error(404, f"no kernel with id {kernel_id!r}; list kernels at /api/elastic/kernels")
-        return elastic_kernel_model(runtime, self.kernel_model(kernel_id))
+        return elastic_kernel_model(runtime, self.kernel_model(kernel_id), self._activity(kernel_id))
 
     def elastic_models(self) -> list[dict[str, Any]]:
         runtime = self._require_runtime()
-        return [elastic_kernel_model(runtime, model) for model in self.list_kernels()]
+        return [
+            elastic_kernel_model(runtime, model, self._activity(model["id"])) for model in self.list_kernels()
+        ]
+
+    def _activity(self, kernel_id: str) -> dict[str, Any]:
+        return self.culler.activity_model(kernel_id) if self.culler is not None else {}
 
     async def hibernate(self, kernel_id: str, reason: str = "api") -> dict[str, Any]:
         """``POST /api/elastic/kernels/{id}/hibernate``; returns the kernel model."""

@@ -11,7 +11,9 @@ from typing import Any
 from kernelmgr.config import ElasticRuntime
 
 
-def elastic_kernel_model(runtime: ElasticRuntime, jupyter_model: dict[str, Any]) -> dict[str, Any]:
+def elastic_kernel_model(
+    runtime: ElasticRuntime, jupyter_model: dict[str, Any], activity: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One managed kernel: jupyter_server's fields plus size, state, owner, slice, activity."""
     kernel_id = jupyter_model["id"]
     record = runtime.kernels.get(kernel_id)
@@ -29,10 +31,10 @@ def elastic_kernel_model(runtime: ElasticRuntime, jupyter_model: dict[str, Any])
         "slice": granted.to_dict() if granted else None,
         "activity": {
             "last_activity": jupyter_model.get("last_activity"),
-            # Filled by the activity sources (NVML sampling) in a later release.
             "gpu_utilization": None,
             "gpu_memory_mib": None,
             "gpu_idle_seconds": None,
+            **(activity or {}),
         },
         "checkpoint": _checkpoint(runtime, record.owner, kernel_id) if record else None,
     }

@@ -91,6 +91,31 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
 
     _queue: list[Any]
     _waking: asyncio.Task[None] | None = None
+    _last_execute: dict[str, Any] | None = None
+
+    @classmethod
+    def notify_kernel(cls, kernel_id: str, text: str) -> int:
+        """Show ``text`` in every open notebook of ``kernel_id``; returns how many were reached."""
+        reached = 0
+        for connection in list(cls._open_sockets):
+            if isinstance(connection, ElasticWebsocketConnection) and connection.kernel_id == kernel_id:
+                try:
+                    connection.notice(text)
+                    reached += 1
+                except Exception:  # a closing socket must not stop the others
+                    continue
+        return reached
+
+    def notice(self, text: str) -> None:
+        """A message from the server, shown under the cell this notebook ran last.
+
+        Sent as stderr output parented to that cell's execute request, which is where
+        frontends put late output of a cell; with no cell run yet it goes unparented.
+        """
+        parent = self._last_execute or {}
+        self._send(
+            "iopub", self.session.msg("stream", {"name": "stderr", "text": text + "\n"}, parent=parent)
+        )
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -108,6 +133,14 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         return self._queue
 
     def _no_delay(self) -> None:
+        """Turn Nagle's algorithm off on the websocket's TCP socket.
+
+        A cell's reply is several small frames (status, reply, status); with Nagle on, each
+        one after the first waits for the client's delayed ACK (~40 ms on Linux). Tornado
+        does not do this for websockets: its HTTP layer turns Nagle back *on* when it
+        finishes the 101 handshake response. So this must run after the handshake, on the
+        stream the websocket detached; before it (``prepare()``) there is no such stream.
+        """
         stream = getattr(getattr(self.websocket_handler, "ws_connection", None), "stream", None)
         sock = getattr(stream, "socket", None)
         if sock is not None:
@@ -131,6 +164,17 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
             msg["channel"] = channel
             self.write_message(json.dumps(msg, default=json_default))
 
+    def _note_execute(self, incoming_msg: Any) -> None:
+        """Remember this notebook's latest execute request (where warnings are shown).
+
+        A substring test first, so the common case costs no parsing on the message path.
+        """
+        marker: str | bytes = '"execute_request"' if isinstance(incoming_msg, str) else b'"execute_request"'
+        if marker in incoming_msg:
+            header = self._parse(incoming_msg)[1]
+            if header.get("msg_type") == "execute_request":
+                self._last_execute = header
+
     def _status(self, state: str, parent: dict[str, Any]) -> None:
         self._send("iopub", self.session.msg("status", {"execution_state": state}, parent=parent))
 
@@ -145,7 +189,7 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     # -- connection life -------------------------------------------------------------------
 
     async def prepare(self) -> None:
-        self._no_delay()
+        # Runs before the websocket handshake: too early for ``_no_delay`` (see ``connect``).
         if not self._asleep():
             await super().prepare()
             return
@@ -153,6 +197,8 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         self.session.key = self.kernel_manager.session.key
 
     def connect(self) -> asyncio.Future[None] | None:  # type: ignore[override]
+        # Called from the handler's ``open()``: the handshake is done and the stream detached.
+        self._no_delay()
         if not self._asleep():
             return super().connect()
         # No process to talk to: streams are created when the kernel is back.
@@ -178,9 +224,12 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     def handle_incoming_message(self, incoming_msg: Any) -> None:
         queue = self._pending()
         if not queue and not self._asleep():
+            self._note_execute(incoming_msg)
             super().handle_incoming_message(incoming_msg)
             return
         channel, header, content = self._parse(incoming_msg)
+        if header.get("msg_type") == "execute_request":
+            self._last_execute = header
         msg_type = header.get("msg_type", "")
         hibernator = self.hibernator
         state = hibernator.state_of(self.kernel_id) if hibernator else None

@@ -175,6 +175,13 @@ class RunningServer:
                 payload = raw.decode(errors="replace")
             return Reply(err.code, payload)
 
+    def text(self, path: str) -> str:
+        """GET a non-JSON document (``/metrics``)."""
+        req = urllib.request.Request(self.url + path)
+        req.add_header("Authorization", f"token {TOKEN}")
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return str(resp.read().decode())
+
     def get(self, path: str) -> Any:
         reply = self.request("GET", path)
         assert reply.status == 200, (path, reply)
@@ -215,7 +222,10 @@ class RunningServer:
 
 
 def launch(
-    home: Path, config: dict[str, Any], extra_args: list[str] | None = None
+    home: Path,
+    config: dict[str, Any],
+    extra_args: list[str] | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], Path, str, dict[str, str]]:
     """Start the server process; returns it without waiting for it to be ready."""
     (home / "config").mkdir(parents=True, exist_ok=True)
@@ -227,6 +237,7 @@ def launch(
     port = free_port()
     log_path = home / f"server-{port}.log"
     env = isolated_env(home)
+    env.update(env_extra or {})
     cmd = [
         sys.executable,
         "-m",
@@ -244,9 +255,14 @@ def launch(
     return proc, log_path, f"http://127.0.0.1:{port}", env
 
 
-def start_server(home: Path, config: dict[str, Any], extra_args: list[str] | None = None) -> RunningServer:
+def start_server(
+    home: Path,
+    config: dict[str, Any],
+    extra_args: list[str] | None = None,
+    env_extra: dict[str, str] | None = None,
+) -> RunningServer:
     """Start the server and wait until ``/api/status`` answers."""
-    proc, log_path, url, env = launch(home, config, extra_args)
+    proc, log_path, url, env = launch(home, config, extra_args, env_extra)
     server = RunningServer(url=url, process=proc, home=home, log_path=log_path, env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

@@ -1,0 +1,197 @@
+"""Per-kernel GPU activity, measured with NVML, for the idle policy.
+
+Jupyter's own activity (execution requests, output) misses a kernel that is training in the
+background, and memory is no activity signal at all: frameworks keep their allocations while
+idle. So "busy" here means *SM utilisation above a threshold* in the kernel's processes (the
+kernel process and its descendants, e.g. DataLoader workers), and idleness is the time since
+that was last seen.
+
+Cost is bounded: each :meth:`GpuActivitySampler.sample` makes at most one ``process_memory``
+and one ``process_utilization`` call per device in use, however many kernels share it, and at
+most one ``/proc`` scan (only when NVML lists a PID that is not itself a kernel process).
+
+Limits, stated so the policy can fall back to Jupyter activity:
+
+* NVML unavailable (no driver, device gone): ``available=False`` with the reason;
+* MIG devices have no per-process utilisation: memory is measured, ``idle_seconds`` is None;
+* NVML reports host PIDs, so the sampler must run in the kernels' PID namespace (local mode).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kernelmgr.activity.nvml import Nvml, NvmlUnavailable
+from kernelmgr.activity.process_tree import children_map, descendants
+
+KernelProcesses = Mapping[str, tuple[int, Sequence[str]]]
+"""kernel_id -> (PID of the kernel process, UUIDs of the devices in its GPU slice)."""
+
+
+@dataclass
+class GpuActivity:
+    """What NVML says about one kernel at one sample.
+
+    ``utilization`` is the highest SM % over the kernel's processes and measurable devices in
+    the latest sample (0 when nothing ran); ``idle_seconds`` is the time since it was last above
+    the busy threshold, counted from when the kernel was first measured if it never was.
+    """
+
+    available: bool
+    reason: str = ""
+    utilization: float | None = None
+    memory_mib: int | None = None
+    idle_seconds: float | None = None
+    last_busy: float | None = None
+    sampled_at: float | None = None
+
+    @property
+    def source(self) -> str:
+        """A short human-readable origin for the numbers, shown by the API."""
+        if not self.available:
+            return f"unavailable: {self.reason}"
+        return f"nvml: {self.reason}" if self.reason else "nvml"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpu_utilization": None if self.utilization is None else round(self.utilization, 1),
+            "gpu_memory_mib": self.memory_mib,
+            "gpu_idle_seconds": None if self.idle_seconds is None else round(self.idle_seconds, 1),
+            "gpu_activity_source": self.source,
+        }
+
+
+@dataclass
+class _Reading:
+    """One device's NVML answers in one sample; ``utilization`` None means MIG (not measured)."""
+
+    memory: dict[int, int]
+    utilization: dict[int, int] | None
+    error: str = ""
+
+    def pids(self) -> set[int]:
+        return set(self.memory) | set(self.utilization or {})
+
+
+@dataclass
+class _Track:
+    """What the sampler remembers about one kernel between samples."""
+
+    pid: int
+    measured_since: float | None = None
+    last_busy: float | None = None
+
+
+def _unavailable(exc: NvmlUnavailable) -> str:
+    text = str(exc)
+    return text if text.startswith("NVML unavailable") else f"NVML unavailable: {text}"
+
+
+class GpuActivitySampler:
+    """Samples NVML and attributes GPU use to kernels; call :meth:`sample` periodically.
+
+    State kept between samples: each device's newest utilisation timestamp (so every driver
+    sample is read once) and each kernel's last busy time. A kernel whose process PID changes
+    (it was hibernated and resumed) starts afresh, so old activity neither keeps it alive nor
+    makes it look idle for longer than it has been running. Time during which a kernel could
+    not be measured is not counted as idle either.
+    """
+
+    def __init__(
+        self,
+        nvml: Nvml,
+        busy_threshold: float = 5.0,
+        clock: Callable[[], float] = time.time,
+        tree: Callable[[int], set[int]] = descendants,
+    ) -> None:
+        self._nvml = nvml
+        self.busy_threshold = busy_threshold
+        self._clock = clock
+        self._tree = tree
+        self._kernels: dict[str, _Track] = {}
+        self._since_us: dict[str, int] = {}
+        self._mig: dict[str, bool] = {}
+
+    def forget(self, kernel_id: str) -> None:
+        """Drop what is remembered about a kernel (it stopped or was hibernated)."""
+        self._kernels.pop(kernel_id, None)
+
+    def sample(self, kernels: KernelProcesses) -> dict[str, GpuActivity]:
+        """One NVML pass over every device in use; the activity of each kernel given."""
+        now = self._clock()
+        for kernel_id, (pid, _) in kernels.items():
+            track = self._kernels.get(kernel_id)
+            if track is None or track.pid != pid:
+                self._kernels[kernel_id] = _Track(pid)
+        in_use = list(dict.fromkeys(uuid for _, devices in kernels.values() for uuid in devices))
+        readings = {uuid: self._read(uuid) for uuid in in_use}
+        owned = self._attribute(kernels, readings)
+        return {
+            kernel_id: self._activity(self._kernels[kernel_id], devices, readings, owned[kernel_id], now)
+            for kernel_id, (_, devices) in kernels.items()
+        }
+
+    def _read(self, uuid: str) -> _Reading:
+        try:
+            mig = self._mig.get(uuid)
+            if mig is None:  # a device's MIG-ness is fixed for its UUID: ask once
+                mig = self._mig[uuid] = self._nvml.is_mig(uuid)
+            memory = self._nvml.process_memory(uuid)
+            if mig:
+                return _Reading(memory, None)
+            utilization, newest = self._nvml.process_utilization(uuid, self._since_us.get(uuid, 0))
+        except NvmlUnavailable as exc:
+            return _Reading({}, {}, error=_unavailable(exc))
+        self._since_us[uuid] = max(newest, self._since_us.get(uuid, 0))
+        return _Reading(memory, utilization)
+
+    def _attribute(self, kernels: KernelProcesses, readings: Mapping[str, _Reading]) -> dict[str, set[int]]:
+        """kernel_id -> its PIDs; process trees are resolved only where NVML lists unknown PIDs."""
+        roots = {pid for pid, _ in kernels.values()}
+        strangers = {uuid: reading.pids() - roots for uuid, reading in readings.items()}
+        table: dict[int, list[int]] | None = None
+        owned: dict[str, set[int]] = {}
+        for kernel_id, (pid, devices) in kernels.items():
+            if not any(strangers[uuid] for uuid in devices):
+                owned[kernel_id] = {pid}
+            elif self._tree is descendants:  # the default: one /proc scan shared by all kernels
+                table = children_map() if table is None else table
+                owned[kernel_id] = descendants(pid, table)
+            else:
+                owned[kernel_id] = self._tree(pid) | {pid}
+        return owned
+
+    def _activity(
+        self,
+        track: _Track,
+        devices: Sequence[str],
+        readings: Mapping[str, _Reading],
+        pids: set[int],
+        now: float,
+    ) -> GpuActivity:
+        if not devices:
+            track.measured_since = None
+            reason = "the kernel has no GPU slice"
+            return GpuActivity(False, reason, last_busy=track.last_busy, sampled_at=now)
+        errors = [readings[uuid].error for uuid in devices if readings[uuid].error]
+        if errors:
+            track.measured_since = None
+            return GpuActivity(False, errors[0], last_busy=track.last_busy, sampled_at=now)
+        if track.measured_since is None:
+            track.measured_since = now
+        memory = sum(readings[uuid].memory.get(pid, 0) for uuid in devices for pid in pids)
+        measured = [u for u in (readings[uuid].utilization for uuid in devices) if u is not None]
+        utilization = (
+            float(max((u.get(pid, 0) for u in measured for pid in pids), default=0)) if measured else None
+        )
+        if utilization is not None and utilization > self.busy_threshold:
+            track.last_busy = now
+        mig = [uuid for uuid in devices if readings[uuid].utilization is None]
+        if mig:
+            reason = f"MIG device(s) {', '.join(mig)}: NVML has no per-process utilisation there, memory only"
+            return GpuActivity(True, reason, utilization, memory, None, track.last_busy, now)
+        since = max(track.measured_since, track.last_busy or track.measured_since)
+        return GpuActivity(True, "", utilization, memory, now - since, track.last_busy, now)

@@ -1,0 +1,133 @@
+"""Prometheus metrics, in jupyter_server's registry (served at ``/metrics``).
+
+Labels are bounded: GPU size names (admin-configured), lifecycle states, reasons and
+triggers from fixed sets — never kernel ids or user names, so cardinality does not grow
+with use. Gauges that describe the present (kernels by state, slices held, slice-seconds
+released so far) are computed at scrape time by a collector from the runtime, so they can
+never drift from the truth; events (hibernations, resumes, warnings, durations, bytes) are
+counters and histograms updated where they happen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kernelmgr.core.lifecycle import KernelState
+
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
+BYTES_BUCKETS = (1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 4e9, 1.6e10, 6.4e10)
+
+HIBERNATIONS = Counter(
+    "elastic_hibernations_total", "Kernels hibernated, by what asked for it.", ["reason", "size"]
+)
+HIBERNATION_FAILURES = Counter(
+    "elastic_hibernation_failures_total",
+    "Hibernations that failed (the kernel kept running).",
+    ["reason", "size"],
+)
+RESUMES = Counter("elastic_resumes_total", "Kernels resumed, by what woke them.", ["trigger", "size"])
+WARNINGS = Counter("elastic_hibernation_warnings_total", "Idle warnings sent to notebooks.", ["kind", "size"])
+REMOVALS = Counter(
+    "elastic_removals_total", "Hibernated kernels removed after CullPolicy.hibernated_ttl.", ["size"]
+)
+HIBERNATE_SECONDS = Histogram(
+    "elastic_hibernate_duration_seconds", "Checkpoint + stop + release.", ["size"], buckets=DURATION_BUCKETS
+)
+RESUME_SECONDS = Histogram(
+    "elastic_resume_duration_seconds",
+    "Resume to a responsive kernel (including waiting for a slice).",
+    ["size"],
+    buckets=DURATION_BUCKETS,
+)
+CHECKPOINT_BYTES = Histogram(
+    "elastic_checkpoint_bytes", "Size of committed checkpoints.", ["size"], buckets=BYTES_BUCKETS
+)
+
+
+def size_label(profile: str | None) -> str:
+    return profile or "cpu"
+
+
+class ReleasedSliceSeconds:
+    """GPU-seconds not held because kernels were hibernated: fraction × time hibernated."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._closed: dict[str, float] = {}
+        self._open: dict[str, tuple[str, float, float]] = {}
+
+    def hibernated(self, kernel_id: str, size: str, fraction: float) -> None:
+        self._open[kernel_id] = (size, fraction, self.clock())
+
+    def woke(self, kernel_id: str) -> None:
+        entry = self._open.pop(kernel_id, None)
+        if entry is not None:
+            size, fraction, since = entry
+            self._closed[size] = self._closed.get(size, 0.0) + fraction * (self.clock() - since)
+
+    def totals(self) -> dict[str, float]:
+        now = self.clock()
+        totals = dict(self._closed)
+        for size, fraction, since in self._open.values():
+            totals[size] = totals.get(size, 0.0) + fraction * (now - since)
+        return totals
+
+
+class RuntimeCollector(Collector):
+    """Scrape-time gauges from the runtime: kernels by state and size, slices, released GPU-seconds."""
+
+    def __init__(self, runtime_getter: Callable[[], object | None], released: ReleasedSliceSeconds) -> None:
+        self.runtime_getter = runtime_getter
+        self.released = released
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        runtime = self.runtime_getter()
+        kernels = GaugeMetricFamily(
+            "elastic_kernels", "Managed kernels by lifecycle state and GPU size.", labels=["state", "size"]
+        )
+        slices = GaugeMetricFamily("elastic_slices_allocated", "GPU slices held, by size.", labels=["size"])
+        fraction = GaugeMetricFamily(
+            "elastic_gpu_fraction_allocated", "Sum of GPU fractions held.", labels=["size"]
+        )
+        released = CounterMetricFamily(
+            "elastic_gpu_seconds_released",
+            "GPU-seconds (fraction × seconds) not held while hibernated.",
+            labels=["size"],
+        )
+        if runtime is not None:
+            counts: dict[tuple[str, str], int] = {}
+            for record in runtime.kernels.all():  # type: ignore[attr-defined]
+                key = (record.state.value, size_label(record.profile))
+                counts[key] = counts.get(key, 0) + 1
+            for state in KernelState:
+                for size in {size_label(p) for p in runtime.profiles} | {"cpu"}:  # type: ignore[attr-defined]
+                    kernels.add_metric([state.value, size], counts.get((state.value, size), 0))
+            held: dict[str, list[float]] = {}
+            for granted in runtime.allocator.slices():  # type: ignore[attr-defined]
+                held.setdefault(granted.profile, []).append(sum(p.fraction for p in granted.placements))
+            for size in runtime.profiles:  # type: ignore[attr-defined]
+                slices.add_metric([size], len(held.get(size, [])))
+                fraction.add_metric([size], sum(held.get(size, [])))
+        for size, seconds in self.released.totals().items():
+            released.add_metric([size], seconds)
+        yield kernels
+        yield slices
+        yield fraction
+        yield released
+
+
+_collector: RuntimeCollector | None = None
+
+
+def install_collector(runtime_getter: Callable[[], object | None], released: ReleasedSliceSeconds) -> None:
+    """Register the scrape-time collector once per process (the registry is process-wide)."""
+    global _collector
+    if _collector is not None:
+        REGISTRY.unregister(_collector)
+    _collector = RuntimeCollector(runtime_getter, released)
+    REGISTRY.register(_collector)

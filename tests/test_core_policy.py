@@ -1,0 +1,173 @@
+"""The cull policy as a pure function: idle = no execution AND no GPU activity, busy is safe."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kernelmgr.core.errors import ConfigError
+from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.core.policy import (
+    Action,
+    KernelSnapshot,
+    activity_resets_warning,
+    build_policy,
+    decide,
+)
+
+
+def policy(**overrides: object):  # type: ignore[no-untyped-def]
+    settings = {
+        "idle_timeout": 600,
+        "interval": 30,
+        "gpu_idle_threshold": 5,
+        "warn_before": 120,
+        "hibernated_ttl": 0,
+        "busy_gpu_idle_warning": 0,
+        "rules": [],
+        "known_profiles": ("small", "whole"),
+    }
+    settings.update(overrides)
+    return build_policy(**settings)  # type: ignore[arg-type]
+
+
+def snap(**fields: object) -> KernelSnapshot:
+    base = KernelSnapshot(
+        kernel_id="k",
+        profile="small",
+        state=KernelState.RUNNING,
+        execution_state="idle",
+        started=0.0,
+        last_execution=0.0,
+        gpu_available=True,
+        gpu_idle_seconds=10_000.0,
+    )
+    return replace(base, **fields)  # type: ignore[arg-type]
+
+
+def test_active_kernel_is_left_alone() -> None:
+    assert decide(policy(), snap(last_execution=900.0), now=1000.0).action is Action.NOTHING
+
+
+def test_warning_comes_first_then_hibernation_after_warn_before() -> None:
+    p = policy()
+    warn = decide(p, snap(), now=480.0)
+    assert warn.action is Action.WARN and warn.deadline == 600.0
+    assert decide(p, snap(warned_at=480.0), now=590.0).action is Action.NOTHING
+    hibernate = decide(p, snap(warned_at=480.0), now=600.0)
+    assert hibernate.action is Action.HIBERNATE
+    assert "no execution and no GPU activity" in hibernate.reason
+
+
+def test_late_first_look_still_warns_before_hibernating() -> None:
+    """A kernel found idle far past the timeout is warned, and gets the full warn_before."""
+    decision = decide(policy(), snap(), now=5000.0)
+    assert decision.action is Action.WARN and decision.deadline == 5120.0
+    assert decide(policy(), snap(warned_at=5000.0), now=5060.0).action is Action.NOTHING
+
+
+def test_no_warning_configured_hibernates_directly() -> None:
+    assert decide(policy(warn_before=0), snap(), now=600.0).action is Action.HIBERNATE
+
+
+def test_gpu_activity_keeps_a_silent_kernel() -> None:
+    """No cell has run for an hour, but the GPU is working (a background job): not idle."""
+    decision = decide(policy(), snap(gpu_idle_seconds=3.0), now=3600.0)
+    assert decision.action is Action.NOTHING
+
+
+def test_busy_kernel_is_never_hibernated() -> None:
+    busy = snap(execution_state="busy", last_execution=0.0, gpu_idle_seconds=99_999.0)
+    assert decide(policy(), busy, now=99_999.0).action is Action.NOTHING
+
+
+def test_busy_but_gpu_idle_gets_one_warning_when_configured() -> None:
+    p = policy(busy_gpu_idle_warning=1800)
+    busy = snap(execution_state="busy", gpu_idle_seconds=2000.0)
+    assert decide(p, busy, now=3000.0).action is Action.WARN_BUSY
+    assert decide(p, replace(busy, busy_warned=True), now=3000.0).action is Action.NOTHING
+    assert decide(policy(), busy, now=3000.0).action is Action.NOTHING
+
+
+def test_without_gpu_measurement_jupyter_activity_decides_and_says_so() -> None:
+    decision = decide(policy(warn_before=0), snap(gpu_available=False, gpu_idle_seconds=None), now=700.0)
+    assert decision.action is Action.HIBERNATE
+    assert "GPU activity not measurable" in decision.reason
+
+
+def test_rules_per_size_first_match_wins() -> None:
+    p = policy(
+        rules=[
+            {"profiles": ["whole"], "idle_timeout": 60, "warn_before": 0},
+            {"profiles": ["*"], "idle_timeout": 6000},
+            {"profiles": ["whole"], "idle_timeout": 1},
+        ]
+    )
+    assert p.for_profile("whole").idle_timeout == 60
+    assert p.for_profile("small").idle_timeout == 6000
+    assert decide(p, snap(profile="whole"), now=61.0).action is Action.HIBERNATE
+    assert decide(p, snap(profile="small"), now=61.0).action is Action.NOTHING
+
+
+def test_zero_timeout_disables() -> None:
+    p = policy(idle_timeout=0, warn_before=0)
+    assert not p.enabled
+    assert decide(p, snap(), now=1e9).action is Action.NOTHING
+
+
+def test_retry_back_off_is_respected() -> None:
+    assert decide(policy(warn_before=0), snap(retry_at=2000.0), now=1000.0).action is Action.NOTHING
+
+
+def test_ttl_removes_long_hibernated_kernels() -> None:
+    p = policy(hibernated_ttl=86_400)
+    asleep = snap(state=KernelState.HIBERNATED, hibernated_at=0.0)
+    assert decide(p, asleep, now=86_399.0).action is Action.NOTHING
+    removed = decide(p, asleep, now=86_400.0)
+    assert removed.action is Action.REMOVE and "hibernated_ttl" in removed.reason
+    assert decide(policy(), asleep, now=1e9).action is Action.NOTHING
+
+
+def test_activity_after_a_warning_cancels_it() -> None:
+    p = policy()
+    warned = snap(warned_at=500.0, last_execution=0.0)
+    assert not activity_resets_warning(warned, p, now=550.0)
+    assert activity_resets_warning(replace(warned, last_execution=540.0), p, now=550.0)
+    assert activity_resets_warning(replace(warned, execution_state="busy"), p, now=550.0)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragment"),
+    [
+        ({"idle_timeout": -1}, "CullPolicy.idle_timeout must be >= 0"),
+        ({"interval": 0}, "CullPolicy.interval must be >= 1"),
+        ({"gpu_idle_threshold": 150}, "CullPolicy.gpu_idle_threshold must be between 0 and 100"),
+        ({"warn_before": "soon"}, "CullPolicy.warn_before must be a number"),
+        ({"warn_before": 700}, "warn_before (700s) must be shorter than idle_timeout (600s)"),
+        ({"rules": [{"idle_timeout": 5}]}, "CullPolicy.rules[0].profiles must list GPU size names"),
+        ({"rules": [{"profiles": ["huge"]}]}, "unknown GPU size 'huge'"),
+        ({"rules": [{"profiles": ["small"], "timeout": 5}]}, "CullPolicy.rules[0].timeout: unknown key"),
+        ({"rules": "whole=60"}, "CullPolicy.rules must be a list"),
+    ],
+)
+def test_bad_policy_names_the_key(overrides: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        policy(**overrides)
+    assert fragment in str(caught.value)
+
+
+def test_policy_document() -> None:
+    doc = policy(rules=[{"profiles": ["whole"], "idle_timeout": 60, "warn_before": 30}]).to_dict()
+    assert doc["idle_timeout"] == 600 and doc["enabled"] is True
+    assert doc["rules"] == [{"profiles": ["whole"], "idle_timeout": 60.0, "warn_before": 30.0}]
+
+
+def test_rule_that_makes_warning_longer_than_timeout_is_refused_naming_the_size() -> None:
+    with pytest.raises(ConfigError, match="for GPU size 'whole'"):
+        policy(rules=[{"profiles": ["whole"], "idle_timeout": 60}])
+
+
+def test_gpu_idle_threshold_is_global_and_rules_cannot_change_it() -> None:
+    with pytest.raises(ConfigError, match=r"rules\[0\]\.gpu_idle_threshold: unknown key"):
+        policy(rules=[{"profiles": ["whole"], "gpu_idle_threshold": 50}])

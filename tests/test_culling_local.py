@@ -1,0 +1,204 @@
+"""The cull policy end to end, with short timeouts: warn, hibernate, cancel, keep busy, TTL.
+
+GPU activity comes from the NVML TEST DOUBLE (``FileNvmlDouble``): the test writes what "the
+GPU" shows for the kernel's process into a JSON file the server re-reads at every sample.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import INVENTORY, PROFILES
+from tests.support.server import RunningServer, launch, start_server, wait_for
+
+POLICY = {
+    "idle_timeout": 6,
+    "warn_before": 3,
+    "interval": 1,
+    "hibernated_ttl": 0,
+    "rules": [{"profiles": ["whole"], "idle_timeout": 3, "warn_before": 0, "hibernated_ttl": 3}],
+}
+
+
+class GpuScript:
+    """Writes the NVML double's script: which kernel process uses how much of which GPU."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.processes: dict[int, dict] = {}
+        self.write()
+
+    def write(self) -> None:
+        script = {
+            "devices": [
+                {"uuid": d["uuid"], "name": d["name"], "memory_mib": d["memory_mib"]} for d in INVENTORY
+            ],
+            "processes": list(self.processes.values()),
+        }
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(script))
+        tmp.replace(self.path)
+
+    def set(self, pid: int, device: str, memory_mib: int, sm_percent: int) -> None:
+        self.processes[pid] = {
+            "pid": pid,
+            "device": device,
+            "memory_mib": memory_mib,
+            "sm_percent": sm_percent,
+        }
+        self.write()
+
+
+@pytest.fixture(scope="module")
+def gpu(tmp_path_factory: pytest.TempPathFactory) -> GpuScript:
+    return GpuScript(tmp_path_factory.mktemp("nvml") / "gpu.json")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, gpu: GpuScript) -> Iterator[RunningServer]:
+    home = tmp_path_factory.mktemp("culling")
+    config = {
+        "ElasticKernels": {
+            "profiles": PROFILES,
+            "gpu_inventory": INVENTORY,
+            "checkpoint_root": str(home / "checkpoints"),
+            "nvml_class": "kernelmgr.activity.nvml_double.FileNvmlDouble",
+            "gpu_sample_interval": 0.5,
+        },
+        "CullPolicy": POLICY,
+    }
+    running = start_server(home, config, env_extra={"ELASTIC_NVML_DOUBLE_FILE": str(gpu.path)})
+    yield running
+    running.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_kernels_left(server: RunningServer) -> Iterator[None]:
+    yield
+    for kernel in server.get("/api/kernels"):
+        server.request("DELETE", f"/api/kernels/{kernel['id']}")
+
+
+def state(server: RunningServer, kernel_id: str) -> str:
+    return str(server.get(f"/api/elastic/kernels/{kernel_id}")["state"])
+
+
+def pid_of(server: RunningServer, kernel_id: str) -> int:
+    return int(server.execute(kernel_id, "import os; print(os.getpid())").strip())
+
+
+def wait_for_warning(chan, timeout: float = 20) -> str:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        chan.conn.settimeout(max(0.1, deadline - time.monotonic()))
+        msg = json.loads(chan.conn.recv())
+        if msg["msg_type"] == "stream" and "hibernated" in msg["content"]["text"]:
+            return str(msg["content"]["text"])
+    raise AssertionError("no warning arrived")
+
+
+def test_policy_endpoint_shows_the_effective_policy(server: RunningServer) -> None:
+    doc = server.get("/api/elastic/policy")
+    assert doc["idle_timeout"] == 6 and doc["enabled"] is True
+    assert doc["per_size"]["whole"]["idle_timeout"] == 3 and doc["per_size"]["small"]["idle_timeout"] == 6
+    assert "non-elastic kernels only" in doc["jupyter_server_culling"]["applies_to"]
+
+
+def test_idle_kernel_is_warned_then_hibernated(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id) as chan:
+        chan.execute("kept = 'yes'")
+        text = wait_for_warning(chan)
+        assert "variables are saved first" in text and "running any cell brings it back" in text
+        model = server.get(f"/api/elastic/kernels/{kernel_id}")
+        assert model["activity"]["warning"]["message"] == text.strip()
+        wait_for(lambda: state(server, kernel_id) == "hibernated", timeout=20, what="policy hibernation")
+        assert chan.execute("print(kept)", timeout=120).stdout.strip() == "yes"
+    metrics = server.text("/metrics")
+    assert 'elastic_hibernations_total{reason="policy",size="small"}' in metrics
+    assert 'elastic_hibernation_warnings_total{kind="idle",size="small"}' in metrics
+
+
+def test_activity_after_the_warning_cancels_it(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id) as chan:
+        chan.execute("x = 1")
+        wait_for_warning(chan)
+        first_deadline = server.get(f"/api/elastic/kernels/{kernel_id}")["activity"]["warning"][
+            "hibernate_at"
+        ]
+        chan.execute("x += 1")  # the user is back
+        time.sleep(max(0.0, first_deadline - time.time()) + 1)  # past the warned deadline
+        assert state(server, kernel_id) == "running"
+        warning = server.get(f"/api/elastic/kernels/{kernel_id}")["activity"]["warning"]
+        assert warning is None or warning["hibernate_at"] > first_deadline + 1, (
+            "the old warning was cancelled"
+        )
+        wait_for_warning(chan)  # a new idle period gets its own warning
+
+
+def test_long_silent_cell_is_not_hibernated(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id) as chan:
+        result = chan.execute("import time; time.sleep(10); print('done')", timeout=60)
+        assert result.stdout.strip() == "done"
+    assert state(server, kernel_id) == "running"
+
+
+def test_gpu_busy_without_messages_keeps_the_kernel(server: RunningServer, gpu: GpuScript) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    pid = pid_of(server, kernel_id)
+    gpu.set(pid, "GPU-test-0000", memory_mib=2048, sm_percent=60)  # e.g. a background training thread
+    try:
+        time.sleep(9)
+        model = server.get(f"/api/elastic/kernels/{kernel_id}")
+        assert model["state"] == "running"
+        assert model["activity"]["gpu_utilization"] == 60 and model["activity"]["gpu_memory_mib"] == 2048
+        # The GPU goes idle but keeps its memory allocated: that is idle.
+        gpu.set(pid, "GPU-test-0000", memory_mib=2048, sm_percent=0)
+        wait_for(
+            lambda: state(server, kernel_id) == "hibernated", timeout=30, what="hibernation once GPU idle"
+        )
+    finally:
+        gpu.processes.pop(pid, None)
+        gpu.write()
+
+
+def test_per_size_rule_and_ttl_removal(server: RunningServer) -> None:
+    """'whole' hibernates after 3 s without warning, and is removed 3 s after that."""
+    kernel_id = server.start_kernel("python3-gpu-whole")
+    server.execute(kernel_id, "y = 2")
+    wait_for(lambda: state(server, kernel_id) == "hibernated", timeout=20, what="rule-driven hibernation")
+    wait_for(
+        lambda: server.request("GET", f"/api/kernels/{kernel_id}").status == 404, timeout=20, what="removal"
+    )
+    reply = server.request("GET", f"/api/kernels/{kernel_id}")
+    assert "was removed" in reply.body["message"] and "hibernated_ttl" in reply.body["message"]
+    metrics = server.text("/metrics")
+    assert 'elastic_removals_total{size="whole"}' in metrics
+
+
+def test_bad_policy_stops_the_server(tmp_path: Path) -> None:
+    config = {
+        "ElasticKernels": {"gpu_inventory": INVENTORY},
+        "CullPolicy": {"idle_timeout": 10, "warn_before": 20},
+    }
+    proc, log_path, _url, _env = launch(tmp_path, config)
+    proc.wait(timeout=60)
+    log = log_path.read_text()
+    assert proc.returncode != 0
+    assert "CullPolicy.warn_before (20s) must be shorter than idle_timeout (10s)" in log
+    assert "Traceback" not in log
+
+
+def test_metrics_have_bounded_labels(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    metrics = server.text("/metrics")
+    assert 'elastic_kernels{size="small",state="running"}' in metrics
+    assert 'elastic_slices_allocated{size="small"}' in metrics
+    assert kernel_id not in metrics
