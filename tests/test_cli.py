@@ -92,3 +92,36 @@ def test_unreachable_server_is_one_line(plain_server: RunningServer) -> None:
     assert result.returncode == 1
     assert len(result.stderr.strip().splitlines()) == 1
     assert "cannot reach http://127.0.0.1:9" in result.stderr
+
+
+def test_hibernate_and_resume_from_the_cli(plain_server: RunningServer) -> None:
+    kernel_id = plain_server.start_kernel("python3-gpu-small")
+    try:
+        plain_server.execute(kernel_id, "import numpy as np; arr = np.ones(10); gen = (i for i in [1])")
+        result = cli(plain_server, "hibernate", kernel_id)
+        assert result.returncode == 0, result.stderr
+        line = result.stdout.strip()
+        assert line.startswith(f"kernel {kernel_id} is hibernated: ") and "not saved: gen" in line
+        listing = cli(plain_server, "list").stdout.splitlines()
+        assert listing[0].split()[:5] == ["KERNEL", "SIZE", "STATE", "EXECUTION", "IDLE"]
+        row = next(r for r in listing if r.startswith(kernel_id))
+        assert row.split()[1:4] == ["small", "hibernated", "hibernated"]
+        as_json = json.loads(cli(plain_server, "--json", "list").stdout)
+        assert as_json[0]["state"] == "hibernated"
+        resumed = cli(plain_server, "resume", kernel_id)
+        assert resumed.returncode == 0, resumed.stderr
+        assert resumed.stdout.strip() == f"kernel {kernel_id} is running on GPU-test-0000"
+    finally:
+        plain_server.shutdown_kernel(kernel_id)
+
+
+def test_hibernate_errors_are_one_line(plain_server: RunningServer) -> None:
+    missing = cli(plain_server, "hibernate", "no-such-kernel")
+    assert missing.returncode == 1
+    assert missing.stderr.strip().splitlines() == [
+        f"jupyter elastic: HTTP 404 from {plain_server.url}/api/elastic/kernels/no-such-kernel/hibernate: "
+        "no kernel with id 'no-such-kernel'"
+    ]
+    bad = cli(plain_server, "resume", "../etc")
+    assert bad.returncode == 2 and "is not a kernel id" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -72,6 +72,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, gpu: GpuScript) -> Iterator
         },
         "CullPolicy": POLICY,
     }
+    (home / "config").mkdir(parents=True, exist_ok=True)
+    (home / "config" / "jupyter_server_config.py").write_text(
+        f"import logging\nc.EventLogger.handlers = [logging.FileHandler({str(home / 'events.jsonl')!r})]\n"
+    )
     running = start_server(home, config, env_extra={"ELASTIC_NVML_DOUBLE_FILE": str(gpu.path)})
     yield running
     running.stop()
@@ -122,6 +126,17 @@ def test_idle_kernel_is_warned_then_hibernated(server: RunningServer) -> None:
     metrics = server.text("/metrics")
     assert 'elastic_hibernations_total{reason="policy",size="small"}' in metrics
     assert 'elastic_hibernation_warnings_total{kind="idle",size="small"}' in metrics
+
+
+def test_lifecycle_events_are_emitted(server: RunningServer) -> None:
+    """jupyter_events records of the warning, hibernation and resume of the test above."""
+    lines = (server.home / "events.jsonl").read_text().splitlines()
+    ours = [json.loads(line) for line in lines if "kernel_lifecycle" in line]
+    actions = [event["action"] for event in ours]
+    assert {"warn", "hibernate", "resume"} <= set(actions)
+    hibernate = next(event for event in ours if event["action"] == "hibernate")
+    assert hibernate["reason"] == "policy" and hibernate["size"] == "small"
+    assert hibernate["checkpoint_bytes"] > 0 and hibernate["duration_seconds"] > 0
 
 
 def test_activity_after_the_warning_cancels_it(server: RunningServer) -> None:

@@ -116,7 +116,7 @@ def parse_profile(name: str, raw: Mapping[str, Any]) -> GpuProfile:
     if memory is None and fraction < 1:
         raise _fail(name, "memory_mib", "is required for a fractional GPU size (how much memory it may use)")
 
-    compute = raw.get("compute_percent", min(100, round(fraction * 100)))
+    compute = raw.get("compute_percent", max(1, min(100, round(fraction * 100))))
     if isinstance(compute, bool) or not isinstance(compute, int) or not 1 <= compute <= 100:
         raise _fail(name, "compute_percent", f"must be an integer from 1 to 100, got {compute!r}")
 
