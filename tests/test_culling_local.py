@@ -7,6 +7,7 @@ GPU" shows for the kernel's process into a JSON file the server re-reads at ever
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -217,3 +218,39 @@ def test_metrics_have_bounded_labels(server: RunningServer) -> None:
     assert 'elastic_kernels{size="small",state="running"}' in metrics
     assert 'elastic_slices_allocated{size="small"}' in metrics
     assert kernel_id not in metrics
+
+
+def test_failed_policy_hibernation_backs_off_and_keeps_the_kernel(tmp_path: Path) -> None:
+    """A disk too small for the checkpoint: the kernel keeps running; retries slow down."""
+    small = tmp_path / "small-disk"
+    small.mkdir()
+    if os.system(f"mount -t tmpfs -o size=4m tmpfs {small} 2>/dev/null") != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        config = {
+            "ElasticKernels": {
+                "profiles": PROFILES,
+                "gpu_inventory": INVENTORY,
+                "checkpoint_root": str(small),
+            },
+            "CullPolicy": {"idle_timeout": 1, "warn_before": 0, "interval": 1},
+        }
+        running = start_server(tmp_path, config)
+        try:
+            kernel_id = running.start_kernel("python3-gpu-small")
+            running.execute(kernel_id, "big = bytearray(16 * 1024 * 1024)")
+            wait_for(
+                lambda: "(2 in a row), retrying in 4s" in running.log(), timeout=30, what="second failure"
+            )
+            time.sleep(3)
+            log = running.log()
+            assert "(1 in a row), retrying in 2s" in log
+            assert "(4 in a row)" not in log, "retries back off instead of looping"
+            model = running.get(f"/api/elastic/kernels/{kernel_id}")
+            assert model["state"] == "running" and model["slice"] is not None
+            assert "no space left" in model["last_error"].lower()
+            assert running.execute(kernel_id, "print(len(big))").strip() == str(16 * 1024 * 1024)
+        finally:
+            running.stop()
+    finally:
+        os.system(f"umount {small}")
