@@ -363,3 +363,18 @@ def test_server_killed_mid_hibernation_loses_nothing(tmp_path: Path) -> None:
         assert second.execute(kernel_id, "print(precious['a'])", timeout=120).strip() == "1"
     finally:
         second.stop()
+
+
+def test_jupyterlab_protocol_v1_hibernated_answers_and_resume(server: RunningServer) -> None:
+    """The binary v1 websocket subprotocol JupyterLab speaks: same behaviour as the JSON one."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id, v1=True) as chan:
+        assert chan.execute("v = [1, 2]; v.append(3)").error == ""
+        assert hibernate(server, kernel_id).status == 200
+        info = chan.request("kernel_info_request", {})
+        assert info["content"]["language_info"]["name"] == "python"
+        assert chan.request("is_complete_request", {"code": "def f():"})["content"]["status"] == "incomplete"
+        assert server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernated"
+        result = chan.execute("print(sum(v))", timeout=120)
+        assert result.stdout.strip() == "6"
+        assert any("restored" in text for text in result.displays)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import websocket
+from jupyter_server.services.kernels.connection.base import deserialize_msg_from_ws_v1, serialize_msg_to_ws_v1
 
 TOKEN = "elastic-test-token"
 
@@ -53,16 +54,46 @@ class ExecResult:
     statuses: list[str] = field(default_factory=list)
 
 
-class KernelChannel:
-    """A real websocket client for one kernel (the legacy JSON protocol, like older frontends)."""
+V1_PROTOCOL = "v1.kernel.websocket.jupyter.org"
 
-    def __init__(self, url: str, kernel_id: str, timeout: float = 60) -> None:
+
+class KernelChannel:
+    """A real websocket client for one kernel.
+
+    Speaks the legacy JSON protocol by default, or with ``v1=True`` the binary
+    ``v1.kernel.websocket.jupyter.org`` subprotocol that JupyterLab uses.
+    """
+
+    def __init__(self, url: str, kernel_id: str, timeout: float = 60, v1: bool = False) -> None:
         ws_url = url.replace("http://", "ws://") + f"/api/kernels/{kernel_id}/channels"
         self.session = uuid.uuid4().hex
         self.timeout = timeout
+        self.v1 = v1
         self.conn = websocket.create_connection(
-            f"{ws_url}?session_id={self.session}", header=[f"Authorization: token {TOKEN}"], timeout=timeout
+            f"{ws_url}?session_id={self.session}",
+            header=[f"Authorization: token {TOKEN}"],
+            timeout=timeout,
+            subprotocols=[V1_PROTOCOL] if v1 else None,
         )
+        if v1:
+            assert self.conn.getsubprotocol() == V1_PROTOCOL, "the server did not accept the v1 protocol"
+
+    def recv(self) -> dict[str, Any]:
+        """The next message as a dict: channel, msg_type, header, parent_header, content."""
+        raw = self.conn.recv()
+        if not self.v1:
+            msg: dict[str, Any] = json.loads(raw)
+            return msg
+        channel, parts = deserialize_msg_from_ws_v1(raw)
+        header, parent, metadata, content = (json.loads(p) for p in parts[:4])
+        return {
+            "channel": channel,
+            "header": header,
+            "msg_type": header["msg_type"],
+            "parent_header": parent,
+            "metadata": metadata,
+            "content": content,
+        }
 
     def __enter__(self) -> KernelChannel:
         return self
@@ -75,25 +106,24 @@ class KernelChannel:
 
     def send(self, msg_type: str, content: dict[str, Any], channel: str = "shell") -> str:
         msg_id = uuid.uuid4().hex
-        self.conn.send(
-            json.dumps(
-                {
-                    "header": {
-                        "msg_id": msg_id,
-                        "msg_type": msg_type,
-                        "username": "test",
-                        "session": self.session,
-                        "version": "5.3",
-                        "date": "",
-                    },
-                    "parent_header": {},
-                    "metadata": {},
-                    "content": content,
-                    "channel": channel,
-                    "buffers": [],
-                }
-            )
-        )
+        msg = {
+            "header": {
+                "msg_id": msg_id,
+                "msg_type": msg_type,
+                "username": "test",
+                "session": self.session,
+                "version": "5.3",
+                "date": "",
+            },
+            "parent_header": {},
+            "metadata": {},
+            "content": content,
+        }
+        if self.v1:
+            pack = lambda obj: json.dumps(obj).encode()  # noqa: E731
+            self.conn.send_binary(serialize_msg_to_ws_v1(msg, channel, pack))
+        else:
+            self.conn.send(json.dumps({**msg, "channel": channel, "buffers": []}))
         return msg_id
 
     def collect(
@@ -106,7 +136,7 @@ class KernelChannel:
         idle = False
         while time.monotonic() < deadline and not (reply and idle):
             self.conn.settimeout(max(0.1, deadline - time.monotonic()))
-            msg = json.loads(self.conn.recv())
+            msg = self.recv()
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             if msg["channel"] == "iopub":
@@ -204,9 +234,9 @@ class RunningServer:
             raise AssertionError(f"kernel error: {result.error}")
         return result.stdout
 
-    def channel(self, kernel_id: str, timeout: float = 60) -> KernelChannel:
+    def channel(self, kernel_id: str, timeout: float = 60, v1: bool = False) -> KernelChannel:
         """An open websocket to the kernel, as a notebook holds one."""
-        return KernelChannel(self.url, kernel_id, timeout)
+        return KernelChannel(self.url, kernel_id, timeout, v1=v1)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
