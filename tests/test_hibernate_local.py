@@ -137,6 +137,12 @@ def test_two_cycles_in_a_row(server: RunningServer) -> None:
             result = chan.execute("print(counter); counter += 1", timeout=120)
             assert result.stdout.strip() == str(expected)
         assert chan.execute("print(counter)").stdout.strip() == "3"
+    assert hibernate(server, kernel_id).status == 200
+    kernel_dir = next((server.home / "checkpoints").glob(f"*/{kernel_id}"))
+    wait_for(
+        lambda: len(list(kernel_dir.glob("ckpt-*"))) == 1,
+        what="the superseded checkpoints to be pruned once the kernel stopped",
+    )
 
 
 def test_resume_by_api_and_report_on_first_cell(server: RunningServer) -> None:

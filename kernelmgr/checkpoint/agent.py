@@ -175,6 +175,7 @@ class _Agent:
                 owner=self.config.owner,
                 kernel_id=self.config.kernel_id,
                 skip=self.hidden_names(),
+                prune=False,  # the server prunes once the kernel has stopped (off the hibernate path)
             )
         except CheckpointFailed as exc:
             self.log.error("checkpoint failed: %s", exc)

@@ -166,6 +166,17 @@ class DataDigest:
     the next ``write``/``readinto``. The size is in the manifest, so the result binds the
     file as tightly as a flat hash.
 
+    Why SHA-256 and nothing cheaper, although hashing is most of what a restore costs:
+    what the HMAC-signed manifest carries must be a collision- and second-preimage-resistant
+    digest of *every* byte (raw buffers included: a tampered array is silent corruption),
+    and with the standard library alone nothing cheaper qualifies. Measured on a 2-core
+    VM: SHA-256 1050 MB/s per core (2000 MB/s on two), SHA-1 1140 (broken for
+    collisions, for 8 %), BLAKE2b 560, SHA-512 440, MD5 450; a keyed universal hash
+    (UMAC's NH) in numpy 1300 MB/s for one 2^-32 pass, so two passes for a sane bound cost
+    more than SHA-256. A faster keyed MAC (Poly1305, BLAKE3) would need a new dependency.
+    Chunk size and construction are part of the format: changing them makes every
+    existing checkpoint fail verification.
+
     Chunks are collected as memoryviews of the data, not copies, so the data must not
     change until :meth:`hexdigest`: the writer writes bytes that stay put (pickle frames,
     the objects' own buffers) and the reader unpickles only after the digest matched.

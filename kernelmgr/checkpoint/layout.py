@@ -109,8 +109,9 @@ def remove_stale(kernel_dir: Path, keep: str | None) -> None:
     every ``ckpt-*`` except ``keep`` (the committed one, ``None`` if nothing is).
 
     When ``current`` is unreadable, no ``ckpt-*`` is deleted: which one was committed is
-    unknown, and deleting could lose the only good copy. Only the kernel's own agent calls
-    this, and only one agent writes a kernel directory at a time.
+    unknown, and deleting could lose the only good copy. Called by the kernel's own agent
+    before and after it writes (one agent writes a kernel directory at a time), and by the
+    server once that kernel's process has stopped.
     """
     if not kernel_dir.is_dir():
         return

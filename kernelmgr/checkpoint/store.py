@@ -21,7 +21,7 @@ from typing import Any
 
 from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.integrity import owner_key
-from kernelmgr.checkpoint.layout import RESTORE_REPORT, read_current
+from kernelmgr.checkpoint.layout import RESTORE_REPORT, read_current, remove_stale
 from kernelmgr.checkpoint.verify import load_verified_manifest
 from kernelmgr.core.manifest import Manifest
 
@@ -122,6 +122,18 @@ class CheckpointStore:
         except (OSError, ValueError):  # missing, unreadable, or half-written by hand
             return None
         return report if isinstance(report, dict) else None
+
+    def prune(self, owner: str, kernel_id: str) -> None:
+        """Delete superseded checkpoints and leftovers, keeping the committed one.
+
+        Only while the kernel's process is stopped (hibernated): its agent is then not writing.
+        """
+        directory = self.kernel_dir(owner, kernel_id)
+        try:
+            committed = read_current(directory)
+        except ValueError:
+            return  # unknown which one is committed: keep everything
+        remove_stale(directory, keep=committed)
 
     def remove(self, owner: str, kernel_id: str) -> None:
         """Delete the kernel directory, quarantine included (the kernel is gone for good)."""

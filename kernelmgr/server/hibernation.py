@@ -80,6 +80,7 @@ class Hibernator:
         self.checkpoint_timeout = checkpoint_timeout
         self.start_timeout = start_timeout
         self._locks: dict[str, asyncio.Lock] = {}
+        self._pruning: asyncio.Future[None] | None = None
         self._resumes: dict[str, asyncio.Task[None]] = {}
         self._cancel: dict[str, asyncio.Event] = {}
         self.records: dict[str, KernelRecord] = {}
@@ -161,6 +162,7 @@ class Hibernator:
 
         # The checkpoint is committed: only now may the process and the slice go.
         await self._stop_process(km)
+        self._prune_later(record.owner, kernel_id)
         released = self.runtime.allocator.release(kernel_id)
         record.lifecycle.move(KernelState.HIBERNATED, reason)
         record.last_error = ""
@@ -197,6 +199,17 @@ class Hibernator:
             manifest.summary().get("bytes"),
             released.device_uuids if released else "-",
         )
+
+    def _prune_later(self, owner: str, kernel_id: str) -> None:
+        """Delete the superseded checkpoint in a worker thread, off the hibernate path."""
+
+        async def prune() -> None:
+            try:
+                await asyncio.to_thread(self.runtime.checkpoints.prune, owner, kernel_id)
+            except Exception:
+                self.mkm.log.warning("could not prune old checkpoints of %s", kernel_id, exc_info=True)
+
+        self._pruning = asyncio.ensure_future(prune())
 
     @staticmethod
     async def _stop_process(km: Any) -> None:
