@@ -52,11 +52,13 @@ def test_example_configs_are_valid() -> None:
 
     from traitlets.config import Config
 
-    from kernelmgr.config import ElasticKernels
+    from kernelmgr.config import CullPolicy, ElasticKernels
 
     examples = Path(__file__).parent.parent / "examples"
     json_config = Config(json.loads((examples / "jupyter_server_config.json").read_text()))
-    assert list(ElasticKernels(config=json_config).build().profiles) == ["small", "medium", "mig-1g", "whole"]
+    sizes = list(ElasticKernels(config=json_config).build().profiles)
+    assert sizes == ["small", "medium", "mig-1g", "whole"]
+    assert CullPolicy(config=json_config).build(sizes).for_profile("whole").idle_timeout == 600
 
     py_config = Config()
     runpy.run_path(
@@ -64,4 +66,5 @@ def test_example_configs_are_valid() -> None:
     )
     runtime = ElasticKernels(config=py_config).build()
     assert list(runtime.profiles) == ["small", "medium", "whole"]
+    assert CullPolicy(config=py_config).build(list(runtime.profiles)).enabled
     assert runtime.gpus_available

@@ -384,3 +384,22 @@ def test_jupyterlab_protocol_v1_hibernated_answers_and_resume(server: RunningSer
         result = chan.execute("print(sum(v))", timeout=120)
         assert result.stdout.strip() == "6"
         assert any("restored" in text for text in result.displays)
+
+
+def test_cell_sent_while_hibernating_waits_and_runs_after_resume(server: RunningServer) -> None:
+    """A cell arriving mid-checkpoint must not run in a process about to be stopped."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id) as chan:
+        chan.execute(slow_object(2) + "slow = Slow(); z = 41")
+        replies: list[Reply] = []
+        thread = threading.Thread(target=lambda: replies.append(hibernate(server, kernel_id)))
+        thread.start()
+        wait_for(
+            lambda: server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernating",
+            what="hibernating",
+        )
+        result = chan.execute("z += 1; print(z)", timeout=120)
+        thread.join(60)
+        assert replies and replies[0].status == 200, replies
+        assert result.error == "" and result.stdout.strip() == "42"
+    assert server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running"

@@ -16,6 +16,13 @@ c.ElasticKernels.profiles = {
 }
 c.ElasticKernels.allocation_strategy = "binpack"
 
+# Hibernate kernels idle (no cell run, GPU idle) for 30 minutes, after a 2-minute warning;
+# the whole-GPU size sooner. Running a cell brings a hibernated kernel back.
+c.CullPolicy.idle_timeout = 1800
+c.CullPolicy.warn_before = 120
+c.CullPolicy.interval = 30
+c.CullPolicy.rules = [{"profiles": ["whole"], "idle_timeout": 600, "warn_before": 60}]
+
 try:
     PynvmlNvml().devices()
 except NvmlUnavailable:

@@ -91,6 +91,10 @@ class Hibernator:
         record = self.runtime.kernels.get(kernel_id)
         return record.state if record else None
 
+    def is_going_to_sleep(self, kernel_id: str) -> bool:
+        """Hibernating now: a message sent to the kernel must wait, or the stop would lose it."""
+        return self.state_of(kernel_id) is KernelState.HIBERNATING
+
     def is_hibernated(self, kernel_id: str) -> bool:
         return self.state_of(kernel_id) in (KernelState.HIBERNATED, KernelState.RESUMING)
 
@@ -277,6 +281,10 @@ class Hibernator:
         ``restore=False`` starts it empty (a restart of a hibernated kernel) and drops the checkpoint.
         """
         state = self.state_of(kernel_id)
+        if state is KernelState.HIBERNATING:
+            async with self._locks.setdefault(kernel_id, asyncio.Lock()):
+                pass  # let the hibernation finish (or fail), then look again
+            state = self.state_of(kernel_id)
         if state is KernelState.RUNNING:
             return
         if state not in (KernelState.HIBERNATED, KernelState.RESUMING):

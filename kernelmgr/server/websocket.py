@@ -223,7 +223,8 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
 
     def handle_incoming_message(self, incoming_msg: Any) -> None:
         queue = self._pending()
-        if not queue and not self._asleep():
+        hibernating = self.hibernator is not None and self.hibernator.is_going_to_sleep(self.kernel_id)
+        if not queue and not hibernating and not self._asleep():
             self._note_execute(incoming_msg)
             super().handle_incoming_message(incoming_msg)
             return
