@@ -57,7 +57,7 @@ def test_warning_comes_first_then_hibernation_after_warn_before() -> None:
     assert decide(p, snap(warned_at=480.0), now=590.0).action is Action.NOTHING
     hibernate = decide(p, snap(warned_at=480.0), now=600.0)
     assert hibernate.action is Action.HIBERNATE
-    assert "no execution and no GPU activity" in hibernate.reason
+    assert "no cell run and no GPU activity" in hibernate.reason
 
 
 def test_late_first_look_still_warns_before_hibernating() -> None:

@@ -131,11 +131,13 @@ def test_hibernate_then_next_cell_resumes_with_variables(server: RunningServer) 
 def test_two_cycles_in_a_row(server: RunningServer) -> None:
     kernel_id = server.start_kernel("python3-gpu-small")
     with server.channel(kernel_id) as chan:
-        chan.execute("counter = 1")
+        assert chan.execute("counter = 1").reply["content"]["execution_count"] == 1
         for expected in (1, 2):
             assert hibernate(server, kernel_id).status == 200
             result = chan.execute("print(counter); counter += 1", timeout=120)
             assert result.stdout.strip() == str(expected)
+            # The cell numbers go on across the resume instead of starting again at 1.
+            assert result.reply["content"]["execution_count"] == expected + 1
         assert chan.execute("print(counter)").stdout.strip() == "3"
     assert hibernate(server, kernel_id).status == 200
     kernel_dir = next((server.home / "checkpoints").glob(f"*/{kernel_id}"))

@@ -25,6 +25,8 @@ class ExecutionActivity:
     last_execution_start: float | None = None
     last_execution_end: float | None = None
     busy_since: float | None = None
+    #: The execution count of the latest cell (so a resumed kernel continues the numbering).
+    execution_count: int = 0
 
     @property
     def last_execution(self) -> float | None:
@@ -70,13 +72,16 @@ class JupyterActivity:
     def observe(
         self, kernel_id: str, msg_type: str, parent: dict[str, Any], content: dict[str, Any] | None
     ) -> None:
-        """Account one IOPub message (``content`` only needed for status messages)."""
+        """Account one IOPub message (``content`` is only needed for status and execute_input)."""
         if parent.get("msg_type") != "execute_request" or parent.get("msg_id") in self._internal:
             return
         now = self.clock()
         activity = self.get(kernel_id)
         if msg_type == "execute_input":
             activity.last_execution_start = now
+            count = (content or {}).get("execution_count")
+            if isinstance(count, int):
+                activity.execution_count = count
         elif msg_type == "status" and content is not None:
             state = content.get("execution_state")
             if state == "busy":

@@ -214,8 +214,8 @@ def idle_seconds(snapshot: KernelSnapshot, now: float) -> tuple[float, str]:
     since = snapshot.last_execution if snapshot.last_execution is not None else snapshot.started
     jupyter_idle = max(0.0, now - since)
     if snapshot.gpu_available and snapshot.gpu_idle_seconds is not None:
-        return min(jupyter_idle, snapshot.gpu_idle_seconds), "no execution and no GPU activity"
-    return jupyter_idle, "no execution (GPU activity not measurable)"
+        return min(jupyter_idle, snapshot.gpu_idle_seconds), "no cell run and no GPU activity"
+    return jupyter_idle, "no cell run; GPU activity not measurable here"
 
 
 def decide(policy: Policy, snapshot: KernelSnapshot, now: float) -> Decision:

@@ -64,13 +64,17 @@ class CullState:
 Broadcast = Callable[[str, str], int]
 
 
-def warning_text(deadline: float, now: float, reason: str) -> str:
-    minutes = max(0, round((deadline - now) / 60))
+def _in(seconds: float) -> str:
+    return f"{max(0, round(seconds))} s" if seconds < 120 else f"about {round(seconds / 60)} min"
+
+
+def warning_text(deadline: float, now: float, idle: float, signals: str) -> str:
+    """What a notebook user reads before their kernel is hibernated."""
     when = time.strftime("%H:%M:%S", time.localtime(deadline))
     return (
-        f"⏸ This kernel has been idle ({reason}). To free its GPU it will be hibernated at {when} "
-        f"(in about {minutes} min): its variables are saved first, and running any cell brings it back "
-        "with them. Run a cell now to keep it running."
+        f"This kernel has been idle for {_in(idle)} ({signals}). To free its GPU it will be hibernated "
+        f"at {when} (in {_in(deadline - now)}): its variables are saved first, and running any cell "
+        "brings it back with them. Run a cell now to keep it running."
     )
 
 
@@ -200,7 +204,8 @@ class Culler:
         if decision.action is Action.WARN:
             state.warned_at = now
             state.deadline = decision.deadline
-            state.warning = warning_text(decision.deadline or now, now, decision.reason)
+            idle, signals = idle_seconds(self.snapshot(record, now), now)
+            state.warning = warning_text(decision.deadline or now, now, idle, signals)
             reached = self.broadcast(kernel_id, state.warning)
             metrics.WARNINGS.labels("idle", size).inc()
             self.hibernator.events.emit("warn", kernel_id, state.warning, reason="policy", size=size)
@@ -208,7 +213,7 @@ class Culler:
         elif decision.action is Action.WARN_BUSY:
             state.busy_warned = True
             text = (
-                f"⚠ {decision.reason}. If the cell is waiting on something that does not need the GPU, "
+                f"Note: {decision.reason}. If the cell is waiting on something that does not need the GPU, "
                 "consider a smaller GPU size; this kernel is not hibernated while a cell runs."
             )
             self.broadcast(kernel_id, text)

@@ -45,6 +45,9 @@ if TYPE_CHECKING:
 
 Notify = Callable[[str], Awaitable[None] | None]
 
+#: How long a hibernation request waits for a kernel reported busy to report idle.
+BUSY_GRACE_SECONDS = 1.0
+
 
 class HibernationError(ElasticError):
     """Hibernation or resume was refused or failed; ``status`` is the HTTP status to use."""
@@ -127,6 +130,11 @@ class Hibernator:
                 f"kernel {kernel_id} is {record.state.value}; only a running kernel can hibernate"
             )
         km: Any = self.mkm.get_kernel(kernel_id)
+        # The server learns "idle" from its own IOPub subscription, which can trail the
+        # notebook's by a few milliseconds: give a cell that just finished a moment.
+        deadline = time.monotonic() + BUSY_GRACE_SECONDS
+        while getattr(km, "execution_state", "unknown") == "busy" and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
         execution_state = getattr(km, "execution_state", "unknown")
         if execution_state != "idle":
             raise HibernationError(
@@ -177,6 +185,7 @@ class Hibernator:
             hibernated_at=time.time(),
             checkpoint_id=manifest.checkpoint_id,
             kernel_info=kernel_info,
+            execution_count=self.activity.get(kernel_id).execution_count,
         )
         size = size_label(record.profile)
         took = time.time() - started
@@ -324,7 +333,7 @@ class Hibernator:
                 record.restore_on_start = restore
                 if not restore:
                     self.runtime.checkpoints.remove(record.owner, kernel_id)
-                await self._start(km)
+                await self._start(km, kernel_id if restore else None)
             except BaseException as exc:
                 record.restore_on_start = False
                 self.runtime.allocator.release(kernel_id)
@@ -385,7 +394,7 @@ class Hibernator:
                 continue
             raise ResumeCancelled(f"resume of kernel {kernel_id} cancelled while waiting for a GPU slice")
 
-    async def _start(self, km: Any) -> None:
+    async def _start(self, km: Any, continue_count_of: str | None) -> None:
         launch_args = dict(getattr(km, "_launch_args", {}) or {})
         while True:
             try:
@@ -399,6 +408,14 @@ class Hibernator:
             # One kernel_info round trip proves the kernel serves requests (the agent has
             # restored by then: it runs at extension load, before the first request).
             await self._reply(client, client.kernel_info(), self.start_timeout, km, self._pid(km))
+            record = self.records.get(continue_count_of) if continue_count_of else None
+            if record is not None and record.execution_count > 0:
+                # The notebook's cell numbers go on where they stopped (silently: no output).
+                code = f"get_ipython().execution_count = {record.execution_count + 1}"
+                msg_id = client.execute(code, silent=True, store_history=False, allow_stdin=False)
+                self.activity.internal(msg_id)
+                await self._reply(client, msg_id, self.start_timeout, km, self._pid(km))
+                self.activity.get(record.kernel_id).execution_count = record.execution_count
         finally:
             client.stop_channels()
 

@@ -67,7 +67,8 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
                 _idents, fed = session.feed_identities(msg_list)
                 msg = session.deserialize(fed, content=False)
                 msg_type = msg["header"]["msg_type"]
-                content = session.unpack(msg["content"]) if msg_type == "status" else None
+                wanted = msg_type in ("status", "execute_input")
+                content = session.unpack(msg["content"]) if wanted else None
                 activity.observe(kernel_id, msg_type, msg.get("parent_header") or {}, content)
             except Exception:  # never let bookkeeping break jupyter_server's own watcher
                 self.log.debug("could not read IOPub message of %s for activity", kernel_id, exc_info=True)

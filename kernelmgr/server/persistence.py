@@ -35,6 +35,7 @@ class KernelRecord:
     checkpoint_id: str | None = None
     kernel_info: dict[str, Any] = field(default_factory=dict)
     reason: str = ""
+    execution_count: int = 0
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> KernelRecord:
