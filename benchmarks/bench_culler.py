@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from traitlets.config import Config
 
+from benchmarks.markdown import print_header, print_row
 from kernelmgr.activity.gpu import GpuActivitySampler
 from kernelmgr.activity.nvml_double import NvmlDouble
 from kernelmgr.config import CullPolicy, ElasticKernels
@@ -122,10 +123,16 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("bench").setLevel(logging.ERROR)
     print(f"median of {args.ticks} ticks; policy interval 30 s; 2 devices on the NVML test double\n")
-    print(
-        "| kernels | culler tick | per kernel | GPU sample | peak extra memory per tick | records in memory |"
+    print_header(
+        [
+            "kernels",
+            "culler tick",
+            "per kernel",
+            "GPU sample",
+            "peak extra memory per tick",
+            "records in memory",
+        ]
     )
-    print("|---|---|---|---|---|---|")
     for count in (int(c) for c in args.kernels.split(",")):
         m = measure(count, args.ticks)
         per_kernel_us = m["tick_ms"] * 1000 / count
@@ -137,7 +144,7 @@ def main() -> None:
             f"{m['peak_extra_kib']:.0f} KiB",
             f"{m['state_kib']:.0f} KiB",
         ]
-        print("| " + " | ".join(cells) + " |")
+        print_row(cells)
 
 
 if __name__ == "__main__":

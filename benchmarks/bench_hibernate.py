@@ -31,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.markdown import print_header, print_row
 from tests.support.server import RunningServer, start_server
 
 MIB = 1024 * 1024
@@ -229,8 +230,7 @@ def main() -> None:
         "resume / re-run",
         "peak extra memory",
     ]
-    print("| " + " | ".join(headers) + " |")
-    print("|" + "---|" * len(headers))
+    print_header(headers)
     for size, m in rows:
         cells = [
             f"{size} MiB",
@@ -246,7 +246,7 @@ def main() -> None:
             f"{m['resume'] / m['rerun']:.2f}×",
             f"{m['peak_extra_mib']:.0f} MiB",
         ]
-        print("| " + " | ".join(cells) + " |")
+        print_row(cells)
 
 
 if __name__ == "__main__":

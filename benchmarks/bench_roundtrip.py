@@ -46,6 +46,7 @@ import websocket
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
+from benchmarks.markdown import print_header, print_row
 from tests.support.server import TOKEN, KernelChannel, RunningServer, start_server
 
 PROFILES = {"small": {"gpu_fraction": 0.25, "memory_mib": 10240}}
@@ -257,8 +258,7 @@ def main() -> None:
         "client TCP_NODELAY",
         "server TCP_NODELAY",
     ]
-    print("| " + " | ".join(headers) + " |")
-    print("|" + "---|" * len(headers))
+    print_header(headers)
     for code in codes:
         floor = statistics.median(arms[0].samples[code])
         for arm in arms:
@@ -273,7 +273,7 @@ def main() -> None:
                 arm.client_nodelay,
                 arm.server_nodelay,
             ]
-            print("| " + " | ".join(cells) + " |")
+            print_row(cells)
     print(f"\nCommand: `{command}`")
 
 

@@ -7,7 +7,6 @@ GPU" shows for the kernel's process into a JSON file the server re-reads at ever
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import INVENTORY, PROFILES
+from tests.support.disk import small_disk
 from tests.support.server import RunningServer, launch, start_server, wait_for
 
 POLICY = {
@@ -85,8 +85,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, gpu: GpuScript) -> Iterator
 @pytest.fixture(autouse=True)
 def no_kernels_left(server: RunningServer) -> Iterator[None]:
     yield
-    for kernel in server.get("/api/kernels"):
-        server.request("DELETE", f"/api/kernels/{kernel['id']}")
+    server.shutdown_all_kernels()
 
 
 def state(server: RunningServer, kernel_id: str) -> str:
@@ -222,16 +221,12 @@ def test_metrics_have_bounded_labels(server: RunningServer) -> None:
 
 def test_failed_policy_hibernation_backs_off_and_keeps_the_kernel(tmp_path: Path) -> None:
     """A disk too small for the checkpoint: the kernel keeps running; retries slow down."""
-    small = tmp_path / "small-disk"
-    small.mkdir()
-    if os.system(f"mount -t tmpfs -o size=4m tmpfs {small} 2>/dev/null") != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
+    with small_disk(tmp_path) as disk:
         config = {
             "ElasticKernels": {
                 "profiles": PROFILES,
                 "gpu_inventory": INVENTORY,
-                "checkpoint_root": str(small),
+                "checkpoint_root": str(disk),
             },
             "CullPolicy": {"idle_timeout": 1, "warn_before": 0, "interval": 1},
         }
@@ -252,5 +247,3 @@ def test_failed_policy_hibernation_backs_off_and_keeps_the_kernel(tmp_path: Path
             assert running.execute(kernel_id, "print(len(big))").strip() == str(16 * 1024 * 1024)
         finally:
             running.stop()
-    finally:
-        os.system(f"umount {small}")

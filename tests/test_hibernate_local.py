@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import INVENTORY, PROFILES
+from tests.support.disk import small_disk
 from tests.support.server import Reply, RunningServer, start_server, wait_for
 
 pytest.importorskip("numpy")
@@ -40,9 +41,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 @pytest.fixture(autouse=True)
 def no_kernels_left(server: RunningServer) -> Iterator[None]:
     yield
-    if server.process.poll() is None:
-        for kernel in server.get("/api/kernels"):
-            server.shutdown_kernel(kernel["id"])
+    server.shutdown_all_kernels()
 
 
 STATE = """
@@ -297,12 +296,8 @@ def test_tampered_checkpoint_is_refused_and_kept_aside(server: RunningServer) ->
 
 
 def test_disk_full_keeps_the_kernel_running(tmp_path: Path) -> None:
-    small = tmp_path / "small-disk"
-    small.mkdir()
-    if os.system(f"mount -t tmpfs -o size=4m tmpfs {small} 2>/dev/null") != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root)")
-    try:
-        running = start_server(tmp_path, config(small))
+    with small_disk(tmp_path) as disk:
+        running = start_server(tmp_path, config(disk))
         try:
             kernel_id = running.start_kernel("python3-gpu-small")
             running.execute(kernel_id, "import numpy as np; big = np.ones(2_000_000)")
@@ -315,8 +310,6 @@ def test_disk_full_keeps_the_kernel_running(tmp_path: Path) -> None:
             assert running.execute(kernel_id, "print(big.sum())").strip() == "2000000.0"
         finally:
             running.stop()
-    finally:
-        os.system(f"umount {small}")
 
 
 def test_hibernated_kernel_survives_a_server_restart(tmp_path: Path) -> None:

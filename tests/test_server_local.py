@@ -43,15 +43,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
 @pytest.fixture(autouse=True)
 def no_kernels_left(server: RunningServer) -> Iterator[None]:
     yield
-    for kernel in server.get("/api/kernels"):
-        server.shutdown_kernel(kernel["id"])
-    wait_for(
-        lambda: (
-            not server.get("/api/elastic/gpus")["devices"][0]["slices"]
-            and not server.get("/api/elastic/gpus")["devices"][1]["slices"]
-        ),
-        what="all slices free",
-    )
+    server.shutdown_all_kernels()
+    wait_for(lambda: not slices(server), what="all slices free")
 
 
 def slices(server: RunningServer) -> list[dict]:

@@ -238,6 +238,13 @@ class RunningServer:
         """An open websocket to the kernel, as a notebook holds one."""
         return KernelChannel(self.url, kernel_id, timeout, v1=v1)
 
+    def shutdown_all_kernels(self) -> None:
+        """Shut down every kernel (test clean-up between tests sharing one server)."""
+        if self.process.poll() is not None:
+            return
+        for kernel in self.get("/api/kernels"):
+            self.request("DELETE", f"/api/kernels/{kernel['id']}")
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
