@@ -47,7 +47,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
 from benchmarks.markdown import print_header, print_row
-from tests.support.server import TOKEN, KernelChannel, RunningServer, start_server
+from tests.support.server import TOKEN, V1_PROTOCOL, KernelChannel, RunningServer, start_server
 
 PROFILES = {"small": {"gpu_fraction": 0.25, "memory_mib": 10240}}
 INVENTORY = [{"uuid": "GPU-bench-0000", "name": "Declared benchmark GPU", "memory_mib": 40960}]
@@ -64,15 +64,17 @@ class NoDelayChannel(KernelChannel):
     client can never be the side that adds the delay being measured.
     """
 
-    def __init__(self, url: str, kernel_id: str, timeout: float = 60) -> None:
+    def __init__(self, url: str, kernel_id: str, timeout: float = 60, v1: bool = False) -> None:
         ws_url = url.replace("http://", "ws://") + f"/api/kernels/{kernel_id}/channels"
         self.session = os.urandom(16).hex()
         self.timeout = timeout
+        self.v1 = v1
         self.conn = websocket.create_connection(
             f"{ws_url}?session_id={self.session}",
             header=[f"Authorization: token {TOKEN}"],
             timeout=timeout,
             sockopt=(NODELAY,),
+            subprotocols=[V1_PROTOCOL] if v1 else None,
         )
 
 
@@ -169,9 +171,9 @@ def direct_kernel(home: Path) -> Iterator[Arm]:
 
 
 @contextlib.contextmanager
-def websocket_kernel(server: RunningServer, kernel_name: str, label: str) -> Iterator[Arm]:
+def websocket_kernel(server: RunningServer, kernel_name: str, label: str, v1: bool = False) -> Iterator[Arm]:
     kernel_id = server.start_kernel(kernel_name)
-    chan = NoDelayChannel(server.url, kernel_id)
+    chan = NoDelayChannel(server.url, kernel_id, v1=v1)
     try:
         arm = Arm(label, ws_round_trip(chan))
         arm.round_trip("1")  # the websocket is attached before its sockets are inspected
@@ -228,6 +230,15 @@ def main() -> None:
             stack.enter_context(websocket_kernel(elastic, "python3", "kernelmgr, python3")),
             stack.enter_context(
                 websocket_kernel(elastic, "python3-gpu-small", "kernelmgr, python3-gpu-small")
+            ),
+            # The binary subprotocol JupyterLab uses: the server relays frames without decoding them.
+            stack.enter_context(
+                websocket_kernel(plain, "python3", "plain jupyter_server, python3, v1 protocol", v1=True)
+            ),
+            stack.enter_context(
+                websocket_kernel(
+                    elastic, "python3-gpu-small", "kernelmgr, python3-gpu-small, v1 protocol", v1=True
+                )
             ),
         ]
         for arm in arms:
