@@ -173,7 +173,9 @@ class Hibernator:
             ) from None
 
         # The checkpoint is committed: only now may the process and the slice go.
+        checkpointed = time.time()
         await self._stop_process(km)
+        stopped = time.time()
         self._prune_later(record.owner, kernel_id)
         released = self.runtime.allocator.release(kernel_id)
         record.lifecycle.move(KernelState.HIBERNATED, reason)
@@ -205,11 +207,14 @@ class Hibernator:
             checkpoint_bytes=checkpoint_bytes,
         )
         self.mkm.log.info(
-            "Kernel %s hibernated (%s): checkpoint %s, %s bytes, slice %s released",
+            "Kernel %s hibernated (%s): checkpoint %s, %s bytes in %.3fs, process stopped in %.3fs, "
+            "slice %s released",
             kernel_id,
             reason,
             manifest.checkpoint_id,
             manifest.summary().get("bytes"),
+            checkpointed - started,
+            stopped - checkpointed,
             released.device_uuids if released else "-",
         )
 
