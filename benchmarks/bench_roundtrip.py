@@ -42,40 +42,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jupyter_server
 import tornado
-import websocket
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
 from benchmarks.markdown import print_header, print_row
-from tests.support.server import TOKEN, V1_PROTOCOL, KernelChannel, RunningServer, start_server
+from tests.support.server import KernelChannel, RunningServer, start_server
 
 PROFILES = {"small": {"gpu_fraction": 0.25, "memory_mib": 10240}}
 INVENTORY = [{"uuid": "GPU-bench-0000", "name": "Declared benchmark GPU", "memory_mib": 40960}]
 ELASTIC_CONFIG = {"ElasticKernels": {"profiles": PROFILES, "gpu_inventory": INVENTORY}}
 PLAIN_CONFIG = {"ServerApp": {"jpserver_extensions": {"kernelmgr": False}}}
-NODELAY = (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture
-
-
-class NoDelayChannel(KernelChannel):
-    """The tests' websocket client, with Nagle off on the client's socket.
-
-    websocket-client already sets TCP_NODELAY by default; it is asked for explicitly so the
-    client can never be the side that adds the delay being measured.
-    """
-
-    def __init__(self, url: str, kernel_id: str, timeout: float = 60, v1: bool = False) -> None:
-        ws_url = url.replace("http://", "ws://") + f"/api/kernels/{kernel_id}/channels"
-        self.session = os.urandom(16).hex()
-        self.timeout = timeout
-        self.v1 = v1
-        self.conn = websocket.create_connection(
-            f"{ws_url}?session_id={self.session}",
-            header=[f"Authorization: token {TOKEN}"],
-            timeout=timeout,
-            sockopt=(NODELAY,),
-            subprotocols=[V1_PROTOCOL] if v1 else None,
-        )
 
 
 @dataclass
@@ -173,7 +150,7 @@ def direct_kernel(home: Path) -> Iterator[Arm]:
 @contextlib.contextmanager
 def websocket_kernel(server: RunningServer, kernel_name: str, label: str, v1: bool = False) -> Iterator[Arm]:
     kernel_id = server.start_kernel(kernel_name)
-    chan = NoDelayChannel(server.url, kernel_id, v1=v1)
+    chan = KernelChannel(server.url, kernel_id, v1=v1)
     try:
         arm = Arm(label, ws_round_trip(chan))
         arm.round_trip("1")  # the websocket is attached before its sockets are inspected

@@ -152,6 +152,10 @@ class ElasticKernels(LoggingConfigurable):
         help="Seconds between GPU activity samples (one NVML query per device per sample).",
     )
 
+    def checkpoint_directory(self) -> str:
+        """``checkpoint_root`` as an absolute path (``~`` expanded)."""
+        return os.path.abspath(os.path.expanduser(self.checkpoint_root))
+
     def _checkpoint_root_default(self) -> str:
         return os.path.join(jupyter_data_dir(), "elastic", "checkpoints")
 
@@ -192,7 +196,7 @@ class ElasticKernels(LoggingConfigurable):
             inventory=inventory,
             allocator=allocator,
             base_kernels=list(self.base_kernels),
-            checkpoint_root=os.path.abspath(os.path.expanduser(self.checkpoint_root)),
+            checkpoint_root=self.checkpoint_directory(),
             use_mps=self.local_mps,
             reap_interval=self.reap_interval,
             checkpoints=self._checkpoint_store(),
@@ -203,7 +207,7 @@ class ElasticKernels(LoggingConfigurable):
         )
 
     def _checkpoint_store(self) -> CheckpointStore:
-        root = os.path.abspath(os.path.expanduser(self.checkpoint_root))
+        root = self.checkpoint_directory()
         try:
             os.makedirs(root, mode=0o700, exist_ok=True)
             secret = load_or_create_secret(self.checkpoint_secret_file or os.path.join(root, ".secret"))

@@ -83,7 +83,7 @@ class Hibernator:
         self.checkpoint_timeout = checkpoint_timeout
         self.start_timeout = start_timeout
         self._locks: dict[str, asyncio.Lock] = {}
-        self._pruning: asyncio.Future[None] | None = None
+        self._pruning: set[asyncio.Future[None]] = set()
         self._resumes: dict[str, asyncio.Task[None]] = {}
         self._cancel: dict[str, asyncio.Event] = {}
         self.records: dict[str, KernelRecord] = {}
@@ -227,7 +227,9 @@ class Hibernator:
             except Exception:
                 self.mkm.log.warning("could not prune old checkpoints of %s", kernel_id, exc_info=True)
 
-        self._pruning = asyncio.ensure_future(prune())
+        task = asyncio.ensure_future(prune())
+        self._pruning.add(task)  # a strong reference until done: the loop keeps only weak ones
+        task.add_done_callback(self._pruning.discard)
 
     @staticmethod
     async def _stop_process(km: Any) -> None:

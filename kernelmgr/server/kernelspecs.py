@@ -52,35 +52,40 @@ class ElasticKernelSpecManager(KernelSpecManager):
 
     elastic_runtime: ElasticRuntime | None = None
 
-    def _derived(self) -> dict[str, tuple[str, GpuProfile]]:
+    def _candidates(self) -> dict[str, tuple[str, GpuProfile]]:
+        """Every derived name the configuration allows (no disk access: the base may be absent)."""
         runtime = self.elastic_runtime
         if runtime is None or not runtime.gpus_available:
             return {}
-        found = super().find_kernel_specs()
-        derived: dict[str, tuple[str, GpuProfile]] = {}
-        for base in runtime.base_kernels:
-            if base not in found:
-                continue
-            for profile in runtime.profiles.values():
-                derived[derived_name(base, profile.name)] = (base, profile)
-        return derived
+        return {
+            derived_name(base, profile.name): (base, profile)
+            for base in runtime.base_kernels
+            for profile in runtime.profiles.values()
+        }
+
+    def _derived(self, found: dict[str, str]) -> dict[str, tuple[str, GpuProfile]]:
+        """The derived kernelspecs whose base kernelspec is among ``found``."""
+        return {name: entry for name, entry in self._candidates().items() if entry[0] in found}
 
     def find_kernel_specs(self) -> dict[str, str]:
         specs: dict[str, str] = super().find_kernel_specs()
-        for name, (base, _profile) in self._derived().items():
+        for name, (base, _profile) in self._derived(specs).items():
             specs[name] = specs[base]
         return specs
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
-        derived = self._derived().get(kernel_name)
-        if derived is None:
+        # One targeted lookup (of the base, which raises NoSuchKernel if absent) instead of a
+        # scan of every kernel directory: get_all_specs calls this once per kernelspec.
+        candidate = self._candidates().get(kernel_name)
+        if candidate is None:
             return super().get_kernel_spec(kernel_name)
-        base, profile = derived
+        base, profile = candidate
         return derive_spec(base, super().get_kernel_spec(base), profile)
 
     def elastic_kernel_names(self) -> dict[str, str]:
         """Derived kernelspec name -> GPU size name, for error messages and the profiles API."""
-        return {name: profile.name for name, (_base, profile) in self._derived().items()}
+        derived = self._derived(super().find_kernel_specs())
+        return {name: profile.name for name, (_base, profile) in derived.items()}
 
     def profile_of(self, kernel_name: str) -> str | None:
         """The GPU size a kernelspec asks for, or None for a CPU kernelspec (NoSuchKernel if absent)."""

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kernelmgr.core.lifecycle import KernelState
+
+if TYPE_CHECKING:
+    from kernelmgr.config import ElasticRuntime
 
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 BYTES_BUCKETS = (1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 4e9, 1.6e10, 6.4e10)
@@ -81,7 +85,9 @@ class ReleasedSliceSeconds:
 class RuntimeCollector(Collector):
     """Scrape-time gauges from the runtime: kernels by state and size, slices, released GPU-seconds."""
 
-    def __init__(self, runtime_getter: Callable[[], object | None], released: ReleasedSliceSeconds) -> None:
+    def __init__(
+        self, runtime_getter: Callable[[], ElasticRuntime | None], released: ReleasedSliceSeconds
+    ) -> None:
         self.runtime_getter = runtime_getter
         self.released = released
 
@@ -101,16 +107,16 @@ class RuntimeCollector(Collector):
         )
         if runtime is not None:
             counts: dict[tuple[str, str], int] = {}
-            for record in runtime.kernels.all():  # type: ignore[attr-defined]
+            for record in runtime.kernels.all():
                 key = (record.state.value, size_label(record.profile))
                 counts[key] = counts.get(key, 0) + 1
             for state in KernelState:
-                for size in {size_label(p) for p in runtime.profiles} | {"cpu"}:  # type: ignore[attr-defined]
+                for size in {size_label(p) for p in runtime.profiles} | {"cpu"}:
                     kernels.add_metric([state.value, size], counts.get((state.value, size), 0))
             held: dict[str, list[float]] = {}
-            for granted in runtime.allocator.slices():  # type: ignore[attr-defined]
+            for granted in runtime.allocator.slices():
                 held.setdefault(granted.profile, []).append(sum(p.fraction for p in granted.placements))
-            for size in runtime.profiles:  # type: ignore[attr-defined]
+            for size in runtime.profiles:
                 slices.add_metric([size], len(held.get(size, [])))
                 fraction.add_metric([size], sum(held.get(size, [])))
         for size, seconds in self.released.totals().items():
@@ -124,7 +130,9 @@ class RuntimeCollector(Collector):
 _collector: RuntimeCollector | None = None
 
 
-def install_collector(runtime_getter: Callable[[], object | None], released: ReleasedSliceSeconds) -> None:
+def install_collector(
+    runtime_getter: Callable[[], ElasticRuntime | None], released: ReleasedSliceSeconds
+) -> None:
     """Register the scrape-time collector once per process (the registry is process-wide)."""
     global _collector
     if _collector is not None:

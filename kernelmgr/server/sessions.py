@@ -28,8 +28,7 @@ def server_identity(root_dir: str) -> str:
 
 def state_dir(parent: object) -> str:
     """Where this server keeps its kernel registry and sessions (beside the checkpoints)."""
-    root = ElasticKernels(parent=parent).checkpoint_root
-    return os.path.abspath(os.path.expanduser(root))
+    return ElasticKernels(parent=parent).checkpoint_directory()
 
 
 class ElasticSessionManager(SessionManager):

@@ -74,6 +74,9 @@ class KernelChannel:
             header=[f"Authorization: token {TOKEN}"],
             timeout=timeout,
             subprotocols=[V1_PROTOCOL] if v1 else None,
+            # websocket-client's default too, asked for explicitly: the client must never be the
+            # side that holds small frames back (the round-trip benchmark relies on it).
+            sockopt=((socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),),
         )
         if v1:
             assert self.conn.getsubprotocol() == V1_PROTOCOL, "the server did not accept the v1 protocol"
