@@ -144,9 +144,10 @@ def test_checkpoint_returns_the_summary_and_skips_shell_names(
     store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shell = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=False))
-    run(shell, "x = 1\n_private = 2\nx")
+    run(shell, "x = 1\n_private = 2\nx")  # the trailing ``x`` fills IPython's ``_``, ``_1`` caches
     summary = agent.checkpoint()
-    assert summary["saved"] == ["x"] and summary["not_saved"] == []
+    # A user's own underscore name is state; IPython's history caches and start-up names are not.
+    assert summary["saved"] == ["x", "_private"] and summary["not_saved"] == []
     assert summary["id"].startswith("ckpt-") and summary["bytes"] > 0
 
 

@@ -43,6 +43,7 @@ from typing import Any
 
 from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
 from kernelmgr.checkpoint.layout import RESTORE_REPORT, write_file_atomic
+from kernelmgr.checkpoint.namespace import UserNamespace
 from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
 from kernelmgr.checkpoint.writer import describe_error, write_checkpoint
 
@@ -147,6 +148,7 @@ class _Agent:
         self.log: logging.Logger = getattr(shell, "log", None) or _fallback_log
         self._hook_registered = False
         self.busy = False  # a cell is running (the watchdog waits for it to finish)
+        self.namespace = UserNamespace(shell)
         shell.events.register("pre_run_cell", self._cell_started)
         shell.events.register("post_run_cell", self._cell_finished)
 
@@ -158,11 +160,14 @@ class _Agent:
 
     # -- checkpoint -----------------------------------------------------------------------
 
-    def hidden_names(self) -> set[str]:
-        """Names the shell itself put in the namespace (and that still hold its objects)."""
-        ns = self.shell.user_ns
-        hidden = getattr(self.shell, "user_ns_hidden", {}) or {}
-        return {name for name, value in hidden.items() if name in ns and ns[name] is value}
+    def _unhide_restored(self) -> None:
+        """``pre_execute`` hook, once: restored variables become visible to ``%who``.
+
+        IPython hides what the namespace holds when start-up ends, after the restore.
+        """
+        self.namespace.unhide_restored()
+        with contextlib.suppress(ValueError):
+            self.shell.events.unregister("pre_execute", self._unhide_restored)
 
     def checkpoint(self) -> dict[str, Any]:
         if self.config is None:
@@ -174,7 +179,7 @@ class _Agent:
                 key=self.config.key,
                 owner=self.config.owner,
                 kernel_id=self.config.kernel_id,
-                skip=self.hidden_names(),
+                names=self.namespace.user_names(),
                 prune=False,  # the server prunes once the kernel has stopped (off the hibernate path)
             )
         except CheckpointFailed as exc:
@@ -215,6 +220,8 @@ class _Agent:
                 CheckpointRefused(f"restore failed: {describe_error(exc)}"), time.perf_counter() - started
             )
         self.report = report
+        self.namespace.adopt_restored(report.get("restored", []))
+        self.shell.events.register("pre_execute", self._unhide_restored)
         try:
             write_file_atomic(
                 directory / RESTORE_REPORT, json.dumps(report, indent=1).encode("utf-8"), mode=0o640
@@ -253,7 +260,11 @@ class _Agent:
 
     def unload(self) -> None:
         self.unregister()
-        for event, hook in (("pre_run_cell", self._cell_started), ("post_run_cell", self._cell_finished)):
+        for event, hook in (
+            ("pre_run_cell", self._cell_started),
+            ("post_run_cell", self._cell_finished),
+            ("pre_execute", self._unhide_restored),
+        ):
             with contextlib.suppress(ValueError):
                 self.shell.events.unregister(event, hook)
 

@@ -35,7 +35,7 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,7 @@ from kernelmgr.checkpoint.layout import (
     read_current,
     remove_stale,
 )
+from kernelmgr.checkpoint.namespace import is_machinery
 from kernelmgr.checkpoint.serialize import GroupPickler
 from kernelmgr.core.manifest import GroupRecord, Manifest, VariableRecord
 
@@ -69,9 +70,6 @@ log = logging.getLogger(__name__)
 #: tests pass one that fails with ``ENOSPC`` part-way, or one that is slow.
 WriteFn = Callable[[int, memoryview], int]
 
-#: Names IPython and ipykernel put in the user namespace; never user state.
-MACHINERY_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit"})
-
 #: Libraries whose versions are worth recording when the notebook has imported them.
 LIBRARIES = ("numpy", "pandas", "torch", "cloudpickle")
 
@@ -80,11 +78,6 @@ _MIB = 1 << 20
 
 #: ``data.bin`` is handed to the disk in ranges of this size as it is written.
 WRITEBACK_CHUNK = 16 << 20
-
-
-def is_machinery(name: str) -> bool:
-    """Whether ``name`` is kernel machinery rather than a user variable."""
-    return name.startswith("_") or name in MACHINERY_NAMES
 
 
 def type_name(obj: Any) -> str:
@@ -352,6 +345,7 @@ def write_checkpoint(
     owner: str,
     kernel_id: str,
     skip: Collection[str] = (),
+    names: Sequence[str] | None = None,
     write_fn: WriteFn = os.write,
     max_objects: int = DEFAULT_MAX_OBJECTS,
     prune: bool = True,
@@ -363,7 +357,9 @@ def write_checkpoint(
     path defers until the kernel has stopped (:meth:`CheckpointStore.prune`); the next write
     removes it anyway.
 
-    Every name except machinery (:func:`is_machinery`) and ``skip`` is considered.
+    ``names`` are the variables to save (the agent passes
+    :meth:`~kernelmgr.checkpoint.namespace.UserNamespace.user_names`); without it every name
+    except machinery (:func:`~kernelmgr.checkpoint.namespace.is_machinery`) and ``skip`` is.
     Returns the committed manifest. Raises :class:`CheckpointFailed` when the disk fails;
     the previously committed checkpoint then stays committed.
 
@@ -373,9 +369,12 @@ def write_checkpoint(
     started = time.perf_counter()
     directory = Path(kernel_dir)
     ns = dict(namespace) if not isinstance(namespace, dict) else namespace
-    names = [
-        name for name in list(ns) if isinstance(name, str) and not is_machinery(name) and name not in skip
-    ]
+    if names is None:
+        names = [
+            name for name in list(ns) if isinstance(name, str) and not is_machinery(name) and name not in skip
+        ]
+    else:
+        names = [name for name in names if name in ns and name not in skip]
     groups = group_variables(ns, names, max_objects=max_objects)
     grouping = time.perf_counter() - started
     expected = sum(group.approx_bytes for group in groups)
