@@ -51,6 +51,10 @@ class CheckpointStore:
             raise ValueError("the checkpoint secret must be at least 16 bytes")
         self.root = Path(root)
         self._secret = secret
+        # Summaries by (owner, kernel id): ``/api/elastic/kernels`` must not read and verify
+        # every manifest on the event loop per request. The server is the only writer while it
+        # runs (the agent checkpoints when asked), so it invalidates on each commit and removal.
+        self._summaries: dict[tuple[str, str], dict[str, Any] | None] = {}
 
     def kernel_dir(self, owner: str, kernel_id: str) -> Path:
         """The kernel directory (not created). Raises ``ValueError`` for unsafe names."""
@@ -92,7 +96,20 @@ class CheckpointStore:
             return False
 
     def summary(self, owner: str, kernel_id: str) -> dict[str, Any] | None:
-        """The REST shape of the committed checkpoint, or ``None``.
+        """The REST shape of the committed checkpoint, or ``None`` (cached until :meth:`forget_cached`)."""
+        key = (owner, kernel_id)
+        if key in self._summaries:
+            return self._summaries[key]
+        value = self.read_summary(owner, kernel_id)
+        self._summaries[key] = value
+        return value
+
+    def forget_cached(self, owner: str, kernel_id: str) -> None:
+        """The kernel's checkpoint changed (committed, removed): read it again next time."""
+        self._summaries.pop((owner, kernel_id), None)
+
+    def read_summary(self, owner: str, kernel_id: str) -> dict[str, Any] | None:
+        """The REST shape of the committed checkpoint, read and verified now, or ``None``.
 
         Always has ``refused`` (``None``, or why the checkpoint was refused) and
         ``quarantined`` (``None``, or where a refused checkpoint was kept).
@@ -138,6 +155,7 @@ class CheckpointStore:
     def remove(self, owner: str, kernel_id: str) -> None:
         """Delete the kernel directory, quarantine included (the kernel is gone for good)."""
         directory = self.kernel_dir(owner, kernel_id)
+        self.forget_cached(owner, kernel_id)
         shutil.rmtree(directory, ignore_errors=True)
         if directory.exists():
             shutil.rmtree(directory)  # raise the real error

@@ -1,6 +1,14 @@
-"""Hibernate and resume: the orchestration around the in-kernel checkpoint agent.
+"""Hibernate and resume in jupyter_server: the adapter around the lifecycle controller.
 
-Hibernating a kernel is, in order and never otherwise:
+The *order* of things — checkpoint committed before the process stops, process gone before
+the slice is released, one operation per kernel, a delete cancelling what is in flight —
+lives in :class:`~kernelmgr.core.controller.LifecycleController`. This module supplies what
+it needs from jupyter_server (:class:`JupyterKernelPlatform`: talk to the in-kernel agent
+through a private client, stop and start the same ``KernelManager`` under the same id and
+connection, release the slice, persist the registry) and the facade the rest of the server
+uses (:class:`Hibernator`: validation with clear messages, metrics, events, logs).
+
+Hibernating a kernel, in order and never otherwise:
 
 1. refuse unless the kernel is an elastic kernel, running and idle (a busy kernel is never
    interrupted to be saved);
@@ -9,56 +17,219 @@ Hibernating a kernel is, in order and never otherwise:
 3. only then stop the kernel process and release its GPU slice;
 4. record the kernel as hibernated, on disk, so it survives a server restart.
 
-If step 2 fails the kernel keeps running with its slice, and the reason is recorded on the
-kernel. The kernel manager object stays registered in jupyter_server the whole time, so the
-kernel id, its sessions and its websocket connections stay valid.
+If step 2 fails the kernel keeps running with its slice (507 when the disk is full), and the
+reason is recorded on the kernel. The kernel manager object stays registered in
+jupyter_server the whole time, so the kernel id, its sessions and websockets stay valid.
 
-Resuming reverses it: wait for a slice of the kernel's size (telling the caller while it
-waits, cancellable), start the kernel process again under the same id and connection with
-``ELASTIC_RESTORE=1`` so the agent restores the checkpoint before anything else runs, wait
-until it answers, and mark it running.
+Resuming reverses it: wait for a slice (telling the caller while it waits, cancellable),
+start the process again under the same id with ``ELASTIC_RESTORE=1`` so the agent restores
+the checkpoint before anything else runs, wait — as long as the checkpoint's size needs —
+until it answers, and mark it running. A resume that fails, times out or is cancelled by a
+delete stops the process it launched.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import time
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from jupyter_core.utils import ensure_async
 
 from kernelmgr.activity.jupyter import JupyterActivity
 from kernelmgr.checkpoint.agent import CHECKPOINT_CODE
-from kernelmgr.core.errors import CapacityError, ElasticError
+from kernelmgr.core.controller import (
+    Committed,
+    HibernateFailed,
+    LifecycleController,
+    LifecycleError,
+    Notify,
+    WaitCancelled,
+)
+from kernelmgr.core.errors import CapacityError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.server import metrics
 from kernelmgr.server.events import LifecycleEvents
 from kernelmgr.server.metrics import ReleasedSliceSeconds, size_label
-from kernelmgr.server.persistence import KernelRecord, KernelStateFile
+from kernelmgr.server.persistence import KernelRecord, KernelStateFile, WriteBehind
 
 if TYPE_CHECKING:
     from kernelmgr.config import ElasticRuntime
+    from kernelmgr.core.allocator import Slice
     from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
-
-
-Notify = Callable[[str], Awaitable[None] | None]
 
 #: How long a hibernation request waits for a kernel reported busy to report idle.
 BUSY_GRACE_SECONDS = 1.0
 
+#: The names the rest of the server (handlers, culler, websocket) catches.
+HibernationError = LifecycleError
+ResumeCancelled = WaitCancelled
 
-class HibernationError(ElasticError):
-    """Hibernation or resume was refused or failed; ``status`` is the HTTP status to use."""
-
-    def __init__(self, message: str, status: int = 409) -> None:
-        super().__init__(message)
-        self.status = status
+__all__ = ["HibernationError", "Hibernator", "JupyterKernelPlatform", "ResumeCancelled"]
 
 
-class ResumeCancelled(HibernationError):
-    """The user interrupted while the kernel waited for a GPU slice."""
+def _disk_full(message: str) -> bool:
+    return "no space left" in message.lower()
+
+
+class JupyterKernelPlatform:
+    """:class:`~kernelmgr.core.controller.KernelPlatform` for jupyter_server's kernel managers.
+
+    Works for whatever provisioner starts the process: it only uses the ``KernelManager``
+    (start, stop, kill, a private client) and the runtime (allocator, checkpoint store).
+    """
+
+    def __init__(self, hibernator: Hibernator) -> None:
+        self.h = hibernator
+        #: Kernel ids → the kernel_info reply taken just before the checkpoint.
+        self.kernel_info: dict[str, dict[str, Any]] = {}
+        #: Kernel ids → the slice given back by the last hibernation (for the metrics).
+        self.released: dict[str, Slice] = {}
+        #: Kernels a previous server left running (pid): they checkpoint themselves and exit.
+        self.orphans: dict[str, int] = {}
+
+    def _km(self, kernel_id: str) -> Any:
+        return self.h.mkm.get_kernel(kernel_id) if kernel_id in self.h.mkm else None
+
+    async def ensure_idle(self, kernel_id: str) -> None:
+        km = self._km(kernel_id)
+        # The server learns "idle" from its own IOPub subscription, which can trail the
+        # notebook's by a few milliseconds: give a cell that just finished a moment.
+        deadline = time.monotonic() + BUSY_GRACE_SECONDS
+        while getattr(km, "execution_state", "unknown") == "busy" and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        execution_state = getattr(km, "execution_state", "unknown")
+        if execution_state != "idle":
+            raise LifecycleError(
+                f"kernel {kernel_id} is {execution_state}: it can hibernate once the running cell finishes "
+                "(or after you interrupt it)"
+            )
+
+    async def checkpoint(self, kernel_id: str) -> Committed:
+        km = self._km(kernel_id)
+        record = self.h.runtime.kernels.get(kernel_id)
+        if km is None or record is None:
+            raise LifecycleError(f"kernel {kernel_id} is gone", 404)
+        self.h._remember(kernel_id, pid=self.h._pid(km))
+        try:
+            self.kernel_info[kernel_id] = await self._run_checkpoint(km)
+        except LifecycleError as exc:
+            if _disk_full(exc.message):
+                raise LifecycleError(exc.message, 507) from None
+            raise
+        manifest = await asyncio.to_thread(self.h.runtime.checkpoints.latest, record.owner, kernel_id)
+        if manifest is None:
+            raise LifecycleError("the agent reported success but no checkpoint was committed", 500)
+        return Committed(manifest.checkpoint_id, manifest.created, int(manifest.summary().get("bytes") or 0))
+
+    async def _run_checkpoint(self, km: Any) -> dict[str, Any]:
+        """Run the agent's checkpoint through a private client; returns the kernel_info content."""
+        client = km.client()
+        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        pid = self.h._pid(km)
+        try:
+            info_id = client.kernel_info()
+            info = await self.h._reply(client, info_id, 30, km, pid)
+            msg_id = client.execute(CHECKPOINT_CODE, silent=True, store_history=False, allow_stdin=False)
+            self.h.activity.internal(msg_id)  # the server's own request is not the user's activity
+            reply = await self.h._reply(client, msg_id, self.h.checkpoint_timeout, km, pid)
+        finally:
+            client.stop_channels()
+        content = reply["content"]
+        if content.get("status") != "ok":
+            raise LifecycleError(f"{content.get('ename', 'Error')}: {content.get('evalue', '')}".strip(), 500)
+        return dict(info["content"])
+
+    async def stop(self, kernel_id: str) -> None:
+        """Stop the kernel gracefully (its atexit handlers flush the user's files), keeping
+        its id, ports and connection file for the resume.
+
+        The same steps as ``shutdown_kernel(restart=True)`` minus the interrupt (the kernel
+        is idle) and with a 10 ms poll instead of 100 ms: a stop is on the hibernate path.
+        """
+        km = self._km(kernel_id)
+        if km is None or not km.has_kernel:
+            return
+        km.shutting_down = True
+        km.stop_restarter()
+        await km._async_request_shutdown(restart=True)
+        await km._async_finish_shutdown(pollinterval=0.01, restart=True)
+        await km._async_cleanup_resources(restart=True)
+
+    async def kill(self, kernel_id: str) -> None:
+        orphan = self.orphans.pop(kernel_id, None)
+        if orphan is not None:
+            _kill_pid(orphan)
+        km = self._km(kernel_id)
+        if km is None or not km.has_kernel:
+            return
+        km.shutting_down = True
+        km.stop_restarter()
+        await km._async_kill_kernel(restart=True)
+        await km._async_finish_shutdown(pollinterval=0.01, restart=True)
+        await km._async_cleanup_resources(restart=True)
+
+    async def launch(self, kernel_id: str, restore: Committed | None, timeout: float) -> None:
+        km = self._km(kernel_id)
+        record = self.h.runtime.kernels.get(kernel_id)
+        if km is None or record is None:
+            raise LifecycleError(f"kernel {kernel_id} is gone", 404)
+        record.restore_on_start = restore is not None
+        launch_args = dict(getattr(km, "_launch_args", {}) or {})
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    await km.start_kernel(**launch_args)
+                    break
+                except CapacityError:  # lost the slice to another start after the check
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+        finally:
+            record.restore_on_start = False
+        await self._wait_ready(km, kernel_id if restore else None, max(1.0, deadline - time.monotonic()))
+
+    async def _wait_ready(self, km: Any, continue_count_of: str | None, timeout: float) -> None:
+        client = km.client()
+        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        try:
+            # One kernel_info round trip proves the kernel serves requests (the agent has
+            # restored by then: it runs at extension load, before the first request).
+            await self.h._reply(client, client.kernel_info(), timeout, km, self.h._pid(km))
+            record = self.h.records.get(continue_count_of) if continue_count_of else None
+            if record is not None and record.execution_count > 0:
+                # The notebook's cell numbers go on where they stopped (silently: no output).
+                code = f"get_ipython().execution_count = {record.execution_count + 1}"
+                msg_id = client.execute(code, silent=True, store_history=False, allow_stdin=False)
+                self.h.activity.internal(msg_id)
+                await self.h._reply(client, msg_id, timeout, km, self.h._pid(km))
+                self.h.activity.get(record.kernel_id).execution_count = record.execution_count
+        finally:
+            client.stop_channels()
+
+    def release_slice(self, kernel_id: str) -> None:
+        released = self.h.runtime.allocator.release(kernel_id)
+        if released is not None:
+            self.released[kernel_id] = released
+
+    async def discard_checkpoints(self, kernel_id: str) -> None:
+        record = self.h.runtime.kernels.get(kernel_id)
+        kept = self.h.records.get(kernel_id)
+        owner = record.owner if record else kept.owner if kept else None
+        if owner is not None:
+            await asyncio.to_thread(self.h.runtime.checkpoints.remove, owner, kernel_id)
+
+    def persist(self, kernel_id: str) -> None:
+        self.h._remember(kernel_id)
+
+
+def _kill_pid(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
 
 
 class Hibernator:
@@ -77,22 +248,23 @@ class Hibernator:
         self.mkm = mkm
         self.runtime = runtime
         self.state_file = state_file
+        self.registry_writer = WriteBehind(state_file, mkm.log)
         self.activity = activity or JupyterActivity()
         self.events = events or LifecycleEvents(None)
         self.released = ReleasedSliceSeconds()
         self.checkpoint_timeout = checkpoint_timeout
         self.start_timeout = start_timeout
-        self._locks: dict[str, asyncio.Lock] = {}
         self._pruning: set[asyncio.Future[None]] = set()
-        self._resumes: dict[str, asyncio.Task[None]] = {}
-        self._cancel: dict[str, asyncio.Event] = {}
         self.records: dict[str, KernelRecord] = {}
+        self.platform = JupyterKernelPlatform(self)
+        self.controller = LifecycleController(
+            runtime.kernels, runtime.allocator, runtime.profile, self.platform, start_timeout=start_timeout
+        )
 
     # -- queries -------------------------------------------------------------------------
 
     def state_of(self, kernel_id: str) -> KernelState | None:
-        record = self.runtime.kernels.get(kernel_id)
-        return record.state if record else None
+        return self.controller.state_of(kernel_id)
 
     def is_going_to_sleep(self, kernel_id: str) -> bool:
         """Hibernating now: a message sent to the kernel must wait, or the stop would lose it."""
@@ -109,11 +281,6 @@ class Hibernator:
 
     async def hibernate(self, kernel_id: str, reason: str = "api") -> None:
         """Checkpoint, stop, release; raises :class:`HibernationError` saying why not."""
-        lock = self._locks.setdefault(kernel_id, asyncio.Lock())
-        async with lock:
-            await self._hibernate_locked(kernel_id, reason)
-
-    async def _hibernate_locked(self, kernel_id: str, reason: str) -> None:
         if kernel_id not in self.mkm:
             raise HibernationError(f"no kernel with id {kernel_id!r}", status=404)
         record = self.runtime.kernels.get(kernel_id)
@@ -123,78 +290,40 @@ class Hibernator:
                 f"kernel {kernel_id} (kernelspec {spec!r}) is not an elastic kernel; only kernels started "
                 "from a GPU-size kernelspec (metadata.elastic.profile) can hibernate"
             )
-        if record.state is KernelState.HIBERNATED:
-            return
-        if record.state is not KernelState.RUNNING:
-            raise HibernationError(
-                f"kernel {kernel_id} is {record.state.value}; only a running kernel can hibernate"
-            )
-        km: Any = self.mkm.get_kernel(kernel_id)
-        # The server learns "idle" from its own IOPub subscription, which can trail the
-        # notebook's by a few milliseconds: give a cell that just finished a moment.
-        deadline = time.monotonic() + BUSY_GRACE_SECONDS
-        while getattr(km, "execution_state", "unknown") == "busy" and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        execution_state = getattr(km, "execution_state", "unknown")
-        if execution_state != "idle":
-            raise HibernationError(
-                f"kernel {kernel_id} is {execution_state}: it can hibernate once the running cell finishes "
-                "(or after you interrupt it)"
-            )
-
+        size = size_label(record.profile)
         started = time.time()
-        record.lifecycle.move(KernelState.HIBERNATING, reason)
-        self._remember(kernel_id, pid=self._pid(km))
         try:
-            kernel_info = await self._checkpoint(km)
-            manifest = self.runtime.checkpoints.latest(record.owner, kernel_id)
-            if manifest is None or manifest.created < started - 1:
-                raise HibernationError("the agent reported success but no new checkpoint was committed", 500)
-        except Exception as exc:
-            message = exc.message if isinstance(exc, ElasticError) else f"{type(exc).__name__}: {exc}"
-            if record.state is KernelState.HIBERNATING:  # else the process died and was restarted
-                record.lifecycle.move(KernelState.RUNNING, f"hibernation failed: {message}")
-            record.last_error = message
-            self._remember(kernel_id)
+            committed = await self.controller.hibernate(kernel_id, reason)
+        except HibernateFailed as exc:
+            message = exc.message
             self.mkm.log.error("Hibernation of kernel %s failed; it keeps running: %s", kernel_id, message)
-            metrics.HIBERNATION_FAILURES.labels(reason, size_label(record.profile)).inc()
+            metrics.HIBERNATION_FAILURES.labels(reason, size).inc()
             self.events.emit(
-                "hibernate_failed",
-                kernel_id,
-                f"hibernation failed: {message}",
-                reason=reason,
-                size=size_label(record.profile),
+                "hibernate_failed", kernel_id, f"hibernation failed: {message}", reason=reason, size=size
             )
-            status = exc.status if isinstance(exc, HibernationError) else 500
-            if "No space left on device" in message or "no space left" in message.lower():
-                status = 507
+            status = 507 if _disk_full(message) else exc.status
             raise HibernationError(
                 f"hibernation of kernel {kernel_id} failed, it keeps running: {message}", status
             ) from None
-
-        # The checkpoint is committed: only now may the process and the slice go.
-        checkpointed = time.time()
-        await self._stop_process(km)
-        stopped = time.time()
-        self._prune_later(record.owner, kernel_id)
-        released = self.runtime.allocator.release(kernel_id)
-        record.lifecycle.move(KernelState.HIBERNATED, reason)
-        record.last_error = ""
+        if committed is None:
+            return  # it was hibernated already
+        km: Any = self.mkm.get_kernel(kernel_id)
         km.execution_state = "hibernated"
+        self._prune_later(record.owner, kernel_id)
+        self.runtime.checkpoints.forget_cached(record.owner, kernel_id)
         self._remember(
             kernel_id,
             pid=None,
             hibernated_at=time.time(),
-            checkpoint_id=manifest.checkpoint_id,
-            kernel_info=kernel_info,
+            checkpoint_id=committed.checkpoint_id,
+            kernel_info=self.platform.kernel_info.pop(kernel_id, {}),
             execution_count=self.activity.get(kernel_id).execution_count,
         )
-        size = size_label(record.profile)
         took = time.time() - started
-        checkpoint_bytes = int(manifest.summary().get("bytes") or 0)
         metrics.HIBERNATIONS.labels(reason, size).inc()
         metrics.HIBERNATE_SECONDS.labels(size).observe(took)
-        metrics.CHECKPOINT_BYTES.labels(size).observe(checkpoint_bytes)
+        metrics.CHECKPOINT_BYTES.labels(size).observe(committed.size)
+        released = self.platform.released.pop(kernel_id, None)
         if released is not None:
             self.released.hibernated(kernel_id, size, sum(p.fraction for p in released.placements))
         self.events.emit(
@@ -204,17 +333,15 @@ class Hibernator:
             reason=reason,
             size=size,
             duration_seconds=took,
-            checkpoint_bytes=checkpoint_bytes,
+            checkpoint_bytes=committed.size,
         )
         self.mkm.log.info(
-            "Kernel %s hibernated (%s): checkpoint %s, %s bytes in %.3fs, process stopped in %.3fs, "
-            "slice %s released",
+            "Kernel %s hibernated (%s): checkpoint %s, %s bytes in %.3fs, slice %s released",
             kernel_id,
             reason,
-            manifest.checkpoint_id,
-            manifest.summary().get("bytes"),
-            checkpointed - started,
-            stopped - checkpointed,
+            committed.checkpoint_id,
+            committed.size,
+            took,
             released.device_uuids if released else "-",
         )
 
@@ -230,40 +357,6 @@ class Hibernator:
         task = asyncio.ensure_future(prune())
         self._pruning.add(task)  # a strong reference until done: the loop keeps only weak ones
         task.add_done_callback(self._pruning.discard)
-
-    @staticmethod
-    async def _stop_process(km: Any) -> None:
-        """Stop the kernel gracefully (its atexit handlers flush the user's files), keeping
-        its id, ports and connection file for the resume.
-
-        The same steps as ``shutdown_kernel(restart=True)`` minus the interrupt (the kernel
-        is idle) and with a 10 ms poll instead of 100 ms: a stop is on the hibernate path.
-        """
-        km.shutting_down = True
-        km.stop_restarter()
-        await km._async_request_shutdown(restart=True)
-        await km._async_finish_shutdown(pollinterval=0.01, restart=True)
-        await km._async_cleanup_resources(restart=True)
-
-    async def _checkpoint(self, km: Any) -> dict[str, Any]:
-        """Run the agent's checkpoint through a private client; returns the kernel_info content."""
-        client = km.client()
-        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
-        pid = self._pid(km)
-        try:
-            info_id = client.kernel_info()
-            info = await self._reply(client, info_id, 30, km, pid)
-            msg_id = client.execute(CHECKPOINT_CODE, silent=True, store_history=False, allow_stdin=False)
-            self.activity.internal(msg_id)  # the server's own request is not the user's activity
-            reply = await self._reply(client, msg_id, self.checkpoint_timeout, km, pid)
-        finally:
-            client.stop_channels()
-        content = reply["content"]
-        if content.get("status") != "ok":
-            raise HibernationError(
-                f"{content.get('ename', 'Error')}: {content.get('evalue', '')}".strip(), 500
-            )
-        return dict(info["content"])
 
     async def _reply(
         self, client: Any, msg_id: str, timeout: float, km: Any, pid: int | None
@@ -297,134 +390,55 @@ class Hibernator:
         ``restore=False`` starts it empty (a restart of a hibernated kernel) and drops the checkpoint.
         """
         state = self.state_of(kernel_id)
-        if state is KernelState.HIBERNATING:
-            async with self._locks.setdefault(kernel_id, asyncio.Lock()):
-                pass  # let the hibernation finish (or fail), then look again
-            state = self.state_of(kernel_id)
-        if state is KernelState.RUNNING:
+        if state is KernelState.RUNNING and not self.controller.in_flight(kernel_id):
             return
-        if state not in (KernelState.HIBERNATED, KernelState.RESUMING):
+        if state is None:
             if kernel_id not in self.mkm:
                 raise HibernationError(f"no kernel with id {kernel_id!r}", status=404)
-            raise HibernationError(
-                f"kernel {kernel_id} is {state.value if state else 'not elastic'}; nothing to resume"
-            )
-        task = self._resumes.get(kernel_id)
-        if task is None or task.done():
-            task = asyncio.ensure_future(self._resume(kernel_id, reason, notify, restore))
-            self._resumes[kernel_id] = task
-        await asyncio.shield(task)
+            raise HibernationError(f"kernel {kernel_id} is not elastic; nothing to resume")
+        if state in (KernelState.STARTING, KernelState.DEAD):
+            raise HibernationError(f"kernel {kernel_id} is {state.value}; nothing to resume")
+        record = self.runtime.kernels.get(kernel_id)
+        km: Any = self.mkm.get_kernel(kernel_id) if kernel_id in self.mkm else None
+        began = time.time()
+        try:
+            await self.controller.resume(kernel_id, reason, notify, restore)
+        except LifecycleError:
+            if km is not None and self.is_hibernated(kernel_id):
+                km.execution_state = "hibernated"
+            raise
+        if record is None or km is None:
+            return
+        if km.execution_state == "hibernated":
+            km.execution_state = "idle"
+        if self.records.get(kernel_id) is not None and self.records[kernel_id].hibernated_at is None:
+            return  # another caller's resume did the bookkeeping
+        self._remember(kernel_id, pid=self._pid(km), hibernated_at=None)
+        # Waking up is activity: the idle clock starts again from now.
+        self.activity.restarted(kernel_id)
+        self.activity.get(kernel_id).last_execution_end = time.time()
+        size = size_label(record.profile)
+        took = time.time() - began
+        metrics.RESUMES.labels(reason, size).inc()
+        metrics.RESUME_SECONDS.labels(size).observe(took)
+        self.released.woke(kernel_id)
+        self.events.emit(
+            "resume",
+            kernel_id,
+            f"kernel resumed ({reason}) in {took:.2f}s",
+            reason=reason,
+            size=size,
+            duration_seconds=took,
+        )
+        self.mkm.log.info("Kernel %s resumed (%s) in %.2fs", kernel_id, reason, took)
 
     def cancel_resume(self, kernel_id: str) -> bool:
         """Stop waiting for a slice (the user interrupted). True if a wait was cancelled."""
-        event = self._cancel.get(kernel_id)
-        if event is None:
-            return False
-        event.set()
-        return True
+        return self.controller.cancel_wait(kernel_id)
 
-    async def _resume(self, kernel_id: str, reason: str, notify: Notify | None, restore: bool) -> None:
-        began = time.time()
-        lock = self._locks.setdefault(kernel_id, asyncio.Lock())
-        async with lock:
-            record = self.runtime.kernels.get(kernel_id)
-            if record is None or record.state is KernelState.RUNNING:
-                return
-            record.lifecycle.move(KernelState.RESUMING, reason)
-            self._remember(kernel_id)
-            km: Any = self.mkm.get_kernel(kernel_id)
-            cancel = self._cancel.setdefault(kernel_id, asyncio.Event())
-            cancel.clear()
-            try:
-                await self._wait_for_slice(kernel_id, record.profile, notify, cancel)
-                record.restore_on_start = restore
-                if not restore:
-                    self.runtime.checkpoints.remove(record.owner, kernel_id)
-                await self._start(km, kernel_id if restore else None)
-            except BaseException as exc:
-                record.restore_on_start = False
-                self.runtime.allocator.release(kernel_id)
-                record.lifecycle.move(KernelState.HIBERNATED, f"resume failed: {exc}")
-                km.execution_state = "hibernated"
-                self._remember(kernel_id)
-                if isinstance(exc, HibernationError | asyncio.CancelledError):
-                    raise
-                raise HibernationError(f"resume of kernel {kernel_id} failed: {exc}", 500) from exc
-            finally:
-                self._cancel.pop(kernel_id, None)
-            record.lifecycle.move(KernelState.RUNNING, reason)
-            km.execution_state = "idle"
-            self._remember(kernel_id, pid=self._pid(km), hibernated_at=None)
-            # Waking up is activity: the idle clock starts again from now.
-            self.activity.restarted(kernel_id)
-            self.activity.get(kernel_id).last_execution_end = time.time()
-            size = size_label(record.profile)
-            took = time.time() - began
-            metrics.RESUMES.labels(reason, size).inc()
-            metrics.RESUME_SECONDS.labels(size).observe(took)
-            self.released.woke(kernel_id)
-            self.events.emit(
-                "resume",
-                kernel_id,
-                f"kernel resumed ({reason}) in {took:.2f}s",
-                reason=reason,
-                size=size,
-                duration_seconds=took,
-            )
-            self.mkm.log.info("Kernel %s resumed (%s) in %.2fs", kernel_id, reason, took)
-
-    async def _wait_for_slice(
-        self, kernel_id: str, profile_name: str | None, notify: Notify | None, cancel: asyncio.Event
-    ) -> None:
-        if profile_name is None:
-            return
-        profile = self.runtime.profile(profile_name)
-        told = False
-        while True:
-            try:
-                self.runtime.allocator.check(profile)
-                return
-            except CapacityError as exc:
-                if not self.runtime.allocator.ever_fits(profile):
-                    raise HibernationError(exc.message) from None
-                if not told and notify is not None:
-                    told = True
-                    waiting = notify(
-                        f"Waiting for a GPU slice of size {profile.display_name} to resume this kernel: "
-                        f"{exc.message} Interrupt the kernel to stop waiting."
-                    )
-                    if waiting is not None:
-                        await waiting
-            try:
-                await asyncio.wait_for(cancel.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
-                continue
-            raise ResumeCancelled(f"resume of kernel {kernel_id} cancelled while waiting for a GPU slice")
-
-    async def _start(self, km: Any, continue_count_of: str | None) -> None:
-        launch_args = dict(getattr(km, "_launch_args", {}) or {})
-        while True:
-            try:
-                await km.start_kernel(**launch_args)
-                break
-            except CapacityError:  # lost the slice to another start after the check
-                await asyncio.sleep(0.5)
-        client = km.client()
-        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
-        try:
-            # One kernel_info round trip proves the kernel serves requests (the agent has
-            # restored by then: it runs at extension load, before the first request).
-            await self._reply(client, client.kernel_info(), self.start_timeout, km, self._pid(km))
-            record = self.records.get(continue_count_of) if continue_count_of else None
-            if record is not None and record.execution_count > 0:
-                # The notebook's cell numbers go on where they stopped (silently: no output).
-                code = f"get_ipython().execution_count = {record.execution_count + 1}"
-                msg_id = client.execute(code, silent=True, store_history=False, allow_stdin=False)
-                self.activity.internal(msg_id)
-                await self._reply(client, msg_id, self.start_timeout, km, self._pid(km))
-                self.activity.get(record.kernel_id).execution_count = record.execution_count
-        finally:
-            client.stop_channels()
+    async def cancel_operations(self, kernel_id: str) -> None:
+        """Cancel a hibernation or resume in flight (the kernel is being deleted)."""
+        await self.controller.cancel(kernel_id)
 
     # -- persistence ---------------------------------------------------------------------
 
@@ -436,12 +450,11 @@ class Hibernator:
     def recover(self) -> list[str]:
         """Re-register the kernels a previous server run left hibernated (or hibernating).
 
-        A kernel whose record says it was running or hibernating when the server stopped is
-        adopted only if it has a committed checkpoint (its agent checkpoints itself when the
-        server disappears); otherwise it is gone, which is logged, and its record dropped.
-        Runs once at server start, before requests are served (so no session is dropped for
-        a kernel not yet re-registered); it blocks only while orphaned kernels finish.
-        Returns the ids adopted.
+        A kernel hibernated by the previous run is listed at once. One whose process is
+        still alive (the previous server died while it ran: its watchdog checkpoints it once
+        its running cell ends, however long that takes) is listed as ``hibernating`` and
+        becomes ``hibernated`` when its process exits with a committed checkpoint; a resume
+        waits for that. Nothing here blocks the server's start. Returns the ids re-registered.
         """
         try:
             previous = self.state_file.load()
@@ -450,20 +463,6 @@ class Hibernator:
             return []
         adopted: list[str] = []
         for kernel_id, record in previous.items():
-            if record.pid is not None and record.state != KernelState.HIBERNATED.value:
-                self._wait_for_exit(record.pid)
-            try:
-                manifest = self.runtime.checkpoints.latest(record.owner, kernel_id)
-            except Exception as exc:  # refused (integrity) or unreadable: kept aside by the store
-                self.mkm.log.error("Kernel %s cannot be recovered: %s", kernel_id, exc)
-                manifest = None
-            if manifest is None:
-                self.mkm.log.warning(
-                    "Kernel %s (%s) ended with the previous server before any checkpoint; it is gone",
-                    kernel_id,
-                    record.state,
-                )
-                continue
             if record.profile is not None and record.profile not in self.runtime.profiles:
                 self.mkm.log.error(
                     "Kernel %s was hibernated with GPU size %r, which is no longer configured; "
@@ -472,31 +471,73 @@ class Hibernator:
                     record.profile,
                 )
                 continue
+            orphan = record.pid if record.state != KernelState.HIBERNATED.value else None
+            if orphan is not None and _alive(orphan):
+                record.state = KernelState.HIBERNATING.value
+                self.mkm.adopt_hibernated(record, state=KernelState.HIBERNATING)
+                self.records[kernel_id] = record
+                self.platform.orphans[kernel_id] = orphan
+                self._adopt_orphan_soon(kernel_id, record)
+                adopted.append(kernel_id)
+                continue
+            manifest = self._latest(record)
+            if manifest is None:
+                self.mkm.log.warning(
+                    "Kernel %s (%s) ended with the previous server before any checkpoint; it is gone",
+                    kernel_id,
+                    record.state,
+                )
+                continue
             record.state = KernelState.HIBERNATED.value
             record.pid = None
             record.checkpoint_id = manifest.checkpoint_id
             self.mkm.adopt_hibernated(record)
             self.records[kernel_id] = record
+            self.controller.committed[kernel_id] = Committed(
+                manifest.checkpoint_id, manifest.created, int(manifest.summary().get("bytes") or 0)
+            )
             adopted.append(kernel_id)
         self.state_file.save(self.records)
         if adopted:
             self.mkm.log.info("Recovered %d hibernated kernel(s): %s", len(adopted), ", ".join(adopted))
         return adopted
 
-    @staticmethod
-    def _wait_for_exit(pid: int, timeout: float = 60.0) -> None:
-        """Give an orphaned kernel time to finish checkpointing itself and exit."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            except PermissionError:
-                return  # not ours (pid reused by another user's process)
-            if _is_zombie(pid):
-                return
-            time.sleep(0.2)
+    def _latest(self, record: KernelRecord) -> Any:
+        try:
+            return self.runtime.checkpoints.latest(record.owner, record.kernel_id)
+        except Exception as exc:  # refused (integrity) or unreadable: kept aside by the store
+            self.mkm.log.error("Kernel %s cannot be recovered: %s", record.kernel_id, exc)
+            return None
+
+    def _adopt_orphan_soon(self, kernel_id: str, record: KernelRecord) -> None:
+        """Once the loop runs: wait (without blocking it) for the orphan to checkpoint and exit."""
+        pid = self.platform.orphans[kernel_id]
+
+        async def wait_for_exit() -> Committed | None:
+            self.mkm.log.info(
+                "Kernel %s (pid %d) outlived the previous server; waiting for it to checkpoint itself",
+                kernel_id,
+                pid,
+            )
+            while _alive(pid):
+                await asyncio.sleep(0.2)
+            self.platform.orphans.pop(kernel_id, None)
+            manifest = await asyncio.to_thread(self._latest, record)
+            if manifest is None:
+                self.mkm.log.warning("Kernel %s ended before any checkpoint; it is gone", kernel_id)
+                self.records.pop(kernel_id, None)
+                if kernel_id in self.mkm:
+                    self.mkm.remove_kernel(kernel_id)
+                return None
+            km: Any = self.mkm.get_kernel(kernel_id) if kernel_id in self.mkm else None
+            if km is not None:
+                km.execution_state = "hibernated"
+            self._remember(kernel_id, pid=None, checkpoint_id=manifest.checkpoint_id)
+            return Committed(
+                manifest.checkpoint_id, manifest.created, int(manifest.summary().get("bytes") or 0)
+            )
+
+        asyncio.get_event_loop().call_soon(self.controller.adopt_orphan, kernel_id, wait_for_exit)
 
     @staticmethod
     def _pid(km: Any) -> int | None:
@@ -504,7 +545,11 @@ class Hibernator:
         return getattr(process, "pid", None)
 
     def _remember(self, kernel_id: str, **changes: Any) -> None:
-        """Update the on-disk record of ``kernel_id`` from the registry (plus ``changes``)."""
+        """Update the on-disk record of ``kernel_id`` from the registry (plus ``changes``).
+
+        Written behind, off the event loop; a failure (a full disk) is logged and retried,
+        never raised into a lifecycle transition.
+        """
         managed = self.runtime.kernels.get(kernel_id)
         if managed is None:
             return
@@ -525,23 +570,49 @@ class Hibernator:
         record.reason = managed.lifecycle.reason
         for key, value in changes.items():
             setattr(record, key, value)
-        self.state_file.save(self.records)
+        self.registry_writer.save(self.records)
 
-    def forget(self, kernel_id: str) -> None:
-        """The kernel was shut down for good: drop its record and its checkpoints."""
+    async def forget(self, kernel_id: str) -> None:
+        """The kernel was shut down for good: drop its record, bookkeeping and checkpoints.
+
+        The files go in a worker thread (a GiB takes a while), but before this returns: a
+        delete that answered 204 has left nothing behind.
+        """
         self.released.woke(kernel_id)
         self.activity.forget(kernel_id)
+        self.controller.forget(kernel_id)
+        self.platform.kernel_info.pop(kernel_id, None)
+        self.platform.released.pop(kernel_id, None)
+        orphan = self.platform.orphans.pop(kernel_id, None)
+        if orphan is not None:
+            _kill_pid(orphan)
         record = self.records.pop(kernel_id, None)
         managed = self.runtime.kernels.remove(kernel_id)
         owner = record.owner if record else managed.owner if managed else None
-        self.state_file.save(self.records)
+        self.registry_writer.save(self.records)
         if owner is not None:
-            self.runtime.checkpoints.remove(owner, kernel_id)
+            try:
+                await asyncio.to_thread(self.runtime.checkpoints.remove, owner, kernel_id)
+            except Exception:
+                self.mkm.log.warning("could not remove the checkpoints of %s", kernel_id, exc_info=True)
+
+    async def drain(self) -> None:
+        """Wait for background removals and prunes, and write the registry (server exit)."""
+        if self._pruning:
+            await asyncio.wait(list(self._pruning), timeout=30)
+        await asyncio.to_thread(self.registry_writer.flush)
 
 
-def _is_zombie(pid: int) -> bool:
+def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (our own reaped-later children are zombies)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False  # not ours (pid reused by another user's process)
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False

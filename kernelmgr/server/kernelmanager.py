@@ -16,6 +16,7 @@ websockets, culling and restarts behave exactly as users know them) plus:
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -33,6 +34,9 @@ from kernelmgr.server.hibernation import HibernationError, Hibernator
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import elastic_kernel_model
 from kernelmgr.server.persistence import KernelRecord
+
+#: Kernels hibernated at once when the server stops.
+SHUTDOWN_HIBERNATIONS_AT_ONCE = 4
 
 
 class ElasticMappingKernelManager(AsyncMappingKernelManager):
@@ -140,6 +144,11 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         self, kernel_id: str, now: bool | None = False, restart: bool | None = False
     ) -> None:
         hibernator = self.hibernator
+        if hibernator is not None and not restart and hibernator.state_of(kernel_id) is not None:
+            # A delete (or TTL removal) cancels what is in flight first: a resume stops the process
+            # it launched and frees the slice; a hibernation leaves the kernel running, to be
+            # shut down below. Nothing outlives the delete, and no checkpoint is written after it.
+            await hibernator.cancel_operations(kernel_id)
         if hibernator is not None and self._hibernated(kernel_id) and not restart:
             # No process to stop: unregister it (and, unless the server is exiting, forget it).
             hibernator.cancel_resume(kernel_id)
@@ -151,14 +160,14 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             self._kernel_connections.pop(kernel_id, None)
             self._kernel_ports.pop(kernel_id, None)
             if not self._exiting:
-                hibernator.forget(kernel_id)
+                await hibernator.forget(kernel_id)
             self.log.info(
                 "Hibernated kernel %s shut down%s", kernel_id, "" if self._exiting else " and forgotten"
             )
             return
         await super()._async_shutdown_kernel(kernel_id, now=now, restart=restart)
         if hibernator is not None and not restart:
-            hibernator.forget(kernel_id)
+            await hibernator.forget(kernel_id)
 
     shutdown_kernel = _async_shutdown_kernel  # type: ignore[assignment]
 
@@ -166,14 +175,27 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         runtime = self.elastic_runtime
         hibernator = self.hibernator
         if hibernator is not None and runtime is not None and runtime.hibernate_on_shutdown and not now:
-            for record in runtime.kernels.all():
-                if record.state is KernelState.RUNNING and record.kernel_id in self:
+            # Several at once, bounded: one slow checkpoint must not hold up everyone's.
+            limit = asyncio.Semaphore(SHUTDOWN_HIBERNATIONS_AT_ONCE)
+
+            async def hibernate(kernel_id: str) -> None:
+                async with limit:
                     try:
-                        await hibernator.hibernate(record.kernel_id, "server shutdown")
+                        await hibernator.hibernate(kernel_id, "server shutdown")
                     except HibernationError as exc:
                         self.log.warning("Not hibernated at shutdown, shutting down: %s", exc.message)
+
+            await asyncio.gather(
+                *(
+                    hibernate(record.kernel_id)
+                    for record in runtime.kernels.all()
+                    if record.state is KernelState.RUNNING and record.kernel_id in self
+                )
+            )
         self._exiting = True
         await super()._async_shutdown_all(now=now)
+        if hibernator is not None:
+            await hibernator.drain()
 
     shutdown_all = _async_shutdown_all  # type: ignore[assignment]
 
@@ -199,8 +221,11 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             return  # elastic kernels follow CullPolicy (hibernate, never kill); see the README
         await super().cull_kernel_if_idle(kernel_id)
 
-    def adopt_hibernated(self, record: KernelRecord) -> None:
-        """Register a kernel hibernated by a previous server run, without starting it."""
+    def adopt_hibernated(self, record: KernelRecord, state: KernelState = KernelState.HIBERNATED) -> None:
+        """Register a kernel hibernated by a previous server run, without starting it.
+
+        ``state`` is ``hibernating`` for a kernel whose orphaned process is still checkpointing.
+        """
         runtime = self._require_runtime()
         km = self.kernel_manager_factory(
             connection_file=os.path.join(self.connection_dir, f"kernel-{record.kernel_id}.json"),
@@ -219,7 +244,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         self._kernels[record.kernel_id] = km
         self._kernel_connections[record.kernel_id] = 0
         runtime.kernels.register(
-            record.kernel_id, record.kernelspec, record.profile, record.owner, state=KernelState.HIBERNATED
+            record.kernel_id, record.kernelspec, record.profile, record.owner, state=state
         )
 
     async def reap_dead_slices(self) -> None:

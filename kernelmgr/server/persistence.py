@@ -63,12 +63,20 @@ class KernelStateFile:
         kernels = raw.get("kernels", {}) if isinstance(raw, dict) else {}
         return {kid: KernelRecord.from_dict(rec) for kid, rec in kernels.items() if isinstance(rec, dict)}
 
-    def save(self, records: dict[str, KernelRecord]) -> None:
-        payload = json.dumps(
+    @staticmethod
+    def serialize(records: dict[str, KernelRecord]) -> str:
+        """The file's content for ``records`` (cheap; done where the records are owned)."""
+        return json.dumps(
             {"format": FORMAT, "kernels": {kid: asdict(rec) for kid, rec in records.items()}},
             indent=1,
             sort_keys=True,
         )
+
+    def save(self, records: dict[str, KernelRecord]) -> None:
+        self.write(self.serialize(records))
+
+    def write(self, payload: str) -> None:
+        """Replace the file with ``payload`` atomically and durably (blocking: a worker thread's job)."""
         with self._lock:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".kernels-", dir=self.path.parent)
@@ -86,3 +94,68 @@ class KernelStateFile:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
+
+
+class WriteBehind:
+    """Saves the registry off the event loop, coalescing bursts, never raising into callers.
+
+    A lifecycle change must not wait for an fsync on the event loop, and a full disk must not
+    leave a kernel half-way through a transition (it used to: the ``hibernating`` marker's
+    save raised, and the kernel stayed ``hibernating`` for good). Each :meth:`save` snapshots
+    the records at once (in the caller's thread) and a single worker thread writes the newest
+    snapshot; a failed write is logged and retried with the next save or :meth:`flush`.
+    """
+
+    def __init__(self, state_file: KernelStateFile, log: Any) -> None:
+        self.state_file = state_file
+        self.log = log
+        self._lock = threading.Lock()
+        self._pending: str | None = None
+        self._writing = False
+        self._idle = threading.Event()
+        self._idle.set()
+        self.failed = False
+
+    def save(self, records: dict[str, KernelRecord]) -> None:
+        payload = KernelStateFile.serialize(records)
+        with self._lock:
+            self._pending = payload
+            if self._writing:
+                return
+            self._writing = True
+            self._idle.clear()
+        threading.Thread(target=self._drain, name="elastic-registry-writer", daemon=True).start()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                payload, self._pending = self._pending, None
+                if payload is None:
+                    self._writing = False
+                    self._idle.set()
+                    return
+            try:
+                self.state_file.write(payload)
+                self.failed = False
+            except OSError as exc:
+                self.failed = True
+                self.log.warning("could not save the kernel registry %s: %s", self.state_file.path, exc)
+                with self._lock:
+                    if self._pending is None:
+                        self._pending = payload  # keep it for the next attempt
+                    self._writing = False
+                    self._idle.set()
+                return
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Write what is pending now (server exit); True when the file is up to date."""
+        self._idle.wait(timeout)
+        with self._lock:
+            payload, self._pending = self._pending, None
+        if payload is not None:
+            try:
+                self.state_file.write(payload)
+            except OSError as exc:
+                self.log.warning("could not save the kernel registry %s: %s", self.state_file.path, exc)
+                return False
+        return True

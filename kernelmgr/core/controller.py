@@ -1,0 +1,396 @@
+"""One owner of every kernel's lifecycle: each path that changes it goes through here.
+
+A kernel's life used to be spread over the registry, the allocator, the hibernator's locks
+and tasks, the culler and the websocket queue, and under races they drifted apart: a
+resume kept running after the kernel was deleted, a full disk left a kernel ``hibernating``
+for good. :class:`LifecycleController` is the single place that
+
+* allows one operation per kernel at a time (hibernate, resume, remove), each run as its own
+  task so that a delete can cancel it, and concurrent callers of the same resume share it;
+* moves the :class:`~kernelmgr.core.lifecycle.Lifecycle` only through its table, and in an
+  order that keeps the invariants below whatever fails or is cancelled;
+* asks a :class:`KernelPlatform` (the adapter: local processes today, pods next) to do the
+  work: checkpoint, stop, kill, launch, release the slice.
+
+Invariants (``tests/test_lifecycle_properties.py`` drives random interleavings against them):
+
+1. a kernel's slice is released only once no process of it is left, and a kernel with a
+   process holds a slice;
+2. a process is stopped for hibernation only after its checkpoint is committed, and a
+   committed checkpoint is discarded only when the kernel is removed for good;
+3. once no operation is in flight, no kernel is ``hibernating`` or ``resuming``;
+4. a removed kernel has no process, no slice and no checkpoint.
+
+Pure asyncio and the core model: no jupyter, tornado or Kubernetes import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kernelmgr.core.allocator import SliceAllocator
+from kernelmgr.core.errors import CapacityError, ElasticError
+from kernelmgr.core.kernels import KernelRegistry, ManagedKernel
+from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.core.profiles import GpuProfile
+
+S = KernelState
+
+Notify = Callable[[str], Awaitable[None] | None]
+
+#: A restore reads the checkpoint at no less than this rate before its wait times out.
+RESTORE_BYTES_PER_SECOND_FLOOR = 20 << 20
+
+
+class LifecycleError(ElasticError):
+    """An operation was refused or failed; ``status`` is the HTTP status that says so."""
+
+    def __init__(self, message: str, status: int = 409) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class HibernateFailed(LifecycleError):
+    """The checkpoint was attempted and failed; the kernel keeps running with its slice."""
+
+
+class WaitCancelled(LifecycleError):
+    """The user interrupted a resume that was waiting for a GPU slice."""
+
+
+class KernelRemoved(LifecycleError):
+    """The kernel was deleted while an operation on it was in flight."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=404)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A checkpoint that is committed on stable storage."""
+
+    checkpoint_id: str
+    created: float
+    size: int = 0
+
+
+class KernelPlatform(Protocol):
+    """What the controller needs done; one implementation per way of running kernels."""
+
+    async def ensure_idle(self, kernel_id: str) -> None:
+        """Return once the kernel runs no cell; raise :class:`LifecycleError` if it stays busy."""
+
+    async def checkpoint(self, kernel_id: str) -> Committed:
+        """Have the kernel write and commit a checkpoint; raise :class:`LifecycleError` on failure."""
+
+    async def stop(self, kernel_id: str) -> None:
+        """Stop the process gracefully (its checkpoint is committed); the slice stays taken."""
+
+    async def kill(self, kernel_id: str) -> None:
+        """Stop the process now, whatever it is doing; nothing if there is none."""
+
+    async def launch(self, kernel_id: str, restore: Committed | None, timeout: float) -> None:
+        """Start the process (taking the slice) and wait until it serves, within ``timeout``."""
+
+    def release_slice(self, kernel_id: str) -> None:
+        """Give the kernel's slice back (idempotent)."""
+
+    async def discard_checkpoints(self, kernel_id: str) -> None:
+        """Delete every checkpoint of the kernel (it is removed for good)."""
+
+    def persist(self, kernel_id: str) -> None:
+        """Record the kernel's state durably, best effort (must not raise)."""
+
+
+def restore_timeout(base: float, checkpoint_bytes: int) -> float:
+    """How long a resume may take: a start plus reading the checkpoint at a slow disk's rate."""
+    return base + checkpoint_bytes / RESTORE_BYTES_PER_SECOND_FLOOR
+
+
+@dataclass
+class _Slot:
+    """The controller's per-kernel bookkeeping; dropped with the kernel."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    task: asyncio.Task[Committed | None] | None = None
+    operation: str = ""
+    cancel_wait: asyncio.Event = field(default_factory=asyncio.Event)
+    removed: bool = False
+
+
+class LifecycleController:
+    """Hibernate, resume and remove kernels, one operation per kernel at a time."""
+
+    def __init__(
+        self,
+        registry: KernelRegistry,
+        allocator: SliceAllocator,
+        profile: Callable[[str], GpuProfile],
+        platform: KernelPlatform,
+        start_timeout: float = 120.0,
+        busy_retry: float = 0.5,
+    ) -> None:
+        self.registry = registry
+        self.allocator = allocator
+        self.profile = profile
+        self.platform = platform
+        self.start_timeout = start_timeout
+        self.busy_retry = busy_retry
+        self._slots: dict[str, _Slot] = {}
+        #: The last committed checkpoint of each kernel, as the controller knows it.
+        self.committed: dict[str, Committed] = {}
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def state_of(self, kernel_id: str) -> KernelState | None:
+        record = self.registry.get(kernel_id)
+        return record.state if record else None
+
+    def in_flight(self, kernel_id: str) -> str:
+        """The operation running on ``kernel_id`` now (``""`` when none)."""
+        slot = self._slots.get(kernel_id)
+        return slot.operation if slot and slot.task and not slot.task.done() else ""
+
+    def busy_kernels(self) -> list[str]:
+        return [kernel_id for kernel_id in self._slots if self.in_flight(kernel_id)]
+
+    def slot_count(self) -> int:
+        """Kernels with bookkeeping (bounded by the kernels that exist; tests check it)."""
+        return len(self._slots)
+
+    # -- operations --------------------------------------------------------------------------
+
+    async def hibernate(self, kernel_id: str, reason: str) -> Committed | None:
+        """Checkpoint, stop, release. ``None`` if it was hibernated already."""
+        return await self._run(kernel_id, "hibernate", lambda: self._hibernate(kernel_id, reason))
+
+    async def resume(
+        self, kernel_id: str, reason: str, notify: Notify | None = None, restore: bool = True
+    ) -> None:
+        """Bring a hibernated kernel back; callers arriving during the same resume share it."""
+        slot = self._slots.get(kernel_id)
+        if slot is not None and slot.task is not None and not slot.task.done():
+            if slot.operation == "resume":
+                await self._join(kernel_id, slot.task)
+                return
+            await asyncio.wait([slot.task])  # a hibernation (or adoption) finishes first
+        await self._run(kernel_id, "resume", lambda: self._resume(kernel_id, reason, notify, restore))
+
+    def cancel_wait(self, kernel_id: str) -> bool:
+        """The user interrupted: stop waiting for a slice. True if a resume was waiting."""
+        slot = self._slots.get(kernel_id)
+        if slot is None or slot.operation != "resume" or slot.task is None or slot.task.done():
+            return False
+        slot.cancel_wait.set()
+        return True
+
+    async def cancel(self, kernel_id: str) -> None:
+        """Cancel the operation in flight (for a delete) and wait until it has cleaned up.
+
+        A cancelled hibernation leaves the kernel running (its process untouched); a
+        cancelled resume leaves it hibernated (the process it launched killed, the slice free).
+        """
+        slot = self._slots.get(kernel_id)
+        if slot is None:
+            return
+        slot.removed = True
+        task = slot.task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait([task])
+
+    async def remove(self, kernel_id: str) -> None:
+        """Forget a kernel for good: no process, no slice, no checkpoint, no record."""
+        await self.cancel(kernel_id)
+        slot = self._slot(kernel_id)
+        slot.removed = True
+        async with slot.lock:
+            record = self.registry.get(kernel_id)
+            await self.platform.kill(kernel_id)
+            self.platform.release_slice(kernel_id)
+            if record is not None and record.lifecycle.can(S.DEAD):
+                record.lifecycle.move(S.DEAD, "removed")
+            await self.platform.discard_checkpoints(kernel_id)
+            self.committed.pop(kernel_id, None)
+            self.registry.remove(kernel_id)
+        self._slots.pop(kernel_id, None)
+
+    def forget(self, kernel_id: str) -> None:
+        """Drop the bookkeeping of a kernel whose process is already gone (it was shut down)."""
+        slot = self._slots.pop(kernel_id, None)
+        if slot is not None and slot.task is not None and not slot.task.done():
+            slot.task.cancel()
+        self.committed.pop(kernel_id, None)
+
+    def adopt_orphan(self, kernel_id: str, wait_for_exit: Callable[[], Awaitable[Committed | None]]) -> None:
+        """A kernel left running by a previous server is checkpointing itself: wait for it.
+
+        The kernel is ``hibernating`` until its process exits; then ``hibernated`` with the
+        checkpoint it wrote, or removed if it never committed one. A resume waits for this.
+        """
+        record = self.registry.get(kernel_id)
+        if record is None:
+            return
+
+        async def adopt() -> Committed | None:
+            committed = await wait_for_exit()
+            if committed is None:
+                self._move(record, S.DEAD, "ended with the previous server before any checkpoint")
+                self.registry.remove(kernel_id)
+                return None
+            self.committed[kernel_id] = committed
+            self._move(record, S.HIBERNATED, "recovered")
+            return committed
+
+        slot = self._slot(kernel_id)
+        slot.operation = "adopt"
+        slot.task = asyncio.ensure_future(adopt())
+
+    # -- the steps ---------------------------------------------------------------------------
+
+    async def _run(
+        self, kernel_id: str, operation: str, body: Callable[[], Awaitable[Committed | None]]
+    ) -> Committed | None:
+        slot = self._slot(kernel_id)
+        async with slot.lock:
+            if slot.removed:
+                raise KernelRemoved(f"kernel {kernel_id} was deleted")
+            slot.operation = operation
+            slot.cancel_wait.clear()
+            task: asyncio.Task[Committed | None] = asyncio.ensure_future(body())
+            slot.task = task
+            try:
+                return await self._join(kernel_id, task)
+            finally:
+                if slot.task is task:
+                    slot.operation = ""
+
+    async def _join(self, kernel_id: str, task: asyncio.Task[Committed | None]) -> Committed | None:
+        """Await ``task`` without letting a caller's own cancellation cancel it."""
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise KernelRemoved(
+                    f"kernel {kernel_id} was deleted while this operation was in progress"
+                ) from None
+            raise
+
+    async def _hibernate(self, kernel_id: str, reason: str) -> Committed | None:
+        record = self._require(kernel_id)
+        if record.state is S.HIBERNATED:
+            return None
+        if record.state is not S.RUNNING:
+            raise LifecycleError(
+                f"kernel {kernel_id} is {record.state.value}; only a running kernel can hibernate"
+            )
+        await self.platform.ensure_idle(kernel_id)
+        started = time.time()
+        self._move(record, S.HIBERNATING, reason)
+        try:
+            committed = await self.platform.checkpoint(kernel_id)
+            if committed.created < started - 1:
+                raise LifecycleError("the agent reported success but no new checkpoint was committed", 500)
+        except asyncio.CancelledError:
+            if record.state is S.HIBERNATING:
+                self._move(record, S.RUNNING, "hibernation cancelled")
+            raise
+        except Exception as exc:
+            message = exc.message if isinstance(exc, ElasticError) else f"{type(exc).__name__}: {exc}"
+            if record.state is S.HIBERNATING:  # else the process died and was restarted meanwhile
+                self._move(record, S.RUNNING, f"hibernation failed: {message}")
+            record.last_error = message
+            status = exc.status if isinstance(exc, LifecycleError) else 500
+            raise HibernateFailed(message, status) from exc
+        # The checkpoint is committed: only now may the process and the slice go.
+        self.committed[kernel_id] = committed
+        try:
+            await self.platform.stop(kernel_id)
+        except BaseException:
+            await self.platform.kill(kernel_id)  # committed already: nothing is lost by a kill
+            raise
+        finally:
+            self.platform.release_slice(kernel_id)
+            self._move(record, S.HIBERNATED, reason)
+            record.last_error = ""
+        return committed
+
+    async def _resume(self, kernel_id: str, reason: str, notify: Notify | None, restore: bool) -> None:
+        record = self._require(kernel_id)
+        if record.state is S.RUNNING:
+            return None
+        if record.state is not S.HIBERNATED:
+            raise LifecycleError(f"kernel {kernel_id} is {record.state.value}; nothing to resume")
+        self._move(record, S.RESUMING, reason)
+        launched = False
+        try:
+            await self._wait_for_slice(kernel_id, record, notify)
+            committed = self.committed.get(kernel_id) if restore else None
+            if not restore:
+                await self.platform.discard_checkpoints(kernel_id)
+                self.committed.pop(kernel_id, None)
+            timeout = restore_timeout(self.start_timeout, committed.size if committed else 0)
+            launched = True
+            await self.platform.launch(kernel_id, committed, timeout)
+        except BaseException as exc:
+            if launched:  # whatever it got to, no process may outlive a failed resume
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.platform.kill(kernel_id))
+            self.platform.release_slice(kernel_id)
+            message = exc.message if isinstance(exc, ElasticError) else f"{type(exc).__name__}: {exc}"
+            self._move(record, S.HIBERNATED, f"resume failed: {message}")
+            if isinstance(exc, LifecycleError | asyncio.CancelledError):
+                raise
+            raise LifecycleError(f"resume of kernel {kernel_id} failed: {message}", 500) from exc
+        self._move(record, S.RUNNING, reason)
+        return None
+
+    async def _wait_for_slice(self, kernel_id: str, record: ManagedKernel, notify: Notify | None) -> None:
+        if record.profile is None:
+            return
+        profile = self.profile(record.profile)
+        slot = self._slot(kernel_id)
+        told = False
+        while True:
+            try:
+                self.allocator.check(profile)
+                return
+            except CapacityError as exc:
+                if not self.allocator.ever_fits(profile):
+                    raise LifecycleError(exc.message) from None
+                if not told and notify is not None:
+                    told = True
+                    waiting = notify(
+                        f"Waiting for a GPU slice of size {profile.display_name} to resume this kernel: "
+                        f"{exc.message} Interrupt the kernel to stop waiting."
+                    )
+                    if waiting is not None:
+                        await waiting
+            try:
+                await asyncio.wait_for(slot.cancel_wait.wait(), timeout=self.busy_retry)
+            except asyncio.TimeoutError:
+                continue
+            raise WaitCancelled(f"resume of kernel {kernel_id} cancelled while waiting for a GPU slice")
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _slot(self, kernel_id: str) -> _Slot:
+        slot = self._slots.get(kernel_id)
+        if slot is None:
+            slot = self._slots[kernel_id] = _Slot()
+        return slot
+
+    def _require(self, kernel_id: str) -> ManagedKernel:
+        record = self.registry.get(kernel_id)
+        if record is None:
+            raise LifecycleError(f"kernel {kernel_id} is not an elastic kernel", status=409)
+        return record
+
+    def _move(self, record: ManagedKernel, state: KernelState, reason: str) -> None:
+        record.lifecycle.move(state, reason)
+        self.platform.persist(record.kernel_id)
