@@ -50,6 +50,7 @@ class ElasticRuntime:
     use_mps: bool = False
     reap_interval: float = 5.0
     checkpoint_timeout: float = 600.0
+    resume_timeout: float = 120.0
     hibernate_on_shutdown: bool = True
     nvml: Nvml | None = None
     gpu_sample_interval: float = 10.0
@@ -131,6 +132,13 @@ class ElasticKernels(LoggingConfigurable):
         help="Seconds a kernel may take to write its checkpoint before hibernation gives up "
         "(the kernel then keeps running).",
     )
+    resume_timeout = Float(
+        120.0,
+        config=True,
+        help="Seconds a resumed kernel may take to start and answer, plus one second per 20 MiB of "
+        "its checkpoint (a big state takes longer to read). Past it the resume fails, the process "
+        "it started is stopped, and the kernel stays hibernated.",
+    )
     hibernate_on_shutdown = Bool(
         True,
         config=True,
@@ -185,6 +193,8 @@ class ElasticKernels(LoggingConfigurable):
             raise ConfigError(
                 f"ElasticKernels.checkpoint_timeout must be > 0 seconds, got {self.checkpoint_timeout}"
             )
+        if self.resume_timeout <= 0:
+            raise ConfigError(f"ElasticKernels.resume_timeout must be > 0 seconds, got {self.resume_timeout}")
         if self.reap_interval <= 0:
             raise ConfigError(f"ElasticKernels.reap_interval must be > 0 seconds, got {self.reap_interval}")
         if not self.base_kernels:
@@ -201,6 +211,7 @@ class ElasticKernels(LoggingConfigurable):
             reap_interval=self.reap_interval,
             checkpoints=self._checkpoint_store(),
             checkpoint_timeout=self.checkpoint_timeout,
+            resume_timeout=self.resume_timeout,
             hibernate_on_shutdown=self.hibernate_on_shutdown,
             nvml=nvml,
             gpu_sample_interval=self.gpu_sample_interval,

@@ -35,6 +35,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -148,6 +149,12 @@ class _Agent:
         self.log: logging.Logger = getattr(shell, "log", None) or _fallback_log
         self._hook_registered = False
         self.busy = False  # a cell is running (the watchdog waits for it to finish)
+        # One checkpoint at a time: the server's (a silent execute on the main thread) and the
+        # watchdog's (its own thread, when the server died mid-checkpoint) must never write
+        # into the kernel directory together.
+        self._writing = threading.Lock()
+        self.cells_run = 0  # user cells finished so far
+        self.saved_at_cell: int | None = None  # ``cells_run`` when the namespace last committed
         self.namespace = UserNamespace(shell)
         shell.events.register("pre_run_cell", self._cell_started)
         shell.events.register("post_run_cell", self._cell_finished)
@@ -156,6 +163,7 @@ class _Agent:
         self.busy = True
 
     def _cell_finished(self, result: Any = None) -> None:
+        self.cells_run += 1
         self.busy = False
 
     # -- checkpoint -----------------------------------------------------------------------
@@ -170,8 +178,25 @@ class _Agent:
             self.shell.events.unregister("pre_execute", self._unhide_restored)
 
     def checkpoint(self) -> dict[str, Any]:
+        with self._writing:
+            return self._checkpoint_locked()
+
+    def checkpoint_if_changed(self) -> dict[str, Any] | None:
+        """The watchdog's checkpoint: none if no cell ran since the last committed one.
+
+        Waits for a checkpoint in progress (the one the dead server asked for) to finish
+        first; if that one committed, the state is saved and nothing more is written.
+        """
+        with self._writing:
+            if self.saved_at_cell is not None and self.saved_at_cell == self.cells_run:
+                self.log.info("the namespace is unchanged since the last checkpoint; nothing to write")
+                return None
+            return self._checkpoint_locked()
+
+    def _checkpoint_locked(self) -> dict[str, Any]:
         if self.config is None:
             raise CheckpointFailed(f"this kernel has no checkpoint directory ({ENV_DIR} is not set)")
+        cells_run = self.cells_run
         try:
             manifest = write_checkpoint(
                 self.config.kernel_dir,
@@ -188,6 +213,7 @@ class _Agent:
         except Exception as exc:
             self.log.exception("checkpoint failed")
             raise CheckpointFailed(f"checkpoint failed: {describe_error(exc)}") from exc
+        self.saved_at_cell = cells_run
         summary = manifest.summary()
         self.log.info("checkpoint %s written: %d variables saved", summary["id"], len(summary["saved"]))
         return summary
@@ -220,6 +246,8 @@ class _Agent:
                 CheckpointRefused(f"restore failed: {describe_error(exc)}"), time.perf_counter() - started
             )
         self.report = report
+        if not report["refused"] and not report["not_restored"]:
+            self.saved_at_cell = self.cells_run  # the namespace is exactly the committed checkpoint
         self.namespace.adopt_restored(report.get("restored", []))
         self.shell.events.register("pre_execute", self._unhide_restored)
         try:
@@ -282,7 +310,7 @@ class _Agent:
 
         def checkpoint_and_report() -> None:
             agent = _AGENT if _AGENT is not None else self
-            agent.checkpoint()
+            agent.checkpoint_if_changed()
 
         def busy() -> bool:
             agent = _AGENT if _AGENT is not None else self

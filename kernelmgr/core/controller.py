@@ -256,6 +256,8 @@ class LifecycleController:
     async def _run(
         self, kernel_id: str, operation: str, body: Callable[[], Awaitable[Committed | None]]
     ) -> Committed | None:
+        if kernel_id not in self._slots:
+            self._require(kernel_id)  # no bookkeeping for kernels that do not exist (or no longer do)
         slot = self._slot(kernel_id)
         async with slot.lock:
             if slot.removed:
@@ -290,6 +292,10 @@ class LifecycleController:
                 f"kernel {kernel_id} is {record.state.value}; only a running kernel can hibernate"
             )
         await self.platform.ensure_idle(kernel_id)
+        if record.state is not S.RUNNING:  # it died (or was restarted) while we waited
+            raise LifecycleError(
+                f"kernel {kernel_id} is {record.state.value}; only a running kernel can hibernate"
+            )
         started = time.time()
         self._move(record, S.HIBERNATING, reason)
         try:

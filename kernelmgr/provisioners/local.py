@@ -156,11 +156,10 @@ class ElasticLocalProvisioner(LocalProvisioner):
         runtime = self.runtime
         released = runtime.allocator.release(self.kernel_id)
         record = runtime.kernels.get(self.kernel_id)
-        if (
-            record is not None
-            and record.lifecycle.can(KernelState.DEAD)
-            and record.state is not KernelState.DEAD
-        ):
+        # Only a kernel that was simply running (or starting) dies here. During a hibernation
+        # or a resume the lifecycle controller owns the state and decides what a stopped
+        # process means (hibernated, back to running, resume failed).
+        if record is not None and record.state in (KernelState.STARTING, KernelState.RUNNING):
             record.lifecycle.move(KernelState.DEAD, reason)
         if released is not None:
             self.log.info(

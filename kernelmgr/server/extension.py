@@ -84,7 +84,12 @@ class ElasticKernelsExtension(ExtensionApp):
         )
         events = LifecycleEvents(getattr(self.serverapp, "event_logger", None))
         km.hibernator = Hibernator(
-            km, runtime, state_file, checkpoint_timeout=runtime.checkpoint_timeout, events=events
+            km,
+            runtime,
+            state_file,
+            checkpoint_timeout=runtime.checkpoint_timeout,
+            start_timeout=runtime.resume_timeout,
+            events=events,
         )
         km.hibernator.recover()
         sampler = (
