@@ -4,8 +4,14 @@ Talks to the REST API only (never imports the server), so it works the same agai
 server, a remote one or the gateway. Without ``--url`` it finds the newest running local
 server through its runtime file, the way ``jupyter server list`` does.
 
-Exit codes: 0 success; 1 the server could not be reached or refused the request (one line
-on stderr saying why); 2 bad usage (one line on stderr).
+``hibernate`` and ``resume`` wait for the outcome, however long the server allows: a request
+that outlasts ``--request-timeout`` is not a failure (the server keeps going), so the CLI then
+polls the kernel until it is hibernated (or running), until the server reports the attempt
+failed, or until the server's own ``checkpoint_timeout`` (from ``/api/elastic/policy``) plus a
+margin has passed.
+
+Exit codes: 0 success; 1 the server could not be reached, refused the request or reported the
+action failed (one line on stderr saying why); 2 bad usage (one line on stderr).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import json
 import os
 import re
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -27,10 +34,23 @@ from jupyter_core.paths import jupyter_runtime_dir
 
 USAGE_ERROR = 2
 FAILURE = 1
+#: Seconds to wait for one HTTP answer (``--request-timeout``).
+DEFAULT_REQUEST_TIMEOUT = 30.0
+#: Seconds between polls of a kernel whose hibernate/resume outlasted one request.
+POLL_INTERVAL = 1.0
+#: What the server allows a checkpoint when it does not say (``ElasticKernels.checkpoint_timeout``).
+DEFAULT_CHECKPOINT_TIMEOUT = 600.0
+#: Beyond the checkpoint timeout: verifying, stopping the process and releasing the slice
+#: (hibernate), or starting the process (resume).
+SETTLE_MARGIN = 120.0
 
 
 class CliError(Exception):
     """A failure to report as one line on stderr with exit code 1."""
+
+
+class RequestTimedOut(CliError):
+    """No answer within the request timeout: the server may still be working on it."""
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -81,7 +101,7 @@ def resolve_target(url: str | None, token: str | None) -> Target:
     return Target(url=found.url, token=token or found.token)
 
 
-def fetch(target: Target, path: str, method: str = "GET") -> Any:
+def fetch(target: Target, path: str, method: str = "GET", timeout: float = DEFAULT_REQUEST_TIMEOUT) -> Any:
     """Call the API, turning every failure into one readable :class:`CliError`."""
     request = urllib.request.Request(
         f"{target.url}{path}", method=method, data=b"" if method == "POST" else None
@@ -89,7 +109,7 @@ def fetch(target: Target, path: str, method: str = "GET") -> Any:
     if target.token:
         request.add_header("Authorization", f"token {target.token}")
     try:
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read() or b"null")
     except urllib.error.HTTPError as err:
         try:
@@ -104,8 +124,12 @@ def fetch(target: Target, path: str, method: str = "GET") -> Any:
             ) from None
         raise CliError(f"HTTP {err.code} from {target.url}{path}: {message}") from None
     except urllib.error.URLError as err:
+        if isinstance(err.reason, TimeoutError):
+            raise RequestTimedOut(f"no answer from {target.url}{path} within {timeout:g}s") from None
         raise CliError(f"cannot reach {target.url}: {err.reason}") from None
-    except (TimeoutError, ValueError) as err:
+    except TimeoutError:
+        raise RequestTimedOut(f"no answer from {target.url}{path} within {timeout:g}s") from None
+    except ValueError as err:
         raise CliError(f"bad answer from {target.url}{path}: {err}") from None
 
 
@@ -230,6 +254,86 @@ def render_kernel(kernel: dict[str, Any]) -> str:
     return line
 
 
+def _try_fetch(target: Target, path: str, timeout: float) -> Any:
+    """``fetch``, but ``None`` instead of an error (for polls and best-effort reads)."""
+    try:
+        return fetch(target, path, timeout=timeout)
+    except CliError:
+        return None
+
+
+def _outcome(action: str, model: dict[str, Any], before: dict[str, Any] | None) -> str | None:
+    """``"done"``, a failure message, or ``None`` while the action is still under way.
+
+    The kernel goes back to where it started when the action fails (``running`` after a failed
+    hibernation, ``hibernated`` after a failed resume); ``state_since`` (server time) then moved
+    on from the reading taken before the request, which tells a failure from "not started yet".
+    """
+    state = model.get("state")
+    if state == ("hibernated" if action == "hibernate" else "running"):
+        return "done"
+    if state == "dead":
+        return f"kernel {model.get('id')} died: {model.get('state_reason') or 'no reason given'}"
+    back_where_it_was = state == ("running" if action == "hibernate" else "hibernated")
+    if not back_where_it_was:
+        return None  # hibernating / resuming / starting: still under way
+    since, since_before = model.get("state_since"), (before or {}).get("state_since")
+    if since is not None and since_before is not None:
+        moved = bool(since > since_before)
+    else:  # a server without state_since: a failure leaves its reason behind
+        moved = bool(model.get("last_error") or "failed" in str(model.get("state_reason", "")))
+    if not moved:
+        return None
+    reason = model.get("last_error") or model.get("state_reason") or "no reason given"
+    return f"{action} of kernel {model.get('id')} failed, it is {state}: {reason}"
+
+
+def run_kernel_action(
+    target: Target,
+    action: str,
+    kernel_id: str,
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> Any:
+    """POST hibernate/resume and return the kernel's model once the action is done.
+
+    A hibernation takes as long as the kernel's checkpoint (minutes for large state), so an
+    answer slower than ``request_timeout`` is followed by polling, up to the server's
+    ``checkpoint_timeout`` plus :data:`SETTLE_MARGIN`; raises :class:`CliError` saying why
+    when the server refuses, reports a failure, or is still at it after that.
+    """
+    path = f"/api/elastic/kernels/{kernel_id}"
+    before = _try_fetch(target, path, request_timeout)
+    try:
+        return fetch(target, f"{path}/{action}", "POST", timeout=request_timeout)
+    except RequestTimedOut:
+        pass
+    policy = _try_fetch(target, "/api/elastic/policy", request_timeout) or {}
+    allowed = float(policy.get("checkpoint_timeout") or DEFAULT_CHECKPOINT_TIMEOUT) + SETTLE_MARGIN
+    began = clock()
+    if sys.stderr.isatty():
+        print(
+            f"jupyter elastic: {action} of {kernel_id} is under way; waiting (up to {allowed:g}s)",
+            file=sys.stderr,
+        )
+    while True:
+        model = _try_fetch(target, path, request_timeout)
+        if model is not None:
+            outcome = _outcome(action, model, before)
+            if outcome == "done":
+                return model
+            if outcome is not None:
+                raise CliError(outcome)
+        if clock() - began >= allowed:
+            state = model.get("state") if model else "unknown (no answer)"
+            raise CliError(
+                f"kernel {kernel_id} is still {state} after {allowed:g}s "
+                "(the server's checkpoint_timeout plus a margin); see `jupyter elastic list`"
+            )
+        sleep(POLL_INTERVAL)
+
+
 Renderer = Callable[[Any], str]
 
 COMMANDS: dict[str, tuple[str, Renderer, str]] = {
@@ -254,6 +358,14 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--url", help="server URL (default: the newest running local server)")
     parser.add_argument("--token", help="API token (default: the local server's, or $JUPYTER_TOKEN)")
     parser.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT,
+        metavar="SECONDS",
+        help="seconds to wait for one answer (hibernate/resume then poll until the server's "
+        f"checkpoint timeout; default {DEFAULT_REQUEST_TIMEOUT:g})",
+    )
     sub = parser.add_subparsers(dest="command", metavar="{" + ",".join([*COMMANDS, *KERNEL_ACTIONS]) + "}")
     for name, (_path, _render, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text)
@@ -268,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.command:
         parser.error("a command is required: " + ", ".join([*COMMANDS, *KERNEL_ACTIONS]))
+    if not args.request_timeout > 0:
+        parser.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
     method = "GET"
     render: Renderer
     if args.command in KERNEL_ACTIONS:
@@ -284,7 +398,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"jupyter elastic: {err}", file=sys.stderr)
         return FAILURE
     try:
-        doc = fetch(target, path, method)
+        if method == "POST":
+            doc = run_kernel_action(target, args.command, args.kernel_id, args.request_timeout)
+        else:
+            doc = fetch(target, path, method, timeout=args.request_timeout)
     except CliError as err:
         print(f"jupyter elastic: {err}", file=sys.stderr)
         return FAILURE

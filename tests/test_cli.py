@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.support.server import TOKEN, RunningServer
+from kernelmgr.cli import _outcome
+from tests.conftest import CONFIG
+from tests.support.server import TOKEN, RunningServer, start_server
 
 
 def cli(
@@ -125,3 +128,99 @@ def test_hibernate_errors_are_one_line(plain_server: RunningServer) -> None:
     bad = cli(plain_server, "resume", "../etc")
     assert bad.returncode == 2 and "is not a kernel id" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def slow_both_ways(seconds: float) -> str:
+    """Source of a class whose pickling and unpickling each take ``seconds``.
+
+    Its checkpoint and its restore then outlast a client whose request timeout is shorter, which
+    is what a notebook holding gigabytes does to a 30 s client.
+    """
+    return (
+        "import time\n"
+        "class SlowBoth:\n"
+        "    def __reduce__(self):\n"
+        f"        time.sleep({seconds})\n"
+        "        return (SlowBoth, (), {'ok': True})\n"
+        "    def __setstate__(self, state):\n"
+        f"        time.sleep({seconds})\n"
+        "        self.__dict__.update(state)\n"
+    )
+
+
+def test_hibernate_and_resume_wait_past_the_request_timeout(plain_server: RunningServer) -> None:
+    """A hibernation (and a resume) slower than one request is waited for, not reported failed."""
+    kernel_id = plain_server.start_kernel("python3-gpu-small")
+    try:
+        plain_server.execute(kernel_id, slow_both_ways(3) + "slow = SlowBoth(); kept = 7")
+        result = cli(plain_server, "--request-timeout", "0.5", "hibernate", kernel_id)
+        assert result.returncode == 0, result.stderr
+        line = result.stdout.strip()
+        assert line.startswith(f"kernel {kernel_id} is hibernated: ") and line.endswith("not saved: none")
+        assert result.stderr == ""
+        resumed = cli(plain_server, "--request-timeout", "0.5", "--json", "resume", kernel_id)
+        assert resumed.returncode == 0, resumed.stderr
+        assert json.loads(resumed.stdout)["state"] == "running"
+        assert plain_server.execute(kernel_id, "print(kept, slow.ok)").strip() == "7 True"
+    finally:
+        plain_server.shutdown_kernel(kernel_id)
+
+
+def test_failure_reported_after_the_request_timeout_is_one_line(tmp_path: Path) -> None:
+    """The server gives up on the checkpoint after the client stopped waiting for the answer:
+    the CLI still reports the server's reason, in one line, with exit code 1."""
+    running = start_server(
+        tmp_path, {"ElasticKernels": {**CONFIG["ElasticKernels"], "checkpoint_timeout": 1}}
+    )
+    try:
+        assert running.get("/api/elastic/policy")["checkpoint_timeout"] == 1
+        kernel_id = running.start_kernel("python3-gpu-small")
+        running.execute(kernel_id, slow_both_ways(4) + "slow = SlowBoth()")
+        result = cli(running, "--request-timeout", "0.5", "hibernate", kernel_id)
+        assert result.returncode == 1
+        assert result.stderr.strip().splitlines() == [
+            f"jupyter elastic: hibernate of kernel {kernel_id} failed, it is running: "
+            "the kernel did not answer within 1s"
+        ]
+    finally:
+        running.stop()
+
+
+def test_bad_request_timeout_is_usage(plain_server: RunningServer) -> None:
+    result = cli(plain_server, "--request-timeout", "0", "gpus")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "jupyter elastic: error: --request-timeout must be > 0 seconds, got 0 (see --help)"
+    ]
+
+
+RUNNING_SINCE_10 = {"id": "k", "state": "running", "state_since": 10.0, "last_error": "disk full"}
+
+
+@pytest.mark.parametrize(
+    ("action", "model", "expected"),
+    [
+        ("hibernate", {"id": "k", "state": "hibernated", "state_since": 12.0}, "done"),
+        ("hibernate", {"id": "k", "state": "hibernating", "state_since": 11.0}, None),
+        # An earlier failure's last_error is still there, but nothing happened since: wait.
+        ("hibernate", RUNNING_SINCE_10, None),
+        (
+            "hibernate",
+            {**RUNNING_SINCE_10, "state_since": 12.0, "last_error": "the kernel did not answer within 1s"},
+            "hibernate of kernel k failed, it is running: the kernel did not answer within 1s",
+        ),
+        ("resume", {"id": "k", "state": "running", "state_since": 12.0}, "done"),
+        ("resume", {"id": "k", "state": "resuming", "state_since": 11.0}, None),
+        (
+            "resume",
+            {"id": "k", "state": "hibernated", "state_since": 12.0, "state_reason": "resume failed: boom"},
+            "resume of kernel k failed, it is hibernated: resume failed: boom",
+        ),
+    ],
+)
+def test_poll_outcome_tells_failure_from_not_started(
+    action: str, model: dict[str, Any], expected: str | None
+) -> None:
+    """What a poll concludes, given the reading taken before the request (state since t=10)."""
+    before = {"id": "k", "state": "running" if action == "hibernate" else "hibernated", "state_since": 10.0}
+    assert _outcome(action, model, before) == expected

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import threading
+import time
 
 import pytest
 
@@ -113,27 +115,114 @@ def test_unknown_strategy() -> None:
         SliceAllocator(inventory(), "random")
 
 
-def test_concurrent_allocations_never_overbook() -> None:
-    alloc = SliceAllocator(inventory(count=2), "binpack")
-    granted: list[str] = []
-    refused: list[str] = []
-    barrier = threading.Barrier(16)
+THREE_QUARTERS = parse_profile("three-quarters", {"gpu_fraction": 0.75, "memory_mib": 1_000})
 
-    def worker(n: int) -> None:
-        barrier.wait()
+
+class Rendezvous:
+    """A point two threads are meant to reach together, if nothing keeps them apart.
+
+    Installed as the allocator's ``before_commit`` seam: a thread that has chosen a placement
+    waits there for the other thread to arrive too. With the allocator's lock the other thread
+    cannot arrive (it is blocked in ``allocate``), the wait ends after ``patience`` seconds and
+    the first thread commits alone; without the lock both arrive, both commit the same free
+    space, and the device is overbooked on every run. ``patience`` only bounds the wait in the
+    correct case; the outcome never depends on it.
+    """
+
+    def __init__(self, parties: int = 2, patience: float = 1.0) -> None:
+        self.parties = parties
+        self.patience = patience
+        self.arrived = 0
+        self.met = False
+        self._cond = threading.Condition()
+
+    def __call__(self) -> None:
+        with self._cond:
+            self.arrived += 1
+            self._cond.notify_all()
+            if self._cond.wait_for(lambda: self.arrived >= self.parties, timeout=self.patience):
+                self.met = True
+
+
+def test_choice_and_commit_are_one_step() -> None:
+    """Two threads ask for 3/4 of the only GPU at once: exactly one may get it.
+
+    Guards the allocator's lock around check-then-commit (remove ``with self._lock`` from
+    ``allocate`` and this fails on every run: the rendezvous lets both threads commit).
+    """
+    alloc = SliceAllocator(inventory(count=1), "binpack")
+    meet = Rendezvous()
+    alloc.before_commit = meet
+    results: dict[str, str] = {}
+
+    def worker(kernel_id: str) -> None:
         try:
-            alloc.allocate(f"k{n}", QUARTER)
-            granted.append(f"k{n}")
+            alloc.allocate(kernel_id, THREE_QUARTERS)
+            results[kernel_id] = "granted"
         except CapacityError:
-            refused.append(f"k{n}")
+            results[kernel_id] = "refused"
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(16)]
+    threads = [threading.Thread(target=worker, args=(name,)) for name in ("a", "b")]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert len(granted) == 8 and len(refused) == 8
-    assert all(u.used_milli == 1000 for u in alloc.usage())
+    assert not meet.met, "two threads were between choosing a placement and committing it at once"
+    assert sorted(results.values()) == ["granted", "refused"]
+    (usage,) = alloc.usage()
+    assert usage.used_milli == 750 and len(usage.slices) == 1
+
+
+def test_concurrent_allocations_never_overbook() -> None:
+    """Many threads allocating and releasing at once never overbook a device or lose a slice.
+
+    The ``before_commit`` seam yields the GIL (``time.sleep(0)``) and the switch interval is
+    tiny, so without the lock threads interleave between choosing and committing on nearly
+    every run instead of almost never (before the seam this test passed 30/30 without the lock).
+    """
+    alloc = SliceAllocator(inventory(count=2), "binpack")
+    alloc.before_commit = lambda: time.sleep(0)
+    threads_count, rounds = 16, 20
+    barrier = threading.Barrier(threads_count)
+    overbooked: list[str] = []
+    granted_total: list[int] = []
+
+    def worker(n: int) -> None:
+        barrier.wait()
+        granted = 0
+        for r in range(rounds):
+            kernel_id = f"k{n}-{r}"
+            try:
+                alloc.allocate(kernel_id, QUARTER)
+            except CapacityError:
+                continue
+            granted += 1
+            for u in alloc.usage():
+                if u.used_milli > 1000 or u.used_memory_mib > u.device.memory_mib:
+                    overbooked.append(f"{u.device.uuid}: {u.used_milli} milli, {u.used_memory_mib} MiB")
+            if r % 2:
+                alloc.release(kernel_id)
+        granted_total.append(granted)
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(threads_count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert overbooked == []
+    held = alloc.slices()
+    assert len(held) <= 8
+    usage = {u.device.uuid: u for u in alloc.usage()}
+    for uuid, u in usage.items():
+        on_device = [p for s in held for p in s.placements if p.device_uuid == uuid]
+        assert u.used_milli == sum(p.milli for p in on_device), "the books match the slices held"
+        assert u.used_memory_mib == sum(p.memory_mib for p in on_device)
+    assert sum(granted_total) >= 8
 
 
 def test_placement_is_deterministic() -> None:

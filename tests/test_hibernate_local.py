@@ -11,10 +11,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import websocket
 
 from tests.conftest import INVENTORY, PROFILES
 from tests.support.disk import small_disk
-from tests.support.server import Reply, RunningServer, start_server, wait_for
+from tests.support.gate import Gate
+from tests.support.server import KernelChannel, Reply, RunningServer, start_server, wait_for
 
 pytest.importorskip("numpy")
 
@@ -181,19 +183,24 @@ def test_opening_and_typing_do_not_wake_a_hibernated_kernel(server: RunningServe
             chan.request("history_request", {"hist_access_type": "tail", "n": 10})["content"]["history"] == []
         )
         assert chan.request("comm_info_request", {})["content"]["comms"] == {}
-    time.sleep(0.5)
+    # Every answer above has arrived, and the websocket handles messages in order, so a
+    # wake-up started by any of them would already show as "resuming" (or a resume log line).
     model = server.get(f"/api/elastic/kernels/{kernel_id}")
     assert model["state"] == "hibernated" and model["slice"] is None
+    assert f"Kernel {kernel_id} resumed" not in server.log()
 
 
-def test_busy_kernel_is_not_hibernated(server: RunningServer) -> None:
+def test_busy_kernel_is_not_hibernated(server: RunningServer, tmp_path: Path) -> None:
     kernel_id = server.start_kernel("python3-gpu-small")
+    gate = Gate(tmp_path)
     with server.channel(kernel_id) as chan:
-        msg_id = chan.send("execute_request", {"code": "import time; time.sleep(4)", "silent": False})
+        msg_id = chan.send("execute_request", {"code": gate.cell(), "silent": False})
+        wait_for(gate.is_reached, what="the cell to be running")
         wait_for(
             lambda: server.get(f"/api/kernels/{kernel_id}")["execution_state"] == "busy", what="kernel busy"
         )
         reply = hibernate(server, kernel_id)
+        gate.open()
         assert reply.status == 409
         assert "busy" in reply.body["message"] and "once the running cell finishes" in reply.body["message"]
         chan.collect(msg_id)
@@ -249,24 +256,22 @@ def test_restart_of_hibernated_kernel_starts_fresh(server: RunningServer) -> Non
     assert server.execute(kernel_id, "print('w' in globals())").strip() == "False"
 
 
-def test_kill_kernel_during_checkpoint_keeps_previous_checkpoint(server: RunningServer) -> None:
+def test_kill_kernel_during_checkpoint_keeps_previous_checkpoint(
+    server: RunningServer, tmp_path: Path
+) -> None:
     kernel_id = server.start_kernel("python3-gpu-small")
     server.execute(kernel_id, "first = 'committed'")
     assert hibernate(server, kernel_id).status == 200
     server.execute(kernel_id, "print(first)")  # resumes
     before = server.get(f"/api/elastic/kernels/{kernel_id}")["checkpoint"]["id"]
-    server.execute(
-        kernel_id,
-        slow_object(30) + "slow = Slow()",
-    )
+    gate = Gate(tmp_path)  # never opened: the kernel dies inside the checkpoint
+    server.execute(kernel_id, gate.pickled_object() + "slow = Gated()")
     pid = pid_of(server, kernel_id)
     replies: list[Reply] = []
     thread = threading.Thread(target=lambda: replies.append(hibernate(server, kernel_id)))
     thread.start()
-    wait_for(
-        lambda: server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernating", what="hibernating"
-    )
-    time.sleep(1)
+    wait_for(gate.is_reached, what="the checkpoint to be half written")
+    assert server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernating"
     os.kill(pid, signal.SIGKILL)
     thread.join(60)
     assert replies and replies[0].status >= 400
@@ -340,10 +345,8 @@ def test_hibernated_kernel_survives_a_server_restart(tmp_path: Path) -> None:
 def test_server_killed_mid_hibernation_loses_nothing(tmp_path: Path) -> None:
     first = start_server(tmp_path, config(tmp_path / "checkpoints"))
     kernel_id = first.start_kernel("python3-gpu-small")
-    first.execute(
-        kernel_id,
-        slow_object(3) + "slow = Slow(); precious = {'a': 1}",
-    )
+    gate = Gate(tmp_path / "gate")
+    first.execute(kernel_id, gate.pickled_object() + "slow = Gated(); precious = {'a': 1}")
     pid = pid_of(first, kernel_id)
 
     def hibernate_until_killed() -> None:
@@ -351,11 +354,11 @@ def test_server_killed_mid_hibernation_loses_nothing(tmp_path: Path) -> None:
             hibernate(first, kernel_id)
 
     threading.Thread(target=hibernate_until_killed, daemon=True).start()
-    wait_for(
-        lambda: first.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernating", what="hibernating"
-    )
+    wait_for(gate.is_reached, what="the server's checkpoint to be under way")
+    assert first.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernating"
     first.process.kill()
     first.process.wait()
+    gate.open()  # the interrupted checkpoint finishes; the kernel's watchdog takes over from here
     wait_for(lambda: not alive(pid), timeout=60, what="the orphaned kernel to checkpoint itself and exit")
     second = start_server(tmp_path, config(tmp_path / "checkpoints"))
     try:
@@ -381,20 +384,43 @@ def test_jupyterlab_protocol_v1_hibernated_answers_and_resume(server: RunningSer
         assert any("restored" in text for text in result.displays)
 
 
-def test_cell_sent_while_hibernating_waits_and_runs_after_resume(server: RunningServer) -> None:
+def _status_of(chan: KernelChannel, msg_id: str) -> str:
+    """The next status message for ``msg_id`` (others are skipped), or "" if none came in time."""
+    chan.conn.settimeout(1)
+    try:
+        while True:
+            msg = chan.recv()
+            if msg["msg_type"] == "status" and msg.get("parent_header", {}).get("msg_id") == msg_id:
+                return str(msg["content"]["execution_state"])
+    except websocket.WebSocketTimeoutException:
+        return ""
+
+
+def test_cell_sent_while_hibernating_waits_and_runs_after_resume(
+    server: RunningServer, tmp_path: Path
+) -> None:
     """A cell arriving mid-checkpoint must not run in a process about to be stopped."""
     kernel_id = server.start_kernel("python3-gpu-small")
+    gate = Gate(tmp_path)
     with server.channel(kernel_id) as chan:
-        chan.execute(slow_object(2) + "slow = Slow(); z = 41")
+        chan.execute(gate.pickled_object() + "slow = Gated(); z = 41")
         replies: list[Reply] = []
         thread = threading.Thread(target=lambda: replies.append(hibernate(server, kernel_id)))
         thread.start()
-        wait_for(
-            lambda: server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernating",
-            what="hibernating",
-        )
-        result = chan.execute("z += 1; print(z)", timeout=120)
+        wait_for(gate.is_reached, what="the checkpoint to be under way")
+        msg_id = chan.send("execute_request", {"code": "z += 1; print(z)", "silent": False})
+        # The server says "busy" for a cell it holds back; the kernel cannot (it is inside the
+        # checkpoint until the gate opens), so this proves the cell arrived mid-hibernation.
+        wait_for(lambda: _status_of(chan, msg_id) == "busy", what="the server to hold the cell")
+        gate.open()
+        reply, iopub = chan.collect(msg_id, timeout=120)
         thread.join(60)
         assert replies and replies[0].status == 200, replies
-        assert result.error == "" and result.stdout.strip() == "42"
+        assert reply["content"]["status"] == "ok"
+        stdout = "".join(m["content"]["text"] for m in iopub if m["msg_type"] == "stream")
+        assert stdout.strip() == "42"
+        displays = [
+            m["content"]["data"].get("text/plain", "") for m in iopub if m["msg_type"] == "display_data"
+        ]
+        assert any("restored" in text for text in displays), "the cell ran in the resumed kernel"
     assert server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running"

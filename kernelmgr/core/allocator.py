@@ -14,7 +14,7 @@ predict it).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +130,12 @@ class SliceAllocator:
         self._slices: dict[str, Slice] = {}
         self._used_milli: dict[str, int] = {d.uuid: 0 for d in inventory}
         self._used_memory: dict[str, int] = {d.uuid: 0 for d in inventory}
+        #: TEST SEAM, ``None`` in production: called by :meth:`allocate` between choosing a
+        #: placement and committing it (with the lock held). The check and the commit must be
+        #: one step; a test sets this to hold a thread at exactly that point while a second
+        #: thread tries to get there, so a missing or misplaced lock shows up as an overbooked
+        #: device every time instead of once in a blue moon.
+        self.before_commit: Callable[[], None] | None = None
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -185,6 +191,8 @@ class SliceAllocator:
             placements = self._choose_locked(profile)
             if placements is None:
                 raise CapacityError(self._no_fit_message_locked(profile))
+            if self.before_commit is not None:
+                self.before_commit()
             granted = Slice(kernel_id=kernel_id, profile=profile.name, placements=tuple(placements))
             for p in granted.placements:
                 self._used_milli[p.device_uuid] += p.milli

@@ -97,6 +97,8 @@ class PolicyHandler(ElasticHandler):
                 "per_size": {name: policy.for_profile(name).to_dict() for name in runtime.profiles},
                 "gpu_activity": "nvml" if sampler is not None and runtime.gpus_available else "unavailable",
                 "gpu_sample_interval": runtime.gpu_sample_interval,
+                # How long a hibernation may take: clients (the CLI) wait that long, not less.
+                "checkpoint_timeout": runtime.checkpoint_timeout,
                 "jupyter_server_culling": {
                     "cull_idle_timeout": self.kernel_manager.cull_idle_timeout,
                     "applies_to": "non-elastic kernels only (it shuts them down); "

@@ -24,6 +24,9 @@ def elastic_kernel_model(
         "profile": record.profile if record else None,
         "state": record.state.value if record else "running",
         "state_reason": record.lifecycle.reason if record else "",
+        # Server time of the last state change: a client that polls compares it with an earlier
+        # reading to tell "failed and back to running" from "not started yet" (no clock skew).
+        "state_since": record.lifecycle.since if record else None,
         "last_error": record.last_error if record else "",
         "execution_state": jupyter_model.get("execution_state"),
         "connections": jupyter_model.get("connections", 0),

@@ -1,0 +1,51 @@
+"""Cells that block on the test's say-so instead of for a guessed number of seconds.
+
+A test that needs "a checkpoint still in progress" or "a cell still running" used to make the
+kernel sleep N seconds and hope the interesting moment fell inside them; on a loaded machine it
+sometimes did not, and the test then passed without testing anything (or failed). A gate makes
+the moment explicit: the kernel touches ``started`` when it reaches the gate and waits until the
+test creates ``release``. ``limit`` only keeps a forgotten gate from hanging a kernel forever.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class Gate:
+    """Two files in a test's directory: one the kernel writes, one the test writes."""
+
+    def __init__(self, directory: Path, name: str = "gate") -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.started = directory / f"{name}.started"
+        self.release_file = directory / f"{name}.release"
+        for path in (self.started, self.release_file):
+            path.unlink(missing_ok=True)
+
+    def is_reached(self) -> bool:
+        """Whether the kernel got to the gate (a predicate for ``wait_for``)."""
+        return self.started.exists()
+
+    def open(self) -> None:
+        self.release_file.touch()
+
+    def _wait_source(self, limit: float) -> str:
+        return (
+            f"    __import__('pathlib').Path({str(self.started)!r}).touch()\n"
+            f"    gate_deadline = __import__('time').monotonic() + {limit}\n"
+            f"    while not __import__('os').path.exists({str(self.release_file)!r}):\n"
+            "        if __import__('time').monotonic() > gate_deadline:\n"
+            "            break\n"
+            "        __import__('time').sleep(0.02)\n"
+        )
+
+    def pickled_object(self, class_name: str = "Gated", limit: float = 120) -> str:
+        """Source of a class whose pickling waits at the gate: a checkpoint the test controls."""
+        body = self._wait_source(limit).replace("\n    ", "\n        ")
+        return (
+            f"class {class_name}:\n    def __reduce__(self):\n    {body}        return ({class_name}, ())\n"
+        )
+
+    def cell(self, limit: float = 120) -> str:
+        """Source of a cell that runs until the test opens the gate."""
+        return "def __gated_cell():\n" + self._wait_source(limit) + "__gated_cell()\n"
