@@ -338,11 +338,13 @@ class Hibernator:
             try:
                 await self._wait_for_slice(kernel_id, record.profile, notify, cancel)
                 record.restore_on_start = restore
+                record.restore_checkpoint = self._verified_checkpoint(kernel_id) if restore else None
                 if not restore:
                     self.runtime.checkpoints.remove(record.owner, kernel_id)
                 await self._start(km, kernel_id if restore else None)
             except BaseException as exc:
                 record.restore_on_start = False
+                record.restore_checkpoint = None
                 self.runtime.allocator.release(kernel_id)
                 record.lifecycle.move(KernelState.HIBERNATED, f"resume failed: {exc}")
                 km.execution_state = "hibernated"
@@ -472,9 +474,13 @@ class Hibernator:
                     record.profile,
                 )
                 continue
+            if record.state != KernelState.HIBERNATED.value or record.checkpoint_id is None:
+                # A kernel the server had not stopped may have checkpointed itself since: take the
+                # committed one. A hibernated kernel keeps the id verified when it hibernated, so an
+                # older checkpoint put back while the server was down is refused on resume.
+                record.checkpoint_id = manifest.checkpoint_id
             record.state = KernelState.HIBERNATED.value
             record.pid = None
-            record.checkpoint_id = manifest.checkpoint_id
             self.mkm.adopt_hibernated(record)
             self.records[kernel_id] = record
             adopted.append(kernel_id)
@@ -497,6 +503,11 @@ class Hibernator:
             if _is_zombie(pid):
                 return
             time.sleep(0.2)
+
+    def _verified_checkpoint(self, kernel_id: str) -> str | None:
+        """The checkpoint id verified when ``kernel_id`` hibernated (or was recovered)."""
+        record = self.records.get(kernel_id)
+        return record.checkpoint_id if record is not None else None
 
     @staticmethod
     def _pid(km: Any) -> int | None:
