@@ -46,6 +46,10 @@ PROVISIONER_NAME = "elastic-local-provisioner"
 
 AGENT_EXTENSION = "kernelmgr.checkpoint.agent"
 
+#: Agent variables that must come from this provisioner only, never inherited from the server's
+#: environment (the removed ``ELASTIC_CHECKPOINT_KEY`` included: a key must never be in it).
+HANDED_OVER = (ENV_KEY_FILE, "ELASTIC_CHECKPOINT_KEY", "ELASTIC_RESTORE_CHECKPOINT")
+
 
 def with_agent(cmd: list[str]) -> list[str]:
     """Load the checkpoint agent into an ipykernel command line (other kernels are left alone)."""
@@ -135,7 +139,7 @@ class ElasticLocalProvisioner(LocalProvisioner):
         try:
             kwargs = await super().pre_launch(**kwargs)
             env = kwargs.get("env") or {}
-            for name in (*MANAGED_VARIABLES, ENV_KEY_FILE, "ELASTIC_CHECKPOINT_KEY"):
+            for name in (*MANAGED_VARIABLES, *HANDED_OVER):
                 env.pop(name, None)
             env.update(slice_env)
             env.update(agent_environment(runtime, record, self.key_file))
