@@ -25,6 +25,8 @@ from traitlets.config import Config
 from kernelmgr.checkpoint import agent
 from kernelmgr.checkpoint.agent import CHECKPOINT_CODE, AgentConfig, format_report, human_bytes
 from kernelmgr.checkpoint.errors import CheckpointFailed
+from kernelmgr.checkpoint.keys import ENV_KEY_FILE, key_file_path, private_key_dir, write_key_file
+from kernelmgr.checkpoint.layout import read_current
 from kernelmgr.checkpoint.store import CheckpointStore
 
 SECRET = b"k" * 32
@@ -43,12 +45,24 @@ def store(tmp_path: Path) -> CheckpointStore:
 def isolate(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Shells replace ``sys.modules['__main__']``; put pytest's back afterwards."""
     main = sys.modules["__main__"]
-    names = (agent.ENV_DIR, agent.ENV_KEY, agent.ENV_KERNEL_ID, agent.ENV_OWNER, agent.ENV_RESTORE)
-    for name in (*names, agent.ENV_SERVER_PID):
+    names = (agent.ENV_DIR, ENV_KEY_FILE, agent.ENV_KERNEL_ID, agent.ENV_OWNER, agent.ENV_RESTORE)
+    for name in (*names, agent.ENV_RESTORE_CHECKPOINT, agent.ENV_KEY_REMOVED, agent.ENV_SERVER_PID):
         monkeypatch.delenv(name, raising=False)
     yield
     sys.modules["__main__"] = main
     agent._AGENT = None
+
+
+def agent_env(
+    store: CheckpointStore, *, restore: bool, key: bytes | None = None, expected: str | None = None
+) -> dict[str, str]:
+    """What the provisioner hands a kernel: a fresh key file (the agent removes it once read) and
+    the environment naming it; when restoring, the committed checkpoint is the one expected."""
+    key_file = key_file_path(private_key_dir(store.root.parent / "runtime"), KERNEL)
+    write_key_file(key_file, key if key is not None else store.key_for(OWNER))
+    if restore and expected is None:
+        expected = read_current(store.kernel_dir(OWNER, KERNEL))
+    return store.agent_env(OWNER, KERNEL, key_file=key_file, restore=restore, restore_checkpoint=expected)
 
 
 def new_shell(monkeypatch: pytest.MonkeyPatch, env: dict[str, str] | None) -> InteractiveShell:
@@ -90,7 +104,7 @@ def user_variables(shell: InteractiveShell) -> set[str]:
 def test_checkpoint_then_resume_in_a_fresh_shell(
     store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    shell = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=False))
+    shell = new_shell(monkeypatch, agent_env(store, restore=False))
     run(shell, "import json as js\nb = [1]\nc = [b, b]\narr = bytearray(b'abc')")
     run(shell, "def f(x):\n    return x + len(c)\nclass P:\n    def __init__(self, v):\n        self.v = v")
     run(shell, "p = P(3)\ngen = (i for i in range(3))\nc")
@@ -114,7 +128,7 @@ def test_checkpoint_then_resume_in_a_fresh_shell(
         {"name": "gen", "type": "generator", "reason": "TypeError: cannot pickle 'generator' object"}
     ]
 
-    resumed = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=True))
+    resumed = new_shell(monkeypatch, agent_env(store, restore=True))
     assert user_variables(resumed) == {"js", "b", "c", "arr", "f", "P", "p"}
     assert displayed(resumed) == []  # nothing shown until the user runs a cell
     ns = resumed.user_ns
@@ -143,7 +157,7 @@ def test_checkpoint_then_resume_in_a_fresh_shell(
 def test_checkpoint_returns_the_summary_and_skips_shell_names(
     store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    shell = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=False))
+    shell = new_shell(monkeypatch, agent_env(store, restore=False))
     run(shell, "x = 1\n_private = 2\nx")  # the trailing ``x`` fills IPython's ``_``, ``_1`` caches
     summary = agent.checkpoint()
     # A user's own underscore name is state; IPython's history caches and start-up names are not.
@@ -154,7 +168,7 @@ def test_checkpoint_returns_the_summary_and_skips_shell_names(
 def test_a_refused_checkpoint_starts_the_kernel_empty_and_says_why(
     store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    shell = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=False))
+    shell = new_shell(monkeypatch, agent_env(store, restore=False))
     run(shell, "secret_work = [1, 2, 3]")
     summary = agent.checkpoint()
     data = store.kernel_dir(OWNER, KERNEL) / summary["id"] / "data.bin"
@@ -162,7 +176,7 @@ def test_a_refused_checkpoint_starts_the_kernel_empty_and_says_why(
     content[-1] ^= 1
     data.write_bytes(content)
 
-    resumed = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=True))
+    resumed = new_shell(monkeypatch, agent_env(store, restore=True))
     assert user_variables(resumed) == set()
     run(resumed, "y = 1")
     [report] = displayed(resumed)
@@ -178,11 +192,10 @@ def test_a_refused_checkpoint_starts_the_kernel_empty_and_says_why(
 def test_another_owners_kernel_cannot_load_the_checkpoint(
     store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=False))
+    new_shell(monkeypatch, agent_env(store, restore=False))
     run(agent._AGENT.shell, "x = 1")  # type: ignore[union-attr]
     agent.checkpoint()
-    env = store.agent_env(OWNER, KERNEL, restore=True)
-    env[agent.ENV_KEY] = store.key_for("mallory").hex()
+    env = agent_env(store, restore=True, key=store.key_for("mallory"))
     resumed = new_shell(monkeypatch, env)
     assert user_variables(resumed) == set()
     report = agent.last_restore_report()
@@ -194,7 +207,7 @@ def test_a_failed_checkpoint_reaches_the_server_as_one_line(
 ) -> None:
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("")
-    env = CheckpointStore(tmp_path, SECRET).agent_env(OWNER, KERNEL, restore=False)
+    env = agent_env(CheckpointStore(tmp_path / "checkpoints", SECRET), restore=False)
     env[agent.ENV_DIR] = str(blocker / "kernel")
     shell = new_shell(monkeypatch, env)
     run(shell, "x = 1")
@@ -212,27 +225,88 @@ def test_an_unconfigured_kernel_refuses_to_checkpoint(monkeypatch: pytest.Monkey
 
 
 def test_nothing_to_restore_is_reported(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    resumed = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=True))
+    expected = "ckpt-20240101T000000000000-00000000"
+    resumed = new_shell(monkeypatch, agent_env(store, restore=True, expected=expected))
     run(resumed, "1")
     [report] = displayed(resumed)
-    assert "no committed checkpoint was found" in report["text/plain"]
+    assert "no committed checkpoint was found" in report["text/plain"] and expected in report["text/plain"]
 
 
-def test_config_from_env() -> None:
+def test_a_restore_without_the_expected_checkpoint_id_is_refused(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    new_shell(monkeypatch, agent_env(store, restore=False))
+    run(agent._AGENT.shell, "x = 1")  # type: ignore[union-attr]
+    summary = agent.checkpoint()
+    env = agent_env(store, restore=True)
+    del env[agent.ENV_RESTORE_CHECKPOINT]
+    resumed = new_shell(monkeypatch, env)
+    assert user_variables(resumed) == set()
+    report = agent.last_restore_report()
+    assert report is not None and "ELASTIC_RESTORE_CHECKPOINT is not set" in report["refused"]
+    assert report["quarantined"] is None and store.latest(OWNER, KERNEL) is not None  # kept in place
+    assert store.latest(OWNER, KERNEL).checkpoint_id == summary["id"]  # type: ignore[union-attr]
+
+
+def test_config_from_env(tmp_path: Path) -> None:
     assert AgentConfig.from_env({}) is None
+    key_file = tmp_path / "k.key"
+    base = {"ELASTIC_CHECKPOINT_DIR": "/x", "ELASTIC_KERNEL_ID": "k"}
     with pytest.raises(ValueError, match="ELASTIC_OWNER"):
-        AgentConfig.from_env(
-            {"ELASTIC_CHECKPOINT_DIR": "/x", "ELASTIC_CHECKPOINT_KEY": "00", "ELASTIC_KERNEL_ID": "k"}
-        )
-    with pytest.raises(ValueError, match="not hex"):
-        AgentConfig.from_env(
-            {
-                "ELASTIC_CHECKPOINT_DIR": "/x",
-                "ELASTIC_CHECKPOINT_KEY": "zz",
-                "ELASTIC_KERNEL_ID": "k",
-                "ELASTIC_OWNER": "o",
-            }
-        )
+        AgentConfig.from_env({**base, ENV_KEY_FILE: str(key_file)})
+    with pytest.raises(ValueError, match=r"ELASTIC_CHECKPOINT_KEY_FILE is not.*no longer read"):
+        AgentConfig.from_env({**base, "ELASTIC_OWNER": "o", "ELASTIC_CHECKPOINT_KEY": "00" * 32})
+    with pytest.raises(ValueError, match="does not exist"):
+        AgentConfig.from_env({**base, "ELASTIC_OWNER": "o", ENV_KEY_FILE: str(key_file)})
+    key_file.write_text("zz\n")
+    key_file.chmod(0o600)
+    with pytest.raises(ValueError, match="not hold a hex checkpoint key"):
+        AgentConfig.from_env({**base, "ELASTIC_OWNER": "o", ENV_KEY_FILE: str(key_file)})
+    write_key_file(key_file, b"\x01" * 32)
+    config = AgentConfig.from_env(
+        {
+            **base,
+            "ELASTIC_OWNER": "o",
+            ENV_KEY_FILE: str(key_file),
+            "ELASTIC_RESTORE": "1",
+            "ELASTIC_RESTORE_CHECKPOINT": "ckpt-x",
+        }
+    )
+    assert config is not None and config.key == b"\x01" * 32 and config.restore
+    assert config.restore_checkpoint == "ckpt-x"
+    assert not key_file.exists()  # consumed
+
+
+def test_the_key_file_is_read_once_and_never_left_in_the_environment(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = agent_env(store, restore=False)
+    key_file = Path(env[ENV_KEY_FILE])
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    shell = new_shell(monkeypatch, env)
+    assert not key_file.exists(), "the agent must remove the key file once it has read it"
+    assert ENV_KEY_FILE not in os.environ and "ELASTIC_CHECKPOINT_KEY" not in os.environ
+    key_hex = store.key_for(OWNER).hex()
+    assert not [name for name, value in os.environ.items() if key_hex in value]
+    # %reload_ext keeps the key it read (the file is gone) and can still checkpoint.
+    assert shell.extension_manager is not None
+    shell.extension_manager.reload_extension(EXTENSION)
+    run(shell, "x = 1")
+    assert agent.checkpoint()["saved"] == ["x"]
+
+
+def test_a_missing_key_file_on_resume_says_why_in_the_first_cell(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    env = agent_env(store, restore=True, expected="ckpt-20240101T000000000000-00000000")
+    Path(env[ENV_KEY_FILE]).unlink()
+    resumed = new_shell(monkeypatch, env)
+    run(resumed, "1")
+    [report] = displayed(resumed)
+    assert report["text/plain"].startswith("Kernel resumed without its variables")
+    assert "key file" in report["text/plain"] and "does not exist" in report["text/plain"]
+    with pytest.raises(CheckpointFailed, match=r"not configured.*does not exist"):
+        agent.checkpoint()
 
 
 def test_report_text() -> None:
@@ -280,7 +354,7 @@ print("ok")
 def test_notebook_classes_and_functions_resume_in_a_new_process(
     store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    shell = new_shell(monkeypatch, store.agent_env(OWNER, KERNEL, restore=False))
+    shell = new_shell(monkeypatch, agent_env(store, restore=False))
     run(
         shell,
         textwrap.dedent(
@@ -303,7 +377,7 @@ def test_notebook_classes_and_functions_resume_in_a_new_process(
         ),
     )
     agent.checkpoint()
-    env = {**os.environ, **store.agent_env(OWNER, KERNEL, restore=True), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **agent_env(store, restore=True), "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-c", RESUME_IN_A_NEW_PROCESS],
         cwd=ROOT,
@@ -325,7 +399,7 @@ def test_a_real_ipykernel_checkpoints_silently_and_resumes(
     manager = pytest.importorskip("jupyter_client.manager")
 
     def start(restore: bool) -> Any:
-        env = {**os.environ, **store.agent_env(OWNER, KERNEL, restore=restore), "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, **agent_env(store, restore=restore), "PYTHONPATH": str(ROOT)}
         return manager.start_new_kernel(
             extra_arguments=[f"--IPKernelApp.extensions=['{EXTENSION}']"], env=env
         )
@@ -390,7 +464,7 @@ def test_a_kernel_checkpoints_itself_and_exits_when_its_server_dies(store: Check
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     env = {
         **os.environ,
-        **store.agent_env(OWNER, KERNEL, restore=False),
+        **agent_env(store, restore=False),
         agent.ENV_SERVER_PID: str(server.pid),
         "PYTHONPATH": str(ROOT),
     }

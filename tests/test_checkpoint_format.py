@@ -859,8 +859,10 @@ def test_store_reads_what_the_agent_writes(store: CheckpointStore) -> None:
     directory = store.kernel_dir(OWNER, KERNEL)
     assert directory == store.root / OWNER / KERNEL
     assert store.key_for(OWNER) == KEY
-    env = store.agent_env(OWNER, KERNEL, restore=True)
-    assert env["ELASTIC_CHECKPOINT_KEY"] == KEY.hex() and env["ELASTIC_RESTORE"] == "1"
+    env = store.agent_env(OWNER, KERNEL, key_file="/k", restore=True, restore_checkpoint="ckpt-1")
+    assert env["ELASTIC_CHECKPOINT_KEY_FILE"] == "/k" and env["ELASTIC_RESTORE"] == "1"
+    assert env["ELASTIC_RESTORE_CHECKPOINT"] == "ckpt-1"
+    assert KEY.hex() not in json.dumps(env)
     manifest = save(directory, {"x": [1], "gen": (i for i in range(0))})
     latest = store.latest(OWNER, KERNEL)
     assert latest is not None and latest.checkpoint_id == manifest.checkpoint_id

@@ -5,10 +5,17 @@ cannot pickle objects that live in another process. The server configures it wit
 environment variables when it starts the kernel:
 
 ``ELASTIC_CHECKPOINT_DIR``  the kernel directory, ``<root>/<owner>/<kernel_id>``
-``ELASTIC_CHECKPOINT_KEY``  this owner's checkpoint key, hex (never the server secret)
+``ELASTIC_CHECKPOINT_KEY_FILE``  a file holding this owner's checkpoint key (never the server
+                            secret), readable by its owner only; the agent reads it once, at
+                            load, and removes it (:mod:`kernelmgr.checkpoint.keys`). The key is
+                            never in the environment, where every cell and child process
+                            would see it
 ``ELASTIC_KERNEL_ID``       the kernel id (checkpoints name it; another kernel's is refused)
 ``ELASTIC_OWNER``           the owner (likewise)
 ``ELASTIC_RESTORE``         ``1``: restore the committed checkpoint while the extension loads
+``ELASTIC_RESTORE_CHECKPOINT``  with ``ELASTIC_RESTORE=1``: the id of the checkpoint the server
+                            verified; any other committed checkpoint is refused (an older one
+                            put back in place verifies under the same key)
 ``ELASTIC_SERVER_PID``      optional: the server's pid. Kernels are launched independent of the
                             server (ipykernel's parent poller would kill them mid-checkpoint);
                             a :class:`~kernelmgr.checkpoint.watchdog.ServerWatchdog` then
@@ -32,27 +39,32 @@ agent prints nothing else: everything else goes to the kernel's log.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
+from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_key_file
 from kernelmgr.checkpoint.layout import RESTORE_REPORT, write_file_atomic
 from kernelmgr.checkpoint.namespace import UserNamespace
 from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
 from kernelmgr.checkpoint.writer import describe_error, write_checkpoint
 
 ENV_DIR = "ELASTIC_CHECKPOINT_DIR"
-ENV_KEY = "ELASTIC_CHECKPOINT_KEY"
+#: No longer read: a key in the environment is visible to every cell. Named only to say so.
+ENV_KEY_REMOVED = "ELASTIC_CHECKPOINT_KEY"
 ENV_KERNEL_ID = "ELASTIC_KERNEL_ID"
 ENV_OWNER = "ELASTIC_OWNER"
 ENV_RESTORE = "ELASTIC_RESTORE"
+ENV_RESTORE_CHECKPOINT = "ELASTIC_RESTORE_CHECKPOINT"
 ENV_SERVER_PID = "ELASTIC_SERVER_PID"
 
 #: What the server sends (silently) to checkpoint a kernel.
@@ -70,29 +82,37 @@ class AgentConfig:
     kernel_id: str
     owner: str
     restore: bool = False
+    #: The checkpoint the server verified and expects to be restored (with ``restore``).
+    restore_checkpoint: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> AgentConfig | None:
         """``None`` when the kernel is not managed (no ``ELASTIC_CHECKPOINT_DIR``).
 
-        Raises ``ValueError`` naming the variable when the configuration is incomplete.
+        Reads the key file named by ``ELASTIC_CHECKPOINT_KEY_FILE`` and *removes* it (call it
+        once per process). Raises ``ValueError`` naming the variable or the file when the
+        configuration is incomplete or the key file cannot be trusted.
         """
         directory = env.get(ENV_DIR, "")
         if not directory:
             return None
-        missing = [name for name in (ENV_KEY, ENV_KERNEL_ID, ENV_OWNER) if not env.get(name)]
+        missing = [name for name in (ENV_KEY_FILE, ENV_KERNEL_ID, ENV_OWNER) if not env.get(name)]
         if missing:
-            raise ValueError(f"{ENV_DIR} is set but {', '.join(missing)} is not")
-        try:
-            key = bytes.fromhex(env[ENV_KEY])
-        except ValueError:
-            raise ValueError(f"{ENV_KEY} is not hex") from None
+            hint = ""
+            if ENV_KEY_FILE in missing and env.get(ENV_KEY_REMOVED):
+                hint = (
+                    f" ({ENV_KEY_REMOVED} is no longer read: a key in the environment is visible to every "
+                    f"cell; the server hands the key over in the file named by {ENV_KEY_FILE})"
+                )
+            raise ValueError(f"{ENV_DIR} is set but {', '.join(missing)} is not{hint}")
+        key = read_key_file(env[ENV_KEY_FILE], consume=True)  # KeyFileError is a ValueError
         return cls(
             kernel_dir=Path(directory),
             key=key,
             kernel_id=env[ENV_KERNEL_ID],
             owner=env[ENV_OWNER],
             restore=env.get(ENV_RESTORE, "") == "1",
+            restore_checkpoint=env.get(ENV_RESTORE_CHECKPOINT) or None,
         )
 
 
@@ -147,6 +167,8 @@ class _Agent:
         self.config = config
         self.report: dict[str, Any] | None = None
         self.log: logging.Logger = getattr(shell, "log", None) or _fallback_log
+        #: Why ``config`` is ``None`` although the server configured this kernel (for the errors).
+        self.config_error: str | None = None
         self._hook_registered = False
         self.busy = False  # a cell is running (the watchdog waits for it to finish)
         # One checkpoint at a time: the server's (a silent execute on the main thread) and the
@@ -195,7 +217,9 @@ class _Agent:
 
     def _checkpoint_locked(self) -> dict[str, Any]:
         if self.config is None:
-            raise CheckpointFailed(f"this kernel has no checkpoint directory ({ENV_DIR} is not set)")
+            raise CheckpointFailed(
+                self.config_error or f"this kernel has no checkpoint directory ({ENV_DIR} is not set)"
+            )
         cells_run = self.cells_run
         try:
             manifest = write_checkpoint(
@@ -231,6 +255,7 @@ class _Agent:
                 key=self.config.key,
                 owner=self.config.owner,
                 kernel_id=self.config.kernel_id,
+                expected_checkpoint=self.expected_checkpoint(),
             )
             if report is None:
                 report = refused_report(
@@ -265,6 +290,26 @@ class _Agent:
         self.shell.events.register("pre_run_cell", self.show_report)
         self._hook_registered = True
         return report
+
+    def expected_checkpoint(self) -> str:
+        """The checkpoint id the server expects restored; refused without one.
+
+        Without it the agent could only restore whatever ``current`` names, and an older
+        checkpoint put back in place would be restored silently.
+        """
+        assert self.config is not None
+        if not self.config.restore_checkpoint:
+            raise CheckpointRefused(
+                f"{ENV_RESTORE}=1 but {ENV_RESTORE_CHECKPOINT} is not set: the server did not say which "
+                "checkpoint it verified, so none was loaded"
+            )
+        return self.config.restore_checkpoint
+
+    def refuse_restore(self, reason: str) -> None:
+        """A restore was asked for but cannot be attempted: say so in the first cell."""
+        self.report = refused_report(CheckpointRefused(reason))
+        self.shell.events.register("pre_run_cell", self.show_report)
+        self._hook_registered = True
 
     def show_report(self, info: Any = None) -> None:
         """``pre_run_cell`` hook: show the report in the first user cell, then unregister."""
@@ -322,23 +367,61 @@ class _Agent:
 
 
 _AGENT: _Agent | None = None
-_WATCHDOG: Any = None
+# ``%reload_ext`` re-runs this module in the same namespace (``importlib.reload``): what must
+# outlive that is taken over from the previous run.
+_WATCHDOG: Any = globals().get("_WATCHDOG")
+#: The configuration read at the first load, per shell: the key file is gone after that, so a
+#: reload (``%reload_ext``, which unloads first) reuses it.
+_CONFIGS: weakref.WeakKeyDictionary[Any, AgentConfig] = (
+    globals().get("_CONFIGS") or weakref.WeakKeyDictionary()
+)
+
+
+def _kept_config(shell: Any) -> AgentConfig | None:
+    try:
+        return _CONFIGS.get(shell)
+    except TypeError:  # a shell that cannot be weakly referenced: nothing was kept
+        return None
+
+
+def _keep_config(shell: Any, config: AgentConfig) -> None:
+    with contextlib.suppress(TypeError):
+        _CONFIGS[shell] = config
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Set up the agent in ``ipython``; restore now if ``ELASTIC_RESTORE=1``."""
+    """Set up the agent in ``ipython``; restore now if ``ELASTIC_RESTORE=1``.
+
+    The key file is read (and removed) on the first load only; a reload in the same shell
+    (``%reload_ext``) keeps the configuration it had, and does not restore a second time.
+    """
     global _AGENT
     if _AGENT is not None:
         _AGENT.unload()
     log: logging.Logger = getattr(ipython, "log", None) or _fallback_log
-    try:
-        config = AgentConfig.from_env(os.environ)
-    except ValueError as exc:
-        log.error("checkpoint agent not configured: %s", exc)
-        config = None
+    config_error: str | None = None
+    kept = _kept_config(ipython)
+    if kept is not None:
+        config: AgentConfig | None = dataclasses.replace(kept, restore=False)
+    else:
+        try:
+            config = AgentConfig.from_env(os.environ)
+        except ValueError as exc:
+            config_error = f"the checkpoint agent is not configured: {exc}"
+            log.error("%s", config_error)
+            config = None
+        finally:
+            # Where the key was handed over is of no use to a cell or a child process.
+            for name in (ENV_KEY_FILE, ENV_KEY_REMOVED):
+                os.environ.pop(name, None)
     _AGENT = _Agent(ipython, config)
+    _AGENT.config_error = config_error
+    if config is not None:
+        _keep_config(ipython, config)
     if config is None:
-        log.info("checkpoint agent loaded without a checkpoint directory: checkpoints are disabled")
+        if config_error is not None and os.environ.get(ENV_RESTORE, "") == "1":
+            _AGENT.refuse_restore(config_error)
+        log.info("checkpoint agent loaded without a usable configuration: checkpoints are disabled")
         return
     if config.restore:
         _AGENT.restore()

@@ -6,11 +6,14 @@ write to, so the reader must know the bytes were written by *this owner's* kerne
 it unpickles anything. A keyed MAC proves that; a plain checksum would not.
 
 Why per-owner keys: the server holds one secret and gives each kernel only
-``owner_key(secret, owner)``. Code in a notebook can read its own key (it runs in the same
-process as the agent), so a user can forge checkpoints for themselves, which gains them
-nothing: they can already run any code in their own kernel. They can never produce a
-checkpoint that verifies under another user's key, so one user's bytes never get
-unpickled in another user's kernel.
+``owner_key(secret, owner)`` (:mod:`kernelmgr.checkpoint.keys`: handed over in a file the
+agent removes once read, never in the environment). Code in a notebook can still find its
+own key in memory (it runs in the same process as the agent), so a user can forge
+checkpoints for themselves, which gains them nothing: they can already run any code in
+their own kernel. Without the secret they cannot produce a checkpoint that verifies under
+another user's key. In local mode the kernel runs as the server's OS user and *can* read
+the secret file, so this separation holds only where kernels cannot reach the secret (the
+gateway / Kubernetes design, see docs/architecture.md "Checkpoint keys").
 
 What is covered: the HMAC is computed over the canonical JSON of the manifest without its
 ``hmac`` field. The manifest carries the digest and the size of ``data.bin``, so the MAC
@@ -35,13 +38,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# Re-exported for existing callers; the derivation lives with the key handover in keys.py.
+from kernelmgr.checkpoint.keys import owner_key as owner_key
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
 SECRET_BYTES = 32
-_OWNER_KEY_LABEL = b"jupyter-elastic-kernels/owner-key/v1\x00"
 _MANIFEST_LABEL = b"jupyter-elastic-kernels/manifest/v1\x00"
 
 
@@ -100,17 +104,6 @@ def _read_secret(path: Path) -> bytes:
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("checkpoint secret %s is readable by group or others (mode %o): chmod 600 it", path, mode)
     return data
-
-
-def owner_key(secret: bytes, owner: str) -> bytes:
-    """The key one owner's kernels sign and verify checkpoints with.
-
-    HMAC(secret, label || owner): knowing one owner's key reveals nothing about the secret
-    or about another owner's key.
-    """
-    if not owner:
-        raise ValueError("owner must be a non-empty string")
-    return hmac.new(secret, _OWNER_KEY_LABEL + owner.encode("utf-8"), hashlib.sha256).digest()
 
 
 def canonical_json(value: Any) -> bytes:

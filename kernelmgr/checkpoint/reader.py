@@ -160,19 +160,37 @@ def restore_checkpoint(
     key: bytes,
     owner: str,
     kernel_id: str,
+    expected_checkpoint: str | None = None,
     cuda_count: int | None = None,
 ) -> dict[str, Any] | None:
     """Restore the committed checkpoint's variables into ``namespace``; return the report.
 
     ``None`` when nothing was ever committed. Raises :class:`CheckpointRefused` (after
     quarantining the checkpoint) when it cannot be trusted; nothing has been unpickled
-    then. ``cuda_count`` overrides the number of visible GPUs (for tests).
+    then. ``expected_checkpoint`` is the id the server verified when the kernel hibernated:
+    the HMAC proves a checkpoint is this owner's and this kernel's, not that it is the
+    *latest* one, so an older checkpoint of the same kernel put back in place would verify;
+    comparing ids refuses it (quarantined, so it is kept). ``cuda_count`` overrides the
+    number of visible GPUs (for tests).
     """
     started = time.perf_counter()
     directory = Path(kernel_dir)
     manifest = load_verified_manifest(directory, key, owner, kernel_id)
     if manifest is None:
+        if expected_checkpoint is not None:
+            raise CheckpointRefused(
+                f"no committed checkpoint was found in {directory}, "
+                f"but the server expected {expected_checkpoint}"
+            )
         return None
+    if expected_checkpoint is not None and manifest.checkpoint_id != expected_checkpoint:
+        raise refuse(
+            directory,
+            manifest.checkpoint_id,
+            f"the committed checkpoint is {manifest.checkpoint_id}, not {expected_checkpoint}, the one "
+            "the server verified for this kernel: an older checkpoint may have been put back in place, "
+            "so it was not loaded",
+        )
     try:
         payload = read_payload(directory / manifest.checkpoint_id / DATA_FILE, manifest)
     except Untrusted as exc:

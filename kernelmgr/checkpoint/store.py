@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelmgr.checkpoint.errors import CheckpointRefused
-from kernelmgr.checkpoint.integrity import owner_key
+from kernelmgr.checkpoint.keys import ENV_KEY_FILE, owner_key
 from kernelmgr.checkpoint.layout import RESTORE_REPORT, read_current, remove_stale
 from kernelmgr.checkpoint.verify import load_verified_manifest
 from kernelmgr.core.manifest import Manifest
@@ -65,18 +65,39 @@ class CheckpointStore:
         return path
 
     def key_for(self, owner: str) -> bytes:
-        """The key ``owner``'s kernels sign and verify with (give it to the agent, hex)."""
+        """The key ``owner``'s kernels sign and verify with.
+
+        Hand it to a kernel only through :mod:`kernelmgr.checkpoint.keys` (a key file), never
+        in its environment, and never hand a kernel the secret or another owner's key.
+        """
         return owner_key(self._secret, _check_component("owner", owner))
 
-    def agent_env(self, owner: str, kernel_id: str, *, restore: bool) -> dict[str, str]:
-        """The environment variables the agent reads (see :mod:`kernelmgr.checkpoint.agent`)."""
-        return {
+    def agent_env(
+        self,
+        owner: str,
+        kernel_id: str,
+        *,
+        key_file: str | os.PathLike[str],
+        restore: bool,
+        restore_checkpoint: str | None = None,
+    ) -> dict[str, str]:
+        """The environment variables the agent reads (see :mod:`kernelmgr.checkpoint.agent`).
+
+        ``key_file`` is where the caller put (or will mount) this owner's key; the key itself
+        is not in the environment. With ``restore``, ``restore_checkpoint`` is the id of the
+        checkpoint the server verified when the kernel hibernated: the agent refuses any other
+        (an older checkpoint put back in place must not be restored silently).
+        """
+        env = {
             "ELASTIC_CHECKPOINT_DIR": str(self.kernel_dir(owner, kernel_id)),
-            "ELASTIC_CHECKPOINT_KEY": self.key_for(owner).hex(),
+            ENV_KEY_FILE: os.fspath(key_file),
             "ELASTIC_KERNEL_ID": kernel_id,
             "ELASTIC_OWNER": owner,
             "ELASTIC_RESTORE": "1" if restore else "0",
         }
+        if restore and restore_checkpoint:
+            env["ELASTIC_RESTORE_CHECKPOINT"] = restore_checkpoint
+        return env
 
     def latest(self, owner: str, kernel_id: str) -> Manifest | None:
         """The committed checkpoint's manifest, verified; ``None`` if there is none.

@@ -29,6 +29,9 @@ class ManagedKernel:
     last_error: str = ""
     #: Set while resuming: the next launch restores the committed checkpoint.
     restore_on_start: bool = False
+    #: With ``restore_on_start``: the checkpoint id the server verified, the only one the
+    #: kernel may restore (an older checkpoint put back in place is refused).
+    restore_checkpoint: str | None = None
 
     @property
     def state(self) -> KernelState:

@@ -22,12 +22,21 @@ The provisioner is selected by kernelspec metadata (``kernel_provisioner.provisi
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning import LocalProvisioner
+from jupyter_core.paths import jupyter_runtime_dir
 
 from kernelmgr.backends.local import MANAGED_VARIABLES, cpu_environment, local_environment
+from kernelmgr.checkpoint.keys import (
+    ENV_KEY_FILE,
+    key_file_path,
+    private_key_dir,
+    remove_key_file,
+    write_key_file,
+)
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.kernels import ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
@@ -37,6 +46,10 @@ PROVISIONER_NAME = "elastic-local-provisioner"
 
 AGENT_EXTENSION = "kernelmgr.checkpoint.agent"
 
+#: Agent variables that must come from this provisioner only, never inherited from the server's
+#: environment (the removed ``ELASTIC_CHECKPOINT_KEY`` included: a key must never be in it).
+HANDED_OVER = (ENV_KEY_FILE, "ELASTIC_CHECKPOINT_KEY", "ELASTIC_RESTORE_CHECKPOINT")
+
 
 def with_agent(cmd: list[str]) -> list[str]:
     """Load the checkpoint agent into an ipykernel command line (other kernels are left alone)."""
@@ -45,9 +58,21 @@ def with_agent(cmd: list[str]) -> list[str]:
     return cmd
 
 
-def agent_environment(runtime: ElasticRuntime, record: ManagedKernel) -> dict[str, str]:
-    """What the in-kernel agent needs: where its checkpoints go, its owner's key, whether to restore."""
-    env = runtime.checkpoints.agent_env(record.owner, record.kernel_id, restore=record.restore_on_start)
+def agent_environment(runtime: ElasticRuntime, record: ManagedKernel, key_file: Path) -> dict[str, str]:
+    """What the in-kernel agent needs: where its checkpoints go, whether (and what) to restore,
+    and where its owner's key is.
+
+    Writes the owner's key (only that owner's, never the server secret) to ``key_file``, 0600;
+    the agent removes it once read. The key itself never enters the environment.
+    """
+    write_key_file(key_file, runtime.checkpoints.key_for(record.owner))
+    env = runtime.checkpoints.agent_env(
+        record.owner,
+        record.kernel_id,
+        key_file=key_file,
+        restore=record.restore_on_start,
+        restore_checkpoint=record.restore_checkpoint,
+    )
     env["ELASTIC_SERVER_PID"] = str(os.getpid())
     return env
 
@@ -78,6 +103,15 @@ class ElasticLocalProvisioner(LocalProvisioner):
         return find_runtime(self.parent)
 
     @property
+    def key_file(self) -> Path:
+        """Where this kernel's checkpoint key is handed over: a private directory beside the
+        connection files (the Jupyter runtime directory), never the checkpoint root, which may
+        be a shared volume."""
+        connection_file = getattr(self.parent, "connection_file", "") or ""
+        runtime_dir = os.path.dirname(connection_file) if connection_file else jupyter_runtime_dir()
+        return key_file_path(private_key_dir(runtime_dir), self.kernel_id)
+
+    @property
     def profile_name(self) -> str | None:
         elastic = (self.kernel_spec.metadata or {}).get("elastic") or {}
         profile = elastic.get("profile")
@@ -104,14 +138,14 @@ class ElasticLocalProvisioner(LocalProvisioner):
             slice_env = local_environment(profile, granted, runtime.inventory, use_mps=runtime.use_mps)
         try:
             kwargs = await super().pre_launch(**kwargs)
+            env = kwargs.get("env") or {}
+            for name in (*MANAGED_VARIABLES, *HANDED_OVER):
+                env.pop(name, None)
+            env.update(slice_env)
+            env.update(agent_environment(runtime, record, self.key_file))
         except BaseException:
             self._release("launch preparation failed")
             raise
-        env = kwargs.get("env") or {}
-        for name in MANAGED_VARIABLES:
-            env.pop(name, None)
-        env.update(slice_env)
-        env.update(agent_environment(runtime, record))
         kwargs["env"] = env
         kwargs["cmd"] = with_agent(list(kwargs["cmd"]))
         # The kernel must outlive a crashed server long enough to checkpoint itself; the agent
@@ -130,6 +164,7 @@ class ElasticLocalProvisioner(LocalProvisioner):
         if record is not None:
             record.launches += 1
             record.restore_on_start = False
+            record.restore_checkpoint = None
             if record.state is KernelState.STARTING:
                 record.lifecycle.move(KernelState.RUNNING, "process launched")
         return info
@@ -147,12 +182,22 @@ class ElasticLocalProvisioner(LocalProvisioner):
 
     async def cleanup(self, restart: bool = False) -> None:
         await super().cleanup(restart=restart)
+        # The agent removes the key file once it has read it; a process that died before that
+        # must not leave it behind (the next launch writes a new one).
+        self._remove_key_file()
         if restart:
             return
         self._release("kernel shut down")
         self.runtime.kernels.remove(self.kernel_id)
 
+    def _remove_key_file(self) -> None:
+        try:
+            remove_key_file(self.key_file)
+        except (OSError, ValueError) as exc:
+            self.log.warning("could not remove the checkpoint key file of kernel %s: %s", self.kernel_id, exc)
+
     def _release(self, reason: str) -> None:
+        self._remove_key_file()
         runtime = self.runtime
         released = runtime.allocator.release(self.kernel_id)
         record = runtime.kernels.get(self.kernel_id)

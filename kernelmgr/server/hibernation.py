@@ -178,6 +178,8 @@ class JupyterKernelPlatform:
         if km is None or record is None:
             raise LifecycleError(f"kernel {kernel_id} is gone", 404)
         record.restore_on_start = restore is not None
+        # The only checkpoint the kernel may restore: the one the server verified.
+        record.restore_checkpoint = restore.checkpoint_id if restore is not None else None
         launch_args = dict(getattr(km, "_launch_args", {}) or {})
         deadline = time.monotonic() + timeout
         try:
@@ -191,6 +193,7 @@ class JupyterKernelPlatform:
                     await asyncio.sleep(0.5)
         finally:
             record.restore_on_start = False
+            record.restore_checkpoint = None
         await self._wait_ready(km, kernel_id if restore else None, max(1.0, deadline - time.monotonic()))
 
     async def _wait_ready(self, km: Any, continue_count_of: str | None, timeout: float) -> None:
@@ -488,13 +491,17 @@ class Hibernator:
                     record.state,
                 )
                 continue
+            if record.state != KernelState.HIBERNATED.value or record.checkpoint_id is None:
+                # A kernel the server had not stopped may have checkpointed itself since: take the
+                # committed one. A hibernated kernel keeps the id verified when it hibernated, so an
+                # older checkpoint put back while the server was down is refused on resume.
+                record.checkpoint_id = manifest.checkpoint_id
             record.state = KernelState.HIBERNATED.value
             record.pid = None
-            record.checkpoint_id = manifest.checkpoint_id
             self.mkm.adopt_hibernated(record)
             self.records[kernel_id] = record
             self.controller.committed[kernel_id] = Committed(
-                manifest.checkpoint_id, manifest.created, int(manifest.summary().get("bytes") or 0)
+                record.checkpoint_id, manifest.created, int(manifest.summary().get("bytes") or 0)
             )
             adopted.append(kernel_id)
         self.state_file.save(self.records)
@@ -538,6 +545,11 @@ class Hibernator:
             )
 
         asyncio.get_event_loop().call_soon(self.controller.adopt_orphan, kernel_id, wait_for_exit)
+
+    def _verified_checkpoint(self, kernel_id: str) -> str | None:
+        """The checkpoint id verified when ``kernel_id`` hibernated (or was recovered)."""
+        record = self.records.get(kernel_id)
+        return record.checkpoint_id if record is not None else None
 
     @staticmethod
     def _pid(km: Any) -> int | None:
