@@ -25,6 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import websocket
 from traitlets.config import Config
 
 from kernelmgr.activity.nvml_double import NvmlDouble
@@ -326,8 +327,9 @@ def test_queued_hibernation_asks_the_policy_again(tmp_path: Path) -> None:
         # The user comes back to "b" while it waits for a slot.
         culler.hibernator.activity.get("b").last_execution_end = time.time()
         await fake.gates.release("a")
-        await culler.hibernations.join()
+        await settle(lambda: "b" not in culler.hibernations or "b" in fake.gates.started)
         assert fake.gates.started == ["a"], "b was active again when its turn came: not hibernated"
+        await culler.hibernations.join()
         assert culler.runtime.kernels.get("b").state is KernelState.RUNNING  # type: ignore[union-attr]
 
     asyncio.run(scenario())
@@ -445,36 +447,56 @@ def hibernate(server: RunningServer, kernel_id: str) -> Reply:
     return server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
 
 
+def receive(chan: KernelChannel, deadline: float) -> dict[str, Any] | None:
+    """The next message, or None if none came within a second.
+
+    Short socket timeouts, because the server's websocket pings keep a long ``recv`` from
+    ever timing out: a test waiting for a message that never comes must fail, not hang.
+    """
+    if time.monotonic() > deadline:
+        raise AssertionError("the expected message did not arrive")
+    chan.conn.settimeout(1.0)
+    try:
+        return chan.recv()
+    except websocket.WebSocketTimeoutException:
+        return None
+
+
 def next_message(chan: KernelChannel, match: Callable[[dict[str, Any]], bool], timeout: float = 30) -> dict:
     """The next message ``match`` accepts (others are skipped)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        chan.conn.settimeout(max(0.1, deadline - time.monotonic()))
-        msg = chan.recv()
-        if match(msg):
+    while True:
+        msg = receive(chan, deadline)
+        if msg is not None and match(msg):
             return msg
-    raise AssertionError("no matching message arrived")
 
 
 def collect_all(chan: KernelChannel, msg_ids: list[str], timeout: float = 120) -> dict[str, dict[str, Any]]:
-    """Replies, stdout and idle of several requests whose messages interleave."""
-    got: dict[str, dict[str, Any]] = {m: {"reply": None, "stdout": "", "idle": False} for m in msg_ids}
+    """Replies, iopub messages, stdout and idle of several requests whose messages interleave."""
+    got: dict[str, dict[str, Any]] = {
+        m: {"reply": None, "iopub": [], "stdout": "", "idle": False} for m in msg_ids
+    }
     deadline = time.monotonic() + timeout
     while not all(g["reply"] and g["idle"] for g in got.values()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"incomplete replies: {got}")
-        chan.conn.settimeout(max(0.1, deadline - time.monotonic()))
-        msg = chan.recv()
-        entry = got.get(msg.get("parent_header", {}).get("msg_id"))
-        if entry is None:
+        msg = receive(chan, deadline)
+        entry = got.get(msg.get("parent_header", {}).get("msg_id")) if msg is not None else None
+        if msg is None or entry is None:
             continue
         if msg["msg_type"].endswith("_reply"):
             entry["reply"] = msg
-        elif msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
+            continue
+        entry["iopub"].append(msg)
+        if msg["msg_type"] == "stream" and msg["content"]["name"] == "stdout":
             entry["stdout"] += msg["content"]["text"]
         elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             entry["idle"] = True
     return got
+
+
+def reply_to(chan: KernelChannel, msg_id: str, timeout: float = 30) -> tuple[dict[str, Any], list[dict]]:
+    """(reply, iopub messages) of one request."""
+    got = collect_all(chan, [msg_id], timeout)[msg_id]
+    return got["reply"], got["iopub"]
 
 
 def policy_log(server: RunningServer) -> list[tuple[str, str]]:
@@ -646,19 +668,19 @@ def execute(chan: KernelChannel, code: str) -> str:
 def test_full_queue_refuses_with_a_clear_error(held: RunningServer, hibernating: Held) -> None:
     kernel_id, chan, gate, replies = hibernating
     big = execute(chan, "x = '" + "y" * 150_000 + "'")
-    reply, iopub = chan.collect(big)
+    reply, iopub = reply_to(chan, big)
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KernelQueueFull"
     assert "max_queued_bytes is 100000" in reply["content"]["evalue"]
     assert any(m["msg_type"] == "error" and "still being hibernated" in m["content"]["evalue"] for m in iopub)
 
     queued = [execute(chan, "n += 1; print(n)") for _ in range(3)]
     refused = execute(chan, "print('one too many')")
-    reply, _iopub = chan.collect(refused)
+    reply, _iopub = reply_to(chan, refused)
     assert reply["content"]["status"] == "error"
     assert "3 messages already wait for it" in reply["content"]["evalue"]
     assert "max_queued_messages is 3" in reply["content"]["evalue"]
     info = chan.send("kernel_info_request", {})
-    reply, _iopub = chan.collect(info)
+    reply, _iopub = reply_to(chan, info)
     assert reply["msg_type"] == "kernel_info_reply" and reply["content"]["status"] == "error"
     assert state(held, kernel_id) == "hibernating", "refused at once, while the checkpoint is still held"
 
@@ -703,7 +725,7 @@ def test_input_reply_while_hibernated_is_explained(held: RunningServer) -> None:
     try:
         with held.channel(kernel_id) as chan:
             ran = execute(chan, "v = 1")
-            chan.collect(ran)
+            reply_to(chan, ran)
             assert hibernate(held, kernel_id).status == 200
             chan.send("input_reply", {"value": "my answer"}, channel="stdin")
             notice = next_message(chan, lambda m: m["msg_type"] == "stream")
