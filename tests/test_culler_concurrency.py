@@ -15,6 +15,7 @@ Two kinds of tests:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import re
 import threading
@@ -33,6 +34,7 @@ from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.policy import Action, build_policy
+from kernelmgr.server import kernelmanager
 from kernelmgr.server.concurrency import BoundedScheduler, hibernate_on_shutdown, run_bounded
 from kernelmgr.server.culler import Culler, Tombstones
 from kernelmgr.server.hibernation import HibernationError, Hibernator
@@ -427,11 +429,15 @@ def test_hibernate_on_shutdown_is_bounded(tmp_path: Path, caplog: pytest.LogCapt
 
 
 def gate_object(gate: Path) -> str:
-    """Source of an object whose pickling waits for ``gate`` to exist: a checkpoint held open."""
+    """Source of an object whose pickling waits for ``gate`` to exist: a checkpoint held open.
+
+    On entering, the pickling creates ``<gate>.entered``: the test can see the checkpoint began.
+    """
     return (
         "import os, time\n"
         "class Gate:\n"
         "    def __reduce__(self):\n"
+        f"        open({str(gate) + '.entered'!r}, 'w').close()\n"
         f"        while not os.path.exists({str(gate)!r}):\n"
         "            time.sleep(0.05)\n"
         "        return (Gate, ())\n"
@@ -740,3 +746,43 @@ def test_input_reply_while_hibernated_is_explained(held: RunningServer) -> None:
 
 def test_policy_endpoint_shows_the_bound(held: RunningServer) -> None:
     assert held.get("/api/elastic/policy")["max_concurrent_hibernations"] == 4
+
+
+@pytest.mark.skipif(
+    "hibernate_on_shutdown(" not in inspect.getsource(kernelmanager),
+    reason="ElasticMappingKernelManager._async_shutdown_all does not call "
+    "kernelmgr.server.concurrency.hibernate_on_shutdown yet (the hook belongs with kernelmanager.py's owner)",
+)
+def test_server_stop_hibernates_under_the_bound(tmp_path: Path) -> None:
+    """Hibernate-on-shutdown with max_concurrent_hibernations = 1: one checkpoint at a time."""
+    config = {
+        "ElasticKernels": {
+            "profiles": PROFILES,
+            "gpu_inventory": INVENTORY,
+            "checkpoint_root": str(tmp_path / "checkpoints"),
+        },
+        "CullPolicy": {"max_concurrent_hibernations": 1},
+    }
+    running = start_server(tmp_path, config)
+    gates = {name: tmp_path / f"gate-{name}" for name in "ab"}
+    try:
+        kernels = {name: running.start_kernel("python3-gpu-small") for name in gates}
+        for name, kernel_id in kernels.items():
+            running.execute(kernel_id, gate_object(gates[name]))
+        running.process.terminate()  # a normal server stop: hibernate-on-shutdown
+        entered = {name: Path(str(gate) + ".entered") for name, gate in gates.items()}
+        first = wait_for(
+            lambda: next((n for n, p in entered.items() if p.exists()), None), what="a checkpoint to begin"
+        )
+        second = next(n for n in gates if n != first)
+        gates[first].touch()
+        wait_for(entered[second].exists, what="the second checkpoint to begin")
+        # It began only after the first hibernation had finished, not beside it.
+        assert f"Kernel {kernels[first]} hibernated (server shutdown)" in running.log()
+        gates[second].touch()
+        assert running.process.wait(timeout=120) == 0
+        assert f"Kernel {kernels[second]} hibernated (server shutdown)" in running.log()
+    finally:
+        for gate in gates.values():
+            gate.touch()
+        running.stop()
