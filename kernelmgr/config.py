@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from jupyter_core.paths import jupyter_data_dir
-from traitlets import Bool, Dict, Enum, Float, List, Type, Unicode
+from traitlets import Bool, Dict, Enum, Float, Integer, List, Type, Unicode
 from traitlets.config import LoggingConfigurable
 
 from kernelmgr.activity.nvml import Nvml, PynvmlNvml, discover_inventory
@@ -265,6 +265,13 @@ class CullPolicy(LoggingConfigurable):
         help="Warn (never hibernate) when a cell has been running but the GPU idle this many seconds "
         "(0 = off).",
     )
+    max_concurrent_hibernations = Integer(
+        4,
+        config=True,
+        help="""Hibernations (checkpoints) that may run at the same time, by the policy and when the
+        server stops; the others wait their turn. A slow checkpoint then holds up no other kernel's
+        warning or hibernation, and many idle kernels do not all write checkpoints at once.""",
+    )
     rules = List(
         Dict(),
         default_value=[],
@@ -284,4 +291,5 @@ class CullPolicy(LoggingConfigurable):
             busy_gpu_idle_warning=self.busy_gpu_idle_warning,
             rules=self.rules,
             known_profiles=known_profiles,
+            max_concurrent_hibernations=self.max_concurrent_hibernations,
         )

@@ -68,6 +68,9 @@ class Policy:
     defaults: Thresholds = field(default_factory=Thresholds)
     interval: float = 60.0
     rules: tuple[PolicyRule, ...] = ()
+    #: Hibernations (checkpoints) running at once, by the culler and at server shutdown: one
+    #: slow checkpoint must not hold up the others, and fifty at once would saturate disk and memory.
+    max_concurrent_hibernations: int = 4
 
     @property
     def enabled(self) -> bool:
@@ -86,6 +89,7 @@ class Policy:
             **self.defaults.to_dict(),
             "interval": self.interval,
             "enabled": self.enabled,
+            "max_concurrent_hibernations": self.max_concurrent_hibernations,
             "rules": [r.to_dict() for r in self.rules],
         }
 
@@ -116,6 +120,7 @@ def build_policy(
     busy_gpu_idle_warning: Any,
     rules: Sequence[Any],
     known_profiles: Sequence[str] = (),
+    max_concurrent_hibernations: Any = 4,
 ) -> Policy:
     """Validate the ``CullPolicy.*`` settings into a :class:`Policy`, naming any bad key."""
     defaults = _check_thresholds(
@@ -129,6 +134,15 @@ def build_policy(
         },
     )
     every = _number("CullPolicy.interval", interval, 1.0)
+    if (
+        isinstance(max_concurrent_hibernations, bool)
+        or not isinstance(max_concurrent_hibernations, int)
+        or max_concurrent_hibernations < 1
+    ):
+        raise ConfigError(
+            "CullPolicy.max_concurrent_hibernations must be a whole number of at least 1, "
+            f"got {max_concurrent_hibernations!r}"
+        )
     parsed: list[PolicyRule] = []
     if isinstance(rules, str | bytes) or not isinstance(rules, Sequence):
         raise ConfigError(f"CullPolicy.rules must be a list of rules, got {rules!r}")
@@ -168,7 +182,12 @@ def build_policy(
                 f"CullPolicy.warn_before ({limits.warn_before:g}s) must be shorter than idle_timeout "
                 f"({limits.idle_timeout:g}s){scope}, or 0 to hibernate without warning"
             )
-    return Policy(defaults=thresholds, interval=every, rules=tuple(parsed))
+    return Policy(
+        defaults=thresholds,
+        interval=every,
+        rules=tuple(parsed),
+        max_concurrent_hibernations=max_concurrent_hibernations,
+    )
 
 
 class Action(str, enum.Enum):

@@ -12,6 +12,18 @@ execution activity, the latest GPU sample, lifecycle state, warning and retry st
 * **remove** — a kernel hibernated for longer than ``hibernated_ttl`` is shut down and its
   checkpoint deleted; whoever asks for it later is told why it is gone.
 
+The tick never waits for a hibernation or a removal. It *schedules* them on a
+:class:`~kernelmgr.server.concurrency.BoundedScheduler` and goes on, so one slow checkpoint
+(minutes, for a large state) holds up no other kernel's warning or hibernation: at most
+``CullPolicy.max_concurrent_hibernations`` run at once, the rest wait their turn, and a kernel
+already queued or hibernating is never scheduled twice. A queued hibernation asks the policy
+again when its turn comes (the user may have run a cell meanwhile).
+
+Nothing here grows with the kernels ever seen: the state of a kernel that is gone is dropped
+at every tick, finished jobs are forgotten as they finish, and the tombstones that explain
+a removed kernel's 404 are kept for the newest :data:`MAX_TOMBSTONES` removals, at most
+:data:`TOMBSTONE_TTL` seconds each.
+
 GPU activity is sampled on its own timer in a worker thread (NVML calls block), one NVML
 call per device per sample whatever the number of kernels.
 """
@@ -20,7 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +52,7 @@ from kernelmgr.core.policy import (
     idle_seconds,
 )
 from kernelmgr.server import metrics
+from kernelmgr.server.concurrency import BoundedScheduler
 from kernelmgr.server.hibernation import HibernationError, Hibernator
 from kernelmgr.server.metrics import size_label
 
@@ -47,6 +61,12 @@ if TYPE_CHECKING:
     from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 
 MAX_BACKOFF = 3600.0
+#: Removed kernels whose 404 still says why (the newest ones); older ones answer a plain 404.
+MAX_TOMBSTONES = 1000
+#: Seconds a removed kernel's tombstone is kept (a week: a user back from a long weekend is told why).
+TOMBSTONE_TTL = 7 * 24 * 3600.0
+#: Removals (shutdown of a hibernated kernel, deletion of its checkpoint) running at once.
+MAX_CONCURRENT_REMOVALS = 4
 
 
 @dataclass
@@ -62,6 +82,49 @@ class CullState:
 
 
 Broadcast = Callable[[str, str], int]
+
+
+class Tombstones(MutableMapping[str, str]):
+    """Why each removed kernel is gone (kernel id → message), bounded in number and age.
+
+    The kernel manager answers a request for a removed kernel with this message instead of a
+    bare 404. Without a bound a server culling for months would keep one entry per kernel it
+    ever removed; a tombstone only has to outlive the user's absence.
+    """
+
+    def __init__(
+        self, limit: int = MAX_TOMBSTONES, ttl: float = TOMBSTONE_TTL, clock: Callable[[], float] = time.time
+    ) -> None:
+        self.limit = limit
+        self.ttl = ttl
+        self.clock = clock
+        self._entries: OrderedDict[str, tuple[float, str]] = OrderedDict()
+
+    def __getitem__(self, kernel_id: str) -> str:
+        return self._entries[kernel_id][1]
+
+    def __setitem__(self, kernel_id: str, message: str) -> None:
+        self._entries.pop(kernel_id, None)
+        self._entries[kernel_id] = (self.clock(), message)
+        self.prune()
+
+    def __delitem__(self, kernel_id: str) -> None:
+        del self._entries[kernel_id]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def prune(self) -> None:
+        """Drop tombstones older than ``ttl``, then the oldest beyond ``limit``."""
+        oldest_kept = self.clock() - self.ttl
+        while self._entries:
+            _kernel_id, (written, _message) = next(iter(self._entries.items()))
+            if written >= oldest_kept and len(self._entries) <= self.limit:
+                break
+            self._entries.popitem(last=False)
 
 
 def _in(seconds: float) -> str:
@@ -102,9 +165,15 @@ class Culler:
         self.clock = clock
         self.states: dict[str, CullState] = {}
         self.gpu: dict[str, GpuActivity] = {}
-        self.tombstones: dict[str, str] = {}
+        self.tombstones = Tombstones(clock=clock)
+        #: Policy hibernations queued or running, at most ``max_concurrent_hibernations`` at once.
+        self.hibernations = BoundedScheduler(
+            policy.max_concurrent_hibernations, mkm.log, "policy hibernation"
+        )
+        self.removals = BoundedScheduler(MAX_CONCURRENT_REMOVALS, mkm.log, "removal")
         self._callbacks: list[ioloop.PeriodicCallback] = []
         self._sampling = False
+        self._sampled: set[str] = set()
 
     # -- timers ----------------------------------------------------------------------------
 
@@ -119,6 +188,32 @@ class Culler:
     def stop(self) -> None:
         for callback in self._callbacks:
             callback.stop()
+
+    async def close(self) -> None:
+        """Server stop: no more ticks, queued jobs dropped, running ones allowed to finish.
+
+        A hibernation is never cut off midway (its kernel would be left half-way between
+        running and hibernated); the server's own hibernate-on-shutdown, which runs next,
+        finds those kernels hibernated and the dropped ones still running.
+        """
+        self.stop()
+        dropped = self.hibernations.cancel_waiting() + self.removals.cancel_waiting()
+        if dropped:
+            self.mkm.log.info("Server stopping: %d queued cull action(s) dropped", len(dropped))
+        await self.hibernations.join()
+        await self.removals.join()
+
+    def prune(self, known: set[str]) -> None:
+        """Forget what is remembered about kernels that are gone (``known``: those that exist)."""
+        for gone in self.states.keys() - known:
+            del self.states[gone]
+        for gone in self.gpu.keys() - known:
+            del self.gpu[gone]
+        if self.sampler is not None:
+            for gone in self._sampled - known:
+                self.sampler.forget(gone)
+        self._sampled &= known
+        self.tombstones.prune()
 
     # -- GPU activity ----------------------------------------------------------------------
 
@@ -140,11 +235,9 @@ class Culler:
         self._sampling = True
         try:
             kernels = self._kernel_processes()
-            sampler = self.sampler
-            self.gpu = await asyncio.to_thread(sampler.sample, kernels)
-            for gone in set(self.states) - {r.kernel_id for r in self.runtime.kernels.all()}:
-                self.states.pop(gone, None)
-                sampler.forget(gone)
+            self._sampled.update(kernels)
+            self.gpu = await asyncio.to_thread(self.sampler.sample, kernels)
+            self.prune({r.kernel_id for r in self.runtime.kernels.all()})
         except Exception:
             self.mkm.log.exception("GPU activity sampling failed; the policy falls back to Jupyter activity")
         finally:
@@ -175,10 +268,17 @@ class Culler:
         )
 
     async def tick(self) -> list[tuple[str, Decision]]:
-        """One pass over every kernel; returns what was decided (for tests and benchmarks)."""
+        """One pass over every kernel; returns what was decided (for tests and benchmarks).
+
+        Warnings go out here; hibernations and removals are only scheduled (see the module
+        docstring), so a tick takes as long as its snapshots and decisions, whatever the
+        checkpoints cost.
+        """
         now = self.clock()
         decided: list[tuple[str, Decision]] = []
-        for record in self.runtime.kernels.all():
+        records = self.runtime.kernels.all()
+        self.prune({record.kernel_id for record in records})
+        for record in records:
             snapshot = self.snapshot(record, now)
             state = self.states.setdefault(record.kernel_id, CullState())
             if activity_resets_warning(snapshot, self.policy, now):
@@ -191,14 +291,14 @@ class Culler:
                 continue
             decided.append((record.kernel_id, decision))
             try:
-                await self._act(record, state, decision, now)
+                self._act(record, state, decision, now)
             except Exception:
                 self.mkm.log.exception(
                     "Cull policy action %s on kernel %s failed", decision.action, record.kernel_id
                 )
         return decided
 
-    async def _act(self, record: ManagedKernel, state: CullState, decision: Decision, now: float) -> None:
+    def _act(self, record: ManagedKernel, state: CullState, decision: Decision, now: float) -> None:
         size = size_label(record.profile)
         kernel_id = record.kernel_id
         if decision.action is Action.WARN:
@@ -220,22 +320,16 @@ class Culler:
             metrics.WARNINGS.labels("busy_gpu_idle", size).inc()
             self.hibernator.events.emit("warn_busy", kernel_id, text, reason="policy", size=size)
         elif decision.action is Action.HIBERNATE:
-            try:
-                await self.hibernator.hibernate(kernel_id, "policy")
-            except HibernationError as exc:
-                state.failures += 1
-                delay = min(MAX_BACKOFF, self.policy.interval * 2**state.failures)
-                state.retry_at = now + delay
-                self.mkm.log.warning(
-                    "Policy hibernation of kernel %s failed (%d in a row), retrying in %.0fs: %s",
+            if self.hibernations.schedule(kernel_id, lambda: self._hibernate(kernel_id)):
+                waiting = len(self.hibernations) - len(self.hibernations.running)
+                self.mkm.log.info(
+                    "Policy hibernation of kernel %s scheduled (%d waiting, at most %d at once): %s",
                     kernel_id,
-                    state.failures,
-                    delay,
-                    exc.message,
+                    waiting,
+                    self.hibernations.limit,
+                    decision.reason,
                 )
-                return
-            self.states[kernel_id] = CullState()
-        elif decision.action is Action.REMOVE:
+        elif decision.action is Action.REMOVE and kernel_id not in self.removals:
             ttl = self.policy.for_profile(record.profile).hibernated_ttl
             self.tombstones[kernel_id] = (
                 f"kernel {kernel_id} was removed: it stayed hibernated for more than {ttl:g}s "
@@ -245,8 +339,55 @@ class Culler:
             self.hibernator.events.emit(
                 "remove", kernel_id, self.tombstones[kernel_id], reason="policy", size=size
             )
+            self.removals.schedule(kernel_id, lambda: self._remove(kernel_id))
+
+    async def _hibernate(self, kernel_id: str) -> None:
+        """A scheduled policy hibernation, once its turn has come."""
+        record = self.runtime.kernels.get(kernel_id)
+        if record is None:
+            return  # removed while it waited
+        now = self.clock()
+        decision = decide(self.policy, self.snapshot(record, now), now)
+        if decision.action is not Action.HIBERNATE:
+            # It waited for a slot, and meanwhile the user ran a cell (or the API hibernated it).
+            self.mkm.log.info("Policy hibernation of kernel %s dropped: no longer due", kernel_id)
+            return
+        self.mkm.log.info(
+            "Policy hibernation of kernel %s started (%d of at most %d running)",
+            kernel_id,
+            len(self.hibernations.running),
+            self.hibernations.limit,
+        )
+        try:
+            await self.hibernator.hibernate(kernel_id, "policy")
+        except Exception as exc:
+            message = exc.message if isinstance(exc, HibernationError) else f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, HibernationError):
+                self.mkm.log.exception("Policy hibernation of kernel %s raised", kernel_id)
+            if self.runtime.kernels.get(kernel_id) is None:
+                return  # gone meanwhile: nothing to retry
+            state = self.states.setdefault(kernel_id, CullState())
+            state.failures += 1
+            delay = min(MAX_BACKOFF, self.policy.interval * 2**state.failures)
+            state.retry_at = self.clock() + delay
+            self.mkm.log.warning(
+                "Policy hibernation of kernel %s failed (%d in a row), retrying in %.0fs: %s",
+                kernel_id,
+                state.failures,
+                delay,
+                message,
+            )
+            return
+        finally:
+            self.mkm.log.info("Policy hibernation of kernel %s finished", kernel_id)
+        if self.runtime.kernels.get(kernel_id) is not None:
+            self.states[kernel_id] = CullState()
+
+    async def _remove(self, kernel_id: str) -> None:
+        """A scheduled TTL removal: shut the hibernated kernel down and delete its checkpoint."""
+        if kernel_id in self.mkm:
             await self.mkm.shutdown_kernel(kernel_id)
-            self.states.pop(kernel_id, None)
+        self.states.pop(kernel_id, None)
 
     # -- what the API shows ----------------------------------------------------------------
 

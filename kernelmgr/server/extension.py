@@ -127,3 +127,15 @@ class ElasticKernelsExtension(ExtensionApp):
 
     def initialize_handlers(self) -> None:
         self.handlers.extend(elastic_handlers())
+
+    async def stop_extension(self) -> None:
+        """Server stop: the culler stops first, letting running hibernations finish.
+
+        jupyter_server stops extensions before it shuts the kernels down, so no policy
+        hibernation starts (or is cut off) while the kernel manager hibernates the kernels
+        for the stop; queued ones are dropped and left to that shutdown.
+        """
+        km = self.serverapp.kernel_manager if self.serverapp is not None else None
+        culler = getattr(km, "culler", None)
+        if isinstance(culler, Culler):
+            await culler.close()

@@ -11,6 +11,29 @@ stands in for the kernel:
   would have been, so the user's cell simply runs (and the agent shows what was restored);
 * while no GPU slice is free the cell shows that it is waiting, and interrupting stops the wait.
 
+What a user sees when messages arrive while the kernel is hibernating, hibernated or resuming
+(the connection is *holding* messages for it):
+
+* **The queue is bounded** (``max_queued_messages``, ``max_queued_bytes``): a message that does
+  not fit is refused at once, never dropped silently — a cell gets an ``error`` and an
+  ``execute_reply`` with ``status: error`` (``KernelQueueFull``) saying why and what to do,
+  another request its ``*_reply`` with that error, and a comm message (which has no reply) a
+  one-line notice under the notebook's last cell. A client that keeps sending while a resume
+  waits for a GPU slice can then not grow the server's memory without limit.
+* **An interrupt** (``interrupt_request`` on the control channel) is answered with an
+  ``interrupt_reply`` and does what interrupting does in a running kernel: the cells waiting
+  for the kernel do not run — each gets an error saying it was cancelled by the interrupt
+  (``KeyboardInterrupt``) — on every connection of the kernel; a wait for a GPU slice stops,
+  and a resume not started yet (the kernel was still being hibernated) is not started. A
+  resume already starting the kernel finishes (stopping it halfway would be slower than
+  letting it come back); the kernel then simply runs nothing. Comm messages stay queued.
+  (A REST interrupt, ``POST /api/kernels/{id}/interrupt``, reaches the kernel manager; it can
+  do the same through :meth:`ElasticWebsocketConnection.interrupt_waiting`.)
+* **A stdin reply** (``input_reply``) cannot be delivered: a kernel hibernates only when no
+  cell runs, so no cell can be waiting for input, and the process that asked is gone. It is
+  not forwarded (it would wake the kernel only to be ignored); the notebook is told, under its
+  last cell, that the input was not delivered and why, and the server log says so too.
+
 Everything else is jupyter_server's own ``ZMQChannelsWebsocketConnection``. The connection
 also disables Nagle's algorithm on its socket, so small kernel messages are not held back
 ~40 ms waiting for an ACK.
@@ -32,6 +55,7 @@ from jupyter_server.services.kernels.connection.base import (
     serialize_msg_to_ws_v1,
 )
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
+from traitlets import Integer
 
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.server.hibernation import HibernationError, Hibernator
@@ -49,6 +73,14 @@ ANSWERED_WHILE_HIBERNATED = frozenset(
         "comm_info_request",
     }
 )
+
+
+#: How the state of a kernel that a connection holds messages for reads in a message.
+_WAITING_FOR = {
+    KernelState.HIBERNATING: "still being hibernated",
+    KernelState.HIBERNATED: "hibernated",
+    KernelState.RESUMING: "resuming",
+}
 
 
 def is_complete(code: str) -> dict[str, Any]:
@@ -89,7 +121,24 @@ def local_reply(msg_type: str, content: dict[str, Any], kernel_info: dict[str, A
 class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     """jupyter_server's kernel websocket, plus standing in for hibernated kernels."""
 
+    max_queued_messages = Integer(
+        1000,
+        config=True,
+        help="""Messages one connection holds for a kernel that is hibernating, hibernated or
+        resuming (delivered, in order, once it is back). One more is refused with an error saying
+        why, instead of growing the server's memory while a resume waits for a GPU slice.""",
+    )
+    max_queued_bytes = Integer(
+        64 * 1024 * 1024,
+        config=True,
+        help="""Bytes of messages one connection holds for a kernel that is hibernating, hibernated
+        or resuming; a message that would go over is refused with an error saying why.""",
+    )
+
     _queue: list[Any]
+    _queued_bytes = 0
+    _overflow_told = False
+    _comm_refused = False
     _waking: asyncio.Task[None] | None = None
     _last_execute: dict[str, Any] | None = None
 
@@ -105,6 +154,24 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
                 except Exception:  # a closing socket must not stop the others
                     continue
         return reached
+
+    @classmethod
+    def interrupt_waiting(cls, kernel_id: str, what: str = "waiting to resume") -> int:
+        """Cancel the cells every connection of ``kernel_id`` holds for it; returns how many.
+
+        What an interrupt means for cells that have not reached the kernel yet: they do not run.
+        """
+        cancelled = 0
+        for connection in list(cls._open_sockets):
+            if isinstance(connection, ElasticWebsocketConnection) and connection.kernel_id == kernel_id:
+                try:
+                    cancelled += connection._cancel_executes(
+                        f"the cell was cancelled by an interrupt before it ran (the kernel was {what}); "
+                        "the kernel keeps its variables, run the cell again"
+                    )
+                except Exception:  # a closing socket must not stop the others
+                    continue
+        return cancelled
 
     def notice(self, text: str) -> None:
         """A message from the server, shown under the cell this notebook ran last.
@@ -178,6 +245,89 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     def _status(self, state: str, parent: dict[str, Any]) -> None:
         self._send("iopub", self.session.msg("status", {"execution_state": state}, parent=parent))
 
+    def _hold(self, raw: Any) -> None:
+        self._pending().append(raw)
+        self._queued_bytes += len(raw) if isinstance(raw, str | bytes) else 0
+
+    def _take_queue(self) -> list[Any]:
+        """Empty the queue (to deliver or fail it); returns what it held."""
+        queued, self._queue = self._pending(), []
+        self._queued_bytes = 0
+        self._overflow_told = self._comm_refused = False
+        return queued
+
+    def _overflows(self, raw: Any) -> str:
+        """Why ``raw`` does not fit in the queue, or "" if it does."""
+        size = len(raw) if isinstance(raw, str | bytes) else 0
+        if len(self._pending()) >= self.max_queued_messages:
+            return (
+                f"{len(self._pending())} messages already wait for it "
+                f"(ElasticWebsocketConnection.max_queued_messages is {self.max_queued_messages})"
+            )
+        if self._queued_bytes + size > self.max_queued_bytes:
+            return (
+                f"the messages waiting for it would take {self._queued_bytes + size} bytes "
+                f"(ElasticWebsocketConnection.max_queued_bytes is {self.max_queued_bytes})"
+            )
+        return ""
+
+    def _error_reply(self, channel: str, header: dict[str, Any], ename: str, evalue: str) -> None:
+        """Answer a request with an error, as the kernel would: error, reply, idle."""
+        msg_type = header.get("msg_type", "")
+        error = {"ename": ename, "evalue": evalue, "traceback": [f"{ename}: {evalue}"]}
+        if msg_type == "execute_request":
+            self._send("iopub", self.session.msg("error", error, parent=header))
+        reply_type = msg_type[: -len("_request")] + "_reply"
+        self._send(channel, self.session.msg(reply_type, {"status": "error", **error}, parent=header))
+        self._status("idle", header)
+
+    def _refuse(self, channel: str, header: dict[str, Any], why: str, state: KernelState | None) -> None:
+        """A message the full queue cannot take: tell the client, never drop it silently."""
+        msg_type = header.get("msg_type", "")
+        what = _WAITING_FOR.get(state, "resuming") if state is not None else "resuming"
+        text = (
+            f"not sent to the kernel: it is {what} and {why}. Wait until it is back (the cells "
+            "already sent run first), then run this again"
+        )
+        if not self._overflow_told:
+            self._overflow_told = True
+            self.log.warning("Kernel %s: %s refused: %s", self.kernel_id, msg_type, text)
+        if msg_type.endswith("_request"):
+            self._status("busy", header)
+            self._error_reply(channel, header, "KernelQueueFull", text)
+        elif not self._comm_refused:  # comm messages have no reply: one notice per full queue
+            self._comm_refused = True
+            self.notice(f"A {msg_type} message (e.g. from a widget) was {text}.")
+
+    def _interrupt(self, channel: str, header: dict[str, Any], state: KernelState | None) -> None:
+        """An interrupt while messages are held: stop waiting, cancel the held cells, reply."""
+        hibernator = self.hibernator
+        resume_cancelled = hibernator.cancel_resume(self.kernel_id) if hibernator else False
+        what = _WAITING_FOR.get(state, "resuming") if state is not None else "resuming"
+        cancelled = self.interrupt_waiting(self.kernel_id, what)
+        waking = self._waking
+        if state is KernelState.HIBERNATING and not self._pending() and waking is not None:
+            # The wake only waits for the hibernation to finish: nothing needs the kernel now.
+            waking.cancel()
+        self._send(
+            channel,
+            self.session.msg(
+                "interrupt_reply",
+                {"status": "ok", "resume_cancelled": resume_cancelled, "cells_cancelled": cancelled},
+                parent=header,
+            ),
+        )
+
+    def _stale_stdin(self, msg_type: str, state: KernelState | None) -> None:
+        """A stdin reply for a kernel that cannot be waiting for input: say so, do not forward it."""
+        what = _WAITING_FOR.get(state, "resuming") if state is not None else "resuming"
+        text = (
+            f"Your input ({msg_type}) was not delivered: the kernel is {what}, and a kernel hibernates "
+            "only when no cell is running, so no cell is waiting for input any more. Run the cell again."
+        )
+        self.log.warning("Kernel %s: %s", self.kernel_id, text)
+        self.notice(text)
+
     def _answer(self, channel: str, header: dict[str, Any], content: dict[str, Any]) -> None:
         msg_type = header.get("msg_type", "")
         info = self.hibernator.kernel_info(self.kernel_id) if self.hibernator else {}
@@ -238,17 +388,16 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
             self._answer(channel, header, content)
             return
         if msg_type == "interrupt_request":
-            cancelled = hibernator.cancel_resume(self.kernel_id) if hibernator else False
-            self._send(
-                channel,
-                self.session.msg(
-                    "interrupt_reply", {"status": "ok", "resume_cancelled": cancelled}, parent=header
-                ),
-            )
+            self._interrupt(channel, header, state)
             return
         if channel == "stdin":
-            return  # nothing is waiting for input in a kernel that is not running
-        queue.append(incoming_msg)
+            self._stale_stdin(msg_type, state)
+            return
+        why = self._overflows(incoming_msg)
+        if why:
+            self._refuse(channel, header, why, state)
+            return
+        self._hold(incoming_msg)
         if msg_type == "execute_request":
             self._status("busy", header)
         if self._waking is None or self._waking.done():
@@ -282,24 +431,27 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
                 f"the kernel resumed but this connection could not reattach ({exc}); reload the page"
             )
             return
-        queued, self._queue = self._pending(), []
-        for raw in queued:
+        for raw in self._take_queue():
             super().handle_incoming_message(raw)
 
     def _fail_queue(self, reason: str) -> None:
         """Tell every queued execution why it will not run, so no cell hangs."""
-        queued, self._queue = self._pending(), []
-        for raw in queued:
+        for raw in self._take_queue():
             channel, header, _content = self._parse(raw)
-            if header.get("msg_type") != "execute_request":
-                continue
-            error = {
-                "ename": "KernelNotResumed",
-                "evalue": reason,
-                "traceback": [f"KernelNotResumed: {reason}"],
-            }
-            self._send("iopub", self.session.msg("error", error, parent=header))
-            self._send(
-                channel, self.session.msg("execute_reply", {"status": "error", **error}, parent=header)
-            )
-            self._status("idle", header)
+            if header.get("msg_type") == "execute_request":
+                self._error_reply(channel, header, "KernelNotResumed", reason)
+
+    def _cancel_executes(self, reason: str) -> int:
+        """Fail the queued cells (an interrupt), keeping other queued messages; returns how many."""
+        kept: list[Any] = []
+        cancelled = 0
+        for raw in self._take_queue():
+            channel, header, _content = self._parse(raw)
+            if header.get("msg_type") == "execute_request":
+                self._error_reply(channel, header, "KeyboardInterrupt", reason)
+                cancelled += 1
+            else:
+                kept.append(raw)
+        for raw in kept:
+            self._hold(raw)
+        return cancelled
