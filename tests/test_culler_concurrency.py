@@ -15,7 +15,6 @@ Two kinds of tests:
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import re
 import threading
@@ -34,7 +33,6 @@ from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.policy import Action, build_policy
-from kernelmgr.server import kernelmanager
 from kernelmgr.server.concurrency import BoundedScheduler, hibernate_on_shutdown, run_bounded
 from kernelmgr.server.culler import Culler, Tombstones
 from kernelmgr.server.hibernation import HibernationError, Hibernator
@@ -748,11 +746,6 @@ def test_policy_endpoint_shows_the_bound(held: RunningServer) -> None:
     assert held.get("/api/elastic/policy")["max_concurrent_hibernations"] == 4
 
 
-@pytest.mark.skipif(
-    "hibernate_on_shutdown(" not in inspect.getsource(kernelmanager),
-    reason="ElasticMappingKernelManager._async_shutdown_all does not call "
-    "kernelmgr.server.concurrency.hibernate_on_shutdown yet (the hook belongs with kernelmanager.py's owner)",
-)
 def test_server_stop_hibernates_under_the_bound(tmp_path: Path) -> None:
     """Hibernate-on-shutdown with max_concurrent_hibernations = 1: one checkpoint at a time."""
     config = {

@@ -16,7 +16,6 @@ websockets, culling and restarts behave exactly as users know them) plus:
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Any
 
@@ -28,15 +27,13 @@ from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelMana
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.errors import CapacityError, UnknownProfileError
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.server.concurrency import hibernate_on_shutdown
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.errors import http_error
 from kernelmgr.server.hibernation import HibernationError, Hibernator
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import elastic_kernel_model
 from kernelmgr.server.persistence import KernelRecord
-
-#: Kernels hibernated at once when the server stops.
-SHUTDOWN_HIBERNATIONS_AT_ONCE = 4
 
 
 class ElasticMappingKernelManager(AsyncMappingKernelManager):
@@ -175,23 +172,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         runtime = self.elastic_runtime
         hibernator = self.hibernator
         if hibernator is not None and runtime is not None and runtime.hibernate_on_shutdown and not now:
-            # Several at once, bounded: one slow checkpoint must not hold up everyone's.
-            limit = asyncio.Semaphore(SHUTDOWN_HIBERNATIONS_AT_ONCE)
-
-            async def hibernate(kernel_id: str) -> None:
-                async with limit:
-                    try:
-                        await hibernator.hibernate(kernel_id, "server shutdown")
-                    except HibernationError as exc:
-                        self.log.warning("Not hibernated at shutdown, shutting down: %s", exc.message)
-
-            await asyncio.gather(
-                *(
-                    hibernate(record.kernel_id)
-                    for record in runtime.kernels.all()
-                    if record.state is KernelState.RUNNING and record.kernel_id in self
-                )
-            )
+            await hibernate_on_shutdown(self)  # several at once, bounded
         self._exiting = True
         await super()._async_shutdown_all(now=now)
         if hibernator is not None:
@@ -200,8 +181,16 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
     shutdown_all = _async_shutdown_all  # type: ignore[assignment]
 
     async def interrupt_kernel(self, kernel_id: str, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        if self.hibernator is not None and self._hibernated(kernel_id):
-            self.hibernator.cancel_resume(kernel_id)  # an interrupt while waiting for a slice stops waiting
+        if self.hibernator is not None and (
+            self._hibernated(kernel_id) or self.hibernator.is_going_to_sleep(kernel_id)
+        ):
+            # JupyterLab's toolbar interrupts over REST: the same as the websocket message. Cells
+            # held for the kernel do not run, a wait for a slice stops, and a process that is
+            # writing its checkpoint is never sent SIGINT.
+            from kernelmgr.server.websocket import ElasticWebsocketConnection
+
+            ElasticWebsocketConnection.interrupt_waiting(kernel_id)
+            self.hibernator.cancel_resume(kernel_id)
             return
         await ensure_async(super().interrupt_kernel(kernel_id, *args, **kwargs))
 
