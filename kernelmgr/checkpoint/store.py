@@ -21,7 +21,7 @@ from typing import Any
 
 from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, owner_key
-from kernelmgr.checkpoint.layout import RESTORE_REPORT, read_current, remove_stale
+from kernelmgr.checkpoint.layout import CURRENT, RESTORE_REPORT, read_current, remove_stale
 from kernelmgr.checkpoint.verify import load_verified_manifest
 from kernelmgr.core.manifest import Manifest
 
@@ -51,10 +51,10 @@ class CheckpointStore:
             raise ValueError("the checkpoint secret must be at least 16 bytes")
         self.root = Path(root)
         self._secret = secret
-        # Summaries by (owner, kernel id): ``/api/elastic/kernels`` must not read and verify
-        # every manifest on the event loop per request. The server is the only writer while it
-        # runs (the agent checkpoints when asked), so it invalidates on each commit and removal.
-        self._summaries: dict[tuple[str, str], dict[str, Any] | None] = {}
+        # Summaries by (owner, kernel id), valid while ``current`` is the same file:
+        # ``/api/elastic/kernels`` must not read and verify every manifest per request; one
+        # ``stat`` tells whether a new checkpoint was committed since (commits replace it).
+        self._summaries: dict[tuple[str, str], tuple[tuple[int, int, int], dict[str, Any] | None]] = {}
 
     def kernel_dir(self, owner: str, kernel_id: str) -> Path:
         """The kernel directory (not created). Raises ``ValueError`` for unsafe names."""
@@ -119,10 +119,17 @@ class CheckpointStore:
     def summary(self, owner: str, kernel_id: str) -> dict[str, Any] | None:
         """The REST shape of the committed checkpoint, or ``None`` (cached until :meth:`forget_cached`)."""
         key = (owner, kernel_id)
-        if key in self._summaries:
-            return self._summaries[key]
+        try:
+            info = os.stat(self.kernel_dir(owner, kernel_id) / CURRENT)
+        except OSError:
+            self._summaries.pop(key, None)
+            return None  # nothing committed (or the kernel is gone)
+        signature = (info.st_ino, info.st_mtime_ns, info.st_size)
+        cached = self._summaries.get(key)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
         value = self.read_summary(owner, kernel_id)
-        self._summaries[key] = value
+        self._summaries[key] = (signature, value)
         return value
 
     def forget_cached(self, owner: str, kernel_id: str) -> None:
