@@ -67,6 +67,8 @@ def kube_runner(kube_plane: ControlPlane, tmp_path_factory: pytest.TempPathFacto
         tmp_path_factory.mktemp("kube-runner"),
         capacity={"nvidia.com/gpu": "1"},
         heartbeat_interval=5,
+        admin_configuration=kube_plane.configuration(),
+        unpullable_images={"registry.invalid/missing:latest"},
     ) as runner:
         yield runner
 

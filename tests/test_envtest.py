@@ -312,7 +312,7 @@ def test_deleting_pod_stops_its_process(core: Any, namespace: str, runner: NodeR
     started = time.monotonic()
     core.delete_namespaced_pod("sleeper", namespace)
     wait_for(lambda: not _exists(core, namespace, "sleeper"), 30, "pod sleeper to be gone")
-    assert running.exit_code == 0, "SIGTERM first: the process exits through its handler"
+    assert running.process.returncode == 0, "SIGTERM first: the process exits through its handler"
     assert not _alive(pid)
     assert time.monotonic() - started < 5, "a process that honours SIGTERM does not wait out the grace period"
     assert runner.pod(namespace, "sleeper") is None
@@ -375,3 +375,32 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_unpullable_image_leaves_pod_waiting_with_an_event(
+    core: Any, namespace: str, runner: NodeRunner
+) -> None:
+    manifest = _pod("no-image", command=["python", "-c", "pass"], node_selector=ON_RUNNER)
+    manifest["spec"]["containers"][0]["image"] = "registry.invalid/missing:latest"
+    core.create_namespaced_pod(namespace, manifest)
+
+    def waiting_reason() -> str | None:
+        statuses = core.read_namespaced_pod("no-image", namespace).status.container_statuses or []
+        return statuses[0].state.waiting.reason if statuses and statuses[0].state.waiting else None
+
+    assert wait_for(waiting_reason, 30, "the container to wait on its image") == "ErrImagePull"
+    events = core.list_namespaced_event(namespace, field_selector="involvedObject.name=no-image").items
+    assert any(e.reason == "Failed" and "failed to pull image" in e.message for e in events)
+
+
+def test_runner_and_scheduler_survive_an_api_server_restart(
+    plane: ControlPlane, core: Any, namespace: str, runner: NodeRunner
+) -> None:
+    plane.restart("kube-apiserver")
+    code = "import time; time.sleep(600)"
+    core.create_namespaced_pod(
+        namespace, _pod("after-restart", command=["python", "-c", code], node_selector=ON_RUNNER)
+    )
+    pod = _wait_phase(core, namespace, "after-restart", "Running")
+    assert pod.status.pod_ip.startswith("127.")
+    assert runner.pod(namespace, "after-restart") is not None

@@ -34,6 +34,10 @@ Images are not pulled: ``command_map`` maps a command's first word to a local pr
 environment is the pod's env on top of a small base (``PATH``, ``HOME``, ``LANG``, and ``base_env``), not
 the test's environment, so a kernel sees what a container would.
 
+Failures a provisioner must explain: an image listed in ``unpullable_images`` leaves the container
+Waiting with ``ErrImagePull`` and a ``Failed`` Event on the pod, as a kubelet reports it; ``crash()`` kills
+every process and stops the heartbeats without a word, as a node that loses power.
+
 Not emulated: probes (a started container counts as ready), init containers, more than the first container,
 resource limits, image pulls, ``restartPolicy`` beyond a plain restart of the process with a short delay.
 """
@@ -54,7 +58,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,7 +163,8 @@ class NodeRunner:
         lease_seconds: int = 40,
         heartbeat_interval: float = 10.0,
         max_grace_seconds: float = 30.0,
-        delete_node_on_stop: bool = True,
+        admin_configuration: Any | None = None,
+        unpullable_images: Iterable[str] = (),
     ) -> None:
         self.configuration = configuration
         self.node_name = node_name
@@ -179,7 +184,8 @@ class NodeRunner:
         self.lease_seconds = lease_seconds
         self.heartbeat_interval = heartbeat_interval
         self.max_grace_seconds = max_grace_seconds
-        self.delete_node_on_stop = delete_node_on_stop
+        self.admin_configuration = admin_configuration
+        self.unpullable_images = set(unpullable_images)
         self.pods: dict[str, RunningPod] = {}
         self._pods_lock = threading.Lock()
         self._stop = threading.Event()
@@ -209,18 +215,42 @@ class NodeRunner:
         )
         return self
 
-    def stop(self) -> None:
-        """Stop every process, the threads, and (by default) remove the Node object."""
+    def stop(self, *, delete_node: bool = True) -> None:
+        """Stop every process (SIGTERM, then SIGKILL), the heartbeats and the watch.
+
+        The Node object is removed when ``delete_node`` and an ``admin_configuration`` was given (a node's
+        own credentials may not delete nodes); otherwise it stays and goes NotReady once its lease runs
+        out, as a node that was switched off does.
+        """
         self._stop.set()
         with self._pods_lock:
             pods = list(self.pods.values())
         for pod in pods:
             self._terminate(pod, self.max_grace_seconds)
+        self._shutdown(delete_node)
+
+    def crash(self) -> None:
+        """The node dies at once: processes get SIGKILL, no status is reported, the Node object stays.
+
+        For tests of lost nodes: the API still shows the pods Running until the node lifecycle controller
+        notices the lease has expired (``--node-monitor-grace-period``) and evicts them.
+        """
+        self._stop.set()
+        with self._pods_lock:
+            pods = list(self.pods.values())
+        for pod in pods:
+            self._terminate(pod, 0.0, signal.SIGKILL)
+        self._shutdown(delete_node=False)
+
+    def _shutdown(self, delete_node: bool) -> None:
         for thread in self._threads:
             thread.join(timeout=15)
-        if self.delete_node_on_stop:
-            with contextlib.suppress(client.ApiException):
-                self.core.delete_node(self.node_name)
+        if delete_node and self.admin_configuration is not None:
+            with (
+                client.ApiClient(self.admin_configuration) as admin,
+                contextlib.suppress(client.ApiException),
+            ):
+                client.CoreV1Api(admin).delete_node(self.node_name)
         self._api.close()
 
     def pod(self, namespace: str, name: str) -> RunningPod | None:
@@ -416,7 +446,9 @@ class NodeRunner:
                 if running is not None:
                     running.stopping = True
             return
-        if running is None and pod.status.phase in (None, "Pending"):
+        # A pod this runner does not know yet, or knew before a restart of the runner: (re)start its
+        # container, as a kubelet does after its own restart.
+        if running is None and pod.status.phase not in ("Succeeded", "Failed"):
             self._start_pod(pod)
 
     def _forget(self, uid: str) -> None:
@@ -458,6 +490,10 @@ class NodeRunner:
                     local.mkdir(parents=True, exist_ok=True)
                 running.mounts[mount.mount_path.rstrip("/") or "/"] = local
             env = self._resolve_env(pod, container, running.ip)
+            if container.image in self.unpullable_images:
+                raise PodStartError(
+                    "ErrImagePull", f'failed to pull image "{container.image}": not found (node runner)'
+                )
             argv = [*(container.command or []), *(container.args or [])]
             if not argv:
                 raise PodStartError(
@@ -754,9 +790,40 @@ class NodeRunner:
             },
         )
 
+    def _event(self, pod: Any, reason: str, message: str, kind: str = "Warning") -> None:
+        """Record an Event on the pod, as a kubelet does: where a launch timeout finds the reason."""
+        now = _now()
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{pod.metadata.name}.", "namespace": pod.metadata.namespace},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": pod.metadata.name,
+                "namespace": pod.metadata.namespace,
+                "uid": pod.metadata.uid,
+                "fieldPath": f"spec.containers{{{pod.spec.containers[0].name}}}",
+            },
+            "reason": reason,
+            "message": message,
+            "type": kind,
+            "source": {"component": "kubelet", "host": self.node_name},
+            "reportingComponent": "kubelet",
+            "reportingInstance": self.node_name,
+            "firstTimestamp": _rfc3339(now),
+            "lastTimestamp": _rfc3339(now),
+            "count": 1,
+        }
+        try:
+            self.core.create_namespaced_event(pod.metadata.namespace, body)
+        except client.ApiException as exc:
+            self._record(f"event {reason} on {pod.metadata.name}: {exc.status} {exc.reason}")
+
     def _report_failed_start(self, pod: Any, running: RunningPod, reason: str, message: str) -> None:
         """A container that cannot start stays Waiting with the reason, as a kubelet shows it."""
         self._record(f"{running.namespace}/{running.name}: {reason}: {message}")
+        self._event(pod, "Failed", message)
         self._patch_status(
             running,
             {
@@ -826,7 +893,7 @@ class NodeRunner:
 
     # ---- stopping
 
-    def _terminate(self, running: RunningPod, grace: float) -> None:
+    def _terminate(self, running: RunningPod, grace: float, first: signal.Signals = signal.SIGTERM) -> None:
         """SIGTERM the process group, wait up to ``grace`` seconds, then SIGKILL it."""
         with running.lock:
             running.stopping = True
@@ -834,7 +901,7 @@ class NodeRunner:
         if proc is None or proc.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+            os.killpg(proc.pid, first)
         try:
             proc.wait(timeout=max(grace, 0.0) or 0.5)
         except subprocess.TimeoutExpired:
