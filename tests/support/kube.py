@@ -369,14 +369,15 @@ spec:
 # The control plane.
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the starting process dies (Linux prctl).
+def kill_with_parent() -> None:
+    """In the child, before exec: get SIGKILL when the starting process dies (Linux prctl).
 
-    A crashed or killed pytest must not leave an API server and etcd running on the shared machine.
+    A crashed or killed pytest must not leave an API server and etcd running on the shared machine; SIGKILL
+    because an API server told to stop gracefully may drain its connections for a minute.
     """
     with contextlib.suppress(OSError, AttributeError):
         pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 @dataclass
@@ -582,7 +583,7 @@ class ControlPlane:
             cwd=self.state_dir,
             env=env,
             start_new_session=True,
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
+            preexec_fn=kill_with_parent if self.die_with_parent else None,
         )
         log.close()
         self.procs[name] = proc

@@ -65,6 +65,8 @@ from typing import Any
 
 from kubernetes import client, watch
 
+from tests.support.kube import kill_with_parent, node_schedulable, wait_for
+
 log = logging.getLogger(__name__)
 
 LEASE_NAMESPACE = "kube-node-lease"
@@ -199,8 +201,6 @@ class NodeRunner:
 
     def start(self, wait: float = 60.0) -> NodeRunner:
         """Register the node, start heartbeats and the pod watch; return once the node is schedulable."""
-        from tests.support.kube import node_schedulable, wait_for
-
         self.volumes_root.mkdir(parents=True, exist_ok=True)
         self._register_node()
         self._renew_lease()
@@ -541,6 +541,9 @@ class NodeRunner:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,  # its own process group, so stopping it stops its children too
+                    # Killed if the thread that started it dies with the test process: no orphans on a
+                    # shared machine (the starting thread lives as long as the process it watches).
+                    preexec_fn=kill_with_parent,
                 )
             except OSError as exc:
                 raise PodStartError("StartError", f"cannot start {running.argv[0]!r}: {exc}") from exc
