@@ -29,7 +29,7 @@ from tests.support.kube import (
 
 require_envtest(module_level=True)
 
-from kubernetes import client  # noqa: E402  (after the skip: a missing build should not cost an import)
+from kubernetes import client, watch  # noqa: E402  (after the skip: a missing build should not cost an import)
 
 from tests.support.node_runner import NodeRunner  # noqa: E402
 
@@ -404,3 +404,27 @@ def test_runner_and_scheduler_survive_an_api_server_restart(
     pod = _wait_phase(core, namespace, "after-restart", "Running")
     assert pod.status.pod_ip.startswith("127.")
     assert runner.pod(namespace, "after-restart") is not None
+
+
+def test_expired_resource_version_gets_410_and_the_runner_relists(
+    plane: ControlPlane, core: Any, namespace: str, runner: NodeRunner
+) -> None:
+    old = core.create_namespaced_config_map(
+        namespace, {"metadata": {"name": "marker"}}
+    ).metadata.resource_version
+    relists = runner.relists
+    plane.expire_resource_versions()
+    with pytest.raises(client.ApiException) as gone:
+        for _ in watch.Watch().stream(
+            core.list_namespaced_pod, namespace, resource_version=old, timeout_seconds=5
+        ):
+            pass
+    assert gone.value.status == 410
+
+    # The runner's own watch went through the same 410: it re-lists and keeps running new pods.
+    code = "import time; time.sleep(600)"
+    core.create_namespaced_pod(
+        namespace, _pod("after-410", command=["python", "-c", code], node_selector=ON_RUNNER)
+    )
+    _wait_phase(core, namespace, "after-410", "Running")
+    assert runner.relists > relists

@@ -727,11 +727,45 @@ class ControlPlane:
                 "kube-apiserver /readyz",
             )
 
+    def compact_etcd(self) -> int:
+        """Compact etcd's history up to now; returns the revision compacted to.
+
+        A watch or list from a resourceVersion older than this then gets 410 Gone ("too old resource
+        version"), which is how tests make an informer re-list without waiting for the API server's own
+        five-minute compaction.
+        """
+        base = f"http://127.0.0.1:{self.ports['etcd']}/v3/kv"
+        key = base64.b64encode(b"/").decode()
+        header = _post_json(f"{base}/range", {"key": key, "limit": 1, "keys_only": True})["header"]
+        revision = int(header["revision"])
+        _post_json(f"{base}/compaction", {"revision": revision, "physical": True})
+        return revision
+
+    def expire_resource_versions(self) -> int:
+        """Make every resourceVersion issued so far too old: compact etcd, then restart the API server.
+
+        The API server's watch cache keeps serving history it has seen since it started, so compaction
+        alone does not produce a 410; a restarted API server only knows the compacted etcd. Watches of
+        clients that were connected end, and resuming them from their last resourceVersion gets
+        410 Gone ("too old resource version"): the informer's re-list path, on demand.
+        """
+        revision = self.compact_etcd()
+        self.restart("kube-apiserver")
+        return revision
+
     def __enter__(self) -> ControlPlane:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _post_json(url: str, body: dict[str, Any]) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return json.loads(resp.read())
 
 
 def _http_ok(url: str) -> bool:

@@ -196,6 +196,7 @@ class NodeRunner:
         self.core: Any = client.CoreV1Api(self._api)
         self.coordination: Any = client.CoordinationV1Api(self._api)
         self.errors: list[str] = []
+        self.relists = 0  # times the pod watch was answered 410 Gone and listed again
 
     # ---- public API
 
@@ -405,7 +406,9 @@ class NodeRunner:
                 for event in stream:
                     kind, raw = event["type"], event.get("raw_object") or {}
                     if kind == "ERROR":  # e.g. 410 Gone sent as a watch event: start over with a list
-                        self._record(f"watch error event: {raw.get('code')} {raw.get('message')}")
+                        if raw.get("code") != 410:
+                            self._record(f"watch error event: {raw.get('code')} {raw.get('message')}")
+                        self.relists += 1
                         resource_version = ""
                         break
                     resource_version = raw.get("metadata", {}).get("resourceVersion") or resource_version
@@ -417,13 +420,14 @@ class NodeRunner:
                         break
             except client.ApiException as exc:
                 if exc.status == 410:  # our resourceVersion is too old: list again
+                    log.info("node runner %s: watch expired (410), listing again", self.node_name)
+                    self.relists += 1
                     resource_version = ""
                     continue
                 self._record(f"watch: {exc.status} {exc.reason}")
                 self._stop.wait(1)
-            except Exception as exc:
+            except Exception as exc:  # a dropped connection: watch again from where we were, as informers do
                 self._record(f"watch: {exc!r}")
-                resource_version = ""
                 self._stop.wait(1)
 
     def _resync(self, pods: list[Any]) -> None:
