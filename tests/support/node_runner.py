@@ -58,7 +58,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -471,7 +471,7 @@ class NodeRunner:
     # ---- starting a pod
 
     def _start_pod(self, pod: Any) -> None:
-        meta, spec = pod.metadata, pod.spec
+        meta = pod.metadata
         root = self.volumes_root / "pods" / meta.uid
         root.mkdir(parents=True, exist_ok=True)
         running = RunningPod(
@@ -484,47 +484,77 @@ class NodeRunner:
         )
         with self._pods_lock:
             self.pods[meta.uid] = running
-        container = spec.containers[0]
-        try:
-            volume_dirs = self._prepare_volumes(pod, root)
-            for mount in container.volume_mounts or []:
-                local = volume_dirs[mount.name]
-                if mount.sub_path:
-                    local = local / mount.sub_path
-                    local.mkdir(parents=True, exist_ok=True)
-                running.mounts[mount.mount_path.rstrip("/") or "/"] = local
-            env = self._resolve_env(pod, container, running.ip)
-            if container.image in self.unpullable_images:
-                raise PodStartError(
-                    "ErrImagePull", f'failed to pull image "{container.image}": not found (node runner)'
-                )
-            argv = [*(container.command or []), *(container.args or [])]
-            if not argv:
-                raise PodStartError(
-                    "NoCommand", "the node runner needs an explicit command (images are not run)"
-                )
-            argv = [_expand_vars(a, env) for a in argv]
-            argv = [self._rewrite_paths(a, running.mounts) for a in argv]
-            argv[0] = self.command_map.get(argv[0], argv[0])
-            env = {k: self._rewrite_paths(v, running.mounts) for k, v in env.items()}
-            env[MOUNTS_ENV] = json.dumps({k: str(v) for k, v in running.mounts.items()})
-            env[POD_ROOT_ENV] = str(root)
-            cwd = root / "workdir"
-            if container.working_dir:
-                cwd = Path(self._rewrite_paths(container.working_dir, running.mounts))
-                if not str(cwd).startswith(str(self.volumes_root)):
-                    cwd = root / "workdir" / container.working_dir.lstrip("/")
-            cwd.mkdir(parents=True, exist_ok=True)
-            running.argv, running.env, running.cwd = argv, {**self._base_env(root), **env}, cwd
-            self._spawn(running)
-        except PodStartError as exc:
-            self._report_failed_start(pod, running, exc.reason, exc.message)
-            return
-        except Exception as exc:
-            self._report_failed_start(pod, running, "RunnerError", repr(exc))
-            return
+        # One thread per pod, alive as long as its process: it starts, watches and restarts the process,
+        # and the process's parent-death signal is tied to it (see kill_with_parent).
+        thread = threading.Thread(target=self._pod_worker, args=(pod, running), daemon=True)
+        thread.name = f"node-runner-{self.node_name}-{meta.namespace}-{meta.name}"
+        thread.start()
+
+    def _pod_worker(self, pod: Any, running: RunningPod) -> None:
+        """Start the container, retrying what a kubelet retries; then watch the process."""
+        delay, last_reason = 0.2, ""
+        while True:
+            if running.stopping or self._stop.is_set():
+                running.finished.set()
+                return
+            try:
+                self._prepare_and_spawn(pod, running)
+                break
+            except PodStartError as exc:
+                reason, message, permanent = exc.reason, exc.message, exc.permanent
+            except Exception as exc:
+                # 403 while the Node authorizer's graph catches up with a new binding (or a restarted API
+                # server), a dropped connection, a Secret not created yet: a kubelet retries these.
+                reason, message, permanent = "CreateContainerConfigError", repr(exc), False
+            if reason != last_reason or permanent:
+                self._report_failed_start(pod, running, reason, message)
+                last_reason = reason
+            if permanent:
+                running.finished.set()
+                return
+            self._stop.wait(delay)
+            delay = min(delay * 2, 5.0)
         self._report_running(pod, running)
-        threading.Thread(target=self._monitor, args=(pod, running), daemon=True).start()
+        self._monitor(pod, running)
+
+    def _prepare_and_spawn(self, pod: Any, running: RunningPod) -> None:
+        container = pod.spec.containers[0]
+        if container.image in self.unpullable_images:
+            raise PodStartError(
+                "ErrImagePull",
+                f'failed to pull image "{container.image}": not found (node runner)',
+                permanent=True,
+            )
+        argv = [*(container.command or []), *(container.args or [])]
+        if not argv:
+            raise PodStartError(
+                "NoCommand", "the node runner needs an explicit command (images are not run)", permanent=True
+            )
+        volume_dirs = self._prepare_volumes(pod, running.root)
+        for mount in container.volume_mounts or []:
+            local = volume_dirs[mount.name]
+            if mount.sub_path:
+                local = local / mount.sub_path
+                local.mkdir(parents=True, exist_ok=True)
+            running.mounts[mount.mount_path.rstrip("/") or "/"] = local
+        env = self._resolve_env(pod, container, running.ip)
+        argv = [_expand_vars(a, env) for a in argv]
+        argv = [self._rewrite_paths(a, running.mounts) for a in argv]
+        argv[0] = self.command_map.get(argv[0], argv[0])
+        env = {k: self._rewrite_paths(v, running.mounts) for k, v in env.items()}
+        env[MOUNTS_ENV] = json.dumps({k: str(v) for k, v in running.mounts.items()})
+        env[POD_ROOT_ENV] = str(running.root)
+        cwd = running.root / "workdir"
+        if container.working_dir:
+            cwd = Path(self._rewrite_paths(container.working_dir, running.mounts))
+            if not str(cwd).startswith(str(self.volumes_root)):
+                cwd = running.root / "workdir" / container.working_dir.lstrip("/")
+        cwd.mkdir(parents=True, exist_ok=True)
+        running.argv, running.env, running.cwd = argv, {**self._base_env(running.root), **env}, cwd
+        with running.lock:
+            if running.stopping:
+                raise PodStartError("Terminating", "the pod was deleted before its container started")
+            self._spawn(running)
 
     def _base_env(self, root: Path) -> dict[str, str]:
         env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "TZ") if k in os.environ}
@@ -550,7 +580,9 @@ class NodeRunner:
                     preexec_fn=kill_with_parent,
                 )
             except OSError as exc:
-                raise PodStartError("StartError", f"cannot start {running.argv[0]!r}: {exc}") from exc
+                raise PodStartError(
+                    "StartError", f"cannot start {running.argv[0]!r}: {exc}", permanent=True
+                ) from exc
         running.started_at = _now()
 
     def _rewrite_paths(self, value: str, mounts: Mapping[str, Path]) -> str:
@@ -565,27 +597,12 @@ class NodeRunner:
 
     # ---- env and volumes
 
-    def _read_with_retry(self, read: Callable[[], Any]) -> Any:
-        """Read a Secret/ConfigMap, retrying a 403 briefly.
-
-        The Node authorizer learns that a pod on this node references an object from its own watch, which
-        can trail the pod's binding by a moment.
-        """
-        for attempt in range(20):
-            try:
-                return read()
-            except client.ApiException as exc:
-                if exc.status != 403 or attempt == 19:
-                    raise
-                time.sleep(0.1)
-        return None
-
     def _secret(self, namespace: str, name: str) -> dict[str, str]:
-        secret = self._read_with_retry(lambda: self.core.read_namespaced_secret(name, namespace))
+        secret = self.core.read_namespaced_secret(name, namespace)
         return {k: base64.b64decode(v).decode() for k, v in (secret.data or {}).items()}
 
     def _config_map(self, namespace: str, name: str) -> dict[str, str]:
-        cm = self._read_with_retry(lambda: self.core.read_namespaced_config_map(name, namespace))
+        cm = self.core.read_namespaced_config_map(name, namespace)
         return dict(cm.data or {})
 
     def _field(self, pod: Any, path: str, pod_ip: str) -> str:
@@ -608,7 +625,9 @@ class NodeRunner:
             source = (meta.labels if match.group(1) == "labels" else meta.annotations) or {}
             return str(source.get(match.group(2), ""))
         raise PodStartError(
-            "CreateContainerConfigError", f"fieldRef {path} is not supported by the node runner"
+            "CreateContainerConfigError",
+            f"fieldRef {path} is not supported by the node runner",
+            permanent=True,
         )
 
     def _resolve_env(self, pod: Any, container: Any, pod_ip: str) -> dict[str, str]:
@@ -953,10 +972,11 @@ class NodeRunner:
 class PodStartError(Exception):
     """A pod that cannot start, with the container-waiting ``reason`` a kubelet would report."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, *, permanent: bool = False) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
         self.message = message
+        self.permanent = permanent  # False: retried with backoff, as a kubelet retries a pod's sync
 
 
 def _write_items(target: Path, data: Mapping[str, str], items: list[Any] | None) -> None:
