@@ -415,3 +415,35 @@ def test_api_server_restart_with_expired_history_gets_410_and_everything_recover
     )
     _wait_phase(core, namespace, "after-410", "Running")
     assert runner.relists > relists
+
+
+def test_script_starts_an_independent_cluster_and_stops_it(tmp_path: Path, plane: ControlPlane) -> None:
+    """``scripts/envtest.sh start|env|stop``: a second cluster beside the session's, in its own folder."""
+    import json
+    import subprocess
+
+    from kubernetes import config
+
+    from tests.support.kube import ENVTEST_SCRIPT
+
+    state = tmp_path / "cluster"
+    started = subprocess.run(
+        ["bash", str(ENVTEST_SCRIPT), "start", str(state)], capture_output=True, text=True, timeout=150
+    )
+    try:
+        assert started.returncode == 0, started.stderr[-2000:]
+        assert f"export KUBECONFIG={state / 'admin.kubeconfig'}" in started.stdout
+        env = subprocess.run(["bash", str(ENVTEST_SCRIPT), "env", str(state)], capture_output=True, text=True)
+        assert f"KUBECONFIG={state / 'admin.kubeconfig'}" in env.stdout
+
+        with config.new_client_from_config(str(state / "admin.kubeconfig")) as other:
+            names = {n.metadata.name for n in client.CoreV1Api(other).list_namespace().items}
+            assert "default" in names
+            assert other.configuration.host != plane.server
+    finally:
+        pids = (
+            json.loads((state / "state.json").read_text())["pids"] if (state / "state.json").exists() else {}
+        )
+        subprocess.run(["bash", str(ENVTEST_SCRIPT), "stop", str(state)], capture_output=True, timeout=120)
+    assert pids and not any(_alive(pid) for pid in pids.values())
+    assert not (state / "state.json").exists()

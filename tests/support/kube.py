@@ -787,6 +787,14 @@ def _terminate(proc: subprocess.Popen[bytes], timeout: float) -> None:
         proc.wait()
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie: an orphan's exit is reaped by init whenever init gets to it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def stop_state_dir(state_dir: Path, timeout: float = 15.0) -> list[str]:
     """Stop a control plane started by another process (the script's ``start``) from its ``state.json``.
 
@@ -809,9 +817,9 @@ def stop_state_dir(state_dir: Path, timeout: float = 15.0) -> list[str]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        while _running(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if Path(f"/proc/{pid}").exists():
+        if _running(pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         stopped.append(name)
