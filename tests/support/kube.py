@@ -18,8 +18,10 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
@@ -386,8 +388,8 @@ class ControlPlane:
 
     ``extra_args`` adds or overrides flags per component (``{"kube-controller-manager":
     ["--node-monitor-grace-period=10s"]}``), so a test about lost nodes need not wait the default 50s.
-    ``die_with_parent`` ties the processes' lives to this Python process (what a fixture wants; the
-    command line's ``start`` turns it off so the cluster outlives the command).
+    ``die_with_parent`` ties the processes' lives to the thread that starts them (what a fixture wants:
+    start from the main thread; the command line's ``start`` turns it off so the cluster outlives it).
     """
 
     state_dir: Path
@@ -417,10 +419,18 @@ class ControlPlane:
         """A kubeconfig for a cluster admin (``system:masters``): what ``KUBECONFIG`` should point at."""
         return self.state_dir / "admin.kubeconfig"
 
+    def _user_cert(self, user: str, groups: Iterable[str]) -> tuple[str, Path, Path]:
+        """A certificate per (user, groups), named after both, so a cached one never has stale groups."""
+        groups = sorted(groups)
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in user)
+        if groups:
+            safe += "-" + hashlib.sha256("\n".join(groups).encode()).hexdigest()[:10]
+        cert, key = self.pki.issue(f"user-{safe}", user, groups)
+        return safe, cert, key
+
     def user_kubeconfig(self, user: str, groups: Iterable[str] = ()) -> Path:
         """A kubeconfig with a client certificate for ``user`` in ``groups`` (RBAC decides its rights)."""
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in user)
-        cert, key = self.pki.issue(f"user-{safe}", user, groups)
+        safe, cert, key = self._user_cert(user, groups)
         return write_kubeconfig(
             self.state_dir / f"{safe}.kubeconfig", self.server, self.pki.ca_cert, cert=cert, key=key
         )
@@ -444,8 +454,7 @@ class ControlPlane:
             if user is None:
                 cert, key = self.pki.dir / "admin.crt", self.pki.dir / "admin.key"
             else:
-                safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in user)
-                cert, key = self.pki.issue(f"user-{safe}", user, groups)
+                _, cert, key = self._user_cert(user, groups)
             conf.cert_file, conf.key_file = str(cert), str(key)
         return conf
 
@@ -509,7 +518,6 @@ class ControlPlane:
         elif name == "kube-apiserver":
             args = [
                 f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
-                f"--etcd-prefix=/registry-{s.name}",
                 "--bind-address=127.0.0.1",
                 "--advertise-address=127.0.0.1",
                 f"--secure-port={self.ports['kube-apiserver']}",
@@ -632,12 +640,23 @@ class ControlPlane:
         except (urllib.error.URLError, OSError):
             return False
 
-    def start(self) -> ControlPlane:
+    def start(self, attempts: int = 3) -> ControlPlane:
         """Start every component and return once the cluster can run pods.
 
         Ready means: ``/readyz`` is ok, the controller-manager has created the ``default`` ServiceAccount
-        (so pods can be admitted) and the scheduler answers its health check.
+        (so pods can be admitted) and the scheduler answers its health check. Ports are picked free just
+        before use; if another process takes one in between, the start is tried again on new ports.
         """
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once()
+            except ControlPlaneError as exc:
+                if "address already in use" not in str(exc) or attempt == attempts:
+                    raise
+                shutil.rmtree(self.state_dir / "etcd", ignore_errors=True)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> ControlPlane:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(exist_ok=True)
         if not binaries_built(self._bin_dir()):

@@ -197,6 +197,8 @@ class NodeRunner:
         self.coordination: Any = client.CoordinationV1Api(self._api)
         self.errors: list[str] = []
         self.relists = 0  # times the pod watch was answered 410 Gone and listed again
+        self._registered_at = _rfc3339(_now())
+        self._finalizing: set[str] = set()  # uids of deleted pods being stopped and removed
 
     # ---- public API
 
@@ -226,8 +228,14 @@ class NodeRunner:
         self._stop.set()
         with self._pods_lock:
             pods = list(self.pods.values())
-        for pod in pods:
-            self._terminate(pod, self.max_grace_seconds)
+        # All at once, as a node shutting down does: the slowest process sets the pace, not their sum.
+        stoppers = [
+            threading.Thread(target=self._terminate, args=(pod, self.max_grace_seconds)) for pod in pods
+        ]
+        for thread in stoppers:
+            thread.start()
+        for thread in stoppers:
+            thread.join()
         self._shutdown(delete_node)
 
     def crash(self) -> None:
@@ -284,7 +292,7 @@ class NodeRunner:
             )
         for c in conditions:
             c["lastHeartbeatTime"] = now
-            c["lastTransitionTime"] = now
+            c["lastTransitionTime"] = self._registered_at
         return conditions
 
     def _register_node(self) -> None:
@@ -444,11 +452,12 @@ class NodeRunner:
         with self._pods_lock:
             running = self.pods.get(uid)
         if pod.metadata.deletion_timestamp is not None:
-            if running is None or not running.stopping:
-                grace = pod.metadata.deletion_grace_period_seconds
-                threading.Thread(target=self._finalize, args=(pod, running, grace), daemon=True).start()
-                if running is not None:
-                    running.stopping = True
+            with self._pods_lock:
+                if uid in self._finalizing:  # every later update of a terminating pod lands here too
+                    return
+                self._finalizing.add(uid)
+            grace = pod.metadata.deletion_grace_period_seconds
+            threading.Thread(target=self._finalize, args=(pod, running, grace), daemon=True).start()
             return
         # A pod this runner does not know yet, or knew before a restart of the runner: (re)start its
         # container, as a kubelet does after its own restart.
@@ -967,6 +976,8 @@ class NodeRunner:
                 )
         if running is not None:
             self._drop(running)
+        with self._pods_lock:
+            self._finalizing.discard(pod.metadata.uid)
 
 
 class PodStartError(Exception):
