@@ -11,6 +11,7 @@ import http.client
 import os
 import textwrap
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -447,3 +448,55 @@ def test_script_starts_an_independent_cluster_and_stops_it(tmp_path: Path, plane
         subprocess.run(["bash", str(ENVTEST_SCRIPT), "stop", str(state)], capture_output=True, timeout=120)
     assert pids and not any(_alive(pid) for pid in pids.values())
     assert not (state / "state.json").exists()
+
+
+def test_kernel_pod_executes_a_cell_on_its_pod_ip(core: Any, namespace: str, runner: NodeRunner) -> None:
+    """What the Kubernetes provisioner will do: ipykernel in a pod, connection info from a Secret, the
+    kernel bound to its pod IP with fixed ports (``--ip=$(POD_IP)``), a client connecting from outside."""
+    import json
+
+    from jupyter_client import BlockingKernelClient
+
+    ports = {
+        "shell_port": 51001,
+        "iopub_port": 51002,
+        "stdin_port": 51003,
+        "control_port": 51004,
+        "hb_port": 51005,
+    }
+    connection = {**ports, "ip": "0.0.0.0", "key": uuid.uuid4().hex, "transport": "tcp"}
+    connection["signature_scheme"] = "hmac-sha256"
+    core.create_namespaced_secret(
+        namespace,
+        {"metadata": {"name": "kernel-conn"}, "stringData": {"kernel.json": json.dumps(connection)}},
+    )
+    manifest = _pod(
+        "kernel",
+        command=["python", "-m", "ipykernel_launcher", "-f", "/conn/kernel.json", "--ip=$(POD_IP)"],
+        node_selector=ON_RUNNER,
+        container={
+            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
+            "volumeMounts": [{"name": "conn", "mountPath": "/conn"}],
+        },
+        volumes=[{"name": "conn", "secret": {"secretName": "kernel-conn"}}],
+    )
+    core.create_namespaced_pod(namespace, manifest)
+    pod_ip = _wait_phase(core, namespace, "kernel", "Running").status.pod_ip
+
+    kc = BlockingKernelClient()
+    kc.load_connection_info({**connection, "ip": pod_ip})
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        printed: list[str] = []
+
+        def collect(msg: dict[str, Any]) -> None:
+            if msg["msg_type"] == "stream":
+                printed.append(msg["content"]["text"])
+
+        code = "import os; print(os.environ['POD_IP'], 6 * 7)"
+        reply = kc.execute_interactive(code, timeout=30, output_hook=collect)
+        assert reply["content"]["status"] == "ok"
+        assert "".join(printed).strip() == f"{pod_ip} 42"
+    finally:
+        kc.stop_channels()
