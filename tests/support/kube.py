@@ -725,12 +725,15 @@ class ControlPlane:
         with contextlib.suppress(FileNotFoundError):
             (self.state_dir / "state.json").unlink()
 
-    def restart(self, name: str, grace: float = 2.0) -> None:
+    def restart(
+        self, name: str, grace: float = 2.0, *, while_stopped: Callable[[], None] | None = None
+    ) -> None:
         """Stop one component and start it again on the same port (an API server restart mid-watch).
 
         SIGTERM, then SIGKILL after ``grace`` seconds: with clients connected a graceful API server
         shutdown waits for their watches for up to a minute, which tests need not sit through; the
-        clients see their connections drop either way. ``grace=0`` is a crash.
+        clients see their connections drop either way. ``grace=0`` is a crash. ``while_stopped`` runs
+        between the two (the component is down: what clients see is only its absence).
         """
         proc = self.procs.pop(name)
         if grace <= 0:
@@ -738,6 +741,8 @@ class ControlPlane:
             proc.wait()
         else:
             _terminate(proc, grace)
+        if while_stopped is not None:
+            while_stopped()
         self._spawn(name)
         if name == "kube-apiserver":
             self._wait(
@@ -746,31 +751,38 @@ class ControlPlane:
                 "kube-apiserver /readyz",
             )
 
-    def compact_etcd(self) -> int:
+    def compact_etcd(self, *, bump: bool = False) -> int:
         """Compact etcd's history up to now; returns the revision compacted to.
 
-        A watch or list from a resourceVersion older than this then gets 410 Gone ("too old resource
-        version"), which is how tests make an informer re-list without waiting for the API server's own
-        five-minute compaction.
+        With ``bump``, first write a key of etcd's own (outside Kubernetes' data) so the revision moves past
+        every resourceVersion the API server has handed out, bookmarks included.
         """
         base = f"http://127.0.0.1:{self.ports['etcd']}/v3/kv"
-        key = base64.b64encode(b"/").decode()
-        header = _post_json(f"{base}/range", {"key": key, "limit": 1, "keys_only": True})["header"]
+        if bump:
+            key, value = (
+                base64.b64encode(b"/elastic-envtest/expire").decode(),
+                base64.b64encode(b"x").decode(),
+            )
+            header = _post_json(f"{base}/put", {"key": key, "value": value})["header"]
+        else:
+            key = base64.b64encode(b"/").decode()
+            header = _post_json(f"{base}/range", {"key": key, "limit": 1, "keys_only": True})["header"]
         revision = int(header["revision"])
         _post_json(f"{base}/compaction", {"revision": revision, "physical": True})
         return revision
 
     def expire_resource_versions(self) -> int:
-        """Make every resourceVersion issued so far too old: compact etcd, then restart the API server.
+        """Make every resourceVersion issued so far too old (410 Gone); returns the compacted revision.
 
-        The API server's watch cache keeps serving history it has seen since it started, so compaction
-        alone does not produce a 410; a restarted API server only knows the compacted etcd. Watches of
-        clients that were connected end, and resuming them from their last resourceVersion gets
-        410 Gone ("too old resource version"): the informer's re-list path, on demand.
+        Stops the API server, moves etcd's revision on and compacts it, starts the API server again: every
+        client's watch ends, and resuming it from its last resourceVersion gets 410 Gone ("too old resource
+        version"), the informer's re-list path on demand. (Compaction alone would not do: a running API
+        server's watch cache keeps serving the history it has seen; and a revision not moved on could equal
+        a client's last resourceVersion, from which a watch is still allowed.)
         """
-        revision = self.compact_etcd()
-        self.restart("kube-apiserver")
-        return revision
+        compacted: list[int] = []
+        self.restart("kube-apiserver", while_stopped=lambda: compacted.append(self.compact_etcd(bump=True)))
+        return compacted[0]
 
     def __enter__(self) -> ControlPlane:
         return self.start()
