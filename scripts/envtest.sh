@@ -50,6 +50,13 @@ build() {
     local staging_version="v0.${K8S_VERSION#v1.}"
     local mod_dir="${CACHE_DIR}/build-module"
     mkdir -p "${mod_dir}" "${BIN_DIR}"
+    # Several checkouts on one machine share the cache: one build at a time, the others wait and reuse it.
+    exec 9>"${CACHE_DIR}/.build.lock"
+    flock 9
+    if all_built; then
+        log "built meanwhile by another process in ${BIN_DIR}"
+        return 0
+    fi
 
     # k8s.io/kubernetes's go.mod points its staging modules (k8s.io/api, k8s.io/client-go, ...) at relative
     # folders, which `go install` refuses; a small module of our own requires it and pins each staging
