@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
+from tests.support.kube import ControlPlane, require_envtest, wait_for
 from tests.support.server import RunningServer, start_server
 
 PROFILES = {
@@ -26,3 +29,60 @@ def plain_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningSe
     running = start_server(tmp_path_factory.mktemp("server"), CONFIG)
     yield running
     running.stop()
+
+
+# ---- a real Kubernetes control plane (tests/support/kube.py), shared by every test session that asks
+
+
+@pytest.fixture(scope="session")
+def kube_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    """etcd, kube-apiserver, kube-controller-manager, kube-scheduler and kwok for the whole session.
+
+    Skips (or fails, with ELASTIC_REQUIRE_ENVTEST=1 as in CI) when scripts/envtest.sh build has not run.
+    """
+    require_envtest()
+    with ControlPlane(tmp_path_factory.mktemp("kube-plane")) as plane:
+        yield plane
+
+
+@pytest.fixture(scope="session")
+def kube_api(kube_plane: ControlPlane) -> Iterator[Any]:
+    """An admin ``kubernetes.client.ApiClient`` for ``kube_plane``."""
+    with kube_plane.api_client() as api:
+        yield api
+
+
+@pytest.fixture(scope="session")
+def kube_runner(kube_plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A node runner node ("runner-0", one ``nvidia.com/gpu``) that runs its pods as local processes.
+
+    Pods land on it with ``nodeSelector: {"elastic.test/node-runner": "true"}``.
+    """
+    from tests.support.node_runner import NodeRunner
+
+    name = "runner-0"
+    with NodeRunner(
+        kube_plane.configuration(user=f"system:node:{name}", groups=["system:nodes"]),
+        name,
+        tmp_path_factory.mktemp("kube-runner"),
+        capacity={"nvidia.com/gpu": "1"},
+        heartbeat_interval=5,
+        admin_configuration=kube_plane.configuration(),
+        unpullable_images={"registry.invalid/missing:latest"},
+    ) as runner:
+        yield runner
+
+
+@pytest.fixture
+def kube_namespace(kube_api: Any) -> Iterator[str]:
+    """A fresh namespace (with its default ServiceAccount ready), deleted after the test."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(kube_api)
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    core.create_namespace({"metadata": {"name": name}})
+    wait_for(
+        lambda: core.read_namespaced_service_account("default", name), 60, f"default ServiceAccount in {name}"
+    )
+    yield name
+    core.delete_namespace(name)
