@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,21 @@ INVENTORY = [
     {"uuid": "GPU-test-0000", "name": "Test A100", "memory_mib": 40960},
     {"uuid": "GPU-test-0001", "name": "Test A100", "memory_mib": 40960},
 ]
+
+
+def elastic_config(checkpoints: Path, **elastic: Any) -> dict[str, Any]:
+    """A server configuration with the test GPUs and sizes, checkpoints under ``checkpoints``."""
+    return {
+        "ElasticKernels": {
+            "profiles": PROFILES,
+            "gpu_inventory": INVENTORY,
+            "reap_interval": 1,
+            "checkpoint_root": str(checkpoints),
+            **elastic,
+        }
+    }
+
+
 CONFIG = {"ElasticKernels": {"profiles": PROFILES, "gpu_inventory": INVENTORY, "reap_interval": 1}}
 
 

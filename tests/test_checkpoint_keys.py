@@ -38,6 +38,7 @@ from kernelmgr.config import ElasticKernels
 from kernelmgr.core.kernels import ManagedKernel
 from kernelmgr.provisioners.local import agent_environment
 from tests.conftest import INVENTORY, PROFILES
+from tests.conftest import elastic_config as config
 from tests.support.server import RunningServer, start_server, wait_for
 
 SECRET = b"s" * 32
@@ -210,17 +211,6 @@ def test_an_expected_checkpoint_with_nothing_committed_is_refused(tmp_path: Path
 
 
 # -- a real server --------------------------------------------------------------------------------
-
-
-def config(checkpoints: Path) -> dict[str, object]:
-    return {
-        "ElasticKernels": {
-            "profiles": PROFILES,
-            "gpu_inventory": INVENTORY,
-            "reap_interval": 1,
-            "checkpoint_root": str(checkpoints),
-        }
-    }
 
 
 @pytest.fixture(scope="module")

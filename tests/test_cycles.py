@@ -25,7 +25,7 @@ import pytest
 from jupyter_client.manager import start_new_kernel
 
 from tests.conftest import INVENTORY, PROFILES
-from tests.support.server import RunningServer, start_server, wait_for
+from tests.support.server import RunningServer, process_alive, start_server, wait_for
 
 pytest.importorskip("numpy")
 
@@ -206,7 +206,9 @@ def test_five_cycles_by_every_trigger_keep_the_namespace(tmp_path: Path, referen
                 os.kill(server.process.pid, signal.SIGKILL)
                 server.process.wait()
                 wait_for(
-                    lambda pid=pid: not _alive(pid), timeout=60, what="the orphaned kernel to checkpoint"
+                    lambda pid=pid: not process_alive(pid),
+                    timeout=60,
+                    what="the orphan to checkpoint",
                 )
                 server = start_server(tmp_path, config(checkpoints))
                 hibernated_with_everything(server)
@@ -220,15 +222,3 @@ def test_five_cycles_by_every_trigger_keep_the_namespace(tmp_path: Path, referen
             assert f"t{n}" in digest and (n < 3 or f"t{n - 2}" not in digest)
     finally:
         server.stop()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

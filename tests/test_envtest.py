@@ -8,7 +8,6 @@ when the foundations move (a new Kubernetes release, a kwok stage that no longer
 from __future__ import annotations
 
 import http.client
-import os
 import textwrap
 import time
 import uuid
@@ -33,6 +32,7 @@ require_envtest(module_level=True)
 from kubernetes import client, watch  # noqa: E402  (after the skip: a missing build should not cost an import)
 
 from tests.support.node_runner import NodeRunner  # noqa: E402
+from tests.support.server import process_alive  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 ON_RUNNER = {"elastic.test/node-runner": "true"}
@@ -308,13 +308,13 @@ def test_deleting_pod_stops_its_process(core: Any, namespace: str, runner: NodeR
     running = runner.pod(namespace, "sleeper")
     assert running is not None and running.process is not None
     pid = running.process.pid
-    assert _alive(pid)
+    assert process_alive(pid)
 
     started = time.monotonic()
     core.delete_namespaced_pod("sleeper", namespace)
     wait_for(lambda: not _exists(core, namespace, "sleeper"), 30, "pod sleeper to be gone")
     assert running.process.returncode == 0, "SIGTERM first: the process exits through its handler"
-    assert not _alive(pid)
+    assert not process_alive(pid)
     assert time.monotonic() - started < 5, "a process that honours SIGTERM does not wait out the grace period"
     assert runner.pod(namespace, "sleeper") is None
 
@@ -364,18 +364,6 @@ def _http_get(ip: str, port: int) -> str | None:
         return conn.getresponse().read().decode()
     except (TimeoutError, OSError):
         return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead for our purposes.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
 
 
 def test_unpullable_image_leaves_pod_waiting_with_an_event(
@@ -446,7 +434,7 @@ def test_script_starts_an_independent_cluster_and_stops_it(tmp_path: Path, plane
             json.loads((state / "state.json").read_text())["pids"] if (state / "state.json").exists() else {}
         )
         subprocess.run(["bash", str(ENVTEST_SCRIPT), "stop", str(state)], capture_output=True, timeout=120)
-    assert pids and not any(_alive(pid) for pid in pids.values())
+    assert pids and not any(process_alive(pid) for pid in pids.values())
     assert not (state / "state.json").exists()
 
 

@@ -17,23 +17,11 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import INVENTORY, PROFILES
+from tests.conftest import elastic_config as config
 from tests.support.disk import small_disk
 from tests.support.server import Reply, RunningServer, start_server, wait_for
 
 pytest.importorskip("numpy")
-
-
-def config(checkpoints: Path, **elastic: Any) -> dict[str, Any]:
-    return {
-        "ElasticKernels": {
-            "profiles": PROFILES,
-            "gpu_inventory": INVENTORY,
-            "reap_interval": 1,
-            "checkpoint_root": str(checkpoints),
-            **elastic,
-        }
-    }
 
 
 def kernel_processes(kernel_id: str) -> list[int]:

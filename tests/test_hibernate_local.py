@@ -13,23 +13,13 @@ from pathlib import Path
 import pytest
 import websocket
 
-from tests.conftest import INVENTORY, PROFILES
+from tests.conftest import elastic_config as config
 from tests.support.disk import small_disk
 from tests.support.gate import Gate
 from tests.support.server import KernelChannel, Reply, RunningServer, start_server, wait_for
+from tests.support.server import process_alive as alive
 
 pytest.importorskip("numpy")
-
-
-def config(checkpoints: Path) -> dict:
-    return {
-        "ElasticKernels": {
-            "profiles": PROFILES,
-            "gpu_inventory": INVENTORY,
-            "reap_interval": 1,
-            "checkpoint_root": str(checkpoints),
-        }
-    }
 
 
 @pytest.fixture(scope="module")
@@ -79,18 +69,6 @@ def slow_object(seconds: int) -> str:
 
 def pid_of(server: RunningServer, kernel_id: str) -> int:
     return int(server.execute(kernel_id, "import os; print(os.getpid())").strip())
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def hibernate(server: RunningServer, kernel_id: str) -> Reply:

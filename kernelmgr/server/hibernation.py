@@ -150,25 +150,25 @@ class JupyterKernelPlatform:
         The same steps as ``shutdown_kernel(restart=True)`` minus the interrupt (the kernel
         is idle) and with a 10 ms poll instead of 100 ms: a stop is on the hibernate path.
         """
-        km = self._km(kernel_id)
-        if km is None or not km.has_kernel:
-            return
-        km.shutting_down = True
-        km.stop_restarter()
-        await km._async_request_shutdown(restart=True)
-        await km._async_finish_shutdown(pollinterval=0.01, restart=True)
-        await km._async_cleanup_resources(restart=True)
+        await self._end_process(kernel_id, graceful=True)
 
     async def kill(self, kernel_id: str) -> None:
         orphan = self.orphans.pop(kernel_id, None)
         if orphan is not None:
             _kill_pid(orphan)
+        await self._end_process(kernel_id, graceful=False)
+
+    async def _end_process(self, kernel_id: str, graceful: bool) -> None:
+        """Stop the process (asking it, or killing it), keeping id, ports and connection file."""
         km = self._km(kernel_id)
         if km is None or not km.has_kernel:
             return
         km.shutting_down = True
         km.stop_restarter()
-        await km._async_kill_kernel(restart=True)
+        if graceful:
+            await km._async_request_shutdown(restart=True)
+        else:
+            await km._async_kill_kernel(restart=True)
         await km._async_finish_shutdown(pollinterval=0.01, restart=True)
         await km._async_cleanup_resources(restart=True)
 

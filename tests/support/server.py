@@ -327,3 +327,16 @@ def wait_for(predicate: Any, timeout: float = 30, interval: float = 0.2, what: s
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def process_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie has exited; only its parent's wait is due)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
