@@ -147,6 +147,7 @@ def test_declared_gpus_without_nvml_cull_on_jupyter_activity_alone(tmp_path: Pat
             what="a GPU sample that found no NVML",
         )
         assert NO_DRIVER in activity["gpu_activity_source"]
+        assert NO_DRIVER in running.get("/api/elastic/policy")["gpu_activity"]  # not "nvml"
         assert activity["idle_signals"] == "no cell run; GPU activity not measurable here"
         wait_for(lambda: state(running, kernel_id) == "hibernated", timeout=60, what="hibernation")
         assert running.execute(kernel_id, "print(kept + 1)", timeout=120).strip() == "42"

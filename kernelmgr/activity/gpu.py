@@ -114,6 +114,14 @@ class GpuActivitySampler:
         self._kernels: dict[str, _Track] = {}
         self._since_us: dict[str, int] = {}
         self._mig: dict[str, bool] = {}
+        #: What the last NVML query said: ``None`` before any, ``""`` when it answered, else why not.
+        self.last_error: str | None = None
+
+    def source(self) -> str:
+        """Where GPU activity comes from, as the policy endpoint shows it."""
+        if self.last_error is None:
+            return "nvml (not sampled yet)"
+        return f"unavailable: {self.last_error}" if self.last_error else "nvml"
 
     def forget(self, kernel_id: str) -> None:
         """Drop what is remembered about a kernel (it stopped or was hibernated)."""
@@ -141,10 +149,13 @@ class GpuActivitySampler:
                 mig = self._mig[uuid] = self._nvml.is_mig(uuid)
             memory = self._nvml.process_memory(uuid)
             if mig:
+                self.last_error = ""
                 return _Reading(memory, None)
             utilization, newest = self._nvml.process_utilization(uuid, self._since_us.get(uuid, 0))
         except NvmlUnavailable as exc:
-            return _Reading({}, {}, error=_unavailable(exc))
+            self.last_error = _unavailable(exc)
+            return _Reading({}, {}, error=self.last_error)
+        self.last_error = ""
         self._since_us[uuid] = max(newest, self._since_us.get(uuid, 0))
         return _Reading(memory, utilization)
 

@@ -95,7 +95,9 @@ class PolicyHandler(ElasticHandler):
             {
                 **policy.to_dict(),
                 "per_size": {name: policy.for_profile(name).to_dict() for name in runtime.profiles},
-                "gpu_activity": "nvml" if sampler is not None and runtime.gpus_available else "unavailable",
+                "gpu_activity": sampler.source()
+                if sampler is not None and runtime.gpus_available
+                else "unavailable",
                 "gpu_sample_interval": runtime.gpu_sample_interval,
                 # How long a hibernation may take: clients (the CLI) wait that long, not less.
                 "checkpoint_timeout": runtime.checkpoint_timeout,
