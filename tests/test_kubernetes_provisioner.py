@@ -173,7 +173,8 @@ def test_unschedulable_size_fails_with_the_scheduler_reason(
         with pytest.raises(RuntimeError) as failed:
             await km.start_kernel()
         message = str(failed.value)
-        assert "Unschedulable" in message and "Insufficient nvidia.com/gpu" in message, message
+        assert "PodScheduled: Unschedulable: " in message, message
+        assert "Insufficient nvidia.com/gpu" in message and "FailedScheduling" not in message, message
         assert runtime.allocator.slices() == []
 
     asyncio.run(scenario())

@@ -103,10 +103,9 @@ def pod_failure(pod: Any, events: list[Any] | None = None) -> str:
         if terminated is not None:
             reasons.append(f"container {container.name} exited with code {terminated.exit_code}")
     for event in events or []:
-        if event.type == "Warning":
-            text = f"{event.reason}: {event.message}"
-            if not any(text in known for known in reasons):
-                reasons.append(text)
+        said = any(str(event.message) in known for known in reasons)  # the scheduler says it twice
+        if event.type == "Warning" and not said:
+            reasons.append(f"{event.reason}: {event.message}")
     phase = status.phase if status else "Unknown"
     return f"phase {phase}; " + ("; ".join(reasons) if reasons else "no condition or event says why")
 
