@@ -180,3 +180,61 @@ def test_unschedulable_size_fails_with_the_scheduler_reason(
     asyncio.run(scenario())
     assert pod_names(core, kube_namespace) == []
     assert [s.metadata.name for s in core.list_namespaced_secret(kube_namespace).items] == []
+
+
+def test_unpullable_image_fails_with_the_kubelet_reason(
+    tmp_path: Path,
+    kube_plane: ControlPlane,
+    kube_api: Any,
+    kube_namespace: str,
+    kube_runner: NodeRunner,
+    runtime: ElasticRuntime,
+    informers: None,
+) -> None:
+    core = client.CoreV1Api(kube_api)
+    unpullable = "registry.invalid/missing:latest"
+    km = kernel_manager(
+        tmp_path, kube_plane, kube_namespace, runtime, "one", image=unpullable, launch_timeout=6
+    )
+
+    async def scenario() -> None:
+        with pytest.raises(RuntimeError) as failed:
+            await km.start_kernel()
+        assert "ErrImagePull" in str(failed.value), str(failed.value)
+        assert runtime.allocator.slices() == []
+
+    asyncio.run(scenario())
+    assert pod_names(core, kube_namespace) == []
+
+
+def test_informer_sees_pods_and_lists_again_after_410_gone(
+    kube_plane: ControlPlane, kube_api: Any, kube_namespace: str
+) -> None:
+    """One watch: pods appear in the cache, and after etcd compaction (410 Gone) it lists again."""
+    from kernelmgr.kube.informer import PodInformer
+
+    core = client.CoreV1Api(kube_api)
+
+    def pending_pod(kernel_id: str) -> dict[str, Any]:
+        return {
+            "metadata": {"name": f"p-{kernel_id}", "labels": {"component": "kernel", "kernel_id": kernel_id}},
+            "spec": {
+                "nodeSelector": {"elastic.test/nowhere": "true"},
+                "containers": [{"name": "k", "image": "python:3.12", "command": ["true"]}],
+            },
+        }
+
+    informer = PodInformer(client.ApiClient(kube_plane.configuration()), kube_namespace, "component=kernel")
+    informer.start()
+    try:
+        core.create_namespaced_pod(kube_namespace, pending_pod("a"))
+        asyncio.run(informer.wait_for("a", lambda pod: pod is not None, 30))
+        assert informer.lists == 1
+        kube_plane.expire_resource_versions()
+        core.create_namespaced_pod(kube_namespace, pending_pod("b"))
+        asyncio.run(informer.wait_for("b", lambda pod: pod is not None, 60))
+        core.delete_namespaced_pod("p-a", kube_namespace, grace_period_seconds=0)
+        asyncio.run(informer.wait_for("a", lambda pod: pod is None, 30))
+        assert informer.lists >= 2
+    finally:
+        informer.stop()
