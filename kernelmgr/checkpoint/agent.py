@@ -105,7 +105,9 @@ class AgentConfig:
                     f"cell; the server hands the key over in the file named by {ENV_KEY_FILE})"
                 )
             raise ValueError(f"{ENV_DIR} is set but {', '.join(missing)} is not{hint}")
-        key = read_key_file(env[ENV_KEY_FILE], consume=True)  # KeyFileError is a ValueError
+        # A pod's key sits on a read-only Secret volume it cannot remove (the Secret dies with the pod).
+        mounted = env.get("ELASTIC_CHECKPOINT_KEY_MOUNTED", "") == "1"
+        key = read_key_file(env[ENV_KEY_FILE], consume=not mounted)  # KeyFileError is a ValueError
         return cls(
             kernel_dir=Path(directory),
             key=key,

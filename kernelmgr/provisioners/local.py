@@ -39,23 +39,24 @@ from kernelmgr.checkpoint.keys import (
 )
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.kernels import ManagedKernel
-from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.provisioners.common import (
+    AGENT_EXTENSION,
+    claim_slice,
+    find_runtime,
+    mark_launched,
+    profile_name_of,
+    release_slice,
+    with_agent,
+)
 
 PROVISIONER_NAME = "elastic-local-provisioner"
 
-
-AGENT_EXTENSION = "kernelmgr.checkpoint.agent"
 
 #: Agent variables that must come from this provisioner only, never inherited from the server's
 #: environment (the removed ``ELASTIC_CHECKPOINT_KEY`` included: a key must never be in it).
 HANDED_OVER = (ENV_KEY_FILE, "ELASTIC_CHECKPOINT_KEY", "ELASTIC_RESTORE_CHECKPOINT")
 
-
-def with_agent(cmd: list[str]) -> list[str]:
-    """Load the checkpoint agent into an ipykernel command line (other kernels are left alone)."""
-    if any("ipykernel" in part for part in cmd) and not any(AGENT_EXTENSION in part for part in cmd):
-        cmd.append(f"--IPKernelApp.extra_extensions={AGENT_EXTENSION}")
-    return cmd
+__all__ = ["AGENT_EXTENSION", "PROVISIONER_NAME", "ElasticLocalProvisioner", "find_runtime", "with_agent"]
 
 
 def agent_environment(runtime: ElasticRuntime, record: ManagedKernel, key_file: Path) -> dict[str, str]:
@@ -77,20 +78,6 @@ def agent_environment(runtime: ElasticRuntime, record: ManagedKernel, key_file: 
     return env
 
 
-def find_runtime(start: Any) -> ElasticRuntime:
-    """Walk the traitlets ``parent`` chain to the object that carries the runtime."""
-    node = start
-    while node is not None:
-        runtime = getattr(node, "elastic_runtime", None)
-        if isinstance(runtime, ElasticRuntime):
-            return runtime
-        node = getattr(node, "parent", None)
-    raise RuntimeError(
-        f"{PROVISIONER_NAME} needs the kernelmgr server extension (it installs the elastic kernel "
-        "manager that owns the GPU allocator); enable it with `jupyter server extension enable kernelmgr`"
-    )
-
-
 class ElasticLocalProvisioner(LocalProvisioner):
     """Local kernel process + GPU slice bookkeeping."""
 
@@ -100,7 +87,7 @@ class ElasticLocalProvisioner(LocalProvisioner):
 
     @property
     def runtime(self) -> ElasticRuntime:
-        return find_runtime(self.parent)
+        return find_runtime(self.parent, PROVISIONER_NAME)
 
     @property
     def key_file(self) -> Path:
@@ -113,28 +100,15 @@ class ElasticLocalProvisioner(LocalProvisioner):
 
     @property
     def profile_name(self) -> str | None:
-        elastic = (self.kernel_spec.metadata or {}).get("elastic") or {}
-        profile = elastic.get("profile")
-        return str(profile) if profile else None
+        return profile_name_of(self.kernel_spec)
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         runtime = self.runtime
         kernelspec_name = getattr(self.parent, "kernel_name", "") or ""
-        record = runtime.kernels.register(self.kernel_id, kernelspec_name, self.profile_name, runtime.owner)
-        resuming = record.state is KernelState.RESUMING
-        if not resuming and record.state is not KernelState.STARTING:
-            record.lifecycle.move(KernelState.STARTING, "launch")
+        record, granted = claim_slice(runtime, self.kernel_id, kernelspec_name, self.profile_name)
         slice_env = cpu_environment()
-        if self.profile_name is not None:
-            profile = runtime.profile(self.profile_name)
-            try:
-                granted = runtime.allocator.allocate(self.kernel_id, profile)
-            except Exception as exc:
-                if not resuming:  # a resume keeps its record and its checkpoint; the hibernator decides
-                    record.lifecycle.move(KernelState.DEAD, str(exc))
-                    record.last_error = str(exc)
-                    runtime.kernels.remove(self.kernel_id)
-                raise
+        if granted is not None:
+            profile = runtime.profile(granted.profile)
             slice_env = local_environment(profile, granted, runtime.inventory, use_mps=runtime.use_mps)
         try:
             kwargs = await super().pre_launch(**kwargs)
@@ -160,13 +134,7 @@ class ElasticLocalProvisioner(LocalProvisioner):
             self._release("kernel process failed to launch")
             raise
         self._restarting = False
-        record = self.runtime.kernels.get(self.kernel_id)
-        if record is not None:
-            record.launches += 1
-            record.restore_on_start = False
-            record.restore_checkpoint = None
-            if record.state is KernelState.STARTING:
-                record.lifecycle.move(KernelState.RUNNING, "process launched")
+        mark_launched(self.runtime, self.kernel_id, "process launched")
         return info
 
     async def poll(self) -> int | None:
@@ -198,19 +166,4 @@ class ElasticLocalProvisioner(LocalProvisioner):
 
     def _release(self, reason: str) -> None:
         self._remove_key_file()
-        runtime = self.runtime
-        released = runtime.allocator.release(self.kernel_id)
-        record = runtime.kernels.get(self.kernel_id)
-        # Only a kernel that was simply running (or starting) dies here. During a hibernation
-        # or a resume the lifecycle controller owns the state and decides what a stopped
-        # process means (hibernated, back to running, resume failed).
-        if record is not None and record.state in (KernelState.STARTING, KernelState.RUNNING):
-            record.lifecycle.move(KernelState.DEAD, reason)
-        if released is not None:
-            self.log.info(
-                "Released GPU slice of kernel %s (size %s on %s): %s",
-                self.kernel_id,
-                released.profile,
-                ", ".join(released.device_uuids),
-                reason,
-            )
+        release_slice(self.runtime, self.kernel_id, reason, self.log)

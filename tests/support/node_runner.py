@@ -723,6 +723,10 @@ class NodeRunner:
                         ) from exc
                     data = {}
                 _write_items(per_pod, data, volume.secret.items)
+                if volume.secret.default_mode is not None:  # as a kubelet does (kernel key files rely on it)
+                    for written in per_pod.rglob("*"):
+                        if written.is_file():
+                            written.chmod(volume.secret.default_mode)
                 path = per_pod
             elif volume.config_map is not None:
                 per_pod.mkdir(parents=True, exist_ok=True)

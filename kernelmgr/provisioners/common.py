@@ -1,0 +1,103 @@
+"""What every elastic provisioner shares, whatever runs the kernel (a local process or a pod).
+
+The slice bookkeeping must be identical in both: a size that does not fit fails before anything is
+started, a failed start gives the slice back, and only a kernel that was simply starting or running
+becomes ``dead`` when its slice is released (a hibernation or resume owns the state otherwise).
+Keeping it here means the two provisioners cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kernelmgr.config import ElasticRuntime
+from kernelmgr.core.allocator import Slice
+from kernelmgr.core.kernels import ManagedKernel
+from kernelmgr.core.lifecycle import KernelState
+
+AGENT_EXTENSION = "kernelmgr.checkpoint.agent"
+
+
+def with_agent(cmd: list[str]) -> list[str]:
+    """Load the checkpoint agent into an ipykernel command line (other kernels are left alone)."""
+    if any("ipykernel" in part for part in cmd) and not any(AGENT_EXTENSION in part for part in cmd):
+        cmd.append(f"--IPKernelApp.extra_extensions={AGENT_EXTENSION}")
+    return cmd
+
+
+def find_runtime(start: Any, provisioner_name: str = "elastic-local-provisioner") -> ElasticRuntime:
+    """Walk the traitlets ``parent`` chain to the object that carries the runtime."""
+    node = start
+    while node is not None:
+        runtime = getattr(node, "elastic_runtime", None)
+        if isinstance(runtime, ElasticRuntime):
+            return runtime
+        node = getattr(node, "parent", None)
+    raise RuntimeError(
+        f"{provisioner_name} needs the kernelmgr server extension (it installs the elastic kernel "
+        "manager that owns the GPU allocator); enable it with `jupyter server extension enable kernelmgr`"
+    )
+
+
+def profile_name_of(kernel_spec: Any) -> str | None:
+    """The GPU size a kernelspec asks for (``metadata.elastic.profile``), ``None`` for a CPU kernel."""
+    elastic = (getattr(kernel_spec, "metadata", None) or {}).get("elastic") or {}
+    profile = elastic.get("profile")
+    return str(profile) if profile else None
+
+
+def claim_slice(
+    runtime: ElasticRuntime, kernel_id: str, kernelspec_name: str, profile_name: str | None
+) -> tuple[ManagedKernel, Slice | None]:
+    """Register the kernel (or find it, for a resume) and take its slice, before anything starts.
+
+    A size that does not fit raises here; a new kernel is then marked dead and forgotten, while a
+    resume keeps its record and checkpoint (the hibernator decides what a failed resume means).
+    """
+    record = runtime.kernels.register(kernel_id, kernelspec_name, profile_name, runtime.owner)
+    resuming = record.state is KernelState.RESUMING
+    if not resuming and record.state is not KernelState.STARTING:
+        record.lifecycle.move(KernelState.STARTING, "launch")
+    if profile_name is None:
+        return record, None
+    try:
+        granted = runtime.allocator.allocate(kernel_id, runtime.profile(profile_name))
+    except Exception as exc:
+        if not resuming:
+            record.lifecycle.move(KernelState.DEAD, str(exc))
+            record.last_error = str(exc)
+            runtime.kernels.remove(kernel_id)
+        raise
+    return record, granted
+
+
+def mark_launched(runtime: ElasticRuntime, kernel_id: str, how: str) -> None:
+    """The kernel serves: count the launch, forget the restore request, starting → running."""
+    record = runtime.kernels.get(kernel_id)
+    if record is not None:
+        record.launches += 1
+        record.restore_on_start = False
+        record.restore_checkpoint = None
+        if record.state is KernelState.STARTING:
+            record.lifecycle.move(KernelState.RUNNING, how)
+
+
+def release_slice(runtime: ElasticRuntime, kernel_id: str, reason: str, log: logging.Logger) -> None:
+    """Give the slice back (idempotent); a kernel that was only starting or running dies here.
+
+    During a hibernation or a resume the lifecycle controller owns the state and decides what a
+    stopped kernel means (hibernated, back to running, resume failed).
+    """
+    released = runtime.allocator.release(kernel_id)
+    record = runtime.kernels.get(kernel_id)
+    if record is not None and record.state in (KernelState.STARTING, KernelState.RUNNING):
+        record.lifecycle.move(KernelState.DEAD, reason)
+    if released is not None:
+        log.info(
+            "Released GPU slice of kernel %s (size %s on %s): %s",
+            kernel_id,
+            released.profile,
+            ", ".join(released.device_uuids),
+            reason,
+        )

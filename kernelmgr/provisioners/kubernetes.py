@@ -1,0 +1,452 @@
+"""``elastic-kubernetes-provisioner``: one pod per kernel, holding the kernel's GPU slice.
+
+The slice is taken from the runtime's allocator exactly as the local provisioner does
+(:mod:`kernelmgr.provisioners.common`), so a size that does not fit fails before any API call.
+The pod gets the size's resources from its slice backend (:mod:`kernelmgr.backends.kubernetes`).
+Connection info (fixed ports, fresh HMAC key) and the owner's checkpoint key go in a Secret that the
+pod mounts read-only and that the pod owns (garbage-collected with it). The pod IP comes from the
+one shared pod watch (:mod:`kernelmgr.kube.informer`); API calls run in worker threads, never on
+the event loop. Interrupts go as ``interrupt_request`` messages (a signal cannot cross the API);
+kill and terminate delete the pod and wait until the watch sees it gone, so the GPU is really free.
+
+Not yet: hibernate/resume with pods (the checkpoint volume is an ``emptyDir``), adoption of running
+pods after a server restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+from typing import Any
+
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.provisioning import KernelProvisionerBase
+from kubernetes import client, config
+from traitlets import Dict, Float, Integer, List, Unicode
+
+from kernelmgr.backends.kubernetes import render_pod_fragment
+from kernelmgr.checkpoint.keys import encode_key
+from kernelmgr.config import ElasticRuntime
+from kernelmgr.kube.informer import KERNEL_ID_LABEL, PodInformer
+from kernelmgr.provisioners.common import (
+    claim_slice,
+    find_runtime,
+    mark_launched,
+    profile_name_of,
+    release_slice,
+    with_agent,
+)
+
+PROVISIONER_NAME = "elastic-kubernetes-provisioner"
+APP_LABELS = {"app.kubernetes.io/name": "jupyter-elastic-kernels", "component": "kernel"}
+OWNER_ANNOTATION = "elastic.jupyter.org/owner"
+SIZE_ANNOTATION = "elastic.jupyter.org/size"
+SECRET_MOUNT = "/etc/elastic"
+CONNECTION_FILE = "connection.json"
+KEY_FILE = "checkpoint.key"
+CHECKPOINT_MOUNT = "/var/lib/elastic/checkpoints"
+#: Tells the agent the key file sits on a read-only Secret volume (it cannot remove it).
+ENV_KEY_MOUNTED = "ELASTIC_CHECKPOINT_KEY_MOUNTED"
+PORT_NAMES = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+
+_clients: dict[str, client.ApiClient] = {}
+_informers: dict[tuple[str, str], PodInformer] = {}
+
+
+def api_client(kubeconfig: str) -> client.ApiClient:
+    """One API client per kubeconfig (``""``: in-cluster when there, else the default kubeconfig)."""
+    if kubeconfig not in _clients:
+        configuration = client.Configuration()
+        if not kubeconfig and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config(client_configuration=configuration)
+        else:
+            config.load_kube_config(config_file=kubeconfig or None, client_configuration=configuration)
+        _clients[kubeconfig] = client.ApiClient(configuration)
+    return _clients[kubeconfig]
+
+
+def shared_informer(kubeconfig: str, namespace: str) -> PodInformer:
+    """The one pod watch per cluster and namespace, started on first use."""
+    key = (kubeconfig, namespace)
+    if key not in _informers:
+        selector = ",".join(f"{k}={v}" for k, v in APP_LABELS.items())
+        # Its own client: the watch holds a connection for minutes at a time.
+        watch_api = client.ApiClient(api_client(kubeconfig).configuration)
+        _informers[key] = PodInformer(watch_api, namespace, selector).start()
+    return _informers[key]
+
+
+def stop_shared_informers() -> None:
+    """Stop every pod watch (server exit, tests)."""
+    for informer in _informers.values():
+        informer.stop()
+    _informers.clear()
+
+
+def pod_failure(pod: Any, events: list[Any] | None = None) -> str:
+    """Why a pod is not running, in the words of the scheduler, the kubelet and the events."""
+    if pod is None:
+        return "the pod is gone"
+    reasons: list[str] = []
+    status = pod.status
+    for condition in (status.conditions if status else None) or []:
+        if condition.status != "True" and condition.reason:
+            reasons.append(f"{condition.type}: {condition.reason}: {condition.message or ''}".strip())
+    for container in (status.container_statuses if status else None) or []:
+        waiting = container.state.waiting if container.state else None
+        if waiting is not None and waiting.reason and waiting.reason != "ContainerCreating":
+            reasons.append(f"container {container.name}: {waiting.reason}: {waiting.message or ''}".strip())
+        terminated = container.state.terminated if container.state else None
+        if terminated is not None:
+            reasons.append(f"container {container.name} exited with code {terminated.exit_code}")
+    for event in events or []:
+        said = any(str(event.message) in known for known in reasons)  # the scheduler says it twice
+        if event.type == "Warning" and not said:
+            reasons.append(f"{event.reason}: {event.message}")
+    phase = status.phase if status else "Unknown"
+    return f"phase {phase}; " + ("; ".join(reasons) if reasons else "no condition or event says why")
+
+
+def _running(pod: Any) -> bool:
+    status = pod.status if pod is not None else None
+    return status is not None and status.phase == "Running" and bool(status.pod_ip)
+
+
+def _finished(pod: Any) -> bool:
+    return pod is None or (pod.status is not None and pod.status.phase in ("Succeeded", "Failed"))
+
+
+def exit_code(pod: Any) -> int:
+    """The kernel container's exit code; a pod gone without one counts as killed (-9)."""
+    statuses = (pod.status.container_statuses if pod is not None and pod.status else None) or []
+    for container in statuses:
+        terminated = container.state.terminated if container.state else None
+        if terminated is not None:
+            return int(terminated.exit_code)
+    return -9 if pod is None else 1
+
+
+class ElasticKubernetesProvisioner(KernelProvisionerBase):
+    """A kernel in its own pod, holding its GPU slice for the pod's life."""
+
+    namespace = Unicode("default", config=True, help="Namespace of the kernel pods.")
+    kubeconfig = Unicode(
+        "", config=True, help="Kubeconfig file; empty: in-cluster configuration, else the default kubeconfig."
+    )
+    image = Unicode("quay.io/jupyter/scipy-notebook:latest", config=True, help="Kernel image.")
+    command = List(
+        Unicode(),
+        default_value=["python", "-m", "ipykernel_launcher", "-f", f"{SECRET_MOUNT}/{CONNECTION_FILE}"],
+        config=True,
+        help="Kernel command; `--ip=$(POD_IP)` and the checkpoint agent are added to an ipykernel command.",
+    )
+    service_account = Unicode("", config=True, help="ServiceAccount of the pods (empty: no API token).")
+    node_selector = Dict(config=True, help="spec.nodeSelector of the pods.")
+    tolerations: List[Any] = List(config=True, help="spec.tolerations of the pods.")
+    extra_labels = Dict(config=True, help="Labels added to the pods.")
+    extra_annotations = Dict(config=True, help="Annotations added to the pods.")
+    run_as_user = Integer(1000, config=True, help="Non-root user the kernel runs as.")
+    launch_timeout = Float(300.0, config=True, help="Seconds until a pod must be Running.")
+    stop_timeout = Float(60.0, config=True, help="Seconds to wait for a deleted pod to be gone.")
+    first_port = Integer(52000, config=True, help="Kernel ports: this one and the four after it.")
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # Signals cannot reach a pod: jupyter_client must interrupt with a control message.
+        self.kernel_spec.interrupt_mode = "message"
+        self._informer: PodInformer | None = None
+        self._restarting = False
+        self._pod_name = f"kernel-{self.kernel_id}"
+        self._launched = False
+
+    # ---- plumbing
+
+    @property
+    def runtime(self) -> ElasticRuntime:
+        return find_runtime(self.parent, PROVISIONER_NAME)
+
+    @property
+    def core(self) -> Any:
+        """Typed ``Any``: the client's generated stubs do not accept the plain dict manifests we send."""
+        return client.CoreV1Api(api_client(self.kubeconfig))
+
+    @property
+    def informer(self) -> PodInformer:
+        if self._informer is None:
+            self._informer = shared_informer(self.kubeconfig, self.namespace)
+        return self._informer
+
+    @property
+    def has_process(self) -> bool:
+        return self._launched and not _finished(self.informer.get(self.kernel_id))
+
+    # ---- launch
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        runtime = self.runtime
+        kernelspec_name = getattr(self.parent, "kernel_name", "") or ""
+        self._record, self._granted = claim_slice(
+            runtime, self.kernel_id, kernelspec_name, profile_name_of(self.kernel_spec)
+        )
+        try:
+            self.informer  # noqa: B018  (start the watch now: the pod's first events must be seen)
+            ports = {name: self.first_port + i for i, name in enumerate(PORT_NAMES)}
+            info: dict[str, Any] = {
+                **ports,
+                "ip": "",
+                "key": secrets.token_hex(32).encode(),
+                "transport": "tcp",
+                "signature_scheme": "hmac-sha256",
+                "kernel_name": kernelspec_name,
+            }
+            self.connection_info = info  # type: ignore[assignment]
+            kwargs = await super().pre_launch(**kwargs)
+        except BaseException:
+            release_slice(runtime, self.kernel_id, "launch preparation failed", self.log)
+            raise
+        kwargs["cmd"] = self._command()
+        return kwargs
+
+    def _command(self) -> list[str]:
+        cmd = list(self.command)
+        if any("ipykernel" in part for part in cmd) and not any(p.startswith("--ip") for p in cmd):
+            cmd.append("--ip=$(POD_IP)")
+        return with_agent(cmd)
+
+    def pod_manifest(self, cmd: list[str]) -> dict[str, Any]:
+        """The kernel pod (pure: tests read it, the API server validates it)."""
+        runtime = self.runtime
+        record = self._record
+        store = runtime.checkpoints
+        agent_env = store.agent_env(
+            record.owner,
+            self.kernel_id,
+            key_file=f"{SECRET_MOUNT}/{KEY_FILE}",
+            restore=record.restore_on_start,
+            restore_checkpoint=record.restore_checkpoint,
+        )
+        relative = store.kernel_dir(record.owner, self.kernel_id).relative_to(store.root)
+        agent_env["ELASTIC_CHECKPOINT_DIR"] = f"{CHECKPOINT_MOUNT}/{relative.as_posix()}"
+        agent_env[ENV_KEY_MOUNTED] = "1"
+        env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        env += [{"name": k, "value": v} for k, v in agent_env.items()]
+        labels = {**self.extra_labels, **APP_LABELS, KERNEL_ID_LABEL: self.kernel_id}
+        annotations = {**self.extra_annotations, OWNER_ANNOTATION: record.owner}
+        if self._granted is not None:
+            annotations[SIZE_ANNOTATION] = self._granted.profile
+        spec: dict[str, Any] = {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": bool(self.service_account),
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": self.run_as_user,
+                "runAsGroup": self.run_as_user,
+                "fsGroup": self.run_as_user,
+            },
+            "containers": [
+                {
+                    "name": "kernel",
+                    "image": self.image,
+                    "command": cmd,
+                    "env": env,
+                    "ports": [
+                        {"name": n.split("_")[0], "containerPort": self.first_port + i}
+                        for i, n in enumerate(PORT_NAMES)
+                    ],
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"]},
+                        "runAsNonRoot": True,
+                    },
+                    "volumeMounts": [
+                        {"name": "connection", "mountPath": SECRET_MOUNT, "readOnly": True},
+                        {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT},
+                    ],
+                }
+            ],
+            "volumes": [
+                # 0440 with fsGroup: the kernel's group reads it, nobody else (the agent checks).
+                {"name": "connection", "secret": {"secretName": self._pod_name, "defaultMode": 0o440}},
+                {"name": "checkpoints", "emptyDir": {}},
+            ],
+        }
+        if self.service_account:
+            spec["serviceAccountName"] = self.service_account
+        if self.node_selector:
+            spec["nodeSelector"] = dict(self.node_selector)
+        if self.tolerations:
+            spec["tolerations"] = list(self.tolerations)
+        pod: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": self._pod_name, "labels": labels, "annotations": annotations},
+            "spec": spec,
+        }
+        if self._granted is not None:
+            pod = render_pod_fragment(runtime.profile(self._granted.profile), self.kernel_id).apply_to(pod)
+        return pod
+
+    def secret_manifest(self) -> dict[str, Any]:
+        """Connection file and checkpoint key (made owned by the pod once the pod exists)."""
+        info = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in self.connection_info.items()}
+        info["ip"] = "0.0.0.0"  # replaced by --ip=$(POD_IP) on the command line
+        key = encode_key(self.runtime.checkpoints.key_for(self._record.owner)).decode()
+        return {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": self._pod_name,
+                "labels": {**APP_LABELS, KERNEL_ID_LABEL: self.kernel_id},
+            },
+            "type": "Opaque",
+            "stringData": {CONNECTION_FILE: json.dumps(info), KEY_FILE: key},
+        }
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        try:
+            info = await self._launch(cmd)
+        except BaseException:
+            await self._delete_pod(grace=0, wait=False)
+            await self._delete_secret()
+            self._launched = False
+            release_slice(self.runtime, self.kernel_id, "kernel pod failed to start", self.log)
+            raise
+        self._restarting = False
+        mark_launched(self.runtime, self.kernel_id, "pod running")
+        return info
+
+    async def _launch(self, cmd: list[str]) -> KernelConnectionInfo:
+        core = self.core
+        # Secret, pod, then the Secret's owner: the pod must find its Secret at once (a kubelet
+        # retries a missing Secret volume with back-off, seconds per start), and the Secret must
+        # die with the pod. Three API calls per start.
+        await asyncio.to_thread(core.create_namespaced_secret, self.namespace, self.secret_manifest())
+        self._launched = True
+        pod = await asyncio.to_thread(core.create_namespaced_pod, self.namespace, self.pod_manifest(cmd))
+        owner = {"apiVersion": "v1", "kind": "Pod", "name": self._pod_name, "uid": pod.metadata.uid}
+        await asyncio.to_thread(
+            core.patch_namespaced_secret,
+            self._pod_name,
+            self.namespace,
+            {"metadata": {"ownerReferences": [owner]}},
+        )
+        uid = pod.metadata.uid
+
+        def ready_or_done(seen: Any) -> bool:
+            if seen is None or seen.metadata.uid != uid:
+                return False
+            return _running(seen) or _finished(seen)
+
+        seen: Any
+        try:
+            seen = await self.informer.wait_for(self.kernel_id, ready_or_done, self.launch_timeout)
+        except TimeoutError:
+            seen = self.informer.get(self.kernel_id)
+            events = await asyncio.to_thread(self._events)
+            raise RuntimeError(
+                f"kernel pod {self.namespace}/{self._pod_name} not running after {self.launch_timeout:g} s: "
+                f"{pod_failure(seen, events)}"
+            ) from None
+        if not _running(seen):
+            raise RuntimeError(f"kernel pod {self.namespace}/{self._pod_name} ended: {pod_failure(seen)}")
+        self.connection_info["ip"] = seen.status.pod_ip
+        self.log.info("Kernel %s runs in pod %s at %s", self.kernel_id, self._pod_name, seen.status.pod_ip)
+        return self.connection_info
+
+    def _events(self) -> list[Any]:
+        """The pod's events: read once, only to explain a failed launch."""
+        try:
+            return list(
+                self.core.list_namespaced_event(
+                    self.namespace, field_selector=f"involvedObject.name={self._pod_name}"
+                ).items
+            )
+        except client.ApiException:
+            return []
+
+    # ---- life and death
+
+    async def poll(self) -> int | None:
+        if not self._launched:
+            return 0
+        pod = self.informer.get(self.kernel_id)
+        if not _finished(pod):
+            return None
+        if not self._restarting:
+            release_slice(self.runtime, self.kernel_id, "kernel pod ended", self.log)
+        return exit_code(pod)
+
+    async def wait(self) -> int | None:
+        if not self._launched:
+            return None
+        pod = await self.informer.wait_for(self.kernel_id, _finished, self.stop_timeout + self.launch_timeout)
+        return exit_code(pod)
+
+    async def send_signal(self, signum: int) -> None:
+        if signum == signal.SIGKILL:
+            await self.kill()
+        elif signum == signal.SIGTERM:
+            await self.terminate()
+        else:  # SIGINT goes as interrupt_request (interrupt_mode "message"); others cannot cross the API
+            self.log.debug("signal %s not sent to kernel pod %s", signum, self._pod_name)
+
+    async def kill(self, restart: bool = False) -> None:
+        await self._delete_pod(grace=0, wait=True)
+
+    async def terminate(self, restart: bool = False) -> None:
+        await self._delete_pod(grace=None, wait=True)
+
+    async def _delete_pod(self, grace: int | None, wait: bool) -> None:
+        if not self._launched:
+            return
+        try:
+            await asyncio.to_thread(
+                self.core.delete_namespaced_pod, self._pod_name, self.namespace, grace_period_seconds=grace
+            )
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+        if wait:
+            await self.informer.wait_for(self.kernel_id, lambda pod: pod is None, self.stop_timeout)
+
+    async def _delete_secret(self) -> None:
+        """Delete the kernel's Secret now rather than leave it to the garbage collector (best effort)."""
+        try:
+            await asyncio.to_thread(self.core.delete_namespaced_secret, self._pod_name, self.namespace)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                self.log.warning("could not delete Secret %s: %s", self._pod_name, exc.reason)
+
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        self._restarting = restart
+
+    async def cleanup(self, restart: bool = False) -> None:
+        if self._launched:
+            # A kernel that exited on a shutdown request leaves a Succeeded pod: delete it, so
+            # nothing of the kernel is left in the cluster (its Secret goes with it, as owner).
+            try:
+                await self._delete_pod(grace=0, wait=True)
+            except TimeoutError:
+                self.log.warning("kernel pod %s still there after %g s", self._pod_name, self.stop_timeout)
+            await self._delete_secret()
+        self._launched = False
+        if restart:
+            return
+        release_slice(self.runtime, self.kernel_id, "kernel shut down", self.log)
+        self.runtime.kernels.remove(self.kernel_id)
+
+    def get_stable_start_time(self, recommended: float = 10.0) -> float:
+        """Pods take longer than processes to start (scheduling, image, volumes)."""
+        return max(recommended, 60.0)
+
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = await super().get_provisioner_info()
+        info.update(pod_name=self._pod_name, launched=self._launched)
+        return info
+
+    async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
+        await super().load_provisioner_info(provisioner_info)
+        self._launched = bool(provisioner_info.get("launched"))

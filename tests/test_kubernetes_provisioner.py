@@ -1,0 +1,240 @@
+"""``elastic-kubernetes-provisioner`` against the real control plane: kernels as pods on the node runner.
+
+Driven through a real ``jupyter_client.AsyncKernelManager`` whose kernelspec names the provisioner (as the
+server's kernelspecs will), with the provisioner's configuration in the kernelspec metadata.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.kube import ControlPlane, require_envtest
+
+require_envtest(module_level=True)
+
+from jupyter_client import AsyncKernelManager  # noqa: E402
+from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
+from kubernetes import client  # noqa: E402
+from traitlets.config import Configurable  # noqa: E402
+
+from kernelmgr.config import ElasticKernels, ElasticRuntime  # noqa: E402
+from kernelmgr.provisioners import kubernetes as kprov  # noqa: E402
+from tests.support.node_runner import NodeRunner  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+ON_RUNNER = {"elastic.test/node-runner": "true"}
+PROFILES = {"one": {"gpu_fraction": 1}, "two": {"gpu_fraction": 2}}
+INVENTORY = [
+    {"uuid": "GPU-k8s-0000", "name": "Test A100", "memory_mib": 40960},
+    {"uuid": "GPU-k8s-0001", "name": "Test A100", "memory_mib": 40960},
+]
+
+
+class Holder(Configurable):
+    """Stands in for the elastic kernel manager: the parent that carries the runtime."""
+
+    elastic_runtime: ElasticRuntime
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> ElasticRuntime:
+    elastic = ElasticKernels(profiles=PROFILES, gpu_inventory=INVENTORY, checkpoint_root=str(tmp_path / "ck"))
+    return elastic.build()
+
+
+@pytest.fixture
+def informers() -> Iterator[None]:
+    yield
+    kprov.stop_shared_informers()
+
+
+def kernel_manager(
+    tmp_path: Path, plane: ControlPlane, namespace: str, runtime: ElasticRuntime, size: str, **config: Any
+) -> AsyncKernelManager:
+    name = f"k8s-{size}"
+    spec_dir = tmp_path / "kernels" / name
+    spec_dir.mkdir(parents=True)
+    provisioner_config = {
+        "namespace": namespace,
+        "kubeconfig": str(plane.admin_kubeconfig),
+        "image": "python:3.12",
+        "node_selector": ON_RUNNER,
+        "run_as_user": os.getuid() or 1000,
+        "launch_timeout": 60.0,
+        **config,
+    }
+    spec = {
+        "argv": ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": f"Python (pod, {size})",
+        "language": "python",
+        "interrupt_mode": "message",
+        "metadata": {
+            "kernel_provisioner": {"provisioner_name": kprov.PROVISIONER_NAME, "config": provisioner_config},
+            "elastic": {"profile": size},
+        },
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    holder = Holder()
+    holder.elastic_runtime = runtime
+    ksm = KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")])
+    return AsyncKernelManager(parent=holder, kernel_name=name, kernel_spec_manager=ksm)
+
+
+def pod_names(core: Any, namespace: str) -> list[str]:
+    return [p.metadata.name for p in core.list_namespaced_pod(namespace).items]
+
+
+def test_kernel_pod_executes_interrupts_and_shuts_down(
+    tmp_path: Path,
+    kube_plane: ControlPlane,
+    kube_api: Any,
+    kube_namespace: str,
+    kube_runner: NodeRunner,
+    runtime: ElasticRuntime,
+    informers: None,
+) -> None:
+    core = client.CoreV1Api(kube_api)
+    km = kernel_manager(tmp_path, kube_plane, kube_namespace, runtime, "one")
+
+    async def scenario() -> None:
+        await km.start_kernel()
+        kernel_id = km.kernel_id
+        assert kernel_id is not None
+        pod = core.read_namespaced_pod(f"kernel-{kernel_id}", kube_namespace)
+        labels = pod.metadata.labels
+        assert labels["app.kubernetes.io/name"] == "jupyter-elastic-kernels"
+        assert labels["component"] == "kernel" and labels["kernel_id"] == kernel_id
+        assert pod.metadata.annotations[kprov.SIZE_ANNOTATION] == "one"
+        assert pod.spec.restart_policy == "Never"
+        container = pod.spec.containers[0]
+        assert container.resources.limits == {"nvidia.com/gpu": "1"}
+        assert container.security_context.allow_privilege_escalation is False
+        assert container.security_context.capabilities.drop == ["ALL"]
+        assert pod.spec.security_context.run_as_non_root is True
+        secret = core.read_namespaced_secret(f"kernel-{kernel_id}", kube_namespace)
+        assert secret.metadata.owner_references[0].uid == pod.metadata.uid
+        assert km.get_connection_info()["ip"] == pod.status.pod_ip
+        assert runtime.allocator.slice_of(kernel_id) is not None
+
+        kc = km.client()
+        kc.start_channels()
+        try:
+            await kc.wait_for_ready(timeout=60)
+            results: list[str] = []
+
+            def collect(msg: dict[str, Any]) -> None:
+                if msg["msg_type"] in ("execute_result", "stream"):
+                    results.append(msg["content"].get("text") or msg["content"]["data"]["text/plain"])
+
+            reply = await kc.execute_interactive(
+                "import os; os.environ['POD_IP'], 6 * 7", timeout=30, output_hook=collect
+            )
+            assert reply["content"]["status"] == "ok"
+            assert results == [repr((pod.status.pod_ip, 42))]
+
+            msg_id = kc.execute("import time; time.sleep(60)")
+            await asyncio.sleep(1.0)
+            await km.interrupt_kernel()
+            interrupted = await kc.get_shell_msg(timeout=15)
+            assert interrupted["parent_header"]["msg_id"] == msg_id
+            assert interrupted["content"]["ename"] == "KeyboardInterrupt"
+        finally:
+            kc.stop_channels()
+
+        await km.shutdown_kernel()
+        assert pod_names(core, kube_namespace) == []
+        assert [s.metadata.name for s in core.list_namespaced_secret(kube_namespace).items] == []
+        assert runtime.allocator.slice_of(kernel_id) is None
+        assert runtime.kernels.get(kernel_id) is None
+
+    asyncio.run(scenario())
+
+
+def test_unschedulable_size_fails_with_the_scheduler_reason(
+    tmp_path: Path,
+    kube_plane: ControlPlane,
+    kube_api: Any,
+    kube_namespace: str,
+    kube_runner: NodeRunner,
+    runtime: ElasticRuntime,
+    informers: None,
+) -> None:
+    core = client.CoreV1Api(kube_api)
+    km = kernel_manager(tmp_path, kube_plane, kube_namespace, runtime, "two", launch_timeout=6.0)
+
+    async def scenario() -> None:
+        with pytest.raises(RuntimeError) as failed:
+            await km.start_kernel()
+        message = str(failed.value)
+        assert "PodScheduled: Unschedulable: " in message, message
+        assert "Insufficient nvidia.com/gpu" in message and "FailedScheduling" not in message, message
+        assert runtime.allocator.slices() == []
+
+    asyncio.run(scenario())
+    assert pod_names(core, kube_namespace) == []
+    assert [s.metadata.name for s in core.list_namespaced_secret(kube_namespace).items] == []
+
+
+def test_unpullable_image_fails_with_the_kubelet_reason(
+    tmp_path: Path,
+    kube_plane: ControlPlane,
+    kube_api: Any,
+    kube_namespace: str,
+    kube_runner: NodeRunner,
+    runtime: ElasticRuntime,
+    informers: None,
+) -> None:
+    core = client.CoreV1Api(kube_api)
+    unpullable = "registry.invalid/missing:latest"
+    km = kernel_manager(
+        tmp_path, kube_plane, kube_namespace, runtime, "one", image=unpullable, launch_timeout=6
+    )
+
+    async def scenario() -> None:
+        with pytest.raises(RuntimeError) as failed:
+            await km.start_kernel()
+        assert "ErrImagePull" in str(failed.value), str(failed.value)
+        assert runtime.allocator.slices() == []
+
+    asyncio.run(scenario())
+    assert pod_names(core, kube_namespace) == []
+
+
+def test_informer_sees_pods_and_lists_again_after_410_gone(
+    kube_plane: ControlPlane, kube_api: Any, kube_namespace: str
+) -> None:
+    """One watch: pods appear in the cache, and after etcd compaction (410 Gone) it lists again."""
+    from kernelmgr.kube.informer import PodInformer
+
+    core = client.CoreV1Api(kube_api)
+
+    def pending_pod(kernel_id: str) -> dict[str, Any]:
+        return {
+            "metadata": {"name": f"p-{kernel_id}", "labels": {"component": "kernel", "kernel_id": kernel_id}},
+            "spec": {
+                "nodeSelector": {"elastic.test/nowhere": "true"},
+                "containers": [{"name": "k", "image": "python:3.12", "command": ["true"]}],
+            },
+        }
+
+    informer = PodInformer(client.ApiClient(kube_plane.configuration()), kube_namespace, "component=kernel")
+    informer.start()
+    try:
+        core.create_namespaced_pod(kube_namespace, pending_pod("a"))
+        asyncio.run(informer.wait_for("a", lambda pod: pod is not None, 30))
+        assert informer.lists == 1
+        kube_plane.expire_resource_versions()
+        core.create_namespaced_pod(kube_namespace, pending_pod("b"))
+        asyncio.run(informer.wait_for("b", lambda pod: pod is not None, 60))
+        core.delete_namespaced_pod("p-a", kube_namespace, grace_period_seconds=0)
+        asyncio.run(informer.wait_for("a", lambda pod: pod is None, 30))
+        assert informer.lists >= 2
+    finally:
+        informer.stop()
