@@ -30,6 +30,9 @@ from kernelmgr.core.kernels import KernelRegistry
 from kernelmgr.core.policy import Policy, build_policy
 from kernelmgr.core.profiles import GpuProfile, parse_profiles
 
+#: The provisioners a GPU-size kernelspec may name (entry points of this package).
+PROVISIONERS = ("elastic-local-provisioner", "elastic-kubernetes-provisioner")
+
 DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
     "small": {"gpu_fraction": 0.25, "memory_mib": 10 * 1024},
     "medium": {"gpu_fraction": 0.5, "memory_mib": 20 * 1024},
@@ -55,6 +58,7 @@ class ElasticRuntime:
     nvml: Nvml | None = None
     gpu_sample_interval: float = 10.0
     owner: str = field(default_factory=getpass.getuser)
+    provisioner_name: str = "elastic-local-provisioner"
     kernels: KernelRegistry = field(default_factory=KernelRegistry)
 
     @property
@@ -154,6 +158,14 @@ class ElasticKernels(LoggingConfigurable):
         pynvml; kernelmgr.activity.nvml_double.FileNvmlDouble is the documented TEST DOUBLE that reads
         scripted devices and activity from $ELASTIC_NVML_DOUBLE_FILE.""",
     )
+    kernel_provisioner = Enum(
+        list(PROVISIONERS),
+        default_value="elastic-local-provisioner",
+        config=True,
+        help="""What runs a GPU-size kernel: elastic-local-provisioner (a local process, the
+        one-machine default) or elastic-kubernetes-provisioner (a pod per kernel; configure it with
+        c.ElasticKubernetesProvisioner.*, see the README's Kubernetes section).""",
+    )
     gpu_sample_interval = Float(
         10.0,
         config=True,
@@ -215,6 +227,7 @@ class ElasticKernels(LoggingConfigurable):
             hibernate_on_shutdown=self.hibernate_on_shutdown,
             nvml=nvml,
             gpu_sample_interval=self.gpu_sample_interval,
+            provisioner_name=self.kernel_provisioner,
         )
 
     def _checkpoint_store(self) -> CheckpointStore:

@@ -9,8 +9,12 @@ one shared pod watch (:mod:`kernelmgr.kube.informer`); API calls run in worker t
 the event loop. Interrupts go as ``interrupt_request`` messages (a signal cannot cross the API);
 kill and terminate delete the pod and wait until the watch sees it gone, so the GPU is really free.
 
-Not yet: hibernate/resume with pods (the checkpoint volume is an ``emptyDir``), adoption of running
-pods after a server restart.
+Checkpoints go to a PersistentVolumeClaim shared with the server (``checkpoint_claim``), mounted at
+the owner's sub-path only, so a kernel pod sees its owner's checkpoints and nobody else's. A hibernation
+deletes the pod (its slice is then really free); a resume creates a new pod, wherever a slice is free,
+with the same connection key and ports (a new IP: the server's channels reconnect), and the agent
+restores there. Without a claim, checkpoints land in an ``emptyDir`` that dies with the pod and the
+server refuses to hibernate such kernels (it could not read the checkpoint).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ PROVISIONER_NAME = "elastic-kubernetes-provisioner"
 APP_LABELS = {"app.kubernetes.io/name": "jupyter-elastic-kernels", "component": "kernel"}
 OWNER_ANNOTATION = "elastic.jupyter.org/owner"
 SIZE_ANNOTATION = "elastic.jupyter.org/size"
+KERNELSPEC_ANNOTATION = "elastic.jupyter.org/kernelspec"
 SECRET_MOUNT = "/etc/elastic"
 CONNECTION_FILE = "connection.json"
 KEY_FILE = "checkpoint.key"
@@ -152,6 +157,18 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
     launch_timeout = Float(300.0, config=True, help="Seconds until a pod must be Running.")
     stop_timeout = Float(60.0, config=True, help="Seconds to wait for a deleted pod to be gone.")
     first_port = Integer(52000, config=True, help="Kernel ports: this one and the four after it.")
+    checkpoint_claim = Unicode(
+        "",
+        config=True,
+        help="""PersistentVolumeClaim (ReadWriteMany) holding the checkpoints, mounted by the server at
+        ElasticKernels.checkpoint_root too. Empty: an emptyDir, and kernels cannot hibernate.""",
+    )
+    checkpoint_claim_path = Unicode(
+        "",
+        config=True,
+        help="""Where ElasticKernels.checkpoint_root is inside checkpoint_claim (the server's volume
+        subPath); empty: the claim's root. Each pod mounts only <this>/<owner>.""",
+    )
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -197,7 +214,9 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             info: dict[str, Any] = {
                 **ports,
                 "ip": "",
-                "key": secrets.token_hex(32).encode(),
+                # The same key for the kernel's whole life (resumes and restarts included): open
+                # websockets sign with the session key they started with.
+                "key": (self.connection_info or {}).get("key") or secrets.token_hex(32).encode(),
                 "transport": "tcp",
                 "signature_scheme": "hmac-sha256",
                 "kernel_name": kernelspec_name,
@@ -228,13 +247,17 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             restore=record.restore_on_start,
             restore_checkpoint=record.restore_checkpoint,
         )
-        relative = store.kernel_dir(record.owner, self.kernel_id).relative_to(store.root)
-        agent_env["ELASTIC_CHECKPOINT_DIR"] = f"{CHECKPOINT_MOUNT}/{relative.as_posix()}"
+        store.kernel_dir(record.owner, self.kernel_id)  # refuses unsafe owner names and kernel ids
+        agent_env["ELASTIC_CHECKPOINT_DIR"] = f"{CHECKPOINT_MOUNT}/{self.kernel_id}"
         agent_env[ENV_KEY_MOUNTED] = "1"
         env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
         env += [{"name": k, "value": v} for k, v in agent_env.items()]
         labels = {**self.extra_labels, **APP_LABELS, KERNEL_ID_LABEL: self.kernel_id}
-        annotations = {**self.extra_annotations, OWNER_ANNOTATION: record.owner}
+        annotations = {
+            **self.extra_annotations,
+            OWNER_ANNOTATION: record.owner,
+            KERNELSPEC_ANNOTATION: record.kernelspec,
+        }
         if self._granted is not None:
             annotations[SIZE_ANNOTATION] = self._granted.profile
         spec: dict[str, Any] = {
@@ -263,14 +286,14 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
                     },
                     "volumeMounts": [
                         {"name": "connection", "mountPath": SECRET_MOUNT, "readOnly": True},
-                        {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT},
+                        {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT, **self._checkpoint_sub_path()},
                     ],
                 }
             ],
             "volumes": [
                 # 0440 with fsGroup: the kernel's group reads it, nobody else (the agent checks).
                 {"name": "connection", "secret": {"secretName": self._pod_name, "defaultMode": 0o440}},
-                {"name": "checkpoints", "emptyDir": {}},
+                self._checkpoint_volume(),
             ],
         }
         if self.service_account:
@@ -288,6 +311,25 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         if self._granted is not None:
             pod = render_pod_fragment(runtime.profile(self._granted.profile), self.kernel_id).apply_to(pod)
         return pod
+
+    def _checkpoint_volume(self) -> dict[str, Any]:
+        if not self.checkpoint_claim:
+            return {"name": "checkpoints", "emptyDir": {}}
+        return {"name": "checkpoints", "persistentVolumeClaim": {"claimName": self.checkpoint_claim}}
+
+    def _checkpoint_sub_path(self) -> dict[str, str]:
+        """The owner's folder of the claim: the only checkpoints this pod can see."""
+        if not self.checkpoint_claim:
+            return {}
+        owner_dir = self.runtime.checkpoints.kernel_dir(self._record.owner, self.kernel_id).parent
+        owner_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # a kubelet would create it as root
+        prefix = self.checkpoint_claim_path.strip("/")
+        return {"subPath": f"{prefix}/{owner_dir.name}" if prefix else owner_dir.name}
+
+    @property
+    def checkpoints_persist(self) -> bool:
+        """Whether a checkpoint written by the pod outlives it (and the server can read it)."""
+        return bool(self.checkpoint_claim)
 
     def secret_manifest(self) -> dict[str, Any]:
         """Connection file and checkpoint key (made owned by the pod once the pod exists)."""

@@ -113,6 +113,13 @@ class JupyterKernelPlatform:
         record = self.h.runtime.kernels.get(kernel_id)
         if km is None or record is None:
             raise LifecycleError(f"kernel {kernel_id} is gone", 404)
+        if not getattr(km.provisioner, "checkpoints_persist", True):
+            raise LifecycleError(
+                f"kernel {kernel_id} runs in a pod whose checkpoints would die with it: set "
+                "c.ElasticKubernetesProvisioner.checkpoint_claim to a PersistentVolumeClaim shared with "
+                "this server (mounted at ElasticKernels.checkpoint_root)",
+                409,
+            )
         self.h._remember(kernel_id, pid=self.h._pid(km))
         try:
             self.kernel_info[kernel_id] = await self._run_checkpoint(km)

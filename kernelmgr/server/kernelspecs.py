@@ -18,7 +18,6 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.profiles import GpuProfile
-from kernelmgr.provisioners.local import PROVISIONER_NAME
 
 SEPARATOR = "-gpu-"
 
@@ -32,7 +31,9 @@ def short_display_name(display_name: str) -> str:
     return re.sub(r"\s*\([^)]*\)\s*$", "", display_name).strip() or display_name
 
 
-def derive_spec(base_name: str, base: KernelSpec, profile: GpuProfile) -> KernelSpec:
+def derive_spec(
+    base_name: str, base: KernelSpec, profile: GpuProfile, provisioner: str = "elastic-local-provisioner"
+) -> KernelSpec:
     """The kernelspec for ``base`` running with a slice of size ``profile``."""
     spec = copy.deepcopy(base.to_dict())
     metadata = spec.setdefault("metadata", {})
@@ -42,7 +43,7 @@ def derive_spec(base_name: str, base: KernelSpec, profile: GpuProfile) -> Kernel
         "gpu_fraction": profile.gpu_fraction,
         "memory_mib": profile.memory_mib,
     }
-    metadata["kernel_provisioner"] = {"provisioner_name": PROVISIONER_NAME}
+    metadata["kernel_provisioner"] = {"provisioner_name": provisioner}
     spec["display_name"] = f"{short_display_name(base.display_name)} · {profile.display_name}"
     return KernelSpec(resource_dir=base.resource_dir, **spec)
 
@@ -80,7 +81,10 @@ class ElasticKernelSpecManager(KernelSpecManager):
         if candidate is None:
             return super().get_kernel_spec(kernel_name)
         base, profile = candidate
-        return derive_spec(base, super().get_kernel_spec(base), profile)
+        provisioner = (
+            self.elastic_runtime.provisioner_name if self.elastic_runtime else "elastic-local-provisioner"
+        )
+        return derive_spec(base, super().get_kernel_spec(base), profile, provisioner)
 
     def elastic_kernel_names(self) -> dict[str, str]:
         """Derived kernelspec name -> GPU size name, for error messages and the profiles API."""

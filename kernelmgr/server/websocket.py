@@ -194,6 +194,30 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         hibernator = self.hibernator
         return hibernator is not None and hibernator.is_hibernated(self.kernel_id)
 
+    def _kernel_address(self) -> tuple[Any, ...]:
+        km = self.kernel_manager
+        return (km.ip, km.shell_port, km.iopub_port, km.stdin_port, km.control_port)
+
+    def create_stream(self) -> None:
+        super().create_stream()
+        self._attached_to = self._kernel_address()
+
+    def _stale(self) -> bool:
+        """The channels point where the kernel no longer is: a kernel pod resumed elsewhere (new IP).
+
+        A local kernel resumes on its old ports and ZMQ reconnects by itself; a pod gets a new
+        address, and channels opened before the hibernation must be opened again.
+        """
+        attached = getattr(self, "_attached_to", None)
+        return bool(self.channels) and attached is not None and attached != self._kernel_address()
+
+    def _close_streams(self) -> None:
+        for stream in self.channels.values():
+            if not stream.closed():
+                stream.on_recv(None)
+                stream.close()
+        self.channels = {}
+
     def _pending(self) -> list[Any]:
         if not hasattr(self, "_queue"):
             self._queue = []
@@ -375,8 +399,14 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         queue = self._pending()
         hibernating = self.hibernator is not None and self.hibernator.is_going_to_sleep(self.kernel_id)
         if not queue and not hibernating and not self._asleep():
-            self._note_execute(incoming_msg)
-            super().handle_incoming_message(incoming_msg)
+            if not self._stale():
+                self._note_execute(incoming_msg)
+                super().handle_incoming_message(incoming_msg)
+                return
+            # Awake, but elsewhere (resumed through the API into a new pod): reattach, then deliver.
+            self._hold(incoming_msg)
+            if self._waking is None or self._waking.done():
+                self._waking = asyncio.ensure_future(self._wake(self._parse(incoming_msg)[1]))
             return
         channel, header, content = self._parse(incoming_msg)
         if header.get("msg_type") == "execute_request":
@@ -418,8 +448,12 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
             self._fail_queue(getattr(exc, "message", "resume cancelled"))
             return
         try:
+            attached = bool(self.channels)
+            if self._stale():
+                self._close_streams()
             if not self.channels:
                 self.create_stream()
+            if not attached:
                 self.multi_kernel_manager.add_restart_callback(self.kernel_id, self.on_kernel_restarted)
                 self.multi_kernel_manager.add_restart_callback(self.kernel_id, self.on_restart_failed, "dead")
             await self.nudge()

@@ -1,0 +1,221 @@
+"""The server with kernels as pods, end to end, against the real control plane and two runner nodes.
+
+A real jupyter_server subprocess (``ElasticKernels.kernel_provisioner = elastic-kubernetes-provisioner``)
+starts each GPU-size kernel as a pod; the node runners (``tests/support/node_runner.py``) run the pods as
+local processes with their own loopback IPs. Checkpoints go to a PersistentVolumeClaim bound to a real
+PersistentVolume by the controller manager; the runners map the claim to one folder, which the server
+also uses as its ``checkpoint_root`` (as a server pod mounting the same ReadWriteMany claim would).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.kube import ControlPlane, require_envtest, wait_for
+
+require_envtest(module_level=True)
+
+from kubernetes import client  # noqa: E402
+
+from tests.support.node_runner import NodeRunner  # noqa: E402
+from tests.support.server import RunningServer, start_server  # noqa: E402
+from tests.test_cycles import SETUP, Reference, check_same, cycle_cell, reference, run_both  # noqa: E402, F401
+
+pytestmark = pytest.mark.timeout(600)
+pytest.importorskip("numpy")
+
+NAMESPACE = "elastic-e2e"
+CLAIM = "checkpoints"
+ON_RUNNER = {"elastic.test/node-runner": "true"}
+SIZE = "python3-gpu-whole"
+
+
+@dataclass
+class PodCluster:
+    plane: ControlPlane
+    core: Any
+    runners: list[NodeRunner]
+    checkpoints: Path
+
+    def pods(self) -> list[Any]:
+        return list(self.core.list_namespaced_pod(NAMESPACE, label_selector="component=kernel").items)
+
+    def secrets(self) -> list[str]:
+        items = self.core.list_namespaced_secret(NAMESPACE, label_selector="component=kernel").items
+        return [s.metadata.name for s in items]
+
+    def pod_of(self, kernel_id: str) -> Any:
+        pods = [p for p in self.pods() if p.metadata.labels.get("kernel_id") == kernel_id]
+        return pods[0] if pods else None
+
+    def running_pod(self, kernel_id: str) -> Any:
+        def running() -> Any:
+            pod = self.pod_of(kernel_id)
+            return pod if pod is not None and pod.status.phase == "Running" else None
+
+        return wait_for(running, 60, f"the pod of kernel {kernel_id} to run")
+
+    def cordon(self, node: str, cordoned: bool = True) -> None:
+        self.core.patch_node(node, {"spec": {"unschedulable": cordoned}})
+
+    def config(self, **provisioner: Any) -> dict[str, Any]:
+        return {
+            "ElasticKernels": {
+                "profiles": {"whole": {"gpu_fraction": 1}},
+                "gpu_inventory": [
+                    {"uuid": "GPU-pod-0000", "name": "Test A100", "memory_mib": 40960},
+                    {"uuid": "GPU-pod-0001", "name": "Test A100", "memory_mib": 40960},
+                ],
+                "reap_interval": 1,
+                "checkpoint_root": str(self.checkpoints),
+                "kernel_provisioner": "elastic-kubernetes-provisioner",
+            },
+            "ElasticKubernetesProvisioner": {
+                "namespace": NAMESPACE,
+                "kubeconfig": str(self.plane.admin_kubeconfig),
+                "image": "python:3.12",
+                "node_selector": ON_RUNNER,
+                "run_as_user": os.getuid() or 1000,
+                "launch_timeout": 60.0,
+                "checkpoint_claim": CLAIM,
+                **provisioner,
+            },
+        }
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    kube_plane: ControlPlane, kube_api: Any, kube_runner: NodeRunner, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[PodCluster]:
+    core = client.CoreV1Api(kube_api)
+    core.create_namespace({"metadata": {"name": NAMESPACE}})
+    wait_for(lambda: core.read_namespaced_service_account("default", NAMESPACE), 60, "default ServiceAccount")
+    # A static PersistentVolume and a claim the controller manager binds to it (no provisioner needed).
+    volume = {
+        "metadata": {"name": f"{NAMESPACE}-{CLAIM}"},
+        "spec": {
+            "capacity": {"storage": "10Gi"},
+            "accessModes": ["ReadWriteMany"],
+            "storageClassName": "",
+            "hostPath": {"path": "/srv/elastic-checkpoints"},
+            "claimRef": {"namespace": NAMESPACE, "name": CLAIM},
+        },
+    }
+    core.create_persistent_volume(volume)
+    core.create_namespaced_persistent_volume_claim(
+        NAMESPACE,
+        {
+            "metadata": {"name": CLAIM},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "volumeName": volume["metadata"]["name"],
+                "resources": {"requests": {"storage": "10Gi"}},
+            },
+        },
+    )
+    wait_for(
+        lambda: core.read_namespaced_persistent_volume_claim(CLAIM, NAMESPACE).status.phase == "Bound",
+        60,
+        "the checkpoint claim to be bound",
+    )
+    # A second runner node sharing the first one's volume folders: the claim is one folder for both.
+    second = NodeRunner(
+        kube_plane.configuration(user="system:node:runner-1", groups=["system:nodes"]),
+        "runner-1",
+        kube_runner.volumes_root,
+        capacity={"nvidia.com/gpu": "1"},
+        heartbeat_interval=5,
+        admin_configuration=kube_plane.configuration(),
+    ).start()
+    checkpoints = kube_runner.volumes_root / "pvc" / NAMESPACE / CLAIM
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    try:
+        yield PodCluster(kube_plane, core, [kube_runner, second], checkpoints)
+    finally:
+        second.stop()
+        core.delete_namespace(NAMESPACE)
+        core.delete_persistent_volume(volume["metadata"]["name"])
+
+
+@pytest.fixture
+def server(cluster: PodCluster, tmp_path: Path) -> Iterator[RunningServer]:
+    running = start_server(tmp_path, cluster.config())
+    yield running
+    running.stop()
+    for runner in cluster.runners:
+        cluster.cordon(runner.node_name, False)
+
+
+def model(server: RunningServer, kernel_id: str) -> dict[str, Any]:
+    return dict(server.get(f"/api/elastic/kernels/{kernel_id}"))
+
+
+def hibernate(server: RunningServer, cluster: PodCluster, kernel_id: str) -> None:
+    reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+    assert reply.status == 200, reply.body
+    # The pod is gone (not merely terminating) before the answer: its GPU is really free.
+    assert cluster.pod_of(kernel_id) is None
+    assert cluster.secrets() == []
+    assert model(server, kernel_id)["state"] == "hibernated"
+
+
+def test_pod_kernel_hibernates_and_resumes_on_another_node_five_times(
+    cluster: PodCluster, server: RunningServer, reference: Reference
+) -> None:
+    kernel_id = server.start_kernel(SIZE)
+    run_both(server, kernel_id, reference, SETUP)
+    check_same(server, kernel_id, reference)
+    pod = cluster.running_pod(kernel_id)
+    assert pod.metadata.annotations["elastic.jupyter.org/kernelspec"] == SIZE
+    assert pod.spec.volumes[1].persistent_volume_claim.claim_name == CLAIM
+    nodes = [pod.spec.node_name]
+    ips = [pod.status.pod_ip]
+    # One websocket open through every cycle, as a notebook tab keeps it: it must follow the kernel.
+    with server.channel(kernel_id, timeout=120) as tab:
+        for n in range(1, 6):
+            hibernate(server, cluster, kernel_id)
+            cluster.cordon(nodes[-1])  # the node it ran on is full or gone: resume elsewhere
+            for runner in cluster.runners:
+                if runner.node_name != nodes[-1]:
+                    cluster.cordon(runner.node_name, False)
+            code = cycle_cell(n)
+            result = tab.execute(code, timeout=120)
+            assert result.error == "", result.error
+            reference.run(code)
+            pod = cluster.running_pod(kernel_id)
+            assert pod.spec.node_name != nodes[-1]
+            nodes.append(pod.spec.node_name)
+            ips.append(pod.status.pod_ip)
+            check_same(server, kernel_id, reference)
+            assert model(server, kernel_id)["state"] == "running"
+        assert "42" in tab.execute("print(6 * 7)").stdout
+    assert len(set(ips)) > 1, ips
+    reply = server.request("DELETE", f"/api/kernels/{kernel_id}")
+    assert reply.status == 204
+    wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+    assert cluster.secrets() == []
+    assert not (cluster.checkpoints / getpass.getuser() / kernel_id).exists()
+
+
+def test_pod_without_checkpoint_claim_refuses_to_hibernate(cluster: PodCluster, tmp_path: Path) -> None:
+    running = start_server(tmp_path, cluster.config(checkpoint_claim=""))
+    try:
+        kernel_id = running.start_kernel(SIZE)
+        assert running.execute(kernel_id, "x = 1; print(x)").strip() == "1"
+        reply = running.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert reply.status == 409, reply.body
+        assert "checkpoint_claim" in reply.body["message"]
+        assert running.execute(kernel_id, "print(x + 1)").strip() == "2"
+        running.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+    finally:
+        running.stop()
