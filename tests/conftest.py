@@ -102,3 +102,13 @@ def kube_namespace(kube_api: Any) -> Iterator[str]:
     )
     yield name
     core.delete_namespace(name)
+
+
+@pytest.fixture
+def reference() -> Iterator[Any]:
+    """A plain ipykernel that runs the same cells and is never hibernated (tests/support/oracle.py)."""
+    from tests.support.oracle import Reference
+
+    ref = Reference()
+    yield ref
+    ref.close()

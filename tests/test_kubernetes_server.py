@@ -10,7 +10,6 @@ also uses as its ``checkpoint_root`` (as a server pod mounting the same ReadWrit
 from __future__ import annotations
 
 import getpass
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,8 +25,8 @@ require_envtest(module_level=True)
 from kubernetes import client  # noqa: E402
 
 from tests.support.node_runner import NodeRunner  # noqa: E402
+from tests.support.oracle import SETUP, Reference, check_same, cycle_cell, run_both  # noqa: E402
 from tests.support.server import RunningServer, start_server  # noqa: E402
-from tests.test_cycles import SETUP, Reference, check_same, cycle_cell, reference, run_both  # noqa: E402, F401
 
 pytestmark = pytest.mark.timeout(600)
 pytest.importorskip("numpy")

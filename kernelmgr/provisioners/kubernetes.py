@@ -36,6 +36,7 @@ from kernelmgr.checkpoint.keys import encode_key
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.kube.informer import KERNEL_ID_LABEL, PodInformer
 from kernelmgr.provisioners.common import (
+    AGENT_EXTENSION,
     claim_slice,
     find_runtime,
     mark_launched,
@@ -55,6 +56,8 @@ KEY_FILE = "checkpoint.key"
 CHECKPOINT_MOUNT = "/var/lib/elastic/checkpoints"
 #: Tells the agent the key file sits on a read-only Secret volume (it cannot remove it).
 ENV_KEY_MOUNTED = "ELASTIC_CHECKPOINT_KEY_MOUNTED"
+#: The pod's entry point (:mod:`kernelmgr.kube.pod_kernel`): ipykernel on the pod's own IP.
+POD_KERNEL = "kernelmgr.kube.pod_kernel"
 PORT_NAMES = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 
 _clients: dict[str, client.ApiClient] = {}
@@ -144,9 +147,17 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
     image = Unicode("quay.io/jupyter/scipy-notebook:latest", config=True, help="Kernel image.")
     command = List(
         Unicode(),
-        default_value=["python", "-m", "ipykernel_launcher", "-f", f"{SECRET_MOUNT}/{CONNECTION_FILE}"],
+        default_value=[
+            "python",
+            "-m",
+            "kernelmgr.kube.pod_kernel",
+            "-f",
+            f"{SECRET_MOUNT}/{CONNECTION_FILE}",
+        ],
         config=True,
-        help="Kernel command; `--ip=$(POD_IP)` and the checkpoint agent are added to an ipykernel command.",
+        help="""Kernel command. The default runs ipykernel on the pod's IP with the checkpoint agent
+        (kernelmgr must be installed in the image); another ipykernel command gets the agent added,
+        and must itself listen on $(POD_IP): the connection file's address is 0.0.0.0.""",
     )
     service_account = Unicode("", config=True, help="ServiceAccount of the pods (empty: no API token).")
     node_selector = Dict(config=True, help="spec.nodeSelector of the pods.")
@@ -231,8 +242,9 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
 
     def _command(self) -> list[str]:
         cmd = list(self.command)
-        if any("ipykernel" in part for part in cmd) and not any(p.startswith("--ip") for p in cmd):
-            cmd.append("--ip=$(POD_IP)")
+        if POD_KERNEL in cmd:
+            cmd.append(f"--IPKernelApp.extra_extensions={AGENT_EXTENSION}")
+            return cmd
         return with_agent(cmd)
 
     def pod_manifest(self, cmd: list[str]) -> dict[str, Any]:
@@ -334,7 +346,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
     def secret_manifest(self) -> dict[str, Any]:
         """Connection file and checkpoint key (made owned by the pod once the pod exists)."""
         info = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in self.connection_info.items()}
-        info["ip"] = "0.0.0.0"  # replaced by --ip=$(POD_IP) on the command line
+        info["ip"] = "0.0.0.0"  # the pod's IP is not known yet: kernelmgr.kube.pod_kernel puts it in
         key = encode_key(self.runtime.checkpoints.key_for(self._record.owner)).decode()
         return {
             "apiVersion": "v1",
