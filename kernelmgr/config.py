@@ -60,6 +60,10 @@ class ElasticRuntime:
     owner: str = field(default_factory=getpass.getuser)
     provisioner_name: str = "elastic-local-provisioner"
     kernels: KernelRegistry = field(default_factory=KernelRegistry)
+    #: Set by the server: a provisioner calls it when a running kernel vanished without being asked
+    #: (its pod deleted, evicted, lost with its node) with the reason; ``True`` means the server
+    #: takes the kernel over (hibernated from its last checkpoint), ``False`` that it has none.
+    kernel_lost: Callable[[str, str], bool] | None = None
 
     @property
     def gpus_available(self) -> bool:

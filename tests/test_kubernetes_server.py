@@ -218,3 +218,32 @@ def test_pod_without_checkpoint_claim_refuses_to_hibernate(cluster: PodCluster, 
         wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
     finally:
         running.stop()
+
+
+def test_pod_deleted_externally_hibernates_from_the_last_checkpoint(
+    cluster: PodCluster, server: RunningServer
+) -> None:
+    kernel_id = server.start_kernel(SIZE)
+    assert server.execute(kernel_id, "x = 41; print(x)").strip() == "41"
+    hibernate(server, cluster, kernel_id)
+    with server.channel(kernel_id, timeout=120) as tab:
+        assert tab.execute("y = 'after the checkpoint'; print(x)").stdout.strip() == "41"
+        pod = cluster.running_pod(kernel_id)
+        cluster.core.delete_namespaced_pod(pod.metadata.name, NAMESPACE)  # an admin, a drain, an eviction
+
+        def lost() -> dict[str, Any] | None:
+            current = model(server, kernel_id)
+            return current if current["state"] == "hibernated" else None
+
+        current = wait_for(lost, 60, "the lost kernel to be hibernated from its checkpoint")
+        assert "lost: its pod was deleted" in current["state_reason"], current
+        devices = server.get("/api/elastic/gpus")["devices"]
+        assert all(d["slices"] == [] for d in devices), devices  # the slice went with the pod
+        assert cluster.pod_of(kernel_id) is None and cluster.secrets() == []
+        result = tab.execute("print(x + 1, 'y' in globals())", timeout=120)
+    assert result.stdout.split() == ["42", "False"], result
+    assert "was lost (its pod was deleted" in result.stderr, result.stderr
+    assert model(server, kernel_id)["state"] == "running"
+    assert "lost" not in server.execute(kernel_id, "print('again')")  # told once
+    server.shutdown_kernel(kernel_id)
+    wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")

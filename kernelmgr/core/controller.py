@@ -251,6 +251,29 @@ class LifecycleController:
         slot.operation = "adopt"
         slot.task = asyncio.ensure_future(adopt())
 
+    async def lost(self, kernel_id: str, why: str, committed: Committed) -> Committed | None:
+        """A running kernel vanished (its pod deleted, evicted, gone with its node): hibernate it.
+
+        Nothing can be checkpointed any more, so it becomes ``hibernated`` with ``committed``, its
+        last checkpoint, and the next resume restores that; whatever it did since is gone, which the
+        caller tells the user. ``None`` if an operation of ours owned the kernel meanwhile.
+        """
+
+        async def body() -> Committed | None:
+            record = self._require(kernel_id)
+            if record.state is not S.RUNNING:
+                return None
+            self._move(record, S.HIBERNATING, f"lost: {why}")
+            try:
+                await self.platform.kill(kernel_id)  # whatever is left of it
+            finally:
+                self.platform.release_slice(kernel_id)
+                self.committed[kernel_id] = committed
+                self._move(record, S.HIBERNATED, f"lost: {why}")
+            return committed
+
+        return await self._run(kernel_id, "lost", body)
+
     # -- the steps ---------------------------------------------------------------------------
 
     async def _run(

@@ -20,6 +20,7 @@ server refuses to hibernate such kernels (it could not read the checkpoint).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -34,6 +35,7 @@ from traitlets import Dict, Float, Integer, List, Unicode
 from kernelmgr.backends.kubernetes import render_pod_fragment
 from kernelmgr.checkpoint.keys import encode_key
 from kernelmgr.config import ElasticRuntime
+from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube.informer import KERNEL_ID_LABEL, PodInformer
 from kernelmgr.provisioners.common import (
     AGENT_EXTENSION,
@@ -127,6 +129,23 @@ def _finished(pod: Any) -> bool:
     return pod is None or (pod.status is not None and pod.status.phase in ("Succeeded", "Failed"))
 
 
+def _evicted(pod: Any) -> bool:
+    """Being deleted without us asking (an eviction, a node drained or lost): the kernel is going."""
+    return pod is not None and pod.metadata.deletion_timestamp is not None
+
+
+def _loss(pod: Any) -> str:
+    """Why a running kernel's pod vanished, in a user's words."""
+    if pod is None:
+        return "its pod was deleted"
+    status = pod.status
+    if status is not None and status.reason:
+        return f"its pod was {status.reason.lower()}: {status.message or ''}".rstrip(": ")
+    if pod.metadata.deletion_timestamp is not None:
+        return f"its pod was deleted on node {pod.spec.node_name}"
+    return f"its pod ended on node {pod.spec.node_name}: {pod_failure(pod)}"
+
+
 def exit_code(pod: Any) -> int:
     """The kernel container's exit code; a pod gone without one counts as killed (-9)."""
     statuses = (pod.status.container_statuses if pod is not None and pod.status else None) or []
@@ -189,6 +208,12 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         self._restarting = False
         self._pod_name = f"kernel-{self.kernel_id}"
         self._launched = False
+        #: Why the kernel's pod vanished while it ran, once the server took the kernel over
+        #: (hibernated from its checkpoint): until the next launch there is no process, and
+        #: ``poll()`` must not report an exit (the restarter would start it again, empty).
+        self._lost: str | None = None
+        #: We asked the pod to go (shutdown, restart, hibernation): its end is no loss.
+        self._stopping = False
 
     # ---- plumbing
 
@@ -209,11 +234,15 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
 
     @property
     def has_process(self) -> bool:
-        return self._launched and not _finished(self.informer.get(self.kernel_id))
+        """A pod was created and not cleaned up yet (ended or not: ``poll()`` says which), as a
+        local provisioner's process object outlives the process until ``cleanup()``."""
+        return self._launched
 
     # ---- launch
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        self._lost = None
+        self._stopping = False
         runtime = self.runtime
         kernelspec_name = getattr(self.parent, "kernel_name", "") or ""
         self._record, self._granted = claim_slice(
@@ -424,14 +453,42 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
     # ---- life and death
 
     async def poll(self) -> int | None:
+        if self._lost is not None:
+            return None  # the server hibernated it from its checkpoint; the next cell resumes it
         if not self._launched:
             return 0
         pod = self.informer.get(self.kernel_id)
-        if not _finished(pod):
+        if not _finished(pod) and not _evicted(pod):
             return None
         if not self._restarting:
+            if await self._taken_over_as_lost(pod):
+                return None
             release_slice(self.runtime, self.kernel_id, "kernel pod ended", self.log)
         return exit_code(pod)
+
+    async def _taken_over_as_lost(self, pod: Any) -> bool:
+        """The pod of a running kernel vanished unasked: offer the kernel to the server.
+
+        Deleted, evicted, or stranded on a node that stopped answering: the server hibernates the
+        kernel from its last checkpoint if it has one (``True``). What is left of the pod and its
+        Secret goes now, so the resume can create them again under the same names.
+        """
+        runtime = self.runtime
+        record = runtime.kernels.get(self.kernel_id)
+        if self._stopping or runtime.kernel_lost is None:
+            return False
+        if record is None or record.state is not KernelState.RUNNING:
+            return False
+        why = _loss(pod)
+        if not runtime.kernel_lost(self.kernel_id, why):
+            return False
+        self._lost = why
+        self.log.warning("Kernel %s lost its pod %s: %s", self.kernel_id, self._pod_name, why)
+        with contextlib.suppress(client.ApiException, TimeoutError):
+            await self._delete_pod(grace=0, wait=False)
+        await self._delete_secret()
+        self._launched = False
+        return True
 
     async def wait(self) -> int | None:
         if not self._launched:
@@ -456,6 +513,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
     async def _delete_pod(self, grace: int | None, wait: bool) -> None:
         if not self._launched:
             return
+        self._stopping = True
         try:
             await asyncio.to_thread(
                 self.core.delete_namespaced_pod, self._pod_name, self.namespace, grace_period_seconds=grace
@@ -476,6 +534,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
 
     async def shutdown_requested(self, restart: bool = False) -> None:
         self._restarting = restart
+        self._stopping = True
 
     async def cleanup(self, restart: bool = False) -> None:
         if self._launched:

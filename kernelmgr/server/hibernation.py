@@ -71,6 +71,11 @@ ResumeCancelled = WaitCancelled
 __all__ = ["HibernationError", "Hibernator", "JupyterKernelPlatform", "ResumeCancelled"]
 
 
+def committed_of(manifest: Any) -> Committed:
+    """What the controller knows of a committed checkpoint (id, time, size) from its manifest."""
+    return Committed(manifest.checkpoint_id, manifest.created, int(manifest.summary().get("bytes") or 0))
+
+
 def _disk_full(message: str) -> bool:
     return "no space left" in message.lower()
 
@@ -130,7 +135,7 @@ class JupyterKernelPlatform:
         manifest = await asyncio.to_thread(self.h.runtime.checkpoints.latest, record.owner, kernel_id)
         if manifest is None:
             raise LifecycleError("the agent reported success but no checkpoint was committed", 500)
-        return Committed(manifest.checkpoint_id, manifest.created, int(manifest.summary().get("bytes") or 0))
+        return committed_of(manifest)
 
     async def _run_checkpoint(self, km: Any) -> dict[str, Any]:
         """Run the agent's checkpoint through a private client; returns the kernel_info content."""
@@ -270,6 +275,9 @@ class Hibernator:
         self.controller = LifecycleController(
             runtime.kernels, runtime.allocator, runtime.profile, self.platform, start_timeout=start_timeout
         )
+        #: Kernels lost with their pod -> what the notebook is told when they resume.
+        self.lost_notes: dict[str, str] = {}
+        runtime.kernel_lost = self._kernel_lost
 
     # -- queries -------------------------------------------------------------------------
 
@@ -390,6 +398,66 @@ class Hibernator:
             if msg.get("parent_header", {}).get("msg_id") == msg_id:
                 return msg
 
+    # -- lost ----------------------------------------------------------------------------
+
+    def _kernel_lost(self, kernel_id: str, why: str) -> bool:
+        """A provisioner saw a running kernel vanish: take it over if a checkpoint can bring it back.
+
+        Without one (it never hibernated or checkpointed), ``False``: it ends as a crashed kernel
+        does, and jupyter_server's restarter starts it again, empty.
+        """
+        record = self.runtime.kernels.get(kernel_id)
+        if record is None or not self.runtime.checkpoints.has_checkpoint(record.owner, kernel_id):
+            return False
+        km: Any = self.mkm.get_kernel(kernel_id) if kernel_id in self.mkm else None
+        if km is not None:
+            km.stop_restarter()  # now, before the restarter polls again: a restart would start it empty
+        task = asyncio.ensure_future(self.lost(kernel_id, why))
+        self._pruning.add(task)  # a strong reference until done (drained at exit like the prunes)
+        task.add_done_callback(self._pruning.discard)
+        return True
+
+    async def lost(self, kernel_id: str, why: str) -> None:
+        """Hibernate a vanished kernel from its last checkpoint; the next cell resumes it, told so."""
+        record = self.runtime.kernels.get(kernel_id)
+        km: Any = self.mkm.get_kernel(kernel_id) if kernel_id in self.mkm else None
+        if record is None or km is None:
+            return
+        try:
+            manifest = await asyncio.to_thread(self.runtime.checkpoints.latest, record.owner, kernel_id)
+        except Exception as exc:
+            manifest = None
+            self.mkm.log.error("Kernel %s was lost and its checkpoint cannot be read: %s", kernel_id, exc)
+        if manifest is None:
+            self.platform.release_slice(kernel_id)
+            if record.lifecycle.can(KernelState.DEAD):
+                record.lifecycle.move(KernelState.DEAD, f"lost ({why}) with no readable checkpoint")
+            km.execution_state = "dead"
+            return
+        committed = committed_of(manifest)
+        try:
+            if await self.controller.lost(kernel_id, why, committed) is None:
+                return
+        except LifecycleError as exc:
+            self.mkm.log.error("Kernel %s was lost and could not be hibernated: %s", kernel_id, exc.message)
+            return
+        km.execution_state = "hibernated"
+        taken = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(committed.created))
+        self.lost_notes[kernel_id] = (
+            f"This kernel was lost ({why}). It was restored from its checkpoint of {taken}; "
+            "whatever ran after that is not in it."
+        )
+        self._remember(kernel_id, pid=None, hibernated_at=time.time(), checkpoint_id=committed.checkpoint_id)
+        self.platform.released.pop(kernel_id, None)
+        size = size_label(record.profile)
+        metrics.KERNELS_LOST.labels(size).inc()
+        self.events.emit(
+            "lost", kernel_id, f"kernel lost ({why}); hibernated from its last checkpoint", size=size
+        )
+        self.mkm.log.warning(
+            "Kernel %s was lost (%s); hibernated from checkpoint %s", kernel_id, why, committed.checkpoint_id
+        )
+
     # -- resume --------------------------------------------------------------------------
 
     async def resume(
@@ -411,6 +479,7 @@ class Hibernator:
         record = self.runtime.kernels.get(kernel_id)
         km: Any = self.mkm.get_kernel(kernel_id) if kernel_id in self.mkm else None
         began = time.time()
+        lost_note = self.lost_notes.get(kernel_id)
         try:
             await self.controller.resume(kernel_id, reason, notify, restore)
         except LifecycleError:
@@ -421,6 +490,10 @@ class Hibernator:
             return
         if km.execution_state == "hibernated":
             km.execution_state = "idle"
+        if lost_note is not None and self.lost_notes.pop(kernel_id, None) is not None and notify is not None:
+            told = notify(lost_note)
+            if told is not None:
+                await told
         if self.records.get(kernel_id) is not None and self.records[kernel_id].hibernated_at is None:
             return  # another caller's resume did the bookkeeping
         self._remember(kernel_id, pid=self._pid(km), hibernated_at=None)
@@ -547,9 +620,7 @@ class Hibernator:
             if km is not None:
                 km.execution_state = "hibernated"
             self._remember(kernel_id, pid=None, checkpoint_id=manifest.checkpoint_id)
-            return Committed(
-                manifest.checkpoint_id, manifest.created, int(manifest.summary().get("bytes") or 0)
-            )
+            return committed_of(manifest)
 
         asyncio.get_event_loop().call_soon(self.controller.adopt_orphan, kernel_id, wait_for_exit)
 
@@ -602,6 +673,7 @@ class Hibernator:
         self.controller.forget(kernel_id)
         self.platform.kernel_info.pop(kernel_id, None)
         self.platform.released.pop(kernel_id, None)
+        self.lost_notes.pop(kernel_id, None)
         orphan = self.platform.orphans.pop(kernel_id, None)
         if orphan is not None:
             _kill_pid(orphan)

@@ -34,6 +34,12 @@ HIBERNATION_FAILURES = Counter(
     "Hibernations that failed (the kernel kept running).",
     ["reason", "size"],
 )
+KERNELS_LOST = Counter(
+    "elastic_kernels_lost_total",
+    "Running kernels that vanished (pod deleted, evicted, node lost) and were hibernated from their last "
+    "checkpoint.",
+    ["size"],
+)
 RESUMES = Counter("elastic_resumes_total", "Kernels resumed, by what woke them.", ["trigger", "size"])
 WARNINGS = Counter("elastic_hibernation_warnings_total", "Idle warnings sent to notebooks.", ["kind", "size"])
 REMOVALS = Counter(
