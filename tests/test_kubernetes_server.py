@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import getpass
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,7 +164,7 @@ def hibernate(server: RunningServer, cluster: PodCluster, kernel_id: str) -> Non
     assert reply.status == 200, reply.body
     # The pod is gone (not merely terminating) before the answer: its GPU is really free.
     assert cluster.pod_of(kernel_id) is None
-    assert cluster.secrets() == []
+    assert f"kernel-{kernel_id}" not in cluster.secrets()
     assert model(server, kernel_id)["state"] == "hibernated"
 
 
@@ -247,3 +248,40 @@ def test_pod_deleted_externally_hibernates_from_the_last_checkpoint(
     assert "lost" not in server.execute(kernel_id, "print('again')")  # told once
     server.shutdown_kernel(kernel_id)
     wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+
+
+def test_restarted_server_adopts_running_pods_and_recovers_lost_ones(
+    cluster: PodCluster, server: RunningServer, tmp_path: Path
+) -> None:
+    adopted = server.start_kernel(SIZE)
+    assert server.execute(adopted, "x = 41; print(x)").strip() == "41"
+    lost = server.start_kernel(SIZE)
+    assert server.execute(lost, "z = 'checkpointed'; print(z)").strip() == "checkpointed"
+    hibernate(server, cluster, lost)
+    assert server.execute(lost, "w = 'after'; print(z)").strip() == "checkpointed"
+    pid_before = server.execute(adopted, "import os; print(os.getpid())").strip()
+    server.process.send_signal(signal.SIGKILL)  # the server dies; its kernel pods do not
+    server.process.wait()
+    assert cluster.pod_of(adopted).status.phase == "Running"
+    cluster.core.delete_namespaced_pod(f"kernel-{lost}", NAMESPACE)  # lost while nobody watched
+    wait_for(lambda: cluster.pod_of(lost) is None, 60, "the deleted pod to be gone")
+
+    restarted = start_server(tmp_path, cluster.config())
+    try:
+        wait_for(lambda: model(restarted, adopted)["state"] == "running", 60, "the running pod to be adopted")
+        # The same process, variables and all: nothing was restarted or restored.
+        assert restarted.execute(adopted, "print(os.getpid(), x + 1)").split() == [pid_before, "42"]
+        assert model(restarted, lost)["state"] == "hibernated"
+        with restarted.channel(lost, timeout=120) as tab:
+            result = tab.execute("print(z, 'w' in globals())", timeout=120)
+        assert result.stdout.split() == ["checkpointed", "False"], result
+        assert "its pod ended while the server was down" in result.stderr
+        # Both hold their slices again, and one more kernel does not fit (two GPUs).
+        devices = restarted.get("/api/elastic/gpus")["devices"]
+        assert sorted(s["kernel_id"] for d in devices for s in d["slices"]) == sorted([adopted, lost])
+        for kernel_id in (adopted, lost):
+            restarted.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pods() == [], 60, "every kernel pod to be deleted")
+        assert cluster.secrets() == []
+    finally:
+        restarted.stop()

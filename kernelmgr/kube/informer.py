@@ -157,6 +157,17 @@ class PodInformer:
     def synced(self) -> bool:
         return self._synced.is_set()
 
+    def pods(self) -> list[Any]:
+        """Every cached kernel pod (a snapshot)."""
+        with self._lock:
+            return list(self._pods.values())
+
+    async def wait_synced(self, timeout: float) -> bool:
+        """Wait (off the event loop) until the first list has filled the cache."""
+        if not self._synced.is_set():
+            await asyncio.to_thread(self._synced.wait, timeout)
+        return self._synced.is_set()
+
     def get(self, kernel_id: str) -> Any | None:
         """The newest pod of the kernel the watch has seen (``None``: there is none)."""
         with self._lock:

@@ -20,11 +20,13 @@ server refuses to hibernate such kernels (it could not read the checkpoint).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
 import secrets
 import signal
+from dataclasses import dataclass
 from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
@@ -60,6 +62,7 @@ CHECKPOINT_MOUNT = "/var/lib/elastic/checkpoints"
 ENV_KEY_MOUNTED = "ELASTIC_CHECKPOINT_KEY_MOUNTED"
 #: The pod's entry point (:mod:`kernelmgr.kube.pod_kernel`): ipykernel on the pod's own IP.
 POD_KERNEL = "kernelmgr.kube.pod_kernel"
+APP_SELECTOR = ",".join(f"{k}={v}" for k, v in APP_LABELS.items())
 PORT_NAMES = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 
 _clients: dict[str, client.ApiClient] = {}
@@ -82,10 +85,9 @@ def shared_informer(kubeconfig: str, namespace: str) -> PodInformer:
     """The one pod watch per cluster and namespace, started on first use."""
     key = (kubeconfig, namespace)
     if key not in _informers:
-        selector = ",".join(f"{k}={v}" for k, v in APP_LABELS.items())
         # Its own client: the watch holds a connection for minutes at a time.
         watch_api = client.ApiClient(api_client(kubeconfig).configuration)
-        _informers[key] = PodInformer(watch_api, namespace, selector).start()
+        _informers[key] = PodInformer(watch_api, namespace, APP_SELECTOR).start()
     return _informers[key]
 
 
@@ -154,6 +156,19 @@ def exit_code(pod: Any) -> int:
         if terminated is not None:
             return int(terminated.exit_code)
     return -9 if pod is None else 1
+
+
+@dataclass
+class FoundKernel:
+    """A kernel pod found in the cluster (a previous server's), read from its labels and Secret."""
+
+    kernel_id: str
+    kernelspec: str
+    owner: str
+    size: str | None
+    running: bool
+    #: The Secret's connection file with the pod's IP; ``None`` when the Secret is gone.
+    connection_info: dict[str, Any] | None
 
 
 class ElasticKubernetesProvisioner(KernelProvisionerBase):
@@ -254,9 +269,10 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             info: dict[str, Any] = {
                 **ports,
                 "ip": "",
-                # The same key for the kernel's whole life (resumes and restarts included): open
-                # websockets sign with the session key they started with.
-                "key": (self.connection_info or {}).get("key") or secrets.token_hex(32).encode(),
+                # The kernel manager's session key, as a local kernel gets it: the same for the
+                # kernel's whole life (resumes, restarts, a server restart that recovered it), and
+                # the one open websockets sign with.
+                "key": self._session_key(),
                 "transport": "tcp",
                 "signature_scheme": "hmac-sha256",
                 "kernel_name": kernelspec_name,
@@ -268,6 +284,15 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             raise
         kwargs["cmd"] = self._command()
         return kwargs
+
+    def _session_key(self) -> bytes:
+        key = getattr(getattr(self.parent, "session", None), "key", None)
+        if isinstance(key, bytes) and key:
+            return key
+        known = (self.connection_info or {}).get("key")
+        if known:
+            return known if isinstance(known, bytes) else str(known).encode()
+        return secrets.token_hex(32).encode()
 
     def _command(self) -> list[str]:
         cmd = list(self.command)
@@ -449,6 +474,64 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             )
         except client.ApiException:
             return []
+
+    # ---- a restarted server finds its kernels
+
+    async def find_kernel_pods(self) -> list[FoundKernel]:
+        """The kernel pods in this provisioner's namespace, from the watch's cache and one list of
+        the kernels' Secrets (the connection files): what a restarted server adopts."""
+        if not await self.informer.wait_synced(self.launch_timeout):
+            raise RuntimeError(f"the pod watch in {self.namespace} did not sync; kernels not adopted")
+        listed = await asyncio.to_thread(
+            self.core.list_namespaced_secret, self.namespace, label_selector=APP_SELECTOR
+        )
+        connections: dict[str, dict[str, Any]] = {}
+        for secret in listed.items:
+            kernel_id = (secret.metadata.labels or {}).get(KERNEL_ID_LABEL)
+            raw = (secret.data or {}).get(CONNECTION_FILE)
+            if kernel_id and raw:
+                connections[kernel_id] = json.loads(base64.b64decode(raw))
+        found = []
+        for pod in self.informer.pods():
+            labels, annotations = pod.metadata.labels or {}, pod.metadata.annotations or {}
+            kernel_id = labels.get(KERNEL_ID_LABEL)
+            if not kernel_id or OWNER_ANNOTATION not in annotations:
+                continue
+            info = connections.get(kernel_id)
+            running = _running(pod) and pod.metadata.deletion_timestamp is None
+            if info is not None and running:
+                info = {**info, "ip": pod.status.pod_ip, "key": str(info.get("key", "")).encode()}
+            found.append(
+                FoundKernel(
+                    kernel_id=kernel_id,
+                    kernelspec=annotations.get(KERNELSPEC_ANNOTATION, ""),
+                    owner=annotations[OWNER_ANNOTATION],
+                    size=annotations.get(SIZE_ANNOTATION),
+                    running=running,
+                    connection_info=info,
+                )
+            )
+        return found
+
+    def adopt(self, found: FoundKernel) -> KernelConnectionInfo:
+        """Take over a running kernel pod: its slice claimed again, its connection as it was."""
+        assert found.connection_info is not None
+        runtime = self.runtime
+        self._record, self._granted = claim_slice(runtime, self.kernel_id, found.kernelspec, found.size)
+        if self._record.owner != found.owner:
+            self._record.owner = found.owner
+        self.connection_info = found.connection_info  # type: ignore[assignment]
+        self._launched = True
+        mark_launched(runtime, self.kernel_id, "adopted after a server restart")
+        return self.connection_info
+
+    async def remove_leftover(self) -> None:
+        """Delete a kernel pod and Secret nobody serves any more (ended, or never started)."""
+        self._launched = True
+        with contextlib.suppress(client.ApiException, TimeoutError):
+            await self._delete_pod(grace=0, wait=True)
+        await self._delete_secret()
+        self._launched = False
 
     # ---- life and death
 

@@ -24,7 +24,7 @@ from kernelmgr.core.errors import ConfigError
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.events import LifecycleEvents
 from kernelmgr.server.handlers import elastic_handlers
-from kernelmgr.server.hibernation import Hibernator
+from kernelmgr.server.hibernation import KUBERNETES_PROVISIONER, Hibernator
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.metrics import install_collector
@@ -92,6 +92,11 @@ class ElasticKernelsExtension(ExtensionApp):
             events=events,
         )
         km.hibernator.recover()
+        if runtime.provisioner_name == KUBERNETES_PROVISIONER:
+            from kernelmgr.server.adoption import adopt_kernel_pods
+
+            # Once the loop runs (the pod watch must sync first); the server starts meanwhile.
+            ioloop.IOLoop.current().add_callback(adopt_kernel_pods, km)
         sampler = (
             GpuActivitySampler(runtime.nvml, busy_threshold=policy.defaults.gpu_idle_threshold)
             if runtime.nvml is not None

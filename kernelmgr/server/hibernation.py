@@ -56,6 +56,9 @@ from kernelmgr.server.events import LifecycleEvents
 from kernelmgr.server.metrics import ReleasedSliceSeconds, size_label
 from kernelmgr.server.persistence import KernelRecord, KernelStateFile, WriteBehind
 
+#: The pod provisioner's entry-point name (kernels in pods can outlive the server).
+KUBERNETES_PROVISIONER = "elastic-kubernetes-provisioner"
+
 if TYPE_CHECKING:
     from kernelmgr.config import ElasticRuntime
     from kernelmgr.core.allocator import Slice
@@ -74,6 +77,15 @@ __all__ = ["HibernationError", "Hibernator", "JupyterKernelPlatform", "ResumeCan
 def committed_of(manifest: Any) -> Committed:
     """What the controller knows of a committed checkpoint (id, time, size) from its manifest."""
     return Committed(manifest.checkpoint_id, manifest.created, int(manifest.summary().get("bytes") or 0))
+
+
+def lost_note(why: str, committed: Committed) -> str:
+    """What the notebook is told when a lost kernel resumes: why, and from when its state is."""
+    taken = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(committed.created))
+    return (
+        f"This kernel was lost ({why}). It was restored from its checkpoint of {taken}; "
+        "whatever ran after that is not in it."
+    )
 
 
 def _disk_full(message: str) -> bool:
@@ -277,6 +289,8 @@ class Hibernator:
         )
         #: Kernels lost with their pod -> what the notebook is told when they resume.
         self.lost_notes: dict[str, str] = {}
+        #: Kernels that ran in pods when the previous server stopped, until adoption decides.
+        self.deferred: dict[str, KernelRecord] = {}
         runtime.kernel_lost = self._kernel_lost
 
     # -- queries -------------------------------------------------------------------------
@@ -442,11 +456,7 @@ class Hibernator:
             self.mkm.log.error("Kernel %s was lost and could not be hibernated: %s", kernel_id, exc.message)
             return
         km.execution_state = "hibernated"
-        taken = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(committed.created))
-        self.lost_notes[kernel_id] = (
-            f"This kernel was lost ({why}). It was restored from its checkpoint of {taken}; "
-            "whatever ran after that is not in it."
-        )
+        self.lost_notes[kernel_id] = lost_note(why, committed)
         self._remember(kernel_id, pid=None, hibernated_at=time.time(), checkpoint_id=committed.checkpoint_id)
         self.platform.released.pop(kernel_id, None)
         size = size_label(record.profile)
@@ -545,7 +555,13 @@ class Hibernator:
             self.mkm.log.error("%s", exc)
             return []
         adopted: list[str] = []
+        in_pods = self.runtime.provisioner_name == KUBERNETES_PROVISIONER
         for kernel_id, record in previous.items():
+            if in_pods and record.state != KernelState.HIBERNATED.value:
+                # Its pod may still run: kernelmgr.server.adoption looks, then adopts it or recovers it.
+                self.deferred[kernel_id] = record
+                self.records[kernel_id] = record  # kept on disk until adoption decides
+                continue
             if record.profile is not None and record.profile not in self.runtime.profiles:
                 self.mkm.log.error(
                     "Kernel %s was hibernated with GPU size %r, which is no longer configured; "
@@ -588,6 +604,27 @@ class Hibernator:
         if adopted:
             self.mkm.log.info("Recovered %d hibernated kernel(s): %s", len(adopted), ", ".join(adopted))
         return adopted
+
+    def recover_lost(self, record: KernelRecord, why: str) -> bool:
+        """A kernel that was running when the previous server stopped, and whose pod is gone:
+        hibernated from its last checkpoint (the next cell is told what was lost), else forgotten."""
+        kernel_id = record.kernel_id
+        manifest = self._latest(record)
+        if manifest is None:
+            self.mkm.log.warning("Kernel %s %s before any checkpoint; it is gone", kernel_id, why)
+            self.records.pop(kernel_id, None)
+            self.registry_writer.save(self.records)
+            return False
+        record.checkpoint_id = manifest.checkpoint_id
+        record.state = KernelState.HIBERNATED.value
+        record.pid = None
+        self.mkm.adopt_hibernated(record)
+        self.records[kernel_id] = record
+        committed = committed_of(manifest)
+        self.controller.committed[kernel_id] = committed
+        self.lost_notes[kernel_id] = lost_note(why, committed)
+        self._remember(kernel_id, pid=None, hibernated_at=time.time())
+        return True
 
     def _latest(self, record: KernelRecord) -> Any:
         try:

@@ -16,10 +16,13 @@ websockets, culling and restarts behave exactly as users know them) plus:
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 from typing import Any
 
 from jupyter_client.kernelspec import NoSuchKernel
+from jupyter_client.provisioning import KernelProvisionerFactory as KPF
 from jupyter_core.utils import ensure_async
 from jupyter_server._tz import utcnow
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
@@ -30,7 +33,7 @@ from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.server.concurrency import hibernate_on_shutdown
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.errors import http_error
-from kernelmgr.server.hibernation import HibernationError, Hibernator
+from kernelmgr.server.hibernation import KUBERNETES_PROVISIONER, HibernationError, Hibernator
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import elastic_kernel_model
 from kernelmgr.server.persistence import KernelRecord
@@ -177,6 +180,11 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         await super()._async_shutdown_all(now=now)
         if hibernator is not None:
             await hibernator.drain()
+        if runtime is not None and runtime.provisioner_name == KUBERNETES_PROVISIONER:
+            from kernelmgr.provisioners.kubernetes import stop_shared_informers
+
+            # The kernels' pods are gone: nothing waits on the watch now (joins threads: off the loop).
+            await asyncio.to_thread(stop_shared_informers)
 
     shutdown_all = _async_shutdown_all  # type: ignore[assignment]
 
@@ -235,6 +243,42 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         runtime.kernels.register(
             record.kernel_id, record.kernelspec, record.profile, record.owner, state=state
         )
+
+    def adopt_running(self, found: Any) -> None:
+        """Register a kernel pod that a previous server started and that still runs.
+
+        Same id, same connection (from the pod's Secret), its slice claimed again; from here on it
+        is served exactly like a kernel this server started (activity, restarts, hibernation).
+        """
+        kernel_id = found.kernel_id
+        km = self.kernel_manager_factory(
+            connection_file=os.path.join(self.connection_dir, f"kernel-{kernel_id}.json"),
+            parent=self,
+            log=self.log,
+            kernel_name=found.kernelspec,
+            kernel_spec_manager=self.kernel_spec_manager,
+        )
+        km.kernel_id = kernel_id
+        km.provisioner = KPF.instance(parent=self.parent).create_provisioner_instance(
+            kernel_id, km.kernel_spec, parent=km
+        )
+        info = km.provisioner.adopt(found)
+        with contextlib.suppress(FileNotFoundError):  # the previous server's copy: the Secret is the truth
+            os.remove(km.connection_file)
+        km._reconcile_connection_info(info)
+        km._launch_args = {}
+        km._attempted_start = True
+        km.ready.set_result(None)
+        km._connect_control_socket()
+        km.execution_state = "idle"
+        km.reason = ""
+        km.last_activity = utcnow()
+        self._kernels[kernel_id] = km
+        self._kernel_connections[kernel_id] = 0
+        self._kernel_ports[kernel_id] = km.ports
+        self.start_watching_activity(kernel_id)
+        self.add_restart_callback(kernel_id, lambda: self._handle_kernel_died(kernel_id), "dead")
+        km.start_restarter()
 
     async def reap_dead_slices(self) -> None:
         """Poll every kernel that holds a slice, so a dead process gives its slice back.

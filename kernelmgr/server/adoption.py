@@ -1,0 +1,74 @@
+"""A restarted server takes over the kernel pods it finds.
+
+Kernel pods do not die with the server that started them (a local kernel checkpoints itself and
+exits; a pod keeps running, holding its GPU). So after a restart, in Kubernetes mode, the server
+looks at the kernel pods in its namespace (the shared pod watch's cache, plus one list of their
+Secrets for the connection files) and, for each:
+
+* running, with its Secret: adopted as it is — same kernel id, same connection, its slice claimed
+  again; the notebook's next cell simply runs;
+* ended, still starting, or already hibernated here (a crash between the checkpoint's commit and
+  the pod's deletion): the pod and its Secret are deleted, since nothing serves them;
+
+and each kernel the previous server had running whose pod is gone is hibernated from its last
+checkpoint (the next cell resumes it, told what was lost) or, without one, forgotten.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jupyter_client.kernelspec import KernelSpec
+
+from kernelmgr.provisioners.kubernetes import ElasticKubernetesProvisioner
+
+if TYPE_CHECKING:
+    from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
+
+
+def _provisioner(mkm: ElasticMappingKernelManager, kernel_id: str) -> ElasticKubernetesProvisioner:
+    """A provisioner with the server's configuration, for pods no kernel manager holds yet."""
+    return ElasticKubernetesProvisioner(kernel_id=kernel_id, kernel_spec=KernelSpec(), parent=mkm)
+
+
+async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
+    """Adopt the running kernel pods, clean up the others; returns the kernel ids adopted."""
+    hibernator = mkm.hibernator
+    assert hibernator is not None
+    adopted: list[str] = []
+    try:
+        found = await _provisioner(mkm, "adoption").find_kernel_pods()
+    except Exception as exc:
+        mkm.log.error("Could not look for kernel pods to adopt: %s", exc)
+        found = []
+    for pod in found:
+        hibernated_here = pod.kernel_id in mkm
+        if pod.running and pod.connection_info is not None and not hibernated_here:
+            try:
+                mkm.adopt_running(pod)
+            except Exception as exc:
+                # Left running (it holds the user's state): an admin decides; nothing is deleted blindly.
+                hibernator.deferred.pop(pod.kernel_id, None)
+                mkm.log.error(
+                    "Could not adopt the running pod of kernel %s (left as it is): %s", pod.kernel_id, exc
+                )
+                continue
+            hibernator.deferred.pop(pod.kernel_id, None)
+            hibernator.track(pod.kernel_id)
+            adopted.append(pod.kernel_id)
+            continue
+        why = (
+            "hibernated already"
+            if hibernated_here
+            else "not running"
+            if not pod.running
+            else "its Secret is gone"
+        )
+        mkm.log.info("Deleting the pod of kernel %s left by the previous server (%s)", pod.kernel_id, why)
+        await _provisioner(mkm, pod.kernel_id).remove_leftover()
+    for kernel_id, record in list(hibernator.deferred.items()):
+        hibernator.deferred.pop(kernel_id)
+        hibernator.recover_lost(record, "its pod ended while the server was down")
+    if adopted:
+        mkm.log.info("Adopted %d running kernel pod(s): %s", len(adopted), ", ".join(adopted))
+    return adopted
