@@ -4,6 +4,9 @@ Talks to the REST API only (never imports the server), so it works the same agai
 server, a remote one or the gateway. Without ``--url`` it finds the newest running local
 server through its runtime file, the way ``jupyter server list`` does.
 
+``node-agent`` is different: it runs the per-node GPU activity agent
+(:mod:`kernelmgr.nodeagent`) in the foreground, for a DaemonSet, and talks to no server.
+
 ``hibernate`` and ``resume`` wait for the outcome, however long the server allows: a request
 that outlasts ``--request-timeout`` is not a failure (the server keeps going), so the CLI then
 polls the kernel until it is hibernated (or running), until the server reports the attempt
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib
 import json
 import os
 import re
@@ -351,6 +355,101 @@ KERNEL_ID = re.compile(r"^[\w-]+$")
 MIB = 1024 * 1024
 
 
+NODE_AGENT = "node-agent"
+DEFAULT_NVML_CLASS = "kernelmgr.activity.nvml.PynvmlNvml"
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a port number (0-65535), got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number (0-65535), got {port}")
+    return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
+    return value
+
+
+def _add_node_agent(sub: Any) -> None:
+    from kernelmgr.nodeagent import DEFAULT_INTERVAL, DEFAULT_PORT
+
+    agent = sub.add_parser(
+        NODE_AGENT,
+        help="run the per-node GPU activity agent (a DaemonSet with hostPID; no server needed)",
+        description="Serve this node's GPU activity per pod: /activity (JSON), /metrics, /healthz.",
+    )
+    agent.add_argument("--ip", default="", help="address to listen on (default: all)")
+    agent.add_argument(
+        "--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 picks a free one)"
+    )
+    agent.add_argument(
+        "--proc-root", default="/proc", metavar="DIR", help="the host's /proc (default /proc; needs hostPID)"
+    )
+    agent.add_argument(
+        "--interval",
+        type=_seconds,
+        default=DEFAULT_INTERVAL,
+        metavar="SECONDS",
+        help=f"seconds between samples (default {DEFAULT_INTERVAL:g})",
+    )
+    agent.add_argument(
+        "--node-name", default=None, help="node name reported (default: $NODE_NAME, else the host name)"
+    )
+    agent.add_argument(
+        "--nvml-class",
+        default=DEFAULT_NVML_CLASS,
+        metavar="DOTTED.NAME",
+        help="NVML implementation, as ElasticKernels.nvml_class (default: pynvml; "
+        "kernelmgr.activity.nvml_double.FileNvmlDouble is the TEST DOUBLE fed from "
+        "$ELASTIC_NVML_DOUBLE_FILE)",
+    )
+
+
+def _import_class(dotted: str) -> Any:
+    module, _, name = dotted.rpartition(".")
+    if not module:
+        raise ValueError(f"--nvml-class must be a dotted name like {DEFAULT_NVML_CLASS}, got {dotted!r}")
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"--nvml-class {dotted!r} cannot be imported: {err}") from None
+    if not isinstance(found, type):
+        raise ValueError(f"--nvml-class {dotted!r} is not a class")
+    return found
+
+
+def run_node_agent(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Validate what argparse cannot, then run the agent in the foreground until SIGTERM."""
+    from kernelmgr.nodeagent.app import AgentOptions, run
+
+    prog = f"{parser.prog} {NODE_AGENT}"
+    if not os.path.isdir(args.proc_root):
+        parser.error(f"{NODE_AGENT}: --proc-root {args.proc_root!r} is not a directory")
+    try:
+        nvml = _import_class(args.nvml_class)()
+    except ValueError as err:
+        parser.error(f"{NODE_AGENT}: {err}")
+    options = AgentOptions(
+        ip=args.ip, port=args.port, proc_root=args.proc_root, interval=args.interval, node=args.node_name
+    )
+    try:
+        run(nvml, options)
+    except OSError as err:
+        where = f"{args.ip or '*'}:{args.port}"
+        print(f"{prog}: cannot listen on {where}: {err.strerror or err}", file=sys.stderr)
+        return FAILURE
+    return 0
+
+
 def build_parser() -> OneLineParser:
     parser = OneLineParser(
         prog="jupyter elastic", description="GPU-size kernels of a running Jupyter server."
@@ -366,12 +465,15 @@ def build_parser() -> OneLineParser:
         help="seconds to wait for one answer (hibernate/resume then poll until the server's "
         f"checkpoint timeout; default {DEFAULT_REQUEST_TIMEOUT:g})",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{" + ",".join([*COMMANDS, *KERNEL_ACTIONS]) + "}")
+    sub = parser.add_subparsers(
+        dest="command", metavar="{" + ",".join([*COMMANDS, *KERNEL_ACTIONS, NODE_AGENT]) + "}"
+    )
     for name, (_path, _render, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text)
     for name, help_text in KERNEL_ACTIONS.items():
         action = sub.add_parser(name, help=help_text)
         action.add_argument("kernel_id", help="the kernel's id (see `jupyter elastic list`)")
+    _add_node_agent(sub)
     return parser
 
 
@@ -379,7 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
-        parser.error("a command is required: " + ", ".join([*COMMANDS, *KERNEL_ACTIONS]))
+        parser.error("a command is required: " + ", ".join([*COMMANDS, *KERNEL_ACTIONS, NODE_AGENT]))
+    if args.command == NODE_AGENT:
+        return run_node_agent(parser, args)
     if not args.request_timeout > 0:
         parser.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
     method = "GET"

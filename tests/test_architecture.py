@@ -23,9 +23,9 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def violations(directory: Path, forbidden: tuple[str, ...]) -> list[str]:
-    """Every import under ``directory`` of a top-level package in ``forbidden``."""
+    """Every import under ``directory`` (or in that one file) of a top-level package in ``forbidden``."""
     bad = []
-    for path in sorted(directory.rglob("*.py")):
+    for path in [directory] if directory.is_file() else sorted(directory.rglob("*.py")):
         for module in imported_modules(path):
             if module.split(".")[0] in forbidden:
                 bad.append(f"{path.relative_to(directory.parent)} imports {module}")
@@ -53,6 +53,13 @@ def test_backends_import_no_web_framework() -> None:
     assert (
         violations(PACKAGE / "backends", ("tornado", "jupyter_server", "jupyter_client", "kubernetes")) == []
     )
+
+
+def test_node_agent_imports_no_kubernetes_or_jupyter() -> None:
+    """The node agent holds no API rights and needs no Jupyter server: it does not even import them."""
+    forbidden = ("kubernetes", "jupyter_server", "jupyter_client", "traitlets")
+    assert violations(PACKAGE / "nodeagent", forbidden) == []
+    assert violations(PACKAGE / "kube" / "node_agents.py", forbidden) == []
 
 
 def test_the_rule_catches_a_violation(tmp_path: Path) -> None:

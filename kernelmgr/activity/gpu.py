@@ -65,8 +65,13 @@ class GpuActivity:
 
 
 @dataclass
-class _Reading:
-    """One device's NVML answers in one sample; ``utilization`` None means MIG (not measured)."""
+class DeviceReading:
+    """One device's NVML answers in one sample.
+
+    ``memory`` is PID -> MiB; ``utilization`` is PID -> SM % over the samples since the previous
+    reading (None on MIG devices: not measured); ``error`` is why NVML could not answer ("" if
+    it did), in which case both maps are empty.
+    """
 
     memory: dict[int, int]
     utilization: dict[int, int] | None
@@ -74,6 +79,42 @@ class _Reading:
 
     def pids(self) -> set[int]:
         return set(self.memory) | set(self.utilization or {})
+
+
+class DeviceReader:
+    """Reads one device's per-process memory and utilisation, each driver sample exactly once.
+
+    Shared by the local sampler below and the node agent (:mod:`kernelmgr.nodeagent.sampler`),
+    so both follow the same NVML semantics: the newest utilisation timestamp is kept per device
+    and passed back next time, a device's MIG-ness is asked once per UUID, and every failure
+    becomes a reading with ``error`` set (never an exception), so one bad device does not hide
+    the others.
+    """
+
+    def __init__(self, nvml: Nvml) -> None:
+        self._nvml = nvml
+        self._since_us: dict[str, int] = {}
+        self._mig: dict[str, bool] = {}
+        #: What the last NVML query said: ``None`` before any, ``""`` when it answered, else why not.
+        self.last_error: str | None = None
+
+    def read(self, uuid: str) -> DeviceReading:
+        """One reading of ``uuid``: at most one memory and one utilisation call."""
+        try:
+            mig = self._mig.get(uuid)
+            if mig is None:  # a device's MIG-ness is fixed for its UUID: ask once
+                mig = self._mig[uuid] = self._nvml.is_mig(uuid)
+            memory = self._nvml.process_memory(uuid)
+            if mig:
+                self.last_error = ""
+                return DeviceReading(memory, None)
+            utilization, newest = self._nvml.process_utilization(uuid, self._since_us.get(uuid, 0))
+        except NvmlUnavailable as exc:
+            self.last_error = unavailable_reason(exc)
+            return DeviceReading({}, {}, error=self.last_error)
+        self.last_error = ""
+        self._since_us[uuid] = max(newest, self._since_us.get(uuid, 0))
+        return DeviceReading(memory, utilization)
 
 
 @dataclass
@@ -85,7 +126,8 @@ class _Track:
     last_busy: float | None = None
 
 
-def _unavailable(exc: NvmlUnavailable) -> str:
+def unavailable_reason(exc: NvmlUnavailable) -> str:
+    """The error as one line that always starts with "NVML unavailable"."""
     text = str(exc)
     return text if text.startswith("NVML unavailable") else f"NVML unavailable: {text}"
 
@@ -107,15 +149,16 @@ class GpuActivitySampler:
         clock: Callable[[], float] = time.time,
         tree: Callable[[int], set[int]] = descendants,
     ) -> None:
-        self._nvml = nvml
+        self._reader = DeviceReader(nvml)
         self.busy_threshold = busy_threshold
         self._clock = clock
         self._tree = tree
         self._kernels: dict[str, _Track] = {}
-        self._since_us: dict[str, int] = {}
-        self._mig: dict[str, bool] = {}
-        #: What the last NVML query said: ``None`` before any, ``""`` when it answered, else why not.
-        self.last_error: str | None = None
+
+    @property
+    def last_error(self) -> str | None:
+        """What the last NVML query said: ``None`` before any, ``""`` when it answered, else why not."""
+        return self._reader.last_error
 
     def source(self) -> str:
         """Where GPU activity comes from, as the policy endpoint shows it."""
@@ -135,31 +178,16 @@ class GpuActivitySampler:
             if track is None or track.pid != pid:
                 self._kernels[kernel_id] = _Track(pid)
         in_use = list(dict.fromkeys(uuid for _, devices in kernels.values() for uuid in devices))
-        readings = {uuid: self._read(uuid) for uuid in in_use}
+        readings = {uuid: self._reader.read(uuid) for uuid in in_use}
         owned = self._attribute(kernels, readings)
         return {
             kernel_id: self._activity(self._kernels[kernel_id], devices, readings, owned[kernel_id], now)
             for kernel_id, (_, devices) in kernels.items()
         }
 
-    def _read(self, uuid: str) -> _Reading:
-        try:
-            mig = self._mig.get(uuid)
-            if mig is None:  # a device's MIG-ness is fixed for its UUID: ask once
-                mig = self._mig[uuid] = self._nvml.is_mig(uuid)
-            memory = self._nvml.process_memory(uuid)
-            if mig:
-                self.last_error = ""
-                return _Reading(memory, None)
-            utilization, newest = self._nvml.process_utilization(uuid, self._since_us.get(uuid, 0))
-        except NvmlUnavailable as exc:
-            self.last_error = _unavailable(exc)
-            return _Reading({}, {}, error=self.last_error)
-        self.last_error = ""
-        self._since_us[uuid] = max(newest, self._since_us.get(uuid, 0))
-        return _Reading(memory, utilization)
-
-    def _attribute(self, kernels: KernelProcesses, readings: Mapping[str, _Reading]) -> dict[str, set[int]]:
+    def _attribute(
+        self, kernels: KernelProcesses, readings: Mapping[str, DeviceReading]
+    ) -> dict[str, set[int]]:
         """kernel_id -> its PIDs; process trees are resolved only where NVML lists unknown PIDs."""
         roots = {pid for pid, _ in kernels.values()}
         strangers = {uuid: reading.pids() - roots for uuid, reading in readings.items()}
@@ -179,7 +207,7 @@ class GpuActivitySampler:
         self,
         track: _Track,
         devices: Sequence[str],
-        readings: Mapping[str, _Reading],
+        readings: Mapping[str, DeviceReading],
         pids: set[int],
         now: float,
     ) -> GpuActivity:

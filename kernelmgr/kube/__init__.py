@@ -1,1 +1,2 @@
-"""Kubernetes plumbing shared by the pod provisioner: the API client and the one pod watch."""
+"""Kubernetes plumbing: the API client and the one pod watch (used by the pod provisioner), and
+the reader of the node activity agents (:mod:`kernelmgr.kube.node_agents`, not wired in yet)."""
