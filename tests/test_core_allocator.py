@@ -378,3 +378,23 @@ def test_random_inventory_changes_keep_the_books_consistent() -> None:
             for s in alloc.slices():
                 assert set(s.device_uuids) <= present
                 assert len({alloc.inventory.by_uuid(u).node for u in s.device_uuids}) == 1
+
+
+def test_messages_stay_short_on_a_big_cluster() -> None:
+    alloc = SliceAllocator(devices(*[(f"n{i:03}/gpu-0", f"n{i:03}", 40_000) for i in range(300)]), "binpack")
+    for i in range(300):
+        alloc.allocate(f"k{i}", WHOLE if i else HALF)
+    with pytest.raises(CapacityError) as caught:
+        alloc.allocate("x", WHOLE)
+    message = str(caught.value)
+    assert "n000/gpu-0: 50% free" in message and "(the 8 with most room of 300)" in message
+    assert len(message) < 1200
+    with pytest.raises(
+        CapacityError, match=r"can never fit on the cluster's GPUs \(Test GPU with 39.0625 GiB \(x300\)\)"
+    ):
+        alloc.allocate("y", HUGE)
+    alloc.replace_inventory(GpuInventory([], source="kubernetes", note="no node advertises GPUs"))
+    with pytest.raises(
+        CapacityError, match=r"the cluster has no schedulable GPUs \(no node advertises GPUs\)"
+    ):
+        alloc.allocate("z", HALF)

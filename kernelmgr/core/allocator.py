@@ -32,6 +32,8 @@ from kernelmgr.core.inventory import GpuDevice, GpuInventory
 from kernelmgr.core.profiles import GpuProfile
 
 MILLI = 1000
+#: Devices listed at most in a "does not fit" message.
+MAX_LISTED = 8
 STRATEGIES = ("binpack", "spread")
 
 
@@ -348,21 +350,35 @@ class SliceAllocator:
 
     def _no_fit_message_locked(self, profile: GpuProfile) -> str:
         size = describe_size(profile)
+        cluster = self.inventory.source == "kubernetes"
         if not len(self.inventory):
+            where = "the cluster has no schedulable GPUs" if cluster else "this server has no GPUs"
             return (
-                f"GPU size {size} cannot start: this server has no GPUs "
+                f"GPU size {size} cannot start: {where} "
                 f"({self.inventory.note or 'none found'}). Start a CPU kernel instead."
             )
+        eligible = [d for d in self.inventory if self._eligible(profile, d)]
         if not self.ever_fits(profile):
+            where = "the cluster's" if cluster else "this server's"
+            devices = _capacity_summary(eligible) if eligible else "none of them hands out this size"
             return (
-                f"GPU size {size} can never fit on this server's GPUs ({_capacity_summary(self.inventory)}). "
+                f"GPU size {size} can never fit on {where} GPUs ({devices}). "
                 "Pick a smaller size, or ask your admin to fix the size."
             )
+
+        def free_milli(d: GpuDevice) -> int:
+            return MILLI - self._used_milli[d.uuid]
+
+        # The devices with the most room first (at most MAX_LISTED: a cluster has hundreds).
+        shown = sorted(eligible, key=lambda d: (-free_milli(d), d.node, d.index))[:MAX_LISTED]
+        shown.sort(key=lambda d: (d.node, d.index))
         free = "; ".join(
-            f"{d.name} {d.uuid}: {(MILLI - self._used_milli[d.uuid]) / MILLI:.0%} free, "
+            f"{d.name} {d.uuid}: {free_milli(d) / MILLI:.0%} free, "
             f"{(d.memory_mib - self._used_memory[d.uuid]) / 1024:g} GiB free"
-            for d in self.inventory
+            for d in shown
         )
+        if len(eligible) > len(shown):
+            free += f" (the {len(shown)} with most room of {len(eligible)})"
         return (
             f"GPU size {size} does not fit right now. Free: {free}. "
             "Pick a smaller size, shut down (or hibernate) a GPU kernel you no longer need, "
@@ -371,4 +387,6 @@ class SliceAllocator:
 
 
 def _capacity_summary(devices: Iterable[GpuDevice]) -> str:
-    return ", ".join(f"{d.name} with {d.memory_mib / 1024:g} GiB" for d in devices)
+    """``Test GPU with 40 GiB (x3), A100 with 80 GiB``: equal devices counted, not repeated."""
+    counts = Counter(f"{d.name} with {d.memory_mib / 1024:g} GiB" for d in devices)
+    return ", ".join(text if n == 1 else f"{text} (x{n})" for text, n in counts.items())
