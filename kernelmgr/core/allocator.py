@@ -204,7 +204,7 @@ class SliceAllocator:
 
     def ever_fits(self, profile: GpuProfile) -> bool:
         """Whether ``profile`` could be placed on the current devices if they were empty."""
-        devices = [d for d in self.inventory if self._eligible(profile, d)]  # one snapshot, no lock needed
+        devices = self._eligible_devices(profile)  # one snapshot: no lock needed
         if profile.whole_gpus:
             big_enough = [
                 d for d in devices if profile.memory_mib is None or d.memory_mib >= profile.memory_mib
@@ -289,11 +289,13 @@ class SliceAllocator:
             slices=on_device,
         )
 
-    def _eligible(self, profile: GpuProfile, device: GpuDevice) -> bool:
-        if not device.resource or self.profile_resource is None:
-            return True
-        wanted = self.profile_resource(profile)
-        return wanted is None or wanted == device.resource
+    def _eligible_devices(self, profile: GpuProfile) -> list[GpuDevice]:
+        """The devices ``profile`` may be placed on (its resource asked once, not per device)."""
+        inventory = self.inventory  # one snapshot
+        wanted = self.profile_resource(profile) if self.profile_resource is not None else None
+        if wanted is None:
+            return list(inventory)
+        return [d for d in inventory if not d.resource or d.resource == wanted]
 
     def _choose_locked(self, profile: GpuProfile) -> list[Placement] | None:
         if profile.whole_gpus:
@@ -308,9 +310,8 @@ class SliceAllocator:
 
         candidates = [
             d
-            for d in self.inventory
-            if self._eligible(profile, d)
-            and d.memory_mib >= need_memory
+            for d in self._eligible_devices(profile)
+            if d.memory_mib >= need_memory
             and (self._used_milli[d.uuid] == 0 if d.exclusive else True)
             and MILLI - self._used_milli[d.uuid] >= take(d)[0]
             and d.memory_mib - self._used_memory[d.uuid] >= take(d)[1]
@@ -333,9 +334,8 @@ class SliceAllocator:
     def _choose_whole_locked(self, profile: GpuProfile) -> list[Placement] | None:
         empty = [
             d
-            for d in self.inventory
-            if self._eligible(profile, d)
-            and self._used_milli[d.uuid] == 0
+            for d in self._eligible_devices(profile)
+            if self._used_milli[d.uuid] == 0
             and (profile.memory_mib is None or d.memory_mib >= profile.memory_mib)
         ]
         # A kernel's GPUs are on one machine: one node (all local devices share the node "").
@@ -357,7 +357,7 @@ class SliceAllocator:
                 f"GPU size {size} cannot start: {where} "
                 f"({self.inventory.note or 'none found'}). Start a CPU kernel instead."
             )
-        eligible = [d for d in self.inventory if self._eligible(profile, d)]
+        eligible = self._eligible_devices(profile)
         if not self.ever_fits(profile):
             where = "the cluster's" if cluster else "this server's"
             devices = _capacity_summary(eligible) if eligible else "none of them hands out this size"

@@ -43,7 +43,8 @@ class Informer:
     :meth:`add_listener` run on the informer's thread after each change to the cache, with the
     keys that changed (after a re-list: every key that was or is in the cache) mapped to the new
     object, or ``None`` for one that is gone. They must be quick and must not raise (an exception
-    is logged and swallowed, so one bad listener cannot stop the watch).
+    is logged and swallowed, so one bad listener cannot stop the watch). ``transform`` (optional)
+    is applied to every object before it is cached, e.g. to drop fields nobody reads.
     """
 
     def __init__(
@@ -56,9 +57,11 @@ class Informer:
         list_kwargs: Mapping[str, Any] | None = None,
         watch_timeout: int = 300,
         retry_delay: float = 1.0,
+        transform: Callable[[Any], Any] | None = None,
     ) -> None:
         self.list_func = list_func
         self.key = key
+        self.transform = transform
         self.name = name
         self.list_args = list_args
         self.list_kwargs = dict(list_kwargs or {})
@@ -117,7 +120,8 @@ class Informer:
 
     def _relist(self) -> str:
         listed = self.list_func(*self.list_args, **self.list_kwargs)
-        fresh = {k: item for item in listed.items if (k := self.key(item))}
+        items = listed.items if self.transform is None else [self.transform(i) for i in listed.items]
+        fresh = {k: item for item in items if (k := self.key(item))}
         with self._lock:
             changed = set(self._items) | set(fresh)
             self._items = fresh
@@ -150,6 +154,8 @@ class Informer:
             version = item.metadata.resource_version or version
             if kind == "BOOKMARK":
                 continue
+            if self.transform is not None:
+                item = self.transform(item)
             k = self.key(item)
             if not k:
                 continue

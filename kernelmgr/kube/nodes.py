@@ -94,6 +94,21 @@ def node_schedulable(node: Any) -> bool:
     return False
 
 
+def slim_node(node: Any) -> Any:
+    """``node`` without the parts that are large and unused here (its image list, managed fields).
+
+    A real node lists every image it holds (often tens of KiB); the cache keeps one per node.
+    """
+    if isinstance(node, Mapping):
+        return node
+    status, metadata = _field(node, "status"), _field(node, "metadata")
+    if status is not None and getattr(status, "images", None):
+        status.images = None
+    if metadata is not None and getattr(metadata, "managed_fields", None):
+        metadata.managed_fields = None
+    return node
+
+
 def _count(value: Any) -> int:
     """An extended resource quantity (always an integer) as an int; 0 if absent or not one."""
     try:
@@ -280,6 +295,7 @@ class NodeInventorySync:
             list_kwargs=kwargs,
             watch_timeout=watch_timeout,
             retry_delay=retry_delay,
+            transform=slim_node,
         )
         self.informer.add_listener(self._apply)
         #: How many times a new inventory was swapped in (tests and metrics read it).
