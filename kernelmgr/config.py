@@ -20,10 +20,10 @@ from traitlets import Bool, Dict, Enum, Float, Integer, List, Type, Unicode
 from traitlets.config import LoggingConfigurable
 
 from kernelmgr.activity.nvml import Nvml, PynvmlNvml, discover_inventory
-from kernelmgr.backends.kubernetes import validate_backend_options
+from kernelmgr.backends.kubernetes import profile_resource, validate_backend_options
 from kernelmgr.checkpoint.integrity import load_or_create_secret
 from kernelmgr.checkpoint.store import CheckpointStore
-from kernelmgr.core.allocator import STRATEGIES, SliceAllocator
+from kernelmgr.core.allocator import STRATEGIES, InventoryChange, SliceAllocator
 from kernelmgr.core.errors import ConfigError, UnknownProfileError
 from kernelmgr.core.inventory import GpuInventory
 from kernelmgr.core.kernels import KernelRegistry
@@ -32,6 +32,7 @@ from kernelmgr.core.profiles import GpuProfile, parse_profiles
 
 #: The provisioners a GPU-size kernelspec may name (entry points of this package).
 PROVISIONERS = ("elastic-local-provisioner", "elastic-kubernetes-provisioner")
+INVENTORY_SOURCES = ("auto", "declared", "nvml", "kubernetes")
 
 DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
     "small": {"gpu_fraction": 0.25, "memory_mib": 10 * 1024},
@@ -45,7 +46,6 @@ class ElasticRuntime:
     """Everything validated from configuration, shared by the adapters of one process."""
 
     profiles: dict[str, GpuProfile]
-    inventory: GpuInventory
     allocator: SliceAllocator
     base_kernels: list[str]
     checkpoint_root: str
@@ -64,6 +64,20 @@ class ElasticRuntime:
     #: (its pod deleted, evicted, lost with its node) with the reason; ``True`` means the server
     #: takes the kernel over (hibernated from its last checkpoint), ``False`` that it has none.
     kernel_lost: Callable[[str, str], bool] | None = None
+
+    #: Where devices come from at run time: "declared", "nvml", or "kubernetes" (the cluster's
+    #: nodes, kept current by :class:`kernelmgr.kube.nodes.NodeInventorySync`, which the server
+    #: starts when this says "kubernetes").
+    inventory_source: str = "declared"
+
+    @property
+    def inventory(self) -> GpuInventory:
+        """The current snapshot of the devices (the allocator's: it changes when nodes do)."""
+        return self.allocator.inventory
+
+    def replace_inventory(self, inventory: GpuInventory) -> InventoryChange:
+        """Swap in new devices; returns what changed, with the slices lost on removed devices."""
+        return self.allocator.replace_inventory(inventory)
 
     @property
     def gpus_available(self) -> bool:
@@ -95,6 +109,16 @@ class ElasticKernels(LoggingConfigurable):
         config=True,
         help="""Declared GPUs: a list of {uuid, name, memory_mib[, index, node]}. Empty means
         discover GPUs with NVML; if NVML is unavailable too, only CPU kernels are offered.""",
+    )
+    gpu_inventory_source = Enum(
+        list(INVENTORY_SOURCES),
+        default_value="auto",
+        config=True,
+        help="""Where the GPU inventory comes from. "declared": ElasticKernels.gpu_inventory;
+        "nvml": the GPUs of this machine; "kubernetes": the cluster's nodes (nvidia.com/gpu with the
+        GPU feature discovery labels, HAMi, MIG resources), kept current by a node watch: nodes that
+        join add GPUs, nodes that leave, are cordoned or go NotReady take theirs away, and kernels
+        whose slice was on them are reported. "auto": declared if gpu_inventory is set, else nvml.""",
     )
     checkpoint_root = Unicode(
         config=True,
@@ -189,15 +213,37 @@ class ElasticKernels(LoggingConfigurable):
         for profile in profiles.values():
             validate_backend_options(profile)
         nvml: Nvml = nvml_factory() if nvml_factory is not None else cast(Nvml, self.nvml_class())
-        if self.gpu_inventory:
+        source = self.gpu_inventory_source
+        if source == "auto":
+            source = "declared" if self.gpu_inventory else "nvml"
+        if source == "declared":
+            if not self.gpu_inventory:
+                raise ConfigError(
+                    'ElasticKernels.gpu_inventory_source is "declared" but ElasticKernels.gpu_inventory is '
+                    'empty: declare the devices, or use "nvml" or "kubernetes"'
+                )
             inventory = GpuInventory.declared(self.gpu_inventory)
-        else:
+        elif source == "nvml":
             inventory = discover_inventory(nvml)
+        else:
+            if self.gpu_inventory:
+                raise ConfigError(
+                    'ElasticKernels.gpu_inventory_source is "kubernetes" (devices come from the nodes) but '
+                    "ElasticKernels.gpu_inventory declares devices too: remove one of the two"
+                )
+            # Empty until the node watch has listed the nodes; sizes are offered from the start.
+            inventory = GpuInventory(
+                [], source="kubernetes", note="the cluster's nodes have not been listed yet"
+            )
         if self.gpu_sample_interval <= 0:
             raise ConfigError(
                 f"ElasticKernels.gpu_sample_interval must be > 0 seconds, got {self.gpu_sample_interval}"
             )
-        allocator = SliceAllocator(inventory, strategy=self.allocation_strategy)
+        allocator = SliceAllocator(
+            inventory,
+            strategy=self.allocation_strategy,
+            profile_resource=profile_resource if source == "kubernetes" else None,
+        )
         for profile in profiles.values():
             if inventory.devices and not allocator.ever_fits(profile):
                 self.log.warning(
@@ -219,8 +265,8 @@ class ElasticKernels(LoggingConfigurable):
             )
         return ElasticRuntime(
             profiles=profiles,
-            inventory=inventory,
             allocator=allocator,
+            inventory_source=source,
             base_kernels=list(self.base_kernels),
             checkpoint_root=self.checkpoint_directory(),
             use_mps=self.local_mps,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -10,7 +11,7 @@ import pytest
 
 from kernelmgr.core.allocator import SliceAllocator
 from kernelmgr.core.errors import CapacityError, ConfigError
-from kernelmgr.core.inventory import GpuInventory
+from kernelmgr.core.inventory import GpuDevice, GpuInventory
 from kernelmgr.core.profiles import parse_profile
 
 QUARTER = parse_profile("quarter", {"gpu_fraction": 0.25, "memory_mib": 10_000})
@@ -243,3 +244,157 @@ def test_usage_lists_slices_per_device() -> None:
     assert doc["uuid"] == "GPU-0"
     assert doc["used_fraction"] == 0.25 and doc["free_memory_mib"] == 30_000
     assert doc["slices"] == [{"kernel_id": "a", "profile": "quarter", "fraction": 0.25, "memory_mib": 10_000}]
+
+
+# -- an inventory that changes at run time (Kubernetes nodes join, leave, are cordoned) -------------
+
+
+def devices(*specs: tuple[str, str, int]) -> GpuInventory:
+    """Devices ``(uuid, node, memory_mib)``, indexed per node in the order given."""
+    per_node: dict[str, int] = {}
+    out = []
+    for uuid, node, memory in specs:
+        index = per_node.get(node, 0)
+        per_node[node] = index + 1
+        out.append(GpuDevice(uuid=uuid, name="Test GPU", memory_mib=memory, index=index, node=node))
+    return GpuInventory(out, source="kubernetes")
+
+
+def test_removed_device_reports_its_slices_lost_and_keeps_the_rest() -> None:
+    alloc = SliceAllocator(devices(("a/0", "a", 40_000), ("b/0", "b", 40_000)), "spread")
+    on_a = alloc.allocate("k1", HALF)
+    on_b = alloc.allocate("k2", HALF)
+    assert on_a.device_uuids == ("a/0",) and on_b.device_uuids == ("b/0",)
+
+    change = alloc.replace_inventory(devices(("b/0", "b", 40_000)))
+
+    assert [d.uuid for d in change.removed] == ["a/0"] and not change.added and not change.changed
+    assert change.lost == (on_a,)
+    assert alloc.slice_of("k1") is None and alloc.slice_of("k2") == on_b
+    assert [u.device.uuid for u in alloc.usage()] == ["b/0"]
+    assert alloc.release("k1") is None  # releasing a lost slice later is harmless
+    (usage,) = alloc.usage()
+    assert usage.used_milli == 500 and usage.used_memory_mib == 20_000
+
+
+def test_a_multi_gpu_slice_is_lost_whole_when_one_of_its_devices_goes() -> None:
+    alloc = SliceAllocator(devices(("a/0", "a", 40_000), ("a/1", "a", 40_000)), "binpack")
+    granted = alloc.allocate("k", TWO)
+    change = alloc.replace_inventory(devices(("a/1", "a", 40_000)))
+    assert change.lost == (granted,)
+    (usage,) = alloc.usage()
+    assert usage.used_milli == 0 and usage.slices == ()
+    alloc.allocate("w", WHOLE)  # the surviving device is really free
+
+
+def test_added_devices_make_a_size_fit_that_did_not() -> None:
+    alloc = SliceAllocator(devices(("a/0", "a", 40_000)), "binpack")
+    alloc.allocate("k", WHOLE)
+    assert not alloc.fits(WHOLE) and not alloc.ever_fits(TWO)
+    change = alloc.replace_inventory(
+        devices(("a/0", "a", 40_000), ("b/0", "b", 40_000), ("b/1", "b", 40_000))
+    )
+    assert [d.uuid for d in change.added] == ["b/0", "b/1"] and change.lost == ()
+    assert alloc.slice_of("k") is not None and alloc.fits(WHOLE) and alloc.fits(TWO)
+    assert alloc.allocate("t", TWO).device_uuids == ("b/0", "b/1")
+
+
+def test_whole_gpus_of_one_kernel_are_on_one_node() -> None:
+    alloc = SliceAllocator(devices(("a/0", "a", 40_000), ("b/0", "b", 40_000)), "binpack")
+    assert not alloc.ever_fits(TWO) and not alloc.fits(TWO)
+    with pytest.raises(CapacityError, match="can never fit"):
+        alloc.allocate("k", TWO)
+
+
+def test_a_shrunk_device_keeps_its_slices_and_offers_nothing_more() -> None:
+    alloc = SliceAllocator(devices(("a/0", "a", 40_000)), "binpack")
+    alloc.allocate("k", HALF)
+    change = alloc.replace_inventory(devices(("a/0", "a", 10_000)))
+    assert [d.memory_mib for d in change.changed] == [10_000] and change.lost == ()
+    assert alloc.slice_of("k") is not None and not alloc.fits(QUARTER)
+
+
+def test_exclusive_devices_hold_one_slice_and_sizes_stay_on_their_resource() -> None:
+    mig = [
+        GpuDevice(
+            f"n/mig-{i}",
+            "MIG 1g.10gb",
+            10_240,
+            i,
+            node="n",
+            resource="nvidia.com/mig-1g.10gb",
+            exclusive=True,
+        )
+        for i in range(2)
+    ]
+    gpu = GpuDevice("n/gpu-0", "A100", 81_920, 0, node="n", resource="nvidia.com/gpu")
+    small_mig = parse_profile("mig", {"gpu_fraction": 1 / 7, "memory_mib": 10_000, "backend": "mig"})
+    resources = {"mig": "nvidia.com/mig-1g.10gb", "quarter": "nvidia.com/gpu", "whole": "nvidia.com/gpu"}
+    alloc = SliceAllocator(
+        GpuInventory([*mig, gpu], source="kubernetes"),
+        "binpack",
+        profile_resource=lambda p: resources.get(p.name),
+    )
+    first = alloc.allocate("m1", small_mig)
+    second = alloc.allocate("m2", small_mig)
+    assert {first.device_uuids, second.device_uuids} == {("n/mig-0",), ("n/mig-1",)}
+    assert first.placements[0].milli == 1000 and first.placements[0].memory_mib == 10_240
+    assert not alloc.fits(small_mig)  # the GPU is not a MIG device, and each MIG device holds one slice
+    assert alloc.allocate("q", QUARTER).device_uuids == ("n/gpu-0",)
+    assert alloc.ever_fits(WHOLE)
+
+
+def test_random_inventory_changes_keep_the_books_consistent() -> None:
+    """Property-style: allocations, releases and inventory swaps in random order never leave a
+    slice on a missing device, never overbook a device, and report exactly the slices that were
+    on removed devices as lost."""
+    import random
+
+    rng = random.Random(8)
+    pool = [(f"{node}/gpu-{i}", node, 40_000) for node in "abcd" for i in range(2)]
+    sizes = [QUARTER, HALF, THIRD, WHOLE, TWO]
+    for _trial in range(40):
+        alloc = SliceAllocator(devices(*rng.sample(pool, 4)), rng.choice(["binpack", "spread"]))
+        for step in range(60):
+            action = rng.random()
+            if action < 0.5:
+                with contextlib.suppress(CapacityError):
+                    alloc.allocate(f"k{step}", rng.choice(sizes))
+            elif action < 0.7 and alloc.slices():
+                alloc.release(rng.choice(alloc.slices()).kernel_id)
+            else:
+                before = {s.kernel_id: s for s in alloc.slices()}
+                kept = [spec for spec in pool if rng.random() < 0.6]
+                change = alloc.replace_inventory(devices(*kept))
+                present = {uuid for uuid, _, _ in kept}
+                expected_lost = {k for k, s in before.items() if not set(s.device_uuids) <= present}
+                assert {s.kernel_id for s in change.lost} == expected_lost
+                assert {s.kernel_id for s in alloc.slices()} == set(before) - expected_lost
+            present = {d.uuid for d in alloc.inventory}
+            for usage in alloc.usage():
+                held = [p for s in alloc.slices() for p in s.placements if p.device_uuid == usage.device.uuid]
+                assert usage.used_milli == sum(p.milli for p in held) <= 1000
+                assert usage.used_memory_mib == sum(p.memory_mib for p in held) <= usage.device.memory_mib
+            for s in alloc.slices():
+                assert set(s.device_uuids) <= present
+                assert len({alloc.inventory.by_uuid(u).node for u in s.device_uuids}) == 1
+
+
+def test_messages_stay_short_on_a_big_cluster() -> None:
+    alloc = SliceAllocator(devices(*[(f"n{i:03}/gpu-0", f"n{i:03}", 40_000) for i in range(300)]), "binpack")
+    for i in range(300):
+        alloc.allocate(f"k{i}", WHOLE if i else HALF)
+    with pytest.raises(CapacityError) as caught:
+        alloc.allocate("x", WHOLE)
+    message = str(caught.value)
+    assert "n000/gpu-0: 50% free" in message and "(the 8 with most room of 300)" in message
+    assert len(message) < 1200
+    with pytest.raises(
+        CapacityError, match=r"can never fit on the cluster's GPUs \(Test GPU with 39.0625 GiB \(x300\)\)"
+    ):
+        alloc.allocate("y", HUGE)
+    alloc.replace_inventory(GpuInventory([], source="kubernetes", note="no node advertises GPUs"))
+    with pytest.raises(
+        CapacityError, match=r"the cluster has no schedulable GPUs \(no node advertises GPUs\)"
+    ):
+        alloc.allocate("z", HALF)

@@ -67,3 +67,30 @@ def render_pod_fragment(profile: GpuProfile, kernel_id: str) -> PodFragment:
     is accepted so that per-kernel objects can be added without changing callers).
     """
     return backend_for(profile).render(profile, kernel_id)
+
+
+def profile_resource(profile: GpuProfile) -> str | None:
+    """The node resource whose devices a size is placed on, for the allocator's bookkeeping.
+
+    It matches :attr:`GpuDevice.resource <kernelmgr.core.inventory.GpuDevice.resource>` of the
+    devices :mod:`kernelmgr.kube.nodes` reads from the cluster's nodes: ``nvidia.com/gpu`` for
+    whole GPUs, HAMi and single-strategy MIG (HAMi nodes advertise ``nvidia.com/gpu`` too, and a
+    whole size there gets a whole card), the size's own ``nvidia.com/mig-<profile>`` for mixed
+    MIG, the configured resource name for time-slicing/MPS replicas. ``None`` (any device) for the
+    backends whose capacity is not read from nodes (Volcano vGPU, DRA) and for local sizes.
+    """
+    backend = REGISTRY.get(profile.backend)
+    if backend is None:
+        return None
+    if backend.name == "whole":
+        return whole.parse_options(profile).resource_name
+    if backend.name == "shared":
+        return shared.parse_options(profile).resource_name
+    if backend.name == "hami":
+        return "nvidia.com/gpu"
+    if backend.name == "mig":
+        settings = mig.parse_options(profile)
+        if settings.strategy == "mixed" and settings.mig_profile is not None:
+            return mig.mig_resource_name(settings.mig_profile)
+        return "nvidia.com/gpu"
+    return None

@@ -5,7 +5,14 @@ kubernetes or traitlets (``tests/test_architecture.py`` enforces it), so the mod
 reasoned about and tested on its own, and every adapter depends on it rather than the reverse.
 """
 
-from kernelmgr.core.allocator import DeviceUsage, Placement, Slice, SliceAllocator, describe_size
+from kernelmgr.core.allocator import (
+    DeviceUsage,
+    InventoryChange,
+    Placement,
+    Slice,
+    SliceAllocator,
+    describe_size,
+)
 from kernelmgr.core.errors import (
     CapacityError,
     ConfigError,
@@ -26,6 +33,7 @@ __all__ = [
     "GpuInventory",
     "GpuProfile",
     "InvalidTransitionError",
+    "InventoryChange",
     "KernelState",
     "Lifecycle",
     "Placement",

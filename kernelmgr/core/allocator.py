@@ -9,11 +9,20 @@ different threads (or the event loop and a worker thread) cannot double-book a d
 Placement is deterministic: candidates are ranked by a key that ends in the device index,
 so the same sequence of requests always yields the same placement (tests and operators can
 predict it).
+
+The inventory may change while kernels hold slices (on Kubernetes, nodes join, leave, are
+cordoned or grow): :meth:`SliceAllocator.replace_inventory` swaps in a new snapshot under the
+same lock as every other method, so it may be called from any thread (a watch thread calls it
+directly). Slices on devices that are still there are kept as they are; a slice with any part
+on a device that is gone is taken out whole and returned as *lost*, never kept on a phantom
+device, so the caller can tell the kernel's owner and act on it (stop or hibernate the kernel).
+A device that comes back later starts empty.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +32,8 @@ from kernelmgr.core.inventory import GpuDevice, GpuInventory
 from kernelmgr.core.profiles import GpuProfile
 
 MILLI = 1000
+#: Devices listed at most in a "does not fit" message.
+MAX_LISTED = 8
 STRATEGIES = ("binpack", "spread")
 
 
@@ -65,6 +76,25 @@ class Slice:
                 for p in self.placements
             ],
         }
+
+
+@dataclass(frozen=True)
+class InventoryChange:
+    """What :meth:`SliceAllocator.replace_inventory` did.
+
+    ``changed`` lists devices that stayed (same uuid) with another record (memory, name, ...);
+    their slices are kept, even if the device now reports less than they hold (the workloads
+    still run there; the device simply offers nothing until enough is released). ``lost``
+    lists the slices that were on a removed device and are no longer held by anyone.
+    """
+
+    added: tuple[GpuDevice, ...] = ()
+    removed: tuple[GpuDevice, ...] = ()
+    changed: tuple[GpuDevice, ...] = ()
+    lost: tuple[Slice, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.removed or self.changed or self.lost)
 
 
 @dataclass(frozen=True)
@@ -119,13 +149,23 @@ def describe_size(profile: GpuProfile) -> str:
 class SliceAllocator:
     """Thread-safe placement of GPU sizes on an inventory, binpack or spread."""
 
-    def __init__(self, inventory: GpuInventory, strategy: str = "binpack") -> None:
+    def __init__(
+        self,
+        inventory: GpuInventory,
+        strategy: str = "binpack",
+        profile_resource: Callable[[GpuProfile], str | None] | None = None,
+    ) -> None:
+        """``profile_resource`` (optional) names the platform resource a size is handed out as
+        (see :attr:`GpuDevice.resource`); a size is then only placed on devices of that resource
+        (or on devices with no resource). ``None`` from it, or no function, means any device.
+        """
         if strategy not in STRATEGIES:
             raise ConfigError(
                 f"ElasticKernels.allocation_strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}"
             )
         self.inventory = inventory
         self.strategy = strategy
+        self.profile_resource = profile_resource
         self._lock = threading.Lock()
         self._slices: dict[str, Slice] = {}
         self._used_milli: dict[str, int] = {d.uuid: 0 for d in inventory}
@@ -163,13 +203,15 @@ class SliceAllocator:
                 raise CapacityError(self._no_fit_message_locked(profile))
 
     def ever_fits(self, profile: GpuProfile) -> bool:
-        """Whether ``profile`` could be placed on an empty inventory."""
+        """Whether ``profile`` could be placed on the current devices if they were empty."""
+        devices = self._eligible_devices(profile)  # one snapshot: no lock needed
         if profile.whole_gpus:
             big_enough = [
-                d for d in self.inventory if profile.memory_mib is None or d.memory_mib >= profile.memory_mib
+                d for d in devices if profile.memory_mib is None or d.memory_mib >= profile.memory_mib
             ]
-            return len(big_enough) >= profile.whole_gpus
-        return any(d.memory_mib >= (profile.memory_mib or 0) for d in self.inventory)
+            per_node = Counter(d.node for d in big_enough)
+            return any(count >= profile.whole_gpus for count in per_node.values())
+        return any(d.memory_mib >= (profile.memory_mib or 0) for d in devices)
 
     # -- changes ---------------------------------------------------------------------------
 
@@ -210,6 +252,32 @@ class SliceAllocator:
                     self._used_memory[p.device_uuid] -= p.memory_mib
             return granted
 
+    def replace_inventory(self, inventory: GpuInventory) -> InventoryChange:
+        """Swap in a new snapshot of the devices and reconcile the slices with it.
+
+        Thread-safe (one lock with every other method). Slices with any placement on a device
+        that is not in ``inventory`` are released on all their devices and returned in
+        :attr:`InventoryChange.lost`; nothing else changes for the other slices.
+        """
+        with self._lock:
+            old = {d.uuid: d for d in self.inventory}
+            new = {d.uuid: d for d in inventory}
+            added = tuple(d for d in inventory if d.uuid not in old)
+            removed = tuple(d for d in self.inventory if d.uuid not in new)
+            changed = tuple(d for d in inventory if d.uuid in old and old[d.uuid] != d)
+            gone = {d.uuid for d in removed}
+            lost = tuple(s for s in self._slices.values() if gone.intersection(s.device_uuids))
+            for granted in lost:
+                del self._slices[granted.kernel_id]
+            self._used_milli = {uuid: 0 for uuid in new}
+            self._used_memory = {uuid: 0 for uuid in new}
+            for granted in self._slices.values():
+                for p in granted.placements:
+                    self._used_milli[p.device_uuid] += p.milli
+                    self._used_memory[p.device_uuid] += p.memory_mib
+            self.inventory = inventory
+            return InventoryChange(added=added, removed=removed, changed=changed, lost=lost)
+
     # -- internals (lock held) -------------------------------------------------------------
 
     def _usage_locked(self, device: GpuDevice) -> DeviceUsage:
@@ -221,59 +289,96 @@ class SliceAllocator:
             slices=on_device,
         )
 
+    def _eligible_devices(self, profile: GpuProfile) -> list[GpuDevice]:
+        """The devices ``profile`` may be placed on (its resource asked once, not per device)."""
+        inventory = self.inventory  # one snapshot
+        wanted = self.profile_resource(profile) if self.profile_resource is not None else None
+        if wanted is None:
+            return list(inventory)
+        return [d for d in inventory if not d.resource or d.resource == wanted]
+
     def _choose_locked(self, profile: GpuProfile) -> list[Placement] | None:
         if profile.whole_gpus:
             return self._choose_whole_locked(profile)
-        need_milli = to_milli(profile.gpu_fraction)
         need_memory = profile.memory_mib or 0
+
+        def take(d: GpuDevice) -> tuple[int, int]:
+            """(milli, MiB) the slice would hold on ``d``: all of an exclusive device."""
+            if d.exclusive:
+                return MILLI, d.memory_mib
+            return to_milli(profile.gpu_fraction), need_memory
+
         candidates = [
             d
-            for d in self.inventory
-            if MILLI - self._used_milli[d.uuid] >= need_milli
-            and d.memory_mib - self._used_memory[d.uuid] >= need_memory
+            for d in self._eligible_devices(profile)
+            if d.memory_mib >= need_memory
+            and (self._used_milli[d.uuid] == 0 if d.exclusive else True)
+            and MILLI - self._used_milli[d.uuid] >= take(d)[0]
+            and d.memory_mib - self._used_memory[d.uuid] >= take(d)[1]
         ]
         if not candidates:
             return None
 
         def remaining(d: GpuDevice) -> tuple[int, int, int]:
-            free = MILLI - self._used_milli[d.uuid] - need_milli
-            free_memory = d.memory_mib - self._used_memory[d.uuid] - need_memory
+            milli, memory = take(d)
+            free = MILLI - self._used_milli[d.uuid] - milli
+            free_memory = d.memory_mib - self._used_memory[d.uuid] - memory
             if self.strategy == "binpack":
                 return (free, free_memory, d.index)
             return (-free, -free_memory, d.index)
 
         best = min(candidates, key=remaining)
-        return [Placement(device_uuid=best.uuid, milli=need_milli, memory_mib=need_memory)]
+        milli, memory = take(best)
+        return [Placement(device_uuid=best.uuid, milli=milli, memory_mib=memory)]
 
     def _choose_whole_locked(self, profile: GpuProfile) -> list[Placement] | None:
         empty = [
             d
-            for d in self.inventory
+            for d in self._eligible_devices(profile)
             if self._used_milli[d.uuid] == 0
             and (profile.memory_mib is None or d.memory_mib >= profile.memory_mib)
         ]
-        if len(empty) < profile.whole_gpus:
+        # A kernel's GPUs are on one machine: one node (all local devices share the node "").
+        by_node: dict[str, list[GpuDevice]] = {}
+        for d in empty:
+            by_node.setdefault(d.node, []).append(d)
+        nodes = sorted(node for node, devices in by_node.items() if len(devices) >= profile.whole_gpus)
+        if not nodes:
             return None
-        chosen = sorted(empty, key=lambda d: d.index)[: profile.whole_gpus]
+        chosen = sorted(by_node[nodes[0]], key=lambda d: d.index)[: profile.whole_gpus]
         return [Placement(device_uuid=d.uuid, milli=MILLI, memory_mib=d.memory_mib) for d in chosen]
 
     def _no_fit_message_locked(self, profile: GpuProfile) -> str:
         size = describe_size(profile)
+        cluster = self.inventory.source == "kubernetes"
         if not len(self.inventory):
+            where = "the cluster has no schedulable GPUs" if cluster else "this server has no GPUs"
             return (
-                f"GPU size {size} cannot start: this server has no GPUs "
+                f"GPU size {size} cannot start: {where} "
                 f"({self.inventory.note or 'none found'}). Start a CPU kernel instead."
             )
+        eligible = self._eligible_devices(profile)
         if not self.ever_fits(profile):
+            where = "the cluster's" if cluster else "this server's"
+            devices = _capacity_summary(eligible) if eligible else "none of them hands out this size"
             return (
-                f"GPU size {size} can never fit on this server's GPUs ({_capacity_summary(self.inventory)}). "
+                f"GPU size {size} can never fit on {where} GPUs ({devices}). "
                 "Pick a smaller size, or ask your admin to fix the size."
             )
+
+        def free_milli(d: GpuDevice) -> int:
+            return MILLI - self._used_milli[d.uuid]
+
+        # The devices with the most room first (at most MAX_LISTED: a cluster has hundreds).
+        shown = sorted(eligible, key=lambda d: (-free_milli(d), d.node, d.index))[:MAX_LISTED]
+        shown.sort(key=lambda d: (d.node, d.index))
         free = "; ".join(
-            f"{d.name} {d.uuid}: {(MILLI - self._used_milli[d.uuid]) / MILLI:.0%} free, "
+            f"{d.name} {d.uuid}: {free_milli(d) / MILLI:.0%} free, "
             f"{(d.memory_mib - self._used_memory[d.uuid]) / 1024:g} GiB free"
-            for d in self.inventory
+            for d in shown
         )
+        if len(eligible) > len(shown):
+            free += f" (the {len(shown)} with most room of {len(eligible)})"
         return (
             f"GPU size {size} does not fit right now. Free: {free}. "
             "Pick a smaller size, shut down (or hibernate) a GPU kernel you no longer need, "
@@ -282,4 +387,6 @@ class SliceAllocator:
 
 
 def _capacity_summary(devices: Iterable[GpuDevice]) -> str:
-    return ", ".join(f"{d.name} with {d.memory_mib / 1024:g} GiB" for d in devices)
+    """``Test GPU with 40 GiB (x3), A100 with 80 GiB``: equal devices counted, not repeated."""
+    counts = Counter(f"{d.name} with {d.memory_mib / 1024:g} GiB" for d in devices)
+    return ", ".join(text if n == 1 else f"{text} (x{n})" for text, n in counts.items())

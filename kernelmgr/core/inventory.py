@@ -1,8 +1,11 @@
 """The GPU inventory: which devices exist and how big they are.
 
-Devices are either declared by the admin (``ElasticKernels.gpu_inventory``) or discovered
-through NVML by an adapter; either way they end up as :class:`GpuDevice` records here. The
-inventory is immutable: the allocator owns all mutable state about who holds what.
+Devices are declared by the admin (``ElasticKernels.gpu_inventory``), discovered through NVML,
+or (on Kubernetes) read from the cluster's Node objects by an adapter; either way they end up as
+:class:`GpuDevice` records here. An inventory is an immutable snapshot: when the cluster changes,
+the adapter builds a new one and hands it to :meth:`SliceAllocator.replace_inventory
+<kernelmgr.core.allocator.SliceAllocator.replace_inventory>`, which owns all mutable state about
+who holds what and reconciles it with the new snapshot.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ class GpuDevice:
     """One GPU (or MIG device) that slices are carved from.
 
     ``node`` is empty in local mode; on Kubernetes it names the node the device lives on.
+    ``resource`` names what hands the device out on that platform (the Kubernetes extended
+    resource, e.g. ``nvidia.com/gpu`` or ``nvidia.com/mig-1g.10gb``); empty means "any size may
+    be placed here". An ``exclusive`` device holds at most one slice, whatever its size, and
+    that slice takes all of it: a MIG instance is handed to one pod whole.
     """
 
     uuid: str
@@ -28,6 +35,8 @@ class GpuDevice:
     memory_mib: int
     index: int
     node: str = ""
+    resource: str = ""
+    exclusive: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -36,6 +45,8 @@ class GpuDevice:
             "memory_mib": self.memory_mib,
             "index": self.index,
             "node": self.node,
+            "resource": self.resource,
+            "exclusive": self.exclusive,
         }
 
 
@@ -68,8 +79,8 @@ def parse_device(position: int, raw: Mapping[str, Any]) -> GpuDevice:
 class GpuInventory:
     """An ordered, immutable set of devices with unique UUIDs.
 
-    ``source`` records where the devices came from ("declared", "nvml" or "none") and
-    ``note`` says why, so the API can tell an admin plainly why no GPU sizes are offered.
+    ``source`` records where the devices came from ("declared", "nvml", "kubernetes" or "none")
+    and ``note`` says why, so the API can tell an admin plainly why no GPU sizes are offered.
     """
 
     def __init__(self, devices: Iterable[GpuDevice], source: str, note: str = "") -> None:
@@ -92,6 +103,10 @@ class GpuInventory:
             source="declared",
             note=f"{len(devices)} device(s) declared in ElasticKernels.gpu_inventory",
         )
+
+    def replaced(self, devices: Iterable[GpuDevice], note: str | None = None) -> GpuInventory:
+        """A new snapshot from the same source with other devices (and, optionally, another note)."""
+        return GpuInventory(devices, source=self.source, note=self.note if note is None else note)
 
     def __len__(self) -> int:
         return len(self.devices)

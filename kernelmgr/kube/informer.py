@@ -1,12 +1,18 @@
-"""One shared watch of all kernel pods: the only way the server learns what its pods do.
+"""Shared watches: list once, then watch from that list's resourceVersion; everything else reads a cache.
 
 Enterprise Gateway polls the API once per kernel, which is what breaks it at a few hundred
-kernels. Here one background thread lists the kernel pods once, then watches them from that
-list's resourceVersion; everything else reads the in-memory cache. The thread resumes from the
-last resourceVersion it saw after a dropped connection, and lists again only when the API server
-answers 410 Gone (the version was compacted away). Asyncio code waits on the cache through
-:meth:`PodInformer.wait_for`, woken with ``loop.call_soon_threadsafe``: no Kubernetes call ever
-runs on an event loop.
+kernels. Here one background thread per watched collection lists it once, then watches it from
+that list's resourceVersion; everything else reads the in-memory cache. The thread resumes from
+the last resourceVersion it saw after a dropped connection, and lists again only when the API
+server answers 410 Gone (the version was compacted away). Asyncio code waits on the cache through
+:meth:`Informer.wait_for`, woken with ``loop.call_soon_threadsafe``: no Kubernetes call ever runs
+on an event loop.
+
+:class:`Informer` works for any list function of the Kubernetes client (``list_node``,
+``list_namespaced_pod``, ...): it keys objects with a function of the caller's and tells
+listeners what changed, in batches (a whole re-list is one batch). :class:`PodInformer` is the
+kernel pods' informer (keyed by the ``kernel_id`` label); the node inventory
+(:mod:`kernelmgr.kube.nodes`) uses a node informer.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes import client, watch
@@ -26,9 +32,215 @@ log = logging.getLogger(__name__)
 KERNEL_ID_LABEL = "kernel_id"
 
 Predicate = Callable[[Any], bool]
+#: Called on the informer's thread after the cache changed: ``{key: object, or None if gone}``.
+Listener = Callable[[Mapping[str, Any | None]], None]
 
 
-class PodInformer:
+class Informer:
+    """A cache of the objects ``list_func(*list_args, **list_kwargs)`` returns, kept current by a watch.
+
+    ``key`` names each object in the cache (``None``: not cached). Listeners added with
+    :meth:`add_listener` run on the informer's thread after each change to the cache, with the
+    keys that changed (after a re-list: every key that was or is in the cache) mapped to the new
+    object, or ``None`` for one that is gone. They must be quick and must not raise (an exception
+    is logged and swallowed, so one bad listener cannot stop the watch). ``transform`` (optional)
+    is applied to every object before it is cached, e.g. to drop fields nobody reads.
+    """
+
+    def __init__(
+        self,
+        list_func: Callable[..., Any],
+        *,
+        key: Callable[[Any], str | None],
+        name: str,
+        list_args: tuple[Any, ...] = (),
+        list_kwargs: Mapping[str, Any] | None = None,
+        watch_timeout: int = 300,
+        retry_delay: float = 1.0,
+        transform: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.list_func = list_func
+        self.key = key
+        self.transform = transform
+        self.name = name
+        self.list_args = list_args
+        self.list_kwargs = dict(list_kwargs or {})
+        self.watch_timeout = watch_timeout
+        self.retry_delay = retry_delay
+        #: How often the cache was rebuilt from a list (the first list included): tests read it.
+        self.lists = 0
+        self._items: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._listeners: list[Listener] = []
+        self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
+        self._synced = threading.Event()
+        self._stopped = threading.Event()
+        self._watch: watch.Watch | None = None
+        self._thread: threading.Thread | None = None
+
+    # ---- the background thread
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener`` after every change (add it before :meth:`start` to see the first list)."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def start(self) -> Informer:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"informer-{self.name}", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._watch is not None:
+            self._watch.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        version: str | None = None
+        while not self._stopped.is_set():
+            try:
+                if version is None:
+                    version = self._relist()
+                version = self._watch_from(version)
+            except client.ApiException as exc:
+                if exc.status == 410:
+                    log.info("%s watch: resourceVersion expired, listing again", self.name)
+                    version = None
+                    continue
+                log.warning("%s watch failed: %s %s; retrying", self.name, exc.status, exc.reason)
+                self._stopped.wait(self.retry_delay)
+            except Exception as exc:  # a dropped connection, an API server restart
+                if self._stopped.is_set():
+                    break
+                log.warning("%s watch disconnected (%s); resuming", self.name, exc)
+                self._stopped.wait(self.retry_delay)
+
+    def _relist(self) -> str:
+        listed = self.list_func(*self.list_args, **self.list_kwargs)
+        items = listed.items if self.transform is None else [self.transform(i) for i in listed.items]
+        fresh = {k: item for item in items if (k := self.key(item))}
+        with self._lock:
+            changed = set(self._items) | set(fresh)
+            self._items = fresh
+        self.lists += 1
+        self._synced.set()
+        self._changed({k: fresh.get(k) for k in changed}, always=True)
+        return str(getattr(listed.metadata, "resource_version", "") or "")
+
+    def _watch_from(self, version: str) -> str:
+        """Apply events until the watch ends; return the last resourceVersion seen."""
+        self._watch = watch.Watch()
+        stream = self._watch.stream(
+            self.list_func,
+            *self.list_args,
+            **self.list_kwargs,
+            resource_version=version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=self.watch_timeout,
+            _request_timeout=self.watch_timeout + 30,
+        )
+        for event in stream:
+            if self._stopped.is_set():
+                break
+            kind = event["type"]
+            item = event["object"]
+            if kind == "ERROR":
+                raw = event.get("raw_object") or {}
+                reason = raw.get("message", "watch error")
+                raise client.ApiException(status=raw.get("code", 500), reason=reason)
+            if kind == "BOOKMARK":  # the client leaves a bookmark's object a plain dict
+                raw = event.get("raw_object") or {}
+                version = (raw.get("metadata") or {}).get("resourceVersion") or version
+                continue
+            version = item.metadata.resource_version or version
+            if self.transform is not None:
+                item = self.transform(item)
+            k = self.key(item)
+            if not k:
+                continue
+            with self._lock:
+                if kind == "DELETED":
+                    current = self._items.get(k)
+                    if current is None or current.metadata.uid != item.metadata.uid:
+                        continue  # an older object under the same key: the cache already moved on
+                    del self._items[k]
+                    now = None
+                else:
+                    self._items[k] = now = item
+            self._changed({k: now})
+        return version
+
+    def _changed(self, changes: Mapping[str, Any | None], always: bool = False) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+            waiters = [w for k in changes for w in self._waiters.get(k, ())]
+        if changes or always:
+            for listener in listeners:
+                try:
+                    listener(changes)
+                except Exception:
+                    log.exception("%s informer: a listener failed", self.name)
+        for loop, event in waiters:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+                loop.call_soon_threadsafe(event.set)
+
+    # ---- what readers use
+
+    @property
+    def synced(self) -> bool:
+        return self._synced.is_set()
+
+    def wait_synced(self, timeout: float) -> bool:
+        """Block (not on an event loop!) until the first list is in; ``False`` after ``timeout``."""
+        return self._synced.wait(timeout)
+
+    def get(self, key: str) -> Any | None:
+        """The newest object under ``key`` the watch has seen (``None``: there is none)."""
+        with self._lock:
+            return self._items.get(key)
+
+    def items(self) -> dict[str, Any]:
+        """A snapshot of the cache."""
+        with self._lock:
+            return dict(self._items)
+
+    async def wait_for(self, key: str, predicate: Predicate, timeout: float) -> Any | None:
+        """Wait until ``predicate(object or None)`` holds for the cached object; return that object.
+
+        Raises ``TimeoutError`` when ``timeout`` passes first. Never calls the API.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + timeout
+        if not self._synced.is_set():
+            await asyncio.to_thread(self._synced.wait, timeout)
+        event = asyncio.Event()
+        entry = (loop, event)
+        with self._lock:
+            self._waiters.setdefault(key, set()).add(entry)
+        try:
+            while True:
+                event.clear()
+                item = self.get(key)
+                if self._synced.is_set() and predicate(item):
+                    return item
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{self.name} {key} did not reach the expected state")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(event.wait(), remaining)
+        finally:
+            with self._lock:
+                waiting = self._waiters.get(key)
+                if waiting is not None:
+                    waiting.discard(entry)
+                    if not waiting:
+                        del self._waiters[key]
+
+
+class PodInformer(Informer):
     """A cache of the pods matching ``label_selector`` in ``namespace``, keyed by kernel id."""
 
     def __init__(
@@ -43,167 +255,29 @@ class PodInformer:
         self.api = api
         self.namespace = namespace
         self.label_selector = label_selector
-        self.watch_timeout = watch_timeout
-        self.retry_delay = retry_delay
-        #: How often the cache was rebuilt from a list (the first list included): tests read it.
-        self.lists = 0
-        self._pods: dict[str, Any] = {}
-        self._lock = threading.Lock()
-        self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
-        self._synced = threading.Event()
-        self._stopped = threading.Event()
-        self._watch: watch.Watch | None = None
-        self._thread: threading.Thread | None = None
-
-    # ---- the background thread
+        super().__init__(
+            client.CoreV1Api(api).list_namespaced_pod,
+            key=_kernel_id,
+            name=f"pod-{namespace}",
+            list_args=(namespace,),
+            list_kwargs={"label_selector": label_selector},
+            watch_timeout=watch_timeout,
+            retry_delay=retry_delay,
+        )
 
     def start(self) -> PodInformer:
-        if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, name=f"pod-informer-{self.namespace}", daemon=True
-            )
-            self._thread.start()
+        super().start()
         return self
 
-    def stop(self) -> None:
-        self._stopped.set()
-        if self._watch is not None:
-            self._watch.stop()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        core = client.CoreV1Api(self.api)
-        version: str | None = None
-        while not self._stopped.is_set():
-            try:
-                if version is None:
-                    version = self._relist(core)
-                version = self._watch_from(core, version)
-            except client.ApiException as exc:
-                if exc.status == 410:
-                    log.info("pod watch in %s: resourceVersion expired, listing again", self.namespace)
-                    version = None
-                    continue
-                log.warning("pod watch in %s failed: %s %s; retrying", self.namespace, exc.status, exc.reason)
-                self._stopped.wait(self.retry_delay)
-            except Exception as exc:  # a dropped connection, an API server restart
-                if self._stopped.is_set():
-                    break
-                log.warning("pod watch in %s disconnected (%s); resuming", self.namespace, exc)
-                self._stopped.wait(self.retry_delay)
-
-    def _relist(self, core: client.CoreV1Api) -> str:
-        listed = core.list_namespaced_pod(self.namespace, label_selector=self.label_selector)
-        fresh = {kid: pod for pod in listed.items if (kid := _kernel_id(pod))}
-        with self._lock:
-            changed = set(self._pods) | set(fresh)
-            self._pods = fresh
-        self.lists += 1
-        self._synced.set()
-        for kernel_id in changed:
-            self._notify(kernel_id)
-        return str(getattr(listed.metadata, "resource_version", "") or "")
-
-    def _watch_from(self, core: client.CoreV1Api, version: str) -> str:
-        """Apply events until the watch ends; return the last resourceVersion seen."""
-        self._watch = watch.Watch()
-        stream = self._watch.stream(
-            core.list_namespaced_pod,
-            self.namespace,
-            label_selector=self.label_selector,
-            resource_version=version,
-            allow_watch_bookmarks=True,
-            timeout_seconds=self.watch_timeout,
-            _request_timeout=self.watch_timeout + 30,
-        )
-        for event in stream:
-            if self._stopped.is_set():
-                break
-            kind = event["type"]
-            pod = event["object"]
-            if kind == "ERROR":
-                raw = event.get("raw_object") or {}
-                reason = raw.get("message", "watch error")
-                raise client.ApiException(status=raw.get("code", 500), reason=reason)
-            if kind == "BOOKMARK":  # the client leaves a bookmark's object a plain dict
-                raw = event.get("raw_object") or {}
-                version = (raw.get("metadata") or {}).get("resourceVersion") or version
-                continue
-            version = pod.metadata.resource_version or version
-            kernel_id = _kernel_id(pod)
-            if not kernel_id:
-                continue
-            with self._lock:
-                if kind == "DELETED":
-                    current = self._pods.get(kernel_id)
-                    if current is not None and current.metadata.uid == pod.metadata.uid:
-                        del self._pods[kernel_id]
-                else:
-                    self._pods[kernel_id] = pod
-            self._notify(kernel_id)
-        return version
-
-    def _notify(self, kernel_id: str) -> None:
-        with self._lock:
-            waiters = list(self._waiters.get(kernel_id, ()))
-        for loop, event in waiters:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-                loop.call_soon_threadsafe(event.set)
-
-    # ---- what the provisioner reads
-
-    @property
-    def synced(self) -> bool:
-        return self._synced.is_set()
-
-    def pods(self) -> list[Any]:
-        """Every cached kernel pod (a snapshot)."""
-        with self._lock:
-            return list(self._pods.values())
-
-    async def wait_synced(self, timeout: float) -> bool:
-        """Wait (off the event loop) until the first list has filled the cache."""
-        if not self._synced.is_set():
-            await asyncio.to_thread(self._synced.wait, timeout)
-        return self._synced.is_set()
-
-    def get(self, kernel_id: str) -> Any | None:
-        """The newest pod of the kernel the watch has seen (``None``: there is none)."""
-        with self._lock:
-            return self._pods.get(kernel_id)
-
     async def wait_for(self, kernel_id: str, predicate: Predicate, timeout: float) -> Any | None:
-        """Wait until ``predicate(pod or None)`` holds for the cached pod; return that pod.
+        """Wait until ``predicate(pod or None)`` holds for the kernel's cached pod; return that pod.
 
         Raises ``TimeoutError`` when ``timeout`` passes first. Never calls the API.
         """
-        loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + timeout
-        if not self._synced.is_set():
-            await asyncio.to_thread(self._synced.wait, timeout)
-        event = asyncio.Event()
-        entry = (loop, event)
-        with self._lock:
-            self._waiters.setdefault(kernel_id, set()).add(entry)
         try:
-            while True:
-                event.clear()
-                pod = self.get(kernel_id)
-                if self._synced.is_set() and predicate(pod):
-                    return pod
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"pod of kernel {kernel_id} did not reach the expected state")
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(event.wait(), remaining)
-        finally:
-            with self._lock:
-                waiting = self._waiters.get(kernel_id)
-                if waiting is not None:
-                    waiting.discard(entry)
-                    if not waiting:
-                        del self._waiters[kernel_id]
+            return await super().wait_for(kernel_id, predicate, timeout)
+        except TimeoutError:
+            raise TimeoutError(f"pod of kernel {kernel_id} did not reach the expected state") from None
 
 
 def _kernel_id(pod: Any) -> str | None:

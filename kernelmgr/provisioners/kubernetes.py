@@ -480,7 +480,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
     async def find_kernel_pods(self) -> list[FoundKernel]:
         """The kernel pods in this provisioner's namespace, from the watch's cache and one list of
         the kernels' Secrets (the connection files): what a restarted server adopts."""
-        if not await self.informer.wait_synced(self.launch_timeout):
+        if not await asyncio.to_thread(self.informer.wait_synced, self.launch_timeout):
             raise RuntimeError(f"the pod watch in {self.namespace} did not sync; kernels not adopted")
         listed = await asyncio.to_thread(
             self.core.list_namespaced_secret, self.namespace, label_selector=APP_SELECTOR
@@ -492,7 +492,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             if kernel_id and raw:
                 connections[kernel_id] = json.loads(base64.b64decode(raw))
         found = []
-        for pod in self.informer.pods():
+        for pod in self.informer.items().values():
             labels, annotations = pod.metadata.labels or {}, pod.metadata.annotations or {}
             kernel_id = labels.get(KERNEL_ID_LABEL)
             if not kernel_id or OWNER_ANNOTATION not in annotations:

@@ -1,0 +1,253 @@
+"""The cluster's GPU inventory from its nodes, against the real control plane with kwok GPU nodes.
+
+Each test labels its own kwok nodes and watches only those (``label_selector``), so the session's
+other nodes (the node runner, other tests' nodes) never show up here. The runtime comes from
+``ElasticKernels(gpu_inventory_source="kubernetes")``, as the server builds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.kube import ControlPlane, create_fake_gpu_nodes, require_envtest
+
+require_envtest(module_level=True)
+
+from kubernetes import client  # noqa: E402
+
+from kernelmgr.config import ElasticKernels, ElasticRuntime  # noqa: E402
+from kernelmgr.core.allocator import Slice  # noqa: E402
+from kernelmgr.core.inventory import GpuInventory  # noqa: E402
+from kernelmgr.kube.nodes import NodeInventorySync  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+WAIT = 60.0
+GFD = {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB", "nvidia.com/gpu.memory": "40960"}
+PROFILES = {
+    "small": {"gpu_fraction": 0.25, "memory_mib": 10240, "backend": "hami"},
+    "one": {"gpu_fraction": 1},
+    "two": {"gpu_fraction": 2},
+    "mig": {
+        "gpu_fraction": 0.14,
+        "memory_mib": 9000,
+        "backend": "mig",
+        "options": {"mig_profile": "1g.10gb"},
+    },
+}
+
+
+class Cluster:
+    """This test's own kwok GPU nodes (deleted afterwards) and a node sync that watches only them."""
+
+    def __init__(self, api: Any, plane: ControlPlane, runtime: ElasticRuntime) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.tag = uuid.uuid4().hex[:8]
+        self.selector = f"elastic.test/inventory={self.tag}"
+        self.runtime = runtime
+        self.lost: list[Slice] = []
+        self.lost_seen = threading.Condition()
+        self.created: list[str] = []
+        self.sync = NodeInventorySync(
+            client.ApiClient(plane.configuration()),
+            runtime.allocator,
+            label_selector=self.selector,
+            on_lost=self._on_lost,
+        )
+
+    def _on_lost(self, lost: tuple[Slice, ...]) -> None:
+        with self.lost_seen:
+            self.lost.extend(lost)
+            self.lost_seen.notify_all()
+
+    def name(self, short: str) -> str:
+        return f"inv-{self.tag}-{short}"
+
+    def add(self, short: str, **kwargs: Any) -> str:
+        name = self.name(short)
+        labels = {"elastic.test/inventory": self.tag, **kwargs.pop("labels", {})}
+        create_fake_gpu_nodes(self.api, [name], labels=labels, **kwargs)
+        self.created.append(name)
+        return name
+
+    def uuids(self) -> list[str]:
+        return [d.uuid for d in self.runtime.inventory]
+
+    def wait(self, predicate: Callable[[GpuInventory], bool], what: str) -> None:
+        assert self.sync.wait_until(predicate, WAIT), f"{what}; inventory now: {self.uuids()}"
+
+    def wait_lost(self, kernel_id: str) -> None:
+        with self.lost_seen:
+            found = self.lost_seen.wait_for(lambda: kernel_id in {s.kernel_id for s in self.lost}, WAIT)
+        assert found, f"kernel {kernel_id} was not reported lost (lost: {self.lost})"
+
+    def close(self) -> None:
+        self.sync.stop()
+        for name in self.created:
+            try:
+                self.core.delete_node(name)
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+
+
+@pytest.fixture
+def runtime(tmp_path: Path) -> ElasticRuntime:
+    elastic = ElasticKernels(
+        profiles=PROFILES, gpu_inventory_source="kubernetes", checkpoint_root=str(tmp_path / "ck")
+    )
+    return elastic.build()
+
+
+@pytest.fixture
+def cluster(kube_plane: ControlPlane, kube_api: Any, runtime: ElasticRuntime) -> Iterator[Cluster]:
+    made = Cluster(kube_api, kube_plane, runtime)
+    yield made
+    made.close()
+
+
+def has(*uuids: str) -> Callable[[GpuInventory], bool]:
+    return lambda inventory: {d.uuid for d in inventory} == set(uuids)
+
+
+def test_inventory_reflects_whole_hami_and_mig_nodes(cluster: Cluster) -> None:
+    runtime = cluster.runtime
+    assert runtime.inventory.source == "kubernetes" and not runtime.gpus_available  # nothing listed yet
+    whole = cluster.add("whole", gpus=2, labels=GFD)
+    hami = cluster.add("hami", gpus=20, gpumem_mib=2 * 24576, gpucores=200)
+    mig = cluster.add("mig", gpus=0, mig={"1g.10gb": 2, "3g.40gb": 1})
+    cluster.sync.start()
+    expected = [
+        f"{hami}/gpu-0",
+        f"{hami}/gpu-1",
+        f"{mig}/mig-1g.10gb-0",
+        f"{mig}/mig-1g.10gb-1",
+        f"{mig}/mig-3g.40gb-0",
+        f"{whole}/gpu-0",
+        f"{whole}/gpu-1",
+    ]
+    cluster.wait(has(*expected), "every node's GPUs")
+    assert cluster.uuids() == expected  # ordered by node, then device
+    by_uuid = {d.uuid: d for d in runtime.inventory}
+    assert by_uuid[f"{whole}/gpu-0"].memory_mib == 40960
+    assert by_uuid[f"{whole}/gpu-0"].name == "NVIDIA-A100-SXM4-40GB"
+    assert by_uuid[f"{hami}/gpu-1"].memory_mib == 24576
+    assert by_uuid[f"{mig}/mig-3g.40gb-0"].memory_mib == 40960 and by_uuid[f"{mig}/mig-3g.40gb-0"].exclusive
+    assert all(d.node in (whole, hami, mig) for d in runtime.inventory)
+    assert runtime.inventory.note == "7 GPU device(s) on 3 of the cluster's 3 schedulable node(s)"
+
+    alloc = runtime.allocator
+    assert alloc.allocate("m1", runtime.profile("mig")).device_uuids[0].startswith(f"{mig}/mig-1g.10gb-")
+    assert alloc.allocate("m2", runtime.profile("mig")).device_uuids[0].startswith(f"{mig}/mig-1g.10gb-")
+    assert not alloc.fits(runtime.profile("mig"))  # both 1g.10gb instances are taken; 3g.40gb is another size
+    assert alloc.fits(runtime.profile("two"))
+    assert alloc.allocate("s", runtime.profile("small")).device_uuids[0].startswith(f"{hami}/")
+
+
+def test_cordoned_and_deleted_nodes_take_their_gpus_and_slices_away(cluster: Cluster) -> None:
+    alloc = cluster.runtime.allocator
+    a = cluster.add("a", gpus=1, labels=GFD)
+    b = cluster.add("b", gpus=1, labels=GFD)
+    cluster.sync.start()
+    cluster.wait(has(f"{a}/gpu-0", f"{b}/gpu-0"), "both nodes")
+    on_a = alloc.allocate("k-a", cluster.runtime.profile("one"))
+    assert on_a.device_uuids == (f"{a}/gpu-0",)
+
+    cluster.core.patch_node(a, {"spec": {"unschedulable": True}})  # kubectl cordon
+    cluster.wait(has(f"{b}/gpu-0"), "the cordoned node's GPU to leave")
+    cluster.wait_lost("k-a")
+    assert alloc.slice_of("k-a") is None
+    on_b = alloc.allocate("k-b", cluster.runtime.profile("one"))
+    assert on_b.device_uuids == (f"{b}/gpu-0",)
+
+    cluster.core.delete_node(b)
+    cluster.wait(has(), "the deleted node's GPU to leave")
+    cluster.wait_lost("k-b")
+    assert alloc.slices() == [] and not cluster.runtime.gpus_available
+
+    cluster.core.patch_node(a, {"spec": {"unschedulable": False}})  # uncordon: back, and empty
+    cluster.wait(has(f"{a}/gpu-0"), "the uncordoned node's GPU to come back")
+    assert alloc.fits(cluster.runtime.profile("one"))
+    assert [s.kernel_id for s in cluster.lost] == ["k-a", "k-b"]
+
+
+def test_a_node_joining_makes_a_bigger_size_fit(cluster: Cluster) -> None:
+    runtime = cluster.runtime
+    alloc = runtime.allocator
+    small_node = cluster.add("one", gpus=1, labels=GFD)
+    cluster.sync.start()
+    cluster.wait(has(f"{small_node}/gpu-0"), "the first node")
+    alloc.allocate("k", runtime.profile("one"))
+    assert not alloc.fits(runtime.profile("one")) and not alloc.ever_fits(runtime.profile("two"))
+
+    big = cluster.add("two", gpus=2, labels=GFD)
+    cluster.wait(lambda inv: len(inv) == 3, "the new node's GPUs")
+    assert alloc.fits(runtime.profile("two"))
+    assert alloc.allocate("t", runtime.profile("two")).device_uuids == (f"{big}/gpu-0", f"{big}/gpu-1")
+    assert alloc.slice_of("k") is not None and cluster.lost == []
+
+
+def test_lost_slices_are_delivered_on_the_event_loop(
+    kube_plane: ControlPlane, kube_api: Any, runtime: ElasticRuntime, cluster: Cluster
+) -> None:
+    node = cluster.add("loop", gpus=1, labels=GFD)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        delivered: asyncio.Future[tuple[str, tuple[Slice, ...]]] = loop.create_future()
+
+        def on_lost(lost: tuple[Slice, ...]) -> None:
+            # runs on the loop's thread: safe to touch asyncio objects and kernel managers here
+            delivered.set_result((threading.current_thread().name, lost))
+
+        sync = NodeInventorySync(
+            client.ApiClient(kube_plane.configuration()),
+            runtime.allocator,
+            label_selector=cluster.selector,
+            on_lost=on_lost,
+            loop=loop,
+        ).start()
+        try:
+            assert await asyncio.to_thread(sync.wait_until, has(f"{node}/gpu-0"), WAIT)
+            granted = runtime.allocator.allocate("k", runtime.profile("one"))
+            await asyncio.to_thread(cluster.core.delete_node, node)
+            thread, lost = await asyncio.wait_for(delivered, WAIT)
+            assert lost == (granted,) and thread == threading.current_thread().name
+        finally:
+            await asyncio.to_thread(sync.stop)
+
+    asyncio.run(scenario())
+
+
+def test_node_watch_lists_again_after_410_gone(kube_plane: ControlPlane, cluster: Cluster) -> None:
+    """After etcd compaction (410 Gone) the node watch lists again, and the inventory is still right."""
+    alloc = cluster.runtime.allocator
+    # Reconnecting only every 3 s makes it likely that the changes below happen while the watch is
+    # down, so that only the re-list can tell that node a is gone (the outcome must be right anyway).
+    cluster.sync = NodeInventorySync(
+        client.ApiClient(kube_plane.configuration()),
+        alloc,
+        label_selector=cluster.selector,
+        on_lost=cluster._on_lost,
+        retry_delay=3.0,
+    )
+    a = cluster.add("a", gpus=1, labels=GFD)
+    cluster.sync.start()
+    cluster.wait(has(f"{a}/gpu-0"), "the first node")
+    alloc.allocate("k-a", cluster.runtime.profile("one"))
+    assert cluster.sync.informer.lists == 1
+
+    kube_plane.expire_resource_versions()
+    cluster.core.delete_node(a)
+    b = cluster.add("b", gpus=2, labels=GFD)
+    cluster.wait(has(f"{b}/gpu-0", f"{b}/gpu-1"), "the inventory after the re-list")
+    cluster.wait_lost("k-a")
+    assert cluster.sync.informer.lists >= 2
+    assert alloc.fits(cluster.runtime.profile("two"))
