@@ -7,6 +7,12 @@ last resourceVersion it saw after a dropped connection, and lists again only whe
 answers 410 Gone (the version was compacted away). Asyncio code waits on the cache through
 :meth:`PodInformer.wait_for`, woken with ``loop.call_soon_threadsafe``: no Kubernetes call ever
 runs on an event loop.
+
+A watch the server's Role does not allow (403 on list or watch) is not retried silently while a
+kernel start waits out its whole launch timeout: the refusal (a
+:class:`~kernelmgr.kube.access.KubeForbidden` naming the missing rule) is kept in
+:attr:`PodInformer.failure` and raised by every :meth:`PodInformer.wait_for` until a watch runs
+again (an admin fixed the Role; the thread keeps trying every few seconds).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client, watch
+
+from kernelmgr.kube.access import ExplainedCoreV1Api, KubeRefused
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +55,8 @@ class PodInformer:
         self.retry_delay = retry_delay
         #: How often the cache was rebuilt from a list (the first list included): tests read it.
         self.lists = 0
+        #: Why the watch cannot run (the API server refused it), ``None`` while it can.
+        self.failure: KubeRefused | None = None
         self._pods: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
@@ -73,13 +83,19 @@ class PodInformer:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        core = client.CoreV1Api(self.api)
+        core: Any = ExplainedCoreV1Api(self.api)
         version: str | None = None
         while not self._stopped.is_set():
             try:
                 if version is None:
                     version = self._relist(core)
                 version = self._watch_from(core, version)
+            except KubeRefused as exc:
+                log.error("pod watch in %s refused: %s", self.namespace, exc)
+                self.failure = exc
+                self._notify_all()
+                version = None  # list again once it is allowed
+                self._stopped.wait(max(self.retry_delay, 5.0))
             except client.ApiException as exc:
                 if exc.status == 410:
                     log.info("pod watch in %s: resourceVersion expired, listing again", self.namespace)
@@ -93,7 +109,7 @@ class PodInformer:
                 log.warning("pod watch in %s disconnected (%s); resuming", self.namespace, exc)
                 self._stopped.wait(self.retry_delay)
 
-    def _relist(self, core: client.CoreV1Api) -> str:
+    def _relist(self, core: Any) -> str:
         listed = core.list_namespaced_pod(self.namespace, label_selector=self.label_selector)
         fresh = {kid: pod for pod in listed.items if (kid := _kernel_id(pod))}
         with self._lock:
@@ -105,7 +121,7 @@ class PodInformer:
             self._notify(kernel_id)
         return str(getattr(listed.metadata, "resource_version", "") or "")
 
-    def _watch_from(self, core: client.CoreV1Api, version: str) -> str:
+    def _watch_from(self, core: Any, version: str) -> str:
         """Apply events until the watch ends; return the last resourceVersion seen."""
         self._watch = watch.Watch()
         stream = self._watch.stream(
@@ -118,6 +134,7 @@ class PodInformer:
             _request_timeout=self.watch_timeout + 30,
         )
         for event in stream:
+            self.failure = None  # the watch runs: it is allowed (again)
             if self._stopped.is_set():
                 break
             kind = event["type"]
@@ -140,7 +157,14 @@ class PodInformer:
                 else:
                     self._pods[kernel_id] = pod
             self._notify(kernel_id)
+        self.failure = None
         return version
+
+    def _notify_all(self) -> None:
+        with self._lock:
+            kernel_ids = list(self._waiters)
+        for kernel_id in kernel_ids:
+            self._notify(kernel_id)
 
     def _notify(self, kernel_id: str) -> None:
         with self._lock:
@@ -163,12 +187,13 @@ class PodInformer:
     async def wait_for(self, kernel_id: str, predicate: Predicate, timeout: float) -> Any | None:
         """Wait until ``predicate(pod or None)`` holds for the cached pod; return that pod.
 
-        Raises ``TimeoutError`` when ``timeout`` passes first. Never calls the API.
+        Raises ``TimeoutError`` when ``timeout`` passes first, and the watch's
+        :attr:`failure` when the API server refuses it. Never calls the API.
         """
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + timeout
-        if not self._synced.is_set():
-            await asyncio.to_thread(self._synced.wait, timeout)
+        while not self._synced.is_set() and self.failure is None and time.monotonic() < deadline:
+            await asyncio.to_thread(self._synced.wait, min(0.5, max(0.0, deadline - time.monotonic())))
         event = asyncio.Event()
         entry = (loop, event)
         with self._lock:
@@ -176,6 +201,8 @@ class PodInformer:
         try:
             while True:
                 event.clear()
+                if self.failure is not None:
+                    raise self.failure
                 pod = self.get(kernel_id)
                 if self._synced.is_set() and predicate(pod):
                     return pod
