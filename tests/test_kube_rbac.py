@@ -7,7 +7,9 @@
 - a namespace enforcing Pod Security "restricted" admits the kernel pod, and it runs (read-only root
   filesystem, HOME and /tmp on emptyDirs);
 - one namespace per owner (namespace_template), created by the server with rbac-namespaces.yaml's rights;
-- CUDA_* / NVIDIA_* in the configured env is refused.
+- CUDA_* / NVIDIA_* in the configured env is refused;
+- the manifests are valid objects (kubernetes-validate, strict), and a 403 is explained by what refused it
+  (RBAC: the rule to add; admission: the API server's reason).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from traitlets import TraitError
 
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.errors import ConfigError
+from kernelmgr.kube import access
 from kernelmgr.kube.access import KubeForbidden, KubeRefused, permission_of
 from kernelmgr.kube.namespaces import dns_label, namespace_for
 from kernelmgr.provisioners import kubernetes as kprov
@@ -403,3 +406,62 @@ def test_namespace_creation_without_its_rights_names_the_missing_rule(
     message = str(failed.value)
     assert "may not create namespaces at cluster scope" in message, message
     assert "deploy/kubernetes/rbac-namespaces.yaml" in message
+
+
+# ---- without a cluster
+
+
+def test_shipped_manifests_are_valid_kubernetes_objects() -> None:
+    import kubernetes_validate
+
+    for path in (rbac.RBAC, rbac.RBAC_NAMESPACES):
+        for doc in rbac.read(path):
+            kubernetes_validate.validate(doc, "1.35", strict=True)
+
+
+def test_a_403_is_explained_by_what_refused_it() -> None:
+    from kubernetes import client
+
+    def refusal(message: str) -> client.ApiException:
+        exc = client.ApiException(status=403, reason="Forbidden")
+        exc.body = json.dumps({"kind": "Status", "message": message, "code": 403})
+        return exc
+
+    class Refusing:
+        def __init__(self, exc: client.ApiException) -> None:
+            self.exc = exc
+
+        def delete_namespaced_secret(self, name: str, namespace: str) -> None:
+            raise self.exc
+
+    rbac_said = (
+        'secrets "kernel-1" is forbidden: User "system:serviceaccount:hub:server" cannot delete resource '
+        '"secrets" in API group "" in the namespace "jupyter-alice"'
+    )
+    api: Any = access.ExplainedCoreV1Api.__new__(access.ExplainedCoreV1Api)
+    api._core = Refusing(refusal(rbac_said))
+    with pytest.raises(KubeForbidden) as denied:
+        api.delete_namespaced_secret("kernel-1", "jupyter-alice")
+    assert str(denied.value) == (
+        "the server's Kubernetes identity (system:serviceaccount:hub:server) may not delete secrets in "
+        'namespace jupyter-alice: add {apiGroups: [""], resources: ["secrets"], verbs: ["delete"]} to the '
+        "Role (or ClusterRole) bound to it in jupyter-alice (the shipped rules are in "
+        f"deploy/kubernetes/rbac.yaml). The API server said: {rbac_said}"
+    )
+    assert denied.value.status == 403 and isinstance(denied.value, client.ApiException)
+
+    quota_said = 'secrets "kernel-1" is forbidden: exceeded quota: q, requested: count/secrets=1'
+    api._core = Refusing(refusal(quota_said))
+    with pytest.raises(KubeRefused) as refused:
+        api.delete_namespaced_secret("kernel-1", "jupyter-alice")
+    assert not isinstance(refused.value, KubeForbidden)
+    assert (
+        str(refused.value)
+        == f"the API server refused to delete secrets in namespace jupyter-alice: {quota_said}"
+    )
+
+    other = client.ApiException(status=404, reason="Not Found")
+    api._core = Refusing(other)
+    with pytest.raises(client.ApiException) as missing:
+        api.delete_namespaced_secret("kernel-1", "jupyter-alice")
+    assert missing.value is other
