@@ -7,8 +7,6 @@ server's kernelspecs will), with the provisioner's configuration in the kernelsp
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,76 +17,25 @@ from tests.support.kube import ControlPlane, require_envtest
 
 require_envtest(module_level=True)
 
-from jupyter_client import AsyncKernelManager  # noqa: E402
-from jupyter_client.kernelspec import KernelSpecManager  # noqa: E402
 from kubernetes import client  # noqa: E402
-from traitlets.config import Configurable  # noqa: E402
 
-from kernelmgr.config import ElasticKernels, ElasticRuntime  # noqa: E402
+from kernelmgr.config import ElasticRuntime  # noqa: E402
 from kernelmgr.provisioners import kubernetes as kprov  # noqa: E402
+from tests.support.kernel_pods import kernel_manager, make_runtime, pod_names  # noqa: E402
 from tests.support.node_runner import NodeRunner  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
-ON_RUNNER = {"elastic.test/node-runner": "true"}
-PROFILES = {"one": {"gpu_fraction": 1}, "two": {"gpu_fraction": 2}}
-INVENTORY = [
-    {"uuid": "GPU-k8s-0000", "name": "Test A100", "memory_mib": 40960},
-    {"uuid": "GPU-k8s-0001", "name": "Test A100", "memory_mib": 40960},
-]
-
-
-class Holder(Configurable):
-    """Stands in for the elastic kernel manager: the parent that carries the runtime."""
-
-    elastic_runtime: ElasticRuntime
 
 
 @pytest.fixture
 def runtime(tmp_path: Path) -> ElasticRuntime:
-    elastic = ElasticKernels(profiles=PROFILES, gpu_inventory=INVENTORY, checkpoint_root=str(tmp_path / "ck"))
-    return elastic.build()
+    return make_runtime(tmp_path / "ck")
 
 
 @pytest.fixture
 def informers() -> Iterator[None]:
     yield
     kprov.stop_shared_informers()
-
-
-def kernel_manager(
-    tmp_path: Path, plane: ControlPlane, namespace: str, runtime: ElasticRuntime, size: str, **config: Any
-) -> AsyncKernelManager:
-    name = f"k8s-{size}"
-    spec_dir = tmp_path / "kernels" / name
-    spec_dir.mkdir(parents=True)
-    provisioner_config = {
-        "namespace": namespace,
-        "kubeconfig": str(plane.admin_kubeconfig),
-        "image": "python:3.12",
-        "node_selector": ON_RUNNER,
-        "run_as_user": os.getuid() or 1000,
-        "launch_timeout": 60.0,
-        **config,
-    }
-    spec = {
-        "argv": ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": f"Python (pod, {size})",
-        "language": "python",
-        "interrupt_mode": "message",
-        "metadata": {
-            "kernel_provisioner": {"provisioner_name": kprov.PROVISIONER_NAME, "config": provisioner_config},
-            "elastic": {"profile": size},
-        },
-    }
-    (spec_dir / "kernel.json").write_text(json.dumps(spec))
-    holder = Holder()
-    holder.elastic_runtime = runtime
-    ksm = KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")])
-    return AsyncKernelManager(parent=holder, kernel_name=name, kernel_spec_manager=ksm)
-
-
-def pod_names(core: Any, namespace: str) -> list[str]:
-    return [p.metadata.name for p in core.list_namespaced_pod(namespace).items]
 
 
 def test_kernel_pod_executes_interrupts_and_shuts_down(

@@ -13,6 +13,12 @@ on an event loop.
 listeners what changed, in batches (a whole re-list is one batch). :class:`PodInformer` is the
 kernel pods' informer (keyed by the ``kernel_id`` label); the node inventory
 (:mod:`kernelmgr.kube.nodes`) uses a node informer.
+
+A watch the server's Role does not allow (403 on list or watch) is not retried silently while a
+kernel start waits out its whole launch timeout: the refusal (a
+:class:`~kernelmgr.kube.access.KubeForbidden` naming the missing rule) is kept in
+:attr:`Informer.failure` and raised by every :meth:`Informer.wait_for` until a watch runs again
+(an admin fixed the Role; the thread keeps trying every few seconds).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes import client, watch
+
+from kernelmgr.kube.access import ExplainedCoreV1Api, KubeRefused
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +77,8 @@ class Informer:
         self.retry_delay = retry_delay
         #: How often the cache was rebuilt from a list (the first list included): tests read it.
         self.lists = 0
+        #: Why the watch cannot run (the API server refused it), ``None`` while it can.
+        self.failure: KubeRefused | None = None
         self._items: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._listeners: list[Listener] = []
@@ -105,6 +115,14 @@ class Informer:
                 if version is None:
                     version = self._relist()
                 version = self._watch_from(version)
+            except KubeRefused as exc:
+                # Not retried silently while a kernel start waits out its launch timeout: every
+                # waiter gets the refusal (naming the missing rule) until a watch runs again.
+                log.error("%s watch refused: %s", self.name, exc)
+                self.failure = exc
+                self._wake_all()
+                version = None  # list again once it is allowed
+                self._stopped.wait(max(self.retry_delay, 5.0))
             except client.ApiException as exc:
                 if exc.status == 410:
                     log.info("%s watch: resourceVersion expired, listing again", self.name)
@@ -143,6 +161,7 @@ class Informer:
             _request_timeout=self.watch_timeout + 30,
         )
         for event in stream:
+            self.failure = None  # the watch runs: it is allowed (again)
             if self._stopped.is_set():
                 break
             kind = event["type"]
@@ -172,6 +191,13 @@ class Informer:
                     self._items[k] = now = item
             self._changed({k: now})
         return version
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            waiters = [w for entries in self._waiters.values() for w in entries]
+        for loop, event in waiters:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(event.set)
 
     def _changed(self, changes: Mapping[str, Any | None], always: bool = False) -> None:
         with self._lock:
@@ -214,8 +240,8 @@ class Informer:
         """
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + timeout
-        if not self._synced.is_set():
-            await asyncio.to_thread(self._synced.wait, timeout)
+        while not self._synced.is_set() and self.failure is None and time.monotonic() < deadline:
+            await asyncio.to_thread(self._synced.wait, min(0.5, max(0.0, deadline - time.monotonic())))
         event = asyncio.Event()
         entry = (loop, event)
         with self._lock:
@@ -223,6 +249,8 @@ class Informer:
         try:
             while True:
                 event.clear()
+                if self.failure is not None:
+                    raise self.failure
                 item = self.get(key)
                 if self._synced.is_set() and predicate(item):
                     return item
@@ -256,7 +284,7 @@ class PodInformer(Informer):
         self.namespace = namespace
         self.label_selector = label_selector
         super().__init__(
-            client.CoreV1Api(api).list_namespaced_pod,
+            ExplainedCoreV1Api(api).list_namespaced_pod,
             key=_kernel_id,
             name=f"pod-{namespace}",
             list_args=(namespace,),
@@ -272,7 +300,8 @@ class PodInformer(Informer):
     async def wait_for(self, kernel_id: str, predicate: Predicate, timeout: float) -> Any | None:
         """Wait until ``predicate(pod or None)`` holds for the kernel's cached pod; return that pod.
 
-        Raises ``TimeoutError`` when ``timeout`` passes first. Never calls the API.
+        Raises ``TimeoutError`` when ``timeout`` passes first, and the watch's
+        :attr:`failure` when the API server refuses it. Never calls the API.
         """
         try:
             return await super().wait_for(kernel_id, predicate, timeout)

@@ -15,6 +15,9 @@ deletes the pod (its slice is then really free); a resume creates a new pod, whe
 with the same connection key and ports (a new IP: the server's channels reconnect), and the agent
 restores there. Without a claim, checkpoints land in an ``emptyDir`` that dies with the pod and the
 server refuses to hibernate such kernels (it could not read the checkpoint).
+
+Rights, namespaces and pod security (one namespace or one per owner, Pod Security "restricted",
+no CUDA_*/NVIDIA_* from configuration): ``deploy/kubernetes/`` and docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -32,13 +35,16 @@ from typing import Any
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning import KernelProvisionerBase
 from kubernetes import client, config
-from traitlets import Dict, Float, Integer, List, Unicode
+from traitlets import Bool, Dict, Float, Integer, List, TraitError, Unicode, validate
 
 from kernelmgr.backends.kubernetes import render_pod_fragment
 from kernelmgr.checkpoint.keys import encode_key
 from kernelmgr.config import ElasticRuntime
+from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.kube.access import ExplainedCoreV1Api
 from kernelmgr.kube.informer import KERNEL_ID_LABEL, PodInformer
+from kernelmgr.kube.namespaces import ensure_namespace, namespace_for
 from kernelmgr.provisioners.common import (
     AGENT_EXTENSION,
     claim_slice,
@@ -64,9 +70,29 @@ ENV_KEY_MOUNTED = "ELASTIC_CHECKPOINT_KEY_MOUNTED"
 POD_KERNEL = "kernelmgr.kube.pod_kernel"
 APP_SELECTOR = ",".join(f"{k}={v}" for k, v in APP_LABELS.items())
 PORT_NAMES = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+TMP_MOUNT = "/tmp"
+#: The GPU's device plugin (and the NVIDIA container toolkit) own these: a value set in the pod spec
+#: could widen the slice (``NVIDIA_VISIBLE_DEVICES=all``) or switch its limits off.
+SLICE_ENV_PREFIXES = ("CUDA_", "NVIDIA_")
+#: Set by the provisioner itself.
+RESERVED_ENV = ("POD_IP", "HOME", "TMPDIR")
+
+
+def slice_env_refusal(names: list[str] | set[str], where: str) -> str | None:
+    """Why these env names may not be set by ``where``, or ``None`` when they may."""
+    escaping = sorted(n for n in names if n.upper().startswith(SLICE_ENV_PREFIXES))
+    if escaping:
+        return (
+            f"{where} may not set {', '.join(escaping)}: CUDA_* and NVIDIA_* variables belong to the GPU's "
+            "device plugin, which sets them for the kernel's slice; set in the pod they could expose GPUs "
+            "outside the slice or lift its limits. Remove them from the configuration."
+        )
+    return None
+
 
 _clients: dict[str, client.ApiClient] = {}
 _informers: dict[tuple[str, str], PodInformer] = {}
+_ensured_namespaces: set[tuple[str, str]] = set()
 
 
 def api_client(kubeconfig: str) -> client.ApiClient:
@@ -96,6 +122,7 @@ def stop_shared_informers() -> None:
     for informer in _informers.values():
         informer.stop()
     _informers.clear()
+    _ensured_namespaces.clear()
 
 
 def pod_failure(pod: Any, events: list[Any] | None = None) -> str:
@@ -174,7 +201,34 @@ class FoundKernel:
 class ElasticKubernetesProvisioner(KernelProvisionerBase):
     """A kernel in its own pod, holding its GPU slice for the pod's life."""
 
-    namespace = Unicode("default", config=True, help="Namespace of the kernel pods.")
+    namespace = Unicode(
+        "default",
+        config=True,
+        help="Namespace of the kernel pods (with namespace_template: set per kernel from the template).",
+    )
+    namespace_template = Unicode(
+        "",
+        config=True,
+        help="One namespace per user, e.g. 'jupyter-{owner}' ({owner}: the kernel's owner as a DNS-1123 "
+        "label, with a short hash when it had to be changed). Empty: every kernel in `namespace`.",
+    )
+    create_namespace = Bool(
+        False,
+        config=True,
+        help="Create a missing kernel namespace (with namespace_labels) and bind namespace_cluster_role "
+        "to the server there. Needs deploy/kubernetes/rbac-namespaces.yaml. Off: the admin makes them.",
+    )
+    namespace_labels = Dict(
+        {"pod-security.kubernetes.io/enforce": "restricted"},
+        config=True,
+        help="Labels of the namespaces the server creates (Pod Security Admission 'restricted' by default).",
+    )
+    namespace_cluster_role = Unicode(
+        "jupyter-elastic-kernels:kernel-pods",
+        config=True,
+        help="ClusterRole holding the kernel pod rules (deploy/kubernetes/rbac.yaml), bound to the server "
+        "in each namespace it creates.",
+    )
     kubeconfig = Unicode(
         "", config=True, help="Kubeconfig file; empty: in-cluster configuration, else the default kubeconfig."
     )
@@ -199,6 +253,21 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
     extra_labels = Dict(config=True, help="Labels added to the pods.")
     extra_annotations = Dict(config=True, help="Annotations added to the pods.")
     run_as_user = Integer(1000, config=True, help="Non-root user the kernel runs as.")
+    extra_env = Dict(
+        value_trait=Unicode(),
+        config=True,
+        help="Environment variables added to the kernel container. CUDA_* and NVIDIA_* are refused: "
+        "the GPU's device plugin sets them, and overriding them would let a kernel see GPUs outside "
+        "its slice. Names the provisioner sets itself (POD_IP, HOME, TMPDIR, ELASTIC_*) are refused too.",
+    )
+    read_only_root_filesystem = Bool(
+        True,
+        config=True,
+        help="readOnlyRootFilesystem for the kernel container; HOME and /tmp are writable emptyDirs.",
+    )
+    kernel_home = Unicode(
+        "/home/kernel", config=True, help="HOME of the kernel: a writable emptyDir mounted there."
+    )
     launch_timeout = Float(300.0, config=True, help="Seconds until a pod must be Running.")
     stop_timeout = Float(60.0, config=True, help="Seconds to wait for a deleted pod to be gone.")
     first_port = Integer(52000, config=True, help="Kernel ports: this one and the four after it.")
@@ -214,6 +283,20 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         help="""Where ElasticKernels.checkpoint_root is inside checkpoint_claim (the server's volume
         subPath); empty: the claim's root. Each pod mounts only <this>/<owner>.""",
     )
+
+    @validate("extra_env")
+    def _check_extra_env(self, proposal: Any) -> dict[str, str]:
+        env = dict(proposal["value"])
+        refusal = slice_env_refusal(set(env), "ElasticKubernetesProvisioner.extra_env")
+        reserved = sorted(n for n in env if n in RESERVED_ENV or n.startswith("ELASTIC_"))
+        if refusal is None and reserved:
+            refusal = (
+                f"ElasticKubernetesProvisioner.extra_env may not set {', '.join(reserved)}: "
+                "the provisioner sets them (kernel_home sets HOME)"
+            )
+        if refusal is not None:
+            raise TraitError(refusal)
+        return env
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -238,8 +321,12 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
 
     @property
     def core(self) -> Any:
-        """Typed ``Any``: the client's generated stubs do not accept the plain dict manifests we send."""
-        return client.CoreV1Api(api_client(self.kubeconfig))
+        """Typed ``Any``: the client's generated stubs do not accept the plain dict manifests we send.
+
+        A 403 from any call raises :class:`~kernelmgr.kube.access.KubeForbidden` naming the rule
+        the server's Role lacks (or ``KubeRefused`` with the reason, when admission refused).
+        """
+        return ExplainedCoreV1Api(api_client(self.kubeconfig))
 
     @property
     def informer(self) -> PodInformer:
@@ -264,6 +351,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             runtime, self.kernel_id, kernelspec_name, profile_name_of(self.kernel_spec)
         )
         try:
+            await self._select_namespace()
             self.informer  # noqa: B018  (start the watch now: the pod's first events must be seen)
             ports = {name: self.first_port + i for i, name in enumerate(PORT_NAMES)}
             info: dict[str, Any] = {
@@ -294,6 +382,29 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             return known if isinstance(known, bytes) else str(known).encode()
         return secrets.token_hex(32).encode()
 
+    async def _select_namespace(self) -> None:
+        """The owner's namespace with namespace_template; made first when create_namespace is on.
+
+        One pod watch per namespace in use (``shared_informer``), not one cluster-wide watch: the
+        server then needs no right to read pods outside the kernel namespaces (docs/architecture.md).
+        """
+        if self.namespace_template:
+            self.namespace = namespace_for(self.namespace_template, self._record.owner)
+        key = (self.kubeconfig, self.namespace)
+        if self.create_namespace and key not in _ensured_namespaces:
+            created = await asyncio.to_thread(
+                ensure_namespace,
+                api_client(self.kubeconfig),
+                self.namespace,
+                labels=dict(self.namespace_labels),
+                cluster_role=self.namespace_cluster_role,
+            )
+            _ensured_namespaces.add(key)
+            if created:
+                self.log.info(
+                    "Created namespace %s for the kernels of %s", self.namespace, self._record.owner
+                )
+
     def _command(self) -> list[str]:
         cmd = list(self.command)
         if POD_KERNEL in cmd:
@@ -317,6 +428,10 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         agent_env["ELASTIC_CHECKPOINT_DIR"] = f"{CHECKPOINT_MOUNT}/{self.kernel_id}"
         agent_env[ENV_KEY_MOUNTED] = "1"
         env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        env += [{"name": k, "value": v} for k, v in self.extra_env.items()]
+        # The root filesystem is read-only: HOME (IPython's profile, Jupyter's runtime files) and
+        # /tmp are emptyDirs.
+        env += [{"name": "HOME", "value": self.kernel_home}, {"name": "TMPDIR", "value": TMP_MOUNT}]
         env += [{"name": k, "value": v} for k, v in agent_env.items()]
         labels = {**self.extra_labels, **APP_LABELS, KERNEL_ID_LABEL: self.kernel_id}
         annotations = {
@@ -334,6 +449,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
                 "runAsUser": self.run_as_user,
                 "runAsGroup": self.run_as_user,
                 "fsGroup": self.run_as_user,
+                "seccompProfile": {"type": "RuntimeDefault"},
             },
             "containers": [
                 {
@@ -349,10 +465,13 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
                         "allowPrivilegeEscalation": False,
                         "capabilities": {"drop": ["ALL"]},
                         "runAsNonRoot": True,
+                        "readOnlyRootFilesystem": self.read_only_root_filesystem,
                     },
                     "volumeMounts": [
                         {"name": "connection", "mountPath": SECRET_MOUNT, "readOnly": True},
                         {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT, **self._checkpoint_sub_path()},
+                        {"name": "home", "mountPath": self.kernel_home},
+                        {"name": "tmp", "mountPath": TMP_MOUNT},
                     ],
                 }
             ],
@@ -360,6 +479,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
                 # 0440 with fsGroup: the kernel's group reads it, nobody else (the agent checks).
                 {"name": "connection", "secret": {"secretName": self._pod_name, "defaultMode": 0o440}},
                 self._checkpoint_volume(),
+                {"name": "home", "emptyDir": {}},
+                {"name": "tmp", "emptyDir": {}},
             ],
         }
         if self.service_account:
@@ -374,8 +495,15 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             "metadata": {"name": self._pod_name, "labels": labels, "annotations": annotations},
             "spec": spec,
         }
+        slice_env: set[str] = set()
         if self._granted is not None:
-            pod = render_pod_fragment(runtime.profile(self._granted.profile), self.kernel_id).apply_to(pod)
+            fragment = render_pod_fragment(runtime.profile(self._granted.profile), self.kernel_id)
+            pod = fragment.apply_to(pod)
+            slice_env = set(fragment.env)  # the slice backend's own limits (MPS) may set CUDA_*
+        named = {e["name"] for c in pod["spec"]["containers"] for e in c.get("env") or []}
+        refusal = slice_env_refusal(named - slice_env, f"the kernel pod {self._pod_name}")
+        if refusal is not None:
+            raise ConfigError(refusal)
         return pod
 
     def _checkpoint_volume(self) -> dict[str, Any]:
@@ -640,9 +768,10 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
 
     async def get_provisioner_info(self) -> dict[str, Any]:
         info: dict[str, Any] = await super().get_provisioner_info()
-        info.update(pod_name=self._pod_name, launched=self._launched)
+        info.update(pod_name=self._pod_name, launched=self._launched, namespace=self.namespace)
         return info
 
     async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
         await super().load_provisioner_info(provisioner_info)
         self._launched = bool(provisioner_info.get("launched"))
+        self.namespace = provisioner_info.get("namespace") or self.namespace

@@ -39,7 +39,11 @@ Waiting with ``ErrImagePull`` and a ``Failed`` Event on the pod, as a kubelet re
 every process and stops the heartbeats without a word, as a node that loses power.
 
 Not emulated: probes (a started container counts as ready), init containers, more than the first container,
-resource limits, image pulls, ``restartPolicy`` beyond a plain restart of the process with a short delay.
+resource limits, image pulls, ``restartPolicy`` beyond a plain restart of the process with a short delay,
+and the ``securityContext``: the process runs as the test's user, and ``readOnlyRootFilesystem`` is not
+enforced (a local process has no root filesystem of its own); a pod that sets ``HOME``/``TMPDIR`` to its
+emptyDir mounts gets those folders through the path rewriting above. The API server's Pod Security
+Admission, which checks those settings, is real.
 """
 
 from __future__ import annotations
@@ -595,14 +599,19 @@ class NodeRunner:
         running.started_at = _now()
 
     def _rewrite_paths(self, value: str, mounts: Mapping[str, Path]) -> str:
-        """Replace each mount path, as a whole path prefix, by its local folder (longest first)."""
-        for mount_path in sorted(mounts, key=len, reverse=True):
-            if mount_path == "/":
-                continue
-            pattern = re.escape(mount_path) + r"(?=/|$|[^A-Za-z0-9_.\-])"
-            local = str(mounts[mount_path])
-            value = re.sub(pattern, lambda _match: local, value)  # noqa: B023  (used at once, in the loop)
-        return value
+        """Replace each mount path, as a whole path prefix, by its local folder (longest first).
+
+        One pass over the value, so a folder put in for one mount (``/tmp/pytest-.../home``) is
+        never rewritten again for another (a ``/tmp`` mount).
+        """
+        paths = sorted((m for m in mounts if m != "/"), key=len, reverse=True)
+        if not paths:
+            return value
+        # Not inside another path either: a /tmp mount leaves /var/tmp alone.
+        pattern = (
+            r"(?<![A-Za-z0-9_.\-/])(" + "|".join(re.escape(m) for m in paths) + r")(?=/|$|[^A-Za-z0-9_.\-])"
+        )
+        return re.sub(pattern, lambda match: str(mounts[match.group(1)]), value)
 
     # ---- env and volumes
 
