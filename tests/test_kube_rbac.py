@@ -82,13 +82,16 @@ def _calls_in_code() -> set[tuple[str, str]]:
     needed: set[tuple[str, str]] = set()
     for path in (ROOT / "kernelmgr").rglob("*.py"):
         source = path.read_text()
-        for method in re.findall(r"\bcore\.([a-z_]+)", source):
+        # ``core.<method>`` and ``CoreV1Api(...).<method>``; a list method passed uncalled is an
+        # informer's list function (list, then watch).
+        for method, after in re.findall(r"(?:\bcore|CoreV1Api\([^()]*\))\.([a-z_]+)(\(?)", source):
             permission = permission_of(method)
             if permission is None:
                 continue
             verb, resource, _ = permission
             needed.add((verb, resource))
-            if verb == "list" and re.search(rf"stream\(\s*core\.{method}\b", source):
+            passed = not after and not re.search(rf"to_thread\(\s*(?:self\.)?core\.{method}\b", source)
+            if verb == "list" and (passed or re.search(rf"stream\(\s*core\.{method}\b", source)):
                 needed.add(("watch", resource))
     return needed
 
@@ -141,7 +144,10 @@ def test_kernel_runs_with_only_the_shipped_rbac(
     rbac.wait_allowed(kube_plane, token, "create", "pods", kube_namespace)
     with kube_plane.api_client(token=token) as limited:  # the identity really is limited
         with pytest.raises(client.ApiException) as refused:
-            client.CoreV1Api(limited).list_namespaced_secret(kube_namespace)
+            client.CoreV1Api(limited).read_namespaced_secret("anything", kube_namespace)  # no get
+        assert refused.value.status == 403
+        with pytest.raises(client.ApiException) as refused:
+            client.CoreV1Api(limited).list_namespaced_pod("default")  # not a kernel namespace
         assert refused.value.status == 403
     km = kernel_manager(tmp_path, kube_plane, kube_namespace, runtime, "one", kubeconfig=str(kubeconfig))
 
