@@ -59,6 +59,7 @@ class ElasticRuntime:
     gpu_sample_interval: float = 10.0
     owner: str = field(default_factory=getpass.getuser)
     provisioner_name: str = "elastic-local-provisioner"
+    background_checkpoint_interval: float = 0.0
     kernels: KernelRegistry = field(default_factory=KernelRegistry)
     #: Set by the server: a provisioner calls it when a running kernel vanished without being asked
     #: (its pod deleted, evicted, lost with its node) with the reason; ``True`` means the server
@@ -194,6 +195,15 @@ class ElasticKernels(LoggingConfigurable):
         one-machine default) or elastic-kubernetes-provisioner (a pod per kernel; configure it with
         c.ElasticKubernetesProvisioner.*, see the README's Kubernetes section).""",
     )
+    background_checkpoint_interval = Float(
+        None,
+        allow_none=True,
+        config=True,
+        help="""Seconds between checkpoints of a running kernel that ran cells since its last one (idle
+        kernels only; it keeps running), so a kernel whose pod is lost resumes from then. 0: never.
+        Default: 600 with elastic-kubernetes-provisioner (a pod can vanish with its node), 0 with the
+        local one (a local kernel checkpoints itself when the server dies).""",
+    )
     gpu_sample_interval = Float(
         10.0,
         config=True,
@@ -278,7 +288,18 @@ class ElasticKernels(LoggingConfigurable):
             nvml=nvml,
             gpu_sample_interval=self.gpu_sample_interval,
             provisioner_name=self.kernel_provisioner,
+            background_checkpoint_interval=self._background_checkpoint_interval(),
         )
+
+    def _background_checkpoint_interval(self) -> float:
+        interval = self.background_checkpoint_interval
+        if interval is None:
+            return 600.0 if self.kernel_provisioner == "elastic-kubernetes-provisioner" else 0.0
+        if interval < 0:
+            raise ConfigError(
+                f"ElasticKernels.background_checkpoint_interval must be >= 0 seconds (0: off), got {interval}"
+            )
+        return float(interval)
 
     def _checkpoint_store(self) -> CheckpointStore:
         root = self.checkpoint_directory()

@@ -285,3 +285,54 @@ def test_restarted_server_adopts_running_pods_and_recovers_lost_ones(
         assert cluster.secrets() == []
     finally:
         restarted.stop()
+
+
+def test_background_checkpoint_brings_back_a_never_hibernated_kernel_whose_node_died(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    """A node that stops answering: Kubernetes evicts the pod (``node_lost_seconds``), the server
+    hibernates the kernel from its background checkpoint, and the next cell resumes it elsewhere."""
+    doomed = NodeRunner(
+        cluster.plane.configuration(user="system:node:runner-doomed", groups=["system:nodes"]),
+        "runner-doomed",
+        cluster.runners[0].volumes_root,
+        capacity={"nvidia.com/gpu": "1"},
+        heartbeat_interval=2,
+        lease_seconds=10,
+        admin_configuration=cluster.plane.configuration(),
+    ).start()
+    for runner in cluster.runners:
+        cluster.cordon(runner.node_name)  # the kernel starts on the doomed node
+    config = cluster.config(node_lost_seconds=1)
+    config["ElasticKernels"]["background_checkpoint_interval"] = 1
+    running = start_server(tmp_path, config)
+    try:
+        kernel_id = running.start_kernel(SIZE)
+        assert cluster.running_pod(kernel_id).spec.node_name == "runner-doomed"
+        assert running.execute(kernel_id, "x = 41; print(x)").strip() == "41"
+        checkpointed = wait_for(
+            lambda: model(running, kernel_id)["checkpoint"], 60, "a background checkpoint of the kernel"
+        )
+        assert "x" in checkpointed["saved"], checkpointed
+        assert model(running, kernel_id)["state"] == "running"  # it never stopped
+        for runner in cluster.runners:
+            cluster.cordon(runner.node_name, False)
+        doomed.crash()  # power cut: the process dies, the kubelet says nothing more
+
+        def lost() -> dict[str, Any] | None:
+            current = model(running, kernel_id)
+            return current if current["state"] == "hibernated" else None
+
+        current = wait_for(
+            lost, 180, "the node lifecycle controller to evict the pod and the server to notice"
+        )
+        assert "lost" in current["state_reason"], current
+        with running.channel(kernel_id, timeout=120) as tab:
+            result = tab.execute("print(x + 1)", timeout=120)
+        assert result.stdout.strip() == "42", result
+        assert "was lost" in result.stderr
+        assert cluster.running_pod(kernel_id).spec.node_name in {r.node_name for r in cluster.runners}
+        running.shutdown_kernel(kernel_id)
+    finally:
+        running.stop()
+        cluster.core.delete_node("runner-doomed")

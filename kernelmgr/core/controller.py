@@ -251,6 +251,27 @@ class LifecycleController:
         slot.operation = "adopt"
         slot.task = asyncio.ensure_future(adopt())
 
+    async def checkpoint(self, kernel_id: str) -> Committed | None:
+        """Checkpoint a running, idle kernel and leave it running (a background checkpoint).
+
+        ``None`` when it is not running or is busy: a background checkpoint never waits for a
+        cell, and never stands in the way of one (the kernel stays ``running`` throughout).
+        """
+
+        async def body() -> Committed | None:
+            record = self._require(kernel_id)
+            if record.state is not S.RUNNING:
+                return None
+            try:
+                await self.platform.ensure_idle(kernel_id)
+            except LifecycleError:
+                return None
+            committed = await self.platform.checkpoint(kernel_id)
+            self.committed[kernel_id] = committed
+            return committed
+
+        return await self._run(kernel_id, "checkpoint", body)
+
     async def lost(self, kernel_id: str, why: str, committed: Committed) -> Committed | None:
         """A running kernel vanished (its pod deleted, evicted, gone with its node): hibernate it.
 

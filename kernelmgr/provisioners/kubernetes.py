@@ -250,6 +250,13 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
     service_account = Unicode("", config=True, help="ServiceAccount of the pods (empty: no API token).")
     node_selector = Dict(config=True, help="spec.nodeSelector of the pods.")
     tolerations: List[Any] = List(config=True, help="spec.tolerations of the pods.")
+    node_lost_seconds = Integer(
+        60,
+        config=True,
+        help="""Seconds a kernel pod stays bound to a node that stopped answering (not-ready or
+        unreachable) before Kubernetes evicts it; the server then hibernates the kernel from its
+        last checkpoint and the next cell resumes it on a healthy node. Kubernetes' default is 300.""",
+    )
     extra_labels = Dict(config=True, help="Labels added to the pods.")
     extra_annotations = Dict(config=True, help="Annotations added to the pods.")
     run_as_user = Integer(1000, config=True, help="Non-root user the kernel runs as.")
@@ -487,8 +494,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             spec["serviceAccountName"] = self.service_account
         if self.node_selector:
             spec["nodeSelector"] = dict(self.node_selector)
-        if self.tolerations:
-            spec["tolerations"] = list(self.tolerations)
+        spec["tolerations"] = self._tolerations()
         pod: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -505,6 +511,21 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         if refusal is not None:
             raise ConfigError(refusal)
         return pod
+
+    def _tolerations(self) -> list[dict[str, Any]]:
+        """The configured tolerations, plus how long to wait for a node that stopped answering."""
+        tolerations = [dict(t) for t in self.tolerations]
+        for taint in ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable"):
+            if not any(t.get("key") == taint for t in tolerations):
+                tolerations.append(
+                    {
+                        "key": taint,
+                        "operator": "Exists",
+                        "effect": "NoExecute",
+                        "tolerationSeconds": self.node_lost_seconds,
+                    }
+                )
+        return tolerations
 
     def _checkpoint_volume(self) -> dict[str, Any]:
         if not self.checkpoint_claim:

@@ -21,6 +21,7 @@ from traitlets import TraitError
 from kernelmgr.activity.gpu import GpuActivitySampler
 from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
 from kernelmgr.core.errors import ConfigError
+from kernelmgr.server.background import BackgroundCheckpoints
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.events import LifecycleEvents
 from kernelmgr.server.handlers import elastic_handlers
@@ -42,6 +43,7 @@ class ElasticKernelsExtension(ExtensionApp):
     load_other_extensions = True
 
     runtime: ElasticRuntime | None = None
+    background: BackgroundCheckpoints | None = None
 
     def _link_jupyter_server_extension(self, serverapp: Any) -> None:
         """Install the elastic managers; linking runs before the ServerApp creates its managers."""
@@ -112,6 +114,11 @@ class ElasticKernelsExtension(ExtensionApp):
             sample_interval=runtime.gpu_sample_interval,
         )
         km.culler.start()
+        if runtime.background_checkpoint_interval > 0:
+            self.background = BackgroundCheckpoints(
+                km.hibernator, runtime.background_checkpoint_interval, policy.max_concurrent_hibernations
+            )
+            self.background.start()
         self.settings["elastic_policy"] = policy
         install_collector(lambda: km.elastic_runtime, km.hibernator.released)
         if policy.enabled:
@@ -144,3 +151,5 @@ class ElasticKernelsExtension(ExtensionApp):
         culler = getattr(km, "culler", None)
         if isinstance(culler, Culler):
             await culler.close()
+        if self.background is not None:
+            await self.background.close()

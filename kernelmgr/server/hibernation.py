@@ -412,6 +412,35 @@ class Hibernator:
             if msg.get("parent_header", {}).get("msg_id") == msg_id:
                 return msg
 
+    # -- background checkpoints ------------------------------------------------------------
+
+    async def checkpoint(self, kernel_id: str) -> Committed | None:
+        """Checkpoint a running kernel in the background (it keeps running): what a lost pod
+        resumes from. ``None`` when it was busy or not running; raises nothing for a failure,
+        which is logged (the next one tries again)."""
+        record = self.runtime.kernels.get(kernel_id)
+        if record is None:
+            return None
+        try:
+            committed = await self.controller.checkpoint(kernel_id)
+        except LifecycleError as exc:
+            self.mkm.log.warning("Background checkpoint of kernel %s failed: %s", kernel_id, exc.message)
+            return None
+        if committed is None:
+            return None
+        self.platform.kernel_info.pop(kernel_id, None)
+        self.runtime.checkpoints.forget_cached(record.owner, kernel_id)
+        self._prune_later(record.owner, kernel_id)
+        self._remember(kernel_id, checkpoint_id=committed.checkpoint_id)
+        metrics.BACKGROUND_CHECKPOINTS.labels(size_label(record.profile)).inc()
+        self.mkm.log.info(
+            "Kernel %s checkpointed in the background: %s, %d bytes",
+            kernel_id,
+            committed.checkpoint_id,
+            committed.size,
+        )
+        return committed
+
     # -- lost ----------------------------------------------------------------------------
 
     def _kernel_lost(self, kernel_id: str, why: str) -> bool:

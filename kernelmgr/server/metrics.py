@@ -34,6 +34,11 @@ HIBERNATION_FAILURES = Counter(
     "Hibernations that failed (the kernel kept running).",
     ["reason", "size"],
 )
+BACKGROUND_CHECKPOINTS = Counter(
+    "elastic_background_checkpoints_total",
+    "Checkpoints of running idle kernels taken in the background (what a lost kernel resumes from).",
+    ["size"],
+)
 KERNELS_LOST = Counter(
     "elastic_kernels_lost_total",
     "Running kernels that vanished (pod deleted, evicted, node lost) and were hibernated from their last "
