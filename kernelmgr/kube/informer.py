@@ -126,9 +126,11 @@ class PodInformer:
                 raw = event.get("raw_object") or {}
                 reason = raw.get("message", "watch error")
                 raise client.ApiException(status=raw.get("code", 500), reason=reason)
-            version = pod.metadata.resource_version or version
-            if kind == "BOOKMARK":
+            if kind == "BOOKMARK":  # the client leaves a bookmark's object a plain dict
+                raw = event.get("raw_object") or {}
+                version = (raw.get("metadata") or {}).get("resourceVersion") or version
                 continue
+            version = pod.metadata.resource_version or version
             kernel_id = _kernel_id(pod)
             if not kernel_id:
                 continue
