@@ -215,6 +215,16 @@ def thread_cpu_seconds(native_id: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def timed_full_gc() -> float:
+    """Seconds one full collection takes (median of 3): how long it stops every thread."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        gc.collect()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -662,6 +672,7 @@ class Bench:
     def cache_memory(self) -> None:
         """A second informer's list of the same pods, under tracemalloc: the cache's own size."""
         gc.collect()
+        objects_before = len(gc.get_objects())
         tracemalloc.start()
         base, _ = tracemalloc.get_traced_memory()
         informer = PodInformer(
@@ -672,6 +683,7 @@ class Bench:
         gc.collect()
         cached, peak = tracemalloc.get_traced_memory()
         count = len(informer._pods)
+        objects = len(gc.get_objects()) - objects_before
         for pod in informer._pods.values():  # what the pods' managedFields weigh (never read here)
             pod.metadata.managed_fields = None
         gc.collect()
@@ -682,6 +694,7 @@ class Bench:
             "kib_per_pod": (cached - base) / 1024 / max(1, count),
             "peak_kib_per_pod": (peak - base) / 1024 / max(1, count),
             "managed_fields_kib_per_pod": (cached - stripped) / 1024 / max(1, count),
+            "gc_objects_per_pod": objects / max(1, count),
         }
 
 
@@ -720,10 +733,12 @@ async def scenario(bench: Bench) -> None:
     bench.start_informer()
     ids = [str(uuid.uuid4()) for _ in range(args.kernels)]
     gc.collect()
-    rss_before = rss_kib()
+    gc_before = timed_full_gc()
+    rss_before, objects_before = rss_kib(), len(gc.get_objects())
     await bench.phase("start", bench.start_one, ids)
     gc.collect()
-    rss_after = rss_kib()
+    gc_after = timed_full_gc()
+    rss_after, objects_after = rss_kib(), len(gc.get_objects())
     pods = core.list_namespaced_pod(NAMESPACE, label_selector="component=kernel").items
     running = sum(1 for p in pods if p.status.phase == "Running" and p.status.pod_ip)
     assert running == args.kernels, f"{running} of {args.kernels} kernel pods running"
@@ -732,6 +747,11 @@ async def scenario(bench: Bench) -> None:
         "rss_before_mib": rss_before / 1024,
         "rss_after_mib": rss_after / 1024,
         "kib_per_kernel": (rss_after - rss_before) / args.kernels,
+        "gc_objects_per_kernel": (objects_after - objects_before) / args.kernels,
+        "gc_objects_before": objects_before,
+        "gc_objects_after": objects_after,
+        "full_gc_before_ms": gc_before * 1000,
+        "full_gc_after_ms": gc_after * 1000,
     }
     bench.results["cluster"] = {"running": running, "nodes_used": nodes_used}
     bench.cache_memory()
@@ -941,7 +961,18 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             f"{mem['kib_per_kernel']:.1f} KiB",
         ]
     )
+    print_row(
+        ["objects the garbage collector tracks, per running kernel", f"{mem['gc_objects_per_kernel']:.0f}"]
+    )
+    print_row(
+        [
+            "a full garbage collection (all threads stop): before the first start → with all running",
+            f"{mem['full_gc_before_ms']:.0f} → {mem['full_gc_after_ms']:.0f} ms "
+            f"({mem['gc_objects_before'] / 1000:.0f}k → {mem['gc_objects_after'] / 1000:.0f}k objects)",
+        ]
+    )
     print_row(["pod watch cache per pod (tracemalloc, second informer)", f"{cache['kib_per_pod']:.1f} KiB"])
+    print_row(["objects the garbage collector tracks, per cached pod", f"{cache['gc_objects_per_pod']:.0f}"])
     print_row(
         ["of which the pods' managedFields (never read)", f"{cache['managed_fields_kib_per_pod']:.1f} KiB"]
     )
