@@ -31,9 +31,11 @@ Measured, side by side in one run:
   as a burst of one patch per kernel from 4 threads;
 * **our own time in a start** beside the API round trips: per start, the time inside API calls
   (request, response, (de)serialization, in worker threads), the time waiting on the watch for
-  the pod to run (scheduler + kwok + watch delivery) and the rest (our code, thread hand-offs,
-  event loop); starts one at a time first (``--sequential``), then ``--concurrency`` at once;
-  plus the process CPU time per start and the event loop's worst stall.
+  the pod to run (scheduler + kwok + watch delivery), the time waiting for a free worker thread
+  (the loop's default executor, metered) and the rest (our code, thread hand-offs, event loop);
+  starts one at a time first (``--sequential``), then ``--concurrency`` at once; plus the
+  process CPU time per start, the watch thread's CPU per event, the full garbage collections
+  and the event loop's worst stall.
 
 Run: ``python benchmarks/bench_kube_scale.py --kernels 1000 --nodes 100`` (``--quick``: 5
 kernels on 2 nodes, a smoke test). Needs ``bash scripts/envtest.sh build``. Prints Markdown
