@@ -774,6 +774,9 @@ async def scenario(bench: Bench) -> None:
     args = bench.args
     core: Any = client.CoreV1Api(bench.admin)
     asyncio.get_running_loop().set_default_executor(MeteredExecutor())
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
     bench.start_informer()
     ids = [str(uuid.uuid4()) for _ in range(args.kernels)]
     gc.collect()
@@ -1060,6 +1063,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--latency-samples", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="smoke test: 5 kernels on 2 nodes")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() once the cluster is up: imported modules leave every full collection",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.kernels, args.nodes, args.sequential, args.concurrency = 5, 2, 2, 3
