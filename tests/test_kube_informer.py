@@ -38,7 +38,7 @@ def pending_pod(kernel_id: str) -> dict[str, Any]:
 def test_watch_survives_bookmarks_and_renewals(
     kube_plane: ControlPlane, kube_api: Any, kube_namespace: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    core = client.CoreV1Api(kube_api)
+    core: Any = client.CoreV1Api(kube_api)  # the stubs do not take plain dict manifests
     informer = PodInformer(
         client.ApiClient(kube_plane.configuration()), kube_namespace, "component=kernel", watch_timeout=4
     )
