@@ -77,6 +77,8 @@ class Informer:
         self.retry_delay = retry_delay
         #: How often the cache was rebuilt from a list (the first list included): tests read it.
         self.lists = 0
+        #: The resourceVersion of the last event applied: where a broken watch resumes.
+        self._seen: str | None = None
         #: Why the watch cannot run (the API server refused it), ``None`` while it can.
         self.failure: KubeRefused | None = None
         self._items: dict[str, Any] = {}
@@ -114,7 +116,9 @@ class Informer:
             try:
                 if version is None:
                     version = self._relist()
-                version = self._watch_from(version)
+                    self._seen = version
+                self._watch_from(version)
+                version = self._seen
             except KubeRefused as exc:
                 # Not retried silently while a kernel start waits out its launch timeout: every
                 # waiter gets the refusal (naming the missing rule) until a watch runs again.
@@ -129,8 +133,10 @@ class Informer:
                     version = None
                     continue
                 log.warning("%s watch failed: %s %s; retrying", self.name, exc.status, exc.reason)
+                version = self._seen or version
                 self._stopped.wait(self.retry_delay)
             except Exception as exc:  # a dropped connection, an API server restart
+                version = self._seen or version  # resume after the last event applied, not before it
                 if self._stopped.is_set():
                     break
                 log.warning("%s watch disconnected (%s); resuming", self.name, exc)
@@ -173,8 +179,10 @@ class Informer:
             if kind == "BOOKMARK":  # the client leaves a bookmark's object a plain dict
                 raw = event.get("raw_object") or {}
                 version = (raw.get("metadata") or {}).get("resourceVersion") or version
+                self._seen = version
                 continue
             version = item.metadata.resource_version or version
+            self._seen = version
             if self.transform is not None:
                 item = self.transform(item)
             k = self.key(item)
@@ -285,6 +293,7 @@ class PodInformer(Informer):
         self.label_selector = label_selector
         super().__init__(
             ExplainedCoreV1Api(api).list_namespaced_pod,
+            transform=_without_managed_fields,
             key=_kernel_id,
             name=f"pod-{namespace}",
             list_args=(namespace,),
@@ -312,3 +321,11 @@ class PodInformer(Informer):
 def _kernel_id(pod: Any) -> str | None:
     labels = pod.metadata.labels or {}
     return labels.get(KERNEL_ID_LABEL)
+
+
+def _without_managed_fields(obj: Any) -> Any:
+    """Drop ``metadata.managedFields`` (a quarter of a cached pod's memory; nothing reads it)."""
+    metadata = getattr(obj, "metadata", None)
+    if metadata is not None:
+        metadata.managed_fields = None
+    return obj

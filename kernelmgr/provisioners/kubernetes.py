@@ -772,8 +772,10 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         if self._launched:
             # A kernel that exited on a shutdown request leaves a Succeeded pod: delete it, so
             # nothing of the kernel is left in the cluster (its Secret goes with it, as owner).
+            # Not again when a kill has already seen it gone (a request that would only 404).
             try:
-                await self._delete_pod(grace=0, wait=True)
+                if self.informer.get(self.kernel_id) is not None:
+                    await self._delete_pod(grace=0, wait=True)
             except TimeoutError:
                 self.log.warning("kernel pod %s still there after %g s", self._pod_name, self.stop_timeout)
             await self._delete_secret()
