@@ -336,3 +336,27 @@ def test_background_checkpoint_brings_back_a_never_hibernated_kernel_whose_node_
     finally:
         running.stop()
         cluster.core.delete_node("runner-doomed")
+
+
+def test_gpu_inventory_from_the_cluster_nodes(cluster: PodCluster, tmp_path: Path) -> None:
+    config = cluster.config()
+    del config["ElasticKernels"]["gpu_inventory"]
+    config["ElasticKernels"]["gpu_inventory_source"] = "kubernetes"
+    running = start_server(tmp_path, config)
+    try:
+
+        def runner_devices() -> list[dict[str, Any]]:
+            gpus = running.get("/api/elastic/gpus")
+            return [d for d in gpus["devices"] if d.get("node") in {r.node_name for r in cluster.runners}]
+
+        devices = wait_for(
+            lambda: len(runner_devices()) == 2 and runner_devices(), 60, "the runner nodes' GPUs"
+        )
+        assert running.get("/api/elastic/gpus")["source"] == "kubernetes"
+        kernel_id = running.start_kernel(SIZE)
+        assert running.execute(kernel_id, "print(6 * 7)").strip() == "42"
+        held = [d for d in runner_devices() if d["slices"]]
+        assert [s["kernel_id"] for d in held for s in d["slices"]] == [kernel_id], devices
+        running.shutdown_kernel(kernel_id)
+    finally:
+        running.stop()

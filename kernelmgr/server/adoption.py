@@ -1,4 +1,4 @@
-"""A restarted server takes over the kernel pods it finds.
+"""The server in a cluster: it takes over the kernel pods it finds, and follows the nodes' GPUs.
 
 Kernel pods do not die with the server that started them (a local kernel checkpoints itself and
 exits; a pod keeps running, holding its GPU). So after a restart, in Kubernetes mode, the server
@@ -12,15 +12,21 @@ Secrets for the connection files) and, for each:
 
 and each kernel the previous server had running whose pod is gone is hibernated from its last
 checkpoint (the next cell resumes it, told what was lost) or, without one, forgotten.
+
+With ``ElasticKernels.gpu_inventory_source = "kubernetes"`` the GPU inventory is the nodes'
+(:class:`kernelmgr.kube.nodes.NodeInventorySync`). A slice on a node that left (deleted, not Ready,
+cordoned) is logged here; what becomes of its kernel follows its pod: evicted or deleted, the kernel
+is hibernated from its checkpoint (the provisioner's loss path), still running, it keeps running.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jupyter_client.kernelspec import KernelSpec
 
-from kernelmgr.provisioners.kubernetes import ElasticKubernetesProvisioner
+from kernelmgr.kube.nodes import NodeInventorySync
+from kernelmgr.provisioners.kubernetes import ElasticKubernetesProvisioner, api_client
 
 if TYPE_CHECKING:
     from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
@@ -72,3 +78,24 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
     if adopted:
         mkm.log.info("Adopted %d running kernel pod(s): %s", len(adopted), ", ".join(adopted))
     return adopted
+
+
+def start_node_inventory(mkm: ElasticMappingKernelManager) -> NodeInventorySync:
+    """Keep the allocator's inventory equal to the cluster's schedulable GPUs (one node watch)."""
+    runtime = mkm.elastic_runtime
+    assert runtime is not None
+    kubeconfig = _provisioner(mkm, "inventory").kubeconfig
+
+    def lost(slices: Any) -> None:
+        for granted in slices:
+            mkm.log.warning(
+                "Kernel %s: the node of its GPU slice (%s) left the inventory; the kernel follows its pod",
+                granted.kernel_id,
+                ", ".join(granted.device_uuids),
+            )
+
+    return NodeInventorySync(
+        api_client(kubeconfig),
+        runtime.allocator,
+        on_lost=lost,  # logs only: fine on the watch thread
+    ).start()

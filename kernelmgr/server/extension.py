@@ -10,6 +10,7 @@ without its GPU sizes would look healthy while handing out no GPUs, or the wrong
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from typing import Any
@@ -21,6 +22,7 @@ from traitlets import TraitError
 from kernelmgr.activity.gpu import GpuActivitySampler
 from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
 from kernelmgr.core.errors import ConfigError
+from kernelmgr.server.adoption import adopt_kernel_pods, start_node_inventory
 from kernelmgr.server.background import BackgroundCheckpoints
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.events import LifecycleEvents
@@ -44,6 +46,7 @@ class ElasticKernelsExtension(ExtensionApp):
 
     runtime: ElasticRuntime | None = None
     background: BackgroundCheckpoints | None = None
+    node_sync: Any = None
 
     def _link_jupyter_server_extension(self, serverapp: Any) -> None:
         """Install the elastic managers; linking runs before the ServerApp creates its managers."""
@@ -94,9 +97,9 @@ class ElasticKernelsExtension(ExtensionApp):
             events=events,
         )
         km.hibernator.recover()
+        if runtime.inventory_source == "kubernetes":
+            self.node_sync = start_node_inventory(km)
         if runtime.provisioner_name == KUBERNETES_PROVISIONER:
-            from kernelmgr.server.adoption import adopt_kernel_pods
-
             # Once the loop runs (the pod watch must sync first); the server starts meanwhile.
             ioloop.IOLoop.current().add_callback(adopt_kernel_pods, km)
         sampler = (
@@ -153,3 +156,5 @@ class ElasticKernelsExtension(ExtensionApp):
             await culler.close()
         if self.background is not None:
             await self.background.close()
+        if self.node_sync is not None:
+            await asyncio.to_thread(self.node_sync.stop)
