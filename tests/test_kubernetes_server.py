@@ -360,3 +360,34 @@ def test_gpu_inventory_from_the_cluster_nodes(cluster: PodCluster, tmp_path: Pat
         running.shutdown_kernel(kernel_id)
     finally:
         running.stop()
+
+
+def test_restart_gives_a_fresh_pod_and_the_api_server_restarting_mid_watch_loses_nothing(
+    cluster: PodCluster, server: RunningServer
+) -> None:
+    kernel_id = server.start_kernel(SIZE)
+    assert server.execute(kernel_id, "x = 41; print(x)").strip() == "41"
+    first = cluster.running_pod(kernel_id).metadata.uid
+    reply = server.request("POST", f"/api/kernels/{kernel_id}/restart")
+    assert reply.status == 200, reply.body
+    second = cluster.running_pod(kernel_id)
+    assert second.metadata.uid != first  # a new pod, same kernel id
+    assert server.execute(kernel_id, "print('x' in globals())").strip() == "False"
+    assert server.execute(kernel_id, "y = 7; print(y)").strip() == "7"
+
+    hibernate(server, cluster, kernel_id)  # a checkpoint to come back to
+    assert server.execute(kernel_id, "print(y)", timeout=120).strip() == "7"
+
+    # The API server restarts: every watch breaks and must resume. The server's does if it sees
+    # what happens next: the pod deleted under it (no scheduling involved, which a freshly
+    # restarted control plane may take a while to resume).
+    cluster.plane.restart("kube-apiserver")
+    pod = cluster.running_pod(kernel_id)
+    cluster.core.delete_namespaced_pod(pod.metadata.name, NAMESPACE)
+    wait_for(
+        lambda: model(server, kernel_id)["state"] == "hibernated",
+        60,
+        "the server's pod watch, resumed after the API server restart, to see the pod deleted",
+    )
+    server.shutdown_kernel(kernel_id)
+    wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
