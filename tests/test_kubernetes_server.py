@@ -391,3 +391,40 @@ def test_restart_gives_a_fresh_pod_and_the_api_server_restarting_mid_watch_loses
     )
     server.shutdown_kernel(kernel_id)
     wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+
+
+def test_the_server_runs_with_only_the_shipped_rbac(cluster: PodCluster, tmp_path: Path) -> None:
+    """Every path of the server (start, hibernate, resume, background checkpoint, node inventory,
+    shutdown, adoption after a crash) with the rights in deploy/kubernetes/rbac.yaml and no more."""
+    from tests.support import rbac
+
+    api = cluster.core.api_client
+    docs = rbac.load(rbac.RBAC, NAMESPACE, "e2e-only-rbac")
+    rbac.apply(api, docs)
+    account = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    kubeconfig, token = rbac.service_account_kubeconfig(
+        cluster.plane, api, NAMESPACE, account, tmp_path / "server.kubeconfig"
+    )
+    rbac.wait_allowed(cluster.plane, token, "create", "pods", NAMESPACE)
+    config = cluster.config(kubeconfig=str(kubeconfig))
+    del config["ElasticKernels"]["gpu_inventory"]
+    config["ElasticKernels"]["gpu_inventory_source"] = "kubernetes"
+    config["ElasticKernels"]["background_checkpoint_interval"] = 1
+    running = start_server(tmp_path, config)
+    try:
+        kernel_id = running.start_kernel(SIZE)
+        assert running.execute(kernel_id, "x = 41; print(x)").strip() == "41"
+        wait_for(lambda: model(running, kernel_id)["checkpoint"], 60, "a background checkpoint")
+        hibernate(running, cluster, kernel_id)
+        assert running.execute(kernel_id, "print(x + 1)", timeout=120).strip() == "42"
+        running.process.send_signal(signal.SIGKILL)
+        running.process.wait()
+        running = start_server(tmp_path, config)
+        wait_for(lambda: model(running, kernel_id)["state"] == "running", 60, "the pod to be adopted")
+        assert running.execute(kernel_id, "print(x * 2)").strip() == "82"
+        running.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+        assert "forbidden" not in running.log().lower(), running.log()[-3000:]
+    finally:
+        running.stop()
+        rbac.delete(api, docs)
