@@ -190,6 +190,7 @@ class FoundKernel:
     """A kernel pod found in the cluster (a previous server's), read from its labels and Secret."""
 
     kernel_id: str
+    namespace: str
     kernelspec: str
     owner: str
     size: str | None
@@ -653,6 +654,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             found.append(
                 FoundKernel(
                     kernel_id=kernel_id,
+                    namespace=self.namespace,
                     kernelspec=annotations.get(KERNELSPEC_ANNOTATION, ""),
                     owner=annotations[OWNER_ANNOTATION],
                     size=annotations.get(SIZE_ANNOTATION),
@@ -665,6 +667,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
     def adopt(self, found: FoundKernel) -> KernelConnectionInfo:
         """Take over a running kernel pod: its slice claimed again, its connection as it was."""
         assert found.connection_info is not None
+        self.namespace = found.namespace
         runtime = self.runtime
         self._record, self._granted = claim_slice(runtime, self.kernel_id, found.kernelspec, found.size)
         if self._record.owner != found.owner:

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from jupyter_client.kernelspec import KernelSpec
 
+from kernelmgr.core.errors import ConfigError
+from kernelmgr.kube.namespaces import namespace_for
 from kernelmgr.kube.nodes import NodeInventorySync
-from kernelmgr.provisioners.kubernetes import ElasticKubernetesProvisioner, api_client
+from kernelmgr.provisioners.kubernetes import ElasticKubernetesProvisioner, FoundKernel, api_client
 
 if TYPE_CHECKING:
     from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
@@ -42,11 +44,14 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
     hibernator = mkm.hibernator
     assert hibernator is not None
     adopted: list[str] = []
-    try:
-        found = await _provisioner(mkm, "adoption").find_kernel_pods()
-    except Exception as exc:
-        mkm.log.error("Could not look for kernel pods to adopt: %s", exc)
-        found = []
+    found: list[FoundKernel] = []
+    for namespace in _kernel_namespaces(mkm):
+        scout = _provisioner(mkm, "adoption")
+        scout.namespace = namespace
+        try:
+            found += await scout.find_kernel_pods()
+        except Exception as exc:
+            mkm.log.error("Could not look for kernel pods to adopt in %s: %s", namespace, exc)
     for pod in found:
         hibernated_here = pod.kernel_id in mkm
         if pod.running and pod.connection_info is not None and not hibernated_here:
@@ -71,13 +76,33 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
             else "its Secret is gone"
         )
         mkm.log.info("Deleting the pod of kernel %s left by the previous server (%s)", pod.kernel_id, why)
-        await _provisioner(mkm, pod.kernel_id).remove_leftover()
+        leftover = _provisioner(mkm, pod.kernel_id)
+        leftover.namespace = pod.namespace
+        await leftover.remove_leftover()
     for kernel_id, record in list(hibernator.deferred.items()):
         hibernator.deferred.pop(kernel_id)
         hibernator.recover_lost(record, "its pod ended while the server was down")
     if adopted:
         mkm.log.info("Adopted %d running kernel pod(s): %s", len(adopted), ", ".join(adopted))
     return adopted
+
+
+def _kernel_namespaces(mkm: ElasticMappingKernelManager) -> list[str]:
+    """Where kernel pods may be: the configured namespace, and with ``namespace_template`` the
+    namespace of every owner the previous server had kernels of (from its registry)."""
+    settings = _provisioner(mkm, "adoption")
+    namespaces = [settings.namespace]
+    hibernator = mkm.hibernator
+    if settings.namespace_template and hibernator is not None:
+        owners = sorted({record.owner for record in hibernator.records.values()})
+        for owner in owners:
+            try:
+                namespace = namespace_for(settings.namespace_template, owner)
+            except ConfigError:
+                continue
+            if namespace not in namespaces:
+                namespaces.append(namespace)
+    return namespaces
 
 
 def start_node_inventory(mkm: ElasticMappingKernelManager) -> NodeInventorySync:
