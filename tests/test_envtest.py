@@ -439,8 +439,8 @@ def test_script_starts_an_independent_cluster_and_stops_it(tmp_path: Path, plane
 
 
 def test_kernel_pod_executes_a_cell_on_its_pod_ip(core: Any, namespace: str, runner: NodeRunner) -> None:
-    """What the Kubernetes provisioner will do: ipykernel in a pod, connection info from a Secret, the
-    kernel bound to its pod IP with fixed ports (``--ip=$(POD_IP)``), a client connecting from outside."""
+    """What the Kubernetes provisioner does: ipykernel in a pod, connection info from a Secret, the kernel
+    bound to its pod IP with fixed ports (``kernelmgr.kube.pod_kernel``), a client connecting from outside."""
     import json
 
     from jupyter_client import BlockingKernelClient
@@ -460,7 +460,8 @@ def test_kernel_pod_executes_a_cell_on_its_pod_ip(core: Any, namespace: str, run
     )
     manifest = _pod(
         "kernel",
-        command=["python", "-m", "ipykernel_launcher", "-f", "/conn/kernel.json", "--ip=$(POD_IP)"],
+        # ipykernel takes its address from the file: the project's entry point puts the pod IP in.
+        command=["python", "-m", "kernelmgr.kube.pod_kernel", "-f", "/conn/kernel.json"],
         node_selector=ON_RUNNER,
         container={
             "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from jupyter_client.kernelspec import KernelSpec
 
 from kernelmgr.core.errors import ConfigError
+from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube.namespaces import namespace_for
 from kernelmgr.kube.nodes import NodeInventorySync
 from kernelmgr.provisioners.kubernetes import ElasticKubernetesProvisioner, FoundKernel, api_client
@@ -52,8 +53,21 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
             found += await scout.find_kernel_pods()
         except Exception as exc:
             mkm.log.error("Could not look for kernel pods to adopt in %s: %s", namespace, exc)
+    runtime = mkm.elastic_runtime
+    assert runtime is not None
+    previous = set(hibernator.records) | set(hibernator.deferred)
     for pod in found:
-        hibernated_here = pod.kernel_id in mkm
+        if pod.kernel_id not in previous and pod.owner != runtime.owner:
+            continue  # another server's (or another user's) kernel: not ours to adopt or delete
+        # Known to this server already: started (or being started: not yet in the kernel manager's
+        # table, but registered) or resumed since the pods were listed. Only a pod of a kernel that
+        # is hibernated here, with nothing in flight, is a leftover.
+        managed = runtime.kernels.get(pod.kernel_id)
+        if managed is not None and managed.state is not KernelState.HIBERNATED:
+            continue
+        if managed is not None and hibernator.controller.in_flight(pod.kernel_id):
+            continue
+        hibernated_here = managed is not None
         if pod.running and pod.connection_info is not None and not hibernated_here:
             try:
                 mkm.adopt_running(pod)
