@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 
 
-def _provisioner(mkm: ElasticMappingKernelManager, kernel_id: str) -> ElasticKubernetesProvisioner:
+def configured_provisioner(mkm: ElasticMappingKernelManager, kernel_id: str) -> ElasticKubernetesProvisioner:
     """A provisioner with the server's configuration, for pods no kernel manager holds yet."""
     return ElasticKubernetesProvisioner(kernel_id=kernel_id, kernel_spec=KernelSpec(), parent=mkm)
 
@@ -43,7 +43,7 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
     assert hibernator is not None
     adopted: list[str] = []
     try:
-        found = await _provisioner(mkm, "adoption").find_kernel_pods()
+        found = await configured_provisioner(mkm, "adoption").find_kernel_pods()
     except Exception as exc:
         mkm.log.error("Could not look for kernel pods to adopt: %s", exc)
         found = []
@@ -71,7 +71,7 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
             else "its Secret is gone"
         )
         mkm.log.info("Deleting the pod of kernel %s left by the previous server (%s)", pod.kernel_id, why)
-        await _provisioner(mkm, pod.kernel_id).remove_leftover()
+        await configured_provisioner(mkm, pod.kernel_id).remove_leftover()
     for kernel_id, record in list(hibernator.deferred.items()):
         hibernator.deferred.pop(kernel_id)
         hibernator.recover_lost(record, "its pod ended while the server was down")
@@ -84,7 +84,7 @@ def start_node_inventory(mkm: ElasticMappingKernelManager) -> NodeInventorySync:
     """Keep the allocator's inventory equal to the cluster's schedulable GPUs (one node watch)."""
     runtime = mkm.elastic_runtime
     assert runtime is not None
-    kubeconfig = _provisioner(mkm, "inventory").kubeconfig
+    kubeconfig = configured_provisioner(mkm, "inventory").kubeconfig
 
     def lost(slices: Any) -> None:
         for granted in slices:
