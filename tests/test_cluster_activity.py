@@ -258,8 +258,16 @@ def test_sampler_reads_the_agent_pod_through_the_watch_busy_idle_then_not_measur
     assert silent.reason.startswith("node agent on runner-0: "), silent.reason
     assert "/activity" in silent.reason
     assert sampler.source().startswith("node-agents: 1 of 1 agent(s) not usable")
-    # Unmeasured time is not idle time: measuring starts afresh once an agent answers again.
-    assert silent.last_busy == busy.sampled_at
+    assert silent.last_busy == busy.sampled_at  # remembered, but no idle time counted meanwhile
+
+    # An agent answers again, 50 s later: the unmeasured time is not idle time; counting restarts.
+    core.delete_namespaced_pod("silent", namespace, grace_period_seconds=0)
+    core.create_namespaced_pod(namespace, agent_pod("agent-2", host))
+    clock.now += 50
+    back = sample_until(sampler, kernel_id, lambda a: a.available, "the new agent to answer")
+    assert back.utilization == 0.0 and back.idle_seconds == 0.0
+    clock.now += 10
+    assert asyncio.run(sampler.sample({kernel_id: [GPU]}))[kernel_id].idle_seconds == 10.0
 
 
 # ---- the real server in Kubernetes mode
