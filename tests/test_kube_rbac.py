@@ -420,9 +420,25 @@ def test_namespace_creation_without_its_rights_names_the_missing_rule(
 def test_shipped_manifests_are_valid_kubernetes_objects() -> None:
     import kubernetes_validate
 
-    for path in (rbac.RBAC, rbac.RBAC_NAMESPACES):
+    for path in (rbac.RBAC, rbac.RBAC_NAMESPACES, rbac.NODE_AGENT):
         for doc in rbac.read(path):
             kubernetes_validate.validate(doc, "1.35", strict=True)
+
+
+def test_node_agent_daemonset_holds_no_gpu_and_reads_the_host_proc_read_only() -> None:
+    from kernelmgr.kube.node_agents import AGENT_COMPONENT, AGENT_COMPONENT_LABEL
+
+    (daemonset,) = rbac.read(rbac.NODE_AGENT)
+    spec = daemonset["spec"]["template"]["spec"]
+    assert daemonset["spec"]["template"]["metadata"]["labels"][AGENT_COMPONENT_LABEL] == AGENT_COMPONENT
+    assert spec["hostPID"] is True and spec["automountServiceAccountToken"] is False
+    (container,) = spec["containers"]
+    assert not any("nvidia.com" in r for r in container["resources"].get("requests", {}))
+    assert not any("nvidia.com" in r for r in container["resources"].get("limits", {}))
+    proc = next(v for v in spec["volumes"] if v.get("hostPath", {}).get("path") == "/proc")
+    mount = next(m for m in container["volumeMounts"] if m["name"] == proc["name"])
+    assert mount["readOnly"] is True and f"--proc-root={mount['mountPath']}" in container["args"]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
 
 
 def test_a_403_is_explained_by_what_refused_it() -> None:

@@ -47,13 +47,15 @@ class GpuActivity:
     idle_seconds: float | None = None
     last_busy: float | None = None
     sampled_at: float | None = None
+    #: Where the numbers come from: "nvml" (local), "node-agents" (Kubernetes).
+    origin: str = "nvml"
 
     @property
     def source(self) -> str:
         """A short human-readable origin for the numbers, shown by the API."""
         if not self.available:
             return f"unavailable: {self.reason}"
-        return f"nvml: {self.reason}" if self.reason else "nvml"
+        return f"{self.origin}: {self.reason}" if self.reason else self.origin
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -118,12 +120,41 @@ class DeviceReader:
 
 
 @dataclass
-class _Track:
-    """What the sampler remembers about one kernel between samples."""
+class IdleTrack:
+    """One kernel's idle bookkeeping between samples, shared by every GPU activity source.
 
-    pid: int
+    ``identity`` is what the kernel runs as (its process PID locally, its pod UID in a
+    cluster): when it changes the kernel was hibernated and resumed, and a fresh track starts,
+    so old activity neither keeps it alive nor makes it look idle for longer than it has been
+    running. Time during which the kernel could not be measured is not counted as idle.
+    """
+
+    identity: object
     measured_since: float | None = None
     last_busy: float | None = None
+
+    def unmeasured(self) -> None:
+        """This sample could not measure the kernel: idleness restarts at the next measurement."""
+        self.measured_since = None
+
+    def measured(self, utilization: float | None, now: float, busy_threshold: float) -> float | None:
+        """Record one measurement; the idle seconds (None when utilisation is not measurable)."""
+        if self.measured_since is None:
+            self.measured_since = now
+        if utilization is not None and utilization > busy_threshold:
+            self.last_busy = now
+        if utilization is None:
+            return None
+        since = max(self.measured_since, self.last_busy or self.measured_since)
+        return now - since
+
+
+def track(tracks: dict[str, IdleTrack], kernel_id: str, identity: object) -> IdleTrack:
+    """The kernel's track, started afresh when it is new or its identity changed."""
+    current = tracks.get(kernel_id)
+    if current is None or current.identity != identity:
+        current = tracks[kernel_id] = IdleTrack(identity)
+    return current
 
 
 def unavailable_reason(exc: NvmlUnavailable) -> str:
@@ -153,7 +184,7 @@ class GpuActivitySampler:
         self.busy_threshold = busy_threshold
         self._clock = clock
         self._tree = tree
-        self._kernels: dict[str, _Track] = {}
+        self._kernels: dict[str, IdleTrack] = {}
 
     @property
     def last_error(self) -> str | None:
@@ -174,9 +205,7 @@ class GpuActivitySampler:
         """One NVML pass over every device in use; the activity of each kernel given."""
         now = self._clock()
         for kernel_id, (pid, _) in kernels.items():
-            track = self._kernels.get(kernel_id)
-            if track is None or track.pid != pid:
-                self._kernels[kernel_id] = _Track(pid)
+            track(self._kernels, kernel_id, pid)
         in_use = list(dict.fromkeys(uuid for _, devices in kernels.values() for uuid in devices))
         readings = {uuid: self._reader.read(uuid) for uuid in in_use}
         owned = self._attribute(kernels, readings)
@@ -205,32 +234,28 @@ class GpuActivitySampler:
 
     def _activity(
         self,
-        track: _Track,
+        track: IdleTrack,
         devices: Sequence[str],
         readings: Mapping[str, DeviceReading],
         pids: set[int],
         now: float,
     ) -> GpuActivity:
         if not devices:
-            track.measured_since = None
+            track.unmeasured()
             reason = "the kernel has no GPU slice"
             return GpuActivity(False, reason, last_busy=track.last_busy, sampled_at=now)
         errors = [readings[uuid].error for uuid in devices if readings[uuid].error]
         if errors:
-            track.measured_since = None
+            track.unmeasured()
             return GpuActivity(False, errors[0], last_busy=track.last_busy, sampled_at=now)
-        if track.measured_since is None:
-            track.measured_since = now
         memory = sum(readings[uuid].memory.get(pid, 0) for uuid in devices for pid in pids)
         measured = [u for u in (readings[uuid].utilization for uuid in devices) if u is not None]
         utilization = (
             float(max((u.get(pid, 0) for u in measured for pid in pids), default=0)) if measured else None
         )
-        if utilization is not None and utilization > self.busy_threshold:
-            track.last_busy = now
         mig = [uuid for uuid in devices if readings[uuid].utilization is None]
+        idle = track.measured(utilization, now, self.busy_threshold)
         if mig:
             reason = f"MIG device(s) {', '.join(mig)}: NVML has no per-process utilisation there, memory only"
             return GpuActivity(True, reason, utilization, memory, None, track.last_busy, now)
-        since = max(track.measured_since, track.last_busy or track.measured_since)
-        return GpuActivity(True, "", utilization, memory, now - since, track.last_busy, now)
+        return GpuActivity(True, "", utilization, memory, idle, track.last_busy, now)

@@ -293,7 +293,7 @@ class PodInformer(Informer):
         self.label_selector = label_selector
         super().__init__(
             ExplainedCoreV1Api(api).list_namespaced_pod,
-            transform=_without_managed_fields,
+            transform=without_managed_fields,
             key=_kernel_id,
             name=f"pod-{namespace}",
             list_args=(namespace,),
@@ -323,7 +323,7 @@ def _kernel_id(pod: Any) -> str | None:
     return labels.get(KERNEL_ID_LABEL)
 
 
-def _without_managed_fields(obj: Any) -> Any:
+def without_managed_fields(obj: Any) -> Any:
     """Drop ``metadata.managedFields`` (a quarter of a cached pod's memory; nothing reads it)."""
     metadata = getattr(obj, "metadata", None)
     if metadata is not None:

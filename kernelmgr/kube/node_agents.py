@@ -4,24 +4,20 @@ Each GPU node runs ``jupyter elastic node-agent`` (:mod:`kernelmgr.nodeagent`), 
 GPU use per *pod UID* (and the kernel id from the processes' environment when it can read it).
 This module asks all agents at once and turns their reports into activity per *kernel id*.
 
-Not wired into the server yet. The intended wiring, for whoever does it:
+Wired into the server by :mod:`kernelmgr.server.cluster_activity` (Kubernetes mode), which:
 
-1. The server already runs one shared pod watch (:class:`kernelmgr.kube.informer.PodInformer`)
-   over the kernel pods. A second informer (or a wider selector) over the agent pods
-   (label ``app.kubernetes.io/component=node-agent``, see :data:`AGENT_SELECTOR`) gives
-   :func:`agent_urls` the agent pods, which turns them into base URLs (pod IP + port). No
-   Service: the server needs every agent, not one behind a load balancer.
-2. From the kernel-pod cache build ``{pod.metadata.uid: pod.metadata.labels["kernel_id"]}``
-   and pass it as ``uid_to_kernel``: the cgroup-derived pod UID is proof of which pod a process
-   belongs to, while the environment's kernel id is only a hint that code in the pod could fake
-   (see :mod:`kernelmgr.nodeagent.environ`). With a mapping, it wins, and pods outside it are
-   reported in ``unmapped``, never attributed to a kernel.
-3. The culler's GPU-sampling timer (``server/culler.py``, today :class:`GpuActivitySampler`
-   in local mode) calls :meth:`NodeAgentClient.collect` instead, on the event loop (it is
-   async and never raises), at least as often as the agents' ``--interval`` so no agent
-   sample is missed, and feeds each kernel's ``gpu_utilization`` / ``gpu_memory_mib`` to the
-   same idle bookkeeping. A kernel whose node's agent is in ``errors`` must count as "not
-   measured" (like NVML unavailable locally), not as idle.
+1. finds the agent pods with one watch (label ``app.kubernetes.io/component=node-agent``, see
+   :data:`AGENT_SELECTOR`) and gives them to :func:`agent_urls` (pod IP + port). No Service: the
+   server needs every agent, not one behind a load balancer.
+2. passes ``uid_to_kernel`` built from the kernel-pod watch's cache
+   (``{pod.metadata.uid: pod.metadata.labels["kernel_id"]}``): the cgroup-derived pod UID is proof
+   of which pod a process belongs to, while the environment's kernel id is only a hint that code in
+   the pod could fake (see :mod:`kernelmgr.nodeagent.environ`). With a mapping, it wins, and pods
+   outside it are reported in ``unmapped``, never attributed to a kernel.
+3. calls :meth:`NodeAgentClient.collect` on the culler's GPU-sampling timer, on the event loop (it
+   is async and never raises), and feeds each kernel's ``gpu_utilization`` / ``gpu_memory_mib`` to
+   the same idle bookkeeping as local mode. A kernel whose node's agent is in ``errors`` counts as
+   "not measured" (like NVML unavailable locally), not as idle.
 """
 
 from __future__ import annotations

@@ -43,8 +43,10 @@ from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube.access import ExplainedCoreV1Api
-from kernelmgr.kube.informer import KERNEL_ID_LABEL, PodInformer
+from kernelmgr.kube.informer import KERNEL_ID_LABEL, Informer, PodInformer, without_managed_fields
 from kernelmgr.kube.namespaces import ensure_namespace, namespace_for
+from kernelmgr.kube.node_agents import AGENT_SELECTOR
+from kernelmgr.nodeagent import DEFAULT_PORT as NODE_AGENT_PORT
 from kernelmgr.provisioners.common import (
     AGENT_EXTENSION,
     claim_slice,
@@ -92,6 +94,7 @@ def slice_env_refusal(names: list[str] | set[str], where: str) -> str | None:
 
 _clients: dict[str, client.ApiClient] = {}
 _informers: dict[tuple[str, str], PodInformer] = {}
+_agent_informers: dict[tuple[str, str], Informer] = {}
 _ensured_namespaces: set[tuple[str, str]] = set()
 
 
@@ -117,11 +120,37 @@ def shared_informer(kubeconfig: str, namespace: str) -> PodInformer:
     return _informers[key]
 
 
+def kernel_pods() -> dict[str, Any]:
+    """kernel id -> its pod, from every kernel pod watch's cache (one per kernel namespace in use)."""
+    pods: dict[str, Any] = {}
+    for informer in list(_informers.values()):
+        pods.update(informer.items())
+    return pods
+
+
+def agent_informer(kubeconfig: str, namespace: str) -> Informer:
+    """The one watch over the node activity agent pods in ``namespace`` (label ``AGENT_SELECTOR``),
+    started on first use; keyed by pod name. Needs ``list`` and ``watch`` on pods there."""
+    key = (kubeconfig, namespace)
+    if key not in _agent_informers:
+        watch_api = client.ApiClient(api_client(kubeconfig).configuration)
+        _agent_informers[key] = Informer(
+            ExplainedCoreV1Api(watch_api).list_namespaced_pod,
+            key=lambda pod: pod.metadata.name,
+            name=f"node-agents-{namespace}",
+            list_args=(namespace,),
+            list_kwargs={"label_selector": AGENT_SELECTOR},
+            transform=without_managed_fields,
+        ).start()
+    return _agent_informers[key]
+
+
 def stop_shared_informers() -> None:
     """Stop every pod watch (server exit, tests)."""
-    for informer in _informers.values():
+    for informer in [*_informers.values(), *_agent_informers.values()]:
         informer.stop()
     _informers.clear()
+    _agent_informers.clear()
     _ensured_namespaces.clear()
 
 
@@ -290,6 +319,20 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         config=True,
         help="""Where ElasticKernels.checkpoint_root is inside checkpoint_claim (the server's volume
         subPath); empty: the claim's root. Each pod mounts only <this>/<owner>.""",
+    )
+
+    node_agent_namespace = Unicode(
+        "",
+        config=True,
+        help="""Namespace of the node activity agent pods (deploy/kubernetes/node-agent.yaml), which
+        the server finds with one pod watch (label app.kubernetes.io/component=node-agent) and asks
+        for each kernel pod's GPU activity. Empty: `namespace` (the kernel namespace, where the
+        server's Role already allows the watch). A namespace enforcing Pod Security "restricted"
+        refuses the agents (hostPID, host /proc): then give them their own namespace, name it here,
+        and bind the server a Role with pods list/watch there.""",
+    )
+    node_agent_port = Integer(
+        NODE_AGENT_PORT, config=True, help="Port of the node agents' /activity (their --port)."
     )
 
     @validate("extra_env")

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 
 
-def _provisioner(mkm: ElasticMappingKernelManager, kernel_id: str) -> ElasticKubernetesProvisioner:
+def configured_provisioner(mkm: ElasticMappingKernelManager, kernel_id: str) -> ElasticKubernetesProvisioner:
     """A provisioner with the server's configuration, for pods no kernel manager holds yet."""
     return ElasticKubernetesProvisioner(kernel_id=kernel_id, kernel_spec=KernelSpec(), parent=mkm)
 
@@ -47,7 +47,7 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
     adopted: list[str] = []
     found: list[FoundKernel] = []
     for namespace in _kernel_namespaces(mkm):
-        scout = _provisioner(mkm, "adoption")
+        scout = configured_provisioner(mkm, "adoption")
         scout.namespace = namespace
         try:
             found += await scout.find_kernel_pods()
@@ -90,7 +90,7 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
             else "its Secret is gone"
         )
         mkm.log.info("Deleting the pod of kernel %s left by the previous server (%s)", pod.kernel_id, why)
-        leftover = _provisioner(mkm, pod.kernel_id)
+        leftover = configured_provisioner(mkm, pod.kernel_id)
         leftover.namespace = pod.namespace
         await leftover.remove_leftover()
     for kernel_id, record in list(hibernator.deferred.items()):
@@ -104,7 +104,7 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
 def _kernel_namespaces(mkm: ElasticMappingKernelManager) -> list[str]:
     """Where kernel pods may be: the configured namespace, and with ``namespace_template`` the
     namespace of every owner the previous server had kernels of (from its registry)."""
-    settings = _provisioner(mkm, "adoption")
+    settings = configured_provisioner(mkm, "adoption")
     namespaces = [settings.namespace]
     hibernator = mkm.hibernator
     if settings.namespace_template and hibernator is not None:
@@ -123,7 +123,7 @@ def start_node_inventory(mkm: ElasticMappingKernelManager) -> NodeInventorySync:
     """Keep the allocator's inventory equal to the cluster's schedulable GPUs (one node watch)."""
     runtime = mkm.elastic_runtime
     assert runtime is not None
-    kubeconfig = _provisioner(mkm, "inventory").kubeconfig
+    kubeconfig = configured_provisioner(mkm, "inventory").kubeconfig
 
     def lost(slices: Any) -> None:
         for granted in slices:

@@ -24,8 +24,9 @@ at every tick, finished jobs are forgotten as they finish, and the tombstones th
 a removed kernel's 404 are kept for the newest :data:`MAX_TOMBSTONES` removals, at most
 :data:`TOMBSTONE_TTL` seconds each.
 
-GPU activity is sampled on its own timer in a worker thread (NVML calls block), one NVML
-call per device per sample whatever the number of kernels.
+GPU activity is sampled on its own timer: locally in a worker thread (NVML calls block), one NVML
+call per device per sample whatever the number of kernels; in Kubernetes mode one HTTP request per
+node agent per sample (:mod:`kernelmgr.server.cluster_activity`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from kernelmgr.core.policy import (
     idle_seconds,
 )
 from kernelmgr.server import metrics
+from kernelmgr.server.cluster_activity import ClusterGpuSampler
 from kernelmgr.server.concurrency import BoundedScheduler
 from kernelmgr.server.hibernation import HibernationError, Hibernator
 from kernelmgr.server.metrics import size_label
@@ -150,7 +152,7 @@ class Culler:
         runtime: ElasticRuntime,
         hibernator: Hibernator,
         policy: Policy,
-        sampler: GpuActivitySampler | None,
+        sampler: GpuActivitySampler | ClusterGpuSampler | None,
         broadcast: Broadcast,
         sample_interval: float = 10.0,
         clock: Callable[[], float] = time.time,
@@ -228,15 +230,31 @@ class Culler:
                 found[granted.kernel_id] = (pid, list(granted.device_uuids))
         return found
 
+    def _kernel_slices(self) -> dict[str, list[str]]:
+        return {
+            granted.kernel_id: list(granted.device_uuids)
+            for granted in self.runtime.allocator.slices()
+            if granted.kernel_id in self.mkm
+        }
+
     async def sample(self) -> None:
-        """Sample GPU activity of every kernel holding a slice (in a worker thread)."""
+        """Sample GPU activity of every kernel holding a slice.
+
+        Locally NVML in a worker thread; in Kubernetes mode the node agents, asked concurrently
+        from the event loop (HTTP, no blocking call).
+        """
         if self.sampler is None or self._sampling:
             return
         self._sampling = True
         try:
-            kernels = self._kernel_processes()
-            self._sampled.update(kernels)
-            self.gpu = await asyncio.to_thread(self.sampler.sample, kernels)
+            if isinstance(self.sampler, ClusterGpuSampler):
+                slices = self._kernel_slices()
+                self._sampled.update(slices)
+                self.gpu = await self.sampler.sample(slices)
+            else:
+                kernels = self._kernel_processes()
+                self._sampled.update(kernels)
+                self.gpu = await asyncio.to_thread(self.sampler.sample, kernels)
             self.prune({r.kernel_id for r in self.runtime.kernels.all()})
         except Exception:
             self.mkm.log.exception("GPU activity sampling failed; the policy falls back to Jupyter activity")

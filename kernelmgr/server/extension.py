@@ -24,6 +24,7 @@ from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.server.adoption import adopt_kernel_pods, start_node_inventory
 from kernelmgr.server.background import BackgroundCheckpoints
+from kernelmgr.server.cluster_activity import ClusterGpuSampler, start_cluster_sampler
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.events import LifecycleEvents
 from kernelmgr.server.handlers import elastic_handlers
@@ -102,11 +103,12 @@ class ElasticKernelsExtension(ExtensionApp):
         if runtime.provisioner_name == KUBERNETES_PROVISIONER:
             # Once the loop runs (the pod watch must sync first); the server starts meanwhile.
             ioloop.IOLoop.current().add_callback(adopt_kernel_pods, km)
-        sampler = (
-            GpuActivitySampler(runtime.nvml, busy_threshold=policy.defaults.gpu_idle_threshold)
-            if runtime.nvml is not None
-            else None
-        )
+        sampler: GpuActivitySampler | ClusterGpuSampler | None = None
+        if runtime.provisioner_name == KUBERNETES_PROVISIONER:
+            # The kernels run on other nodes: their GPU activity comes from the node agents.
+            sampler = start_cluster_sampler(km, policy.defaults.gpu_idle_threshold)
+        elif runtime.nvml is not None:
+            sampler = GpuActivitySampler(runtime.nvml, busy_threshold=policy.defaults.gpu_idle_threshold)
         km.culler = Culler(
             km,
             runtime,

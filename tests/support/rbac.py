@@ -22,6 +22,7 @@ from tests.support.kube import ControlPlane, write_kubeconfig
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 RBAC = DEPLOY / "rbac.yaml"
 RBAC_NAMESPACES = DEPLOY / "rbac-namespaces.yaml"
+NODE_AGENT = DEPLOY / "node-agent.yaml"
 PLACEHOLDER_NAMESPACE = "jupyter"
 PREFIX = "jupyter-elastic-kernels"
 
