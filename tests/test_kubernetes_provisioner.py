@@ -19,9 +19,9 @@ require_envtest(module_level=True)
 
 from kubernetes import client  # noqa: E402
 
-from kernelmgr.config import ElasticRuntime  # noqa: E402
+from kernelmgr.config import ElasticKernels, ElasticRuntime  # noqa: E402
 from kernelmgr.provisioners import kubernetes as kprov  # noqa: E402
-from tests.support.kernel_pods import kernel_manager, make_runtime, pod_names  # noqa: E402
+from tests.support.kernel_pods import INVENTORY, kernel_manager, make_runtime, pod_names  # noqa: E402
 from tests.support.node_runner import NodeRunner  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -185,3 +185,41 @@ def test_informer_sees_pods_and_lists_again_after_410_gone(
         assert informer.lists >= 2
     finally:
         informer.stop()
+
+
+def test_dra_size_creates_its_claim_template_and_explains_an_unschedulable_claim(
+    tmp_path: Path,
+    kube_plane: ControlPlane,
+    kube_api: Any,
+    kube_namespace: str,
+    kube_runner: NodeRunner,
+    informers: None,
+) -> None:
+    """A DRA size: the ResourceClaimTemplate its pod names is created (accepted by the real API
+    server, once), the pod refers to it; with no DRA driver publishing devices, the start fails
+    with the scheduler's reason and leaves no pod, no Secret, no slice."""
+    from kubernetes import client as k8s
+
+    profiles = {
+        "dra-half": {
+            "gpu_fraction": 0.5,
+            "memory_mib": 20480,
+            "backend": "dra",
+            "options": {"sharing": "consumable"},
+        }
+    }
+    elastic = ElasticKernels(profiles=profiles, gpu_inventory=INVENTORY, checkpoint_root=str(tmp_path / "ck"))
+    runtime = elastic.build()
+    km = kernel_manager(tmp_path, kube_plane, kube_namespace, runtime, "dra-half", launch_timeout=6.0)
+
+    async def scenario() -> None:
+        with pytest.raises(RuntimeError) as failed:
+            await km.start_kernel()
+        assert "PodScheduled: Unschedulable" in str(failed.value), str(failed.value)
+
+    asyncio.run(scenario())
+    templates = k8s.ResourceV1Api(kube_api).list_namespaced_resource_claim_template(kube_namespace).items
+    assert [t.metadata.name.startswith("elastic-gpu-dra-half-") for t in templates] == [True]
+    core = client.CoreV1Api(kube_api)
+    assert pod_names(core, kube_namespace) == []
+    assert runtime.allocator.slices() == []

@@ -96,6 +96,8 @@ _clients: dict[str, client.ApiClient] = {}
 _informers: dict[tuple[str, str], PodInformer] = {}
 _agent_informers: dict[tuple[str, str], Informer] = {}
 _ensured_namespaces: set[tuple[str, str]] = set()
+#: (kubeconfig, namespace, kind, name) of the DRA objects created (or found) by this process.
+_ensured_side_objects: set[tuple[str, str, str, str]] = set()
 
 
 def api_client(kubeconfig: str) -> client.ApiClient:
@@ -152,6 +154,7 @@ def stop_shared_informers() -> None:
     _informers.clear()
     _agent_informers.clear()
     _ensured_namespaces.clear()
+    _ensured_side_objects.clear()
 
 
 def pod_failure(pod: Any, events: list[Any] | None = None) -> str:
@@ -619,8 +622,36 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         mark_launched(self.runtime, self.kernel_id, "pod running")
         return info
 
+    async def _ensure_side_objects(self) -> None:
+        """Create what the size's pod refers to besides itself (a DRA size's ResourceClaimTemplate,
+        or its shared ResourceClaim), once per namespace: named after their content, so an existing
+        one is the same object and a changed size gets a new name."""
+        if self._granted is None:
+            return
+        fragment = render_pod_fragment(self.runtime.profile(self._granted.profile), self.kernel_id)
+        for side in fragment.side_objects:
+            key = (self.kubeconfig, self.namespace, side["kind"], side["metadata"]["name"])
+            if key in _ensured_side_objects:
+                continue
+            resource: Any = client.ResourceV1Api(api_client(self.kubeconfig))  # plain dict manifests
+            create = (
+                resource.create_namespaced_resource_claim_template
+                if side["kind"] == "ResourceClaimTemplate"
+                else resource.create_namespaced_resource_claim
+            )
+            try:
+                await asyncio.to_thread(create, self.namespace, side)
+            except client.ApiException as exc:
+                if exc.status != 409:  # 409: made already (by us, earlier, or another server)
+                    raise RuntimeError(
+                        f"could not create {side['kind']} {side['metadata']['name']} in {self.namespace} "
+                        f"for GPU size {self._granted.profile}: {exc.status} {exc.reason}"
+                    ) from None
+            _ensured_side_objects.add(key)
+
     async def _launch(self, cmd: list[str]) -> KernelConnectionInfo:
         core = self.core
+        await self._ensure_side_objects()
         # Secret, pod, then the Secret's owner: the pod must find its Secret at once (a kubelet
         # retries a missing Secret volume with back-off, seconds per start), and the Secret must
         # die with the pod. Three API calls per start.
