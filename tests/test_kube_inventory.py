@@ -151,7 +151,7 @@ def test_inventory_reflects_whole_hami_and_mig_nodes(cluster: Cluster) -> None:
     assert alloc.allocate("s", runtime.profile("small")).device_uuids[0].startswith(f"{hami}/")
 
 
-def test_cordoned_and_deleted_nodes_take_their_gpus_and_slices_away(cluster: Cluster) -> None:
+def test_cordoned_nodes_close_their_gpus_and_deleted_ones_take_their_slices_away(cluster: Cluster) -> None:
     alloc = cluster.runtime.allocator
     a = cluster.add("a", gpus=1, labels=GFD)
     b = cluster.add("b", gpus=1, labels=GFD)
@@ -160,22 +160,27 @@ def test_cordoned_and_deleted_nodes_take_their_gpus_and_slices_away(cluster: Clu
     on_a = alloc.allocate("k-a", cluster.runtime.profile("one"))
     assert on_a.device_uuids == (f"{a}/gpu-0",)
 
+    def closed(uuid: str) -> Callable[[GpuInventory], bool]:
+        return lambda inventory: any(d.uuid == uuid and d.closed for d in inventory)
+
     cluster.core.patch_node(a, {"spec": {"unschedulable": True}})  # kubectl cordon
-    cluster.wait(has(f"{b}/gpu-0"), "the cordoned node's GPU to leave")
-    cluster.wait_lost("k-a")
-    assert alloc.slice_of("k-a") is None
+    cluster.wait(closed(f"{a}/gpu-0"), "the cordoned node's GPU to close")
+    assert alloc.slice_of("k-a") is not None  # its kernel runs on: cordoning stops new pods only
     on_b = alloc.allocate("k-b", cluster.runtime.profile("one"))
     assert on_b.device_uuids == (f"{b}/gpu-0",)
+    assert not alloc.fits(cluster.runtime.profile("one"))  # a is closed, b is full
 
     cluster.core.delete_node(b)
-    cluster.wait(has(), "the deleted node's GPU to leave")
+    cluster.wait(has(f"{a}/gpu-0"), "the deleted node's GPU to leave")
     cluster.wait_lost("k-b")
-    assert alloc.slices() == [] and not cluster.runtime.gpus_available
+    assert [s.kernel_id for s in alloc.slices()] == ["k-a"]
+    alloc.release("k-a")  # its kernel ended: a is empty now, and still closed
+    assert not alloc.fits(cluster.runtime.profile("one"))
 
-    cluster.core.patch_node(a, {"spec": {"unschedulable": False}})  # uncordon: back, and empty
-    cluster.wait(has(f"{a}/gpu-0"), "the uncordoned node's GPU to come back")
-    assert alloc.fits(cluster.runtime.profile("one"))
-    assert [s.kernel_id for s in cluster.lost] == ["k-a", "k-b"]
+    cluster.core.patch_node(a, {"spec": {"unschedulable": False}})  # uncordon: open again
+    cluster.wait(lambda inventory: not closed(f"{a}/gpu-0")(inventory), "the uncordoned node's GPU to open")
+    assert alloc.allocate("k-a2", cluster.runtime.profile("one")).device_uuids == (f"{a}/gpu-0",)
+    assert [s.kernel_id for s in cluster.lost] == ["k-b"]
 
 
 def test_a_node_joining_makes_a_bigger_size_fit(cluster: Cluster) -> None:

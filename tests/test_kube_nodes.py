@@ -50,11 +50,15 @@ def test_without_the_memory_label_a_gpu_has_unknown_memory() -> None:
 
 
 @pytest.mark.parametrize(
-    ("change", "why"),
-    [({"unschedulable": True}, "cordoned"), ({"ready": "False"}, "NotReady"), ({"ready": "Unknown"}, "lost")],
+    ("change", "why"), [({"ready": "False"}, "NotReady"), ({"ready": "Unknown"}, "lost")]
 )
-def test_nodes_that_take_no_pods_contribute_nothing(change: dict[str, Any], why: str) -> None:
+def test_nodes_that_are_not_ready_contribute_nothing(change: dict[str, Any], why: str) -> None:
     assert node_devices(node("n1", {"nvidia.com/gpu": "4"}, labels=GFD, **change)) == (), why
+
+
+def test_a_cordoned_node_keeps_its_devices_closed() -> None:
+    devices = node_devices(node("n1", {"nvidia.com/gpu": "2"}, labels=GFD, unschedulable=True))
+    assert [(d.uuid, d.closed) for d in devices] == [("n1/gpu-0", True), ("n1/gpu-1", True)]
 
 
 def test_time_slicing_replicas_count_physical_gpus() -> None:

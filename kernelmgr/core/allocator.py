@@ -291,10 +291,10 @@ class SliceAllocator:
 
     def _eligible_devices(self, profile: GpuProfile) -> list[GpuDevice]:
         """The devices ``profile`` may be placed on (its resource asked once, not per device)."""
-        inventory = self.inventory  # one snapshot
+        inventory = [d for d in self.inventory if not d.closed]  # one snapshot; closed take nothing new
         wanted = self.profile_resource(profile) if self.profile_resource is not None else None
         if wanted is None:
-            return list(inventory)
+            return inventory
         return [d for d in inventory if not d.resource or d.resource == wanted]
 
     def _choose_locked(self, profile: GpuProfile) -> list[Placement] | None:

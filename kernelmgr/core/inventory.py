@@ -27,7 +27,8 @@ class GpuDevice:
     ``resource`` names what hands the device out on that platform (the Kubernetes extended
     resource, e.g. ``nvidia.com/gpu`` or ``nvidia.com/mig-1g.10gb``); empty means "any size may
     be placed here". An ``exclusive`` device holds at most one slice, whatever its size, and
-    that slice takes all of it: a MIG instance is handed to one pod whole.
+    that slice takes all of it: a MIG instance is handed to one pod whole. A ``closed`` device
+    takes no new slice but keeps the ones it has: its node is cordoned, and the kernels there run on.
     """
 
     uuid: str
@@ -37,6 +38,7 @@ class GpuDevice:
     node: str = ""
     resource: str = ""
     exclusive: bool = False
+    closed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -47,6 +49,7 @@ class GpuDevice:
             "node": self.node,
             "resource": self.resource,
             "exclusive": self.exclusive,
+            "closed": self.closed,
         }
 
 

@@ -6,8 +6,9 @@ resources (what the device plugins advertise; it does not go down as pods use it
 :class:`~kernelmgr.core.inventory.GpuDevice` records by :func:`node_devices`, and
 :class:`NodeInventorySync` keeps the allocator's inventory equal to the union of those records.
 
-What a node contributes (nothing at all while it is cordoned, ``spec.unschedulable``, or its
-``Ready`` condition is not ``True``):
+What a node contributes (nothing at all while its ``Ready`` condition is not ``True``; while it is
+cordoned, ``spec.unschedulable``, its devices are ``closed``: no new slice goes there, and the
+kernels already there keep theirs, since cordoning stops new pods, not running ones):
 
 * **Whole GPUs / time-slicing / MPS** (NVIDIA device plugin): ``nvidia.com/gpu: N`` gives
   ``N / replicas`` devices ``<node>/gpu-<i>`` (``nvidia.com/gpu.replicas`` is the time-slicing
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -86,12 +88,7 @@ def node_name(node: Any) -> str:
 
 def node_schedulable(node: Any) -> bool:
     """Not cordoned, and its ``Ready`` condition is ``True``."""
-    if _field(_field(node, "spec"), "unschedulable"):
-        return False
-    for condition in _field(_field(node, "status"), "conditions") or ():
-        if _field(condition, "type") == "Ready":
-            return _field(condition, "status") == "True"
-    return False
+    return not _field(_field(node, "spec"), "unschedulable") and node_ready(node)
 
 
 def slim_node(node: Any) -> Any:
@@ -117,11 +114,27 @@ def _count(value: Any) -> int:
         return 0
 
 
+def node_ready(node: Any) -> bool:
+    """Its ``Ready`` condition is ``True`` (cordoned or not)."""
+    for condition in _field(_field(node, "status"), "conditions") or ():
+        if _field(condition, "type") == "Ready":
+            return _field(condition, "status") == "True"
+    return False
+
+
 def node_devices(node: Any) -> tuple[GpuDevice, ...]:
-    """The GPU devices ``node`` contributes (see the module docstring); ``()`` if it is not schedulable."""
+    """The GPU devices ``node`` contributes (see the module docstring): ``()`` if it is not Ready;
+    ``closed`` ones (no new slices, the old ones kept) while it is cordoned."""
     name = node_name(node)
-    if not name or not node_schedulable(node):
+    if not name or not node_ready(node):
         return ()
+    devices = _ready_node_devices(node, name)
+    if _field(_field(node, "spec"), "unschedulable"):
+        return tuple(dataclasses.replace(d, closed=True) for d in devices)
+    return devices
+
+
+def _ready_node_devices(node: Any, name: str) -> tuple[GpuDevice, ...]:
     metadata = _field(node, "metadata")
     labels: Mapping[str, str] = _field(metadata, "labels") or {}
     annotations: Mapping[str, str] = _field(metadata, "annotations") or {}
