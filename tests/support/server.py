@@ -64,14 +64,16 @@ class KernelChannel:
     ``v1.kernel.websocket.jupyter.org`` subprotocol that JupyterLab uses.
     """
 
-    def __init__(self, url: str, kernel_id: str, timeout: float = 60, v1: bool = False) -> None:
+    def __init__(
+        self, url: str, kernel_id: str, timeout: float = 60, v1: bool = False, token: str = TOKEN
+    ) -> None:
         ws_url = url.replace("http://", "ws://") + f"/api/kernels/{kernel_id}/channels"
         self.session = uuid.uuid4().hex
         self.timeout = timeout
         self.v1 = v1
         self.conn = websocket.create_connection(
             f"{ws_url}?session_id={self.session}",
-            header=[f"Authorization: token {TOKEN}"],
+            header=[f"Authorization: token {token}"],
             timeout=timeout,
             subprotocols=[V1_PROTOCOL] if v1 else None,
             # websocket-client's default too, asked for explicitly: the client must never be the
