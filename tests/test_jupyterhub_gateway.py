@@ -67,6 +67,7 @@ def gateway(hub: Hub, method: str, path: str, token: str, **kwargs: Any) -> Any:
 
 def test_kernels_outlive_the_users_server_and_stay_private(tmp_path: Path) -> None:
     with running_hub(tmp_path, quota_users=json.dumps({"bob": {"max_kernels": 1}})) as hub:
+        assert hub.api("GET", f"{hub.gateway_prefix}/api/kernels", "not-a-hub-token").status_code == 403
         alice = hub.login_token("alice")
         bob = hub.login_token("bob")
         hub.start_server("alice", alice)
@@ -137,3 +138,43 @@ def test_kernels_outlive_the_users_server_and_stay_private(tmp_path: Path) -> No
         assert again["kernel"]["id"] == kernel_id
         assert run(hub, "alice", alice, kernel_id, "x + 1") == "42"
         assert gateway(hub, "GET", f"/api/elastic/kernels/{kernel_id}", alice).json()["state"] == "running"
+
+
+def test_gpu_quota_counts_running_kernels_only_and_guards_resumes(tmp_path: Path) -> None:
+    """Hibernated kernels hold no GPU; resuming one takes GPU again, so it must fit the quota."""
+    with running_hub(tmp_path, quota_users=json.dumps({"carol": {"max_gpu": 0.5}}), admins="ada") as hub:
+        carol = hub.login_token("carol")
+        ada = hub.login_token("ada")
+        hub.start_server("carol", carol)
+        small = open_session(hub, "carol", carol, "small.ipynb", sized_spec(hub, "carol", carol, "small"))
+        small_id = small["kernel"]["id"]
+        assert run(hub, "carol", carol, small_id, "y = 7; y") == "7"
+        medium_spec = sized_spec(hub, "carol", carol, "medium")
+        over = hub.api(
+            "POST",
+            "/user/carol/api/sessions",
+            carol,
+            json={"path": "medium.ipynb", "type": "notebook", "name": "m", "kernel": {"name": medium_spec}},
+        )
+        assert over.status_code == 403, over.text
+        assert "GPU quota reached: your running kernels hold 0.25 of 0.5 GPU" in over.json()["message"]
+
+        assert gateway(hub, "POST", f"/api/elastic/kernels/{small_id}/hibernate", carol).status_code == 200
+        medium = open_session(hub, "carol", carol, "medium.ipynb", medium_spec)  # fits now
+        medium_id = medium["kernel"]["id"]
+        assert run(hub, "carol", carol, medium_id, "z = 1; z") == "1"
+
+        refused = gateway(hub, "POST", f"/api/elastic/kernels/{small_id}/resume", carol)
+        assert refused.status_code == 403, refused.text
+        assert "GPU quota reached" in refused.json()["message"]
+        with KernelChannel(f"{hub.url}/user/carol", small_id, timeout=120, token=carol) as channel:
+            cell = channel.execute("y", timeout=120)  # the next cell's resume is refused the same way
+        assert "GPU quota reached" in cell.error, cell
+        assert gateway(hub, "GET", f"/api/elastic/kernels/{small_id}", carol).json()["state"] == "hibernated"
+
+        # An admin sees every user's kernels; carol frees GPU and her notebook comes back.
+        seen = {k["id"]: k["owner"] for k in gateway(hub, "GET", "/api/elastic/kernels", ada).json()}
+        assert seen == {small_id: "carol", medium_id: "carol"}
+        by_admin = gateway(hub, "POST", f"/api/elastic/kernels/{medium_id}/hibernate", ada)
+        assert by_admin.status_code == 200, by_admin.text
+        assert run(hub, "carol", carol, small_id, "y + 1") == "8"

@@ -114,7 +114,9 @@ class Hub:
 
 
 @contextmanager
-def running_hub(tmp: Path, quota_users: str = "", users: str = "alice,bob,carol") -> Iterator[Hub]:
+def running_hub(
+    tmp: Path, quota_users: str = "", users: str = "alice,bob,carol,ada", admins: str = ""
+) -> Iterator[Hub]:
     proxy = require_proxy()
     state = tmp / "hub-state"
     home = tmp / "jupyter-home"
@@ -129,6 +131,7 @@ def running_hub(tmp: Path, quota_users: str = "", users: str = "alice,bob,carol"
         ELASTIC_HUB_PROXY=proxy,
         ELASTIC_HUB_PASSWORD=PASSWORD,
         ELASTIC_HUB_USERS=users,
+        ELASTIC_HUB_ADMINS=admins,
         ELASTIC_HUB_ALLOW_ROOT="1" if os.geteuid() == 0 else "",
         ELASTIC_QUOTA_USERS=quota_users,
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
