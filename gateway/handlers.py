@@ -66,28 +66,32 @@ class MainKernelHandler(_Guarded, kernel_handlers.MainKernelHandler):
 
     @web.authenticated
     async def post(self) -> None:
-        access = _access(self)
-        if access is None:
-            await super().post()  # type: ignore[misc]
-            return
-        model = self.get_json_body() or {}
+        """Start a kernel of the user's, within their quota (``env`` from GatewayClient is ignored)."""
+        try:
+            model = self.get_json_body() or {}
+        except web.HTTPError:
+            raise http_error(400, 'the body must be JSON, e.g. {"name": "<kernelspec>"}') from None
         if not isinstance(model, dict):
             raise http_error(400, 'the body must be a JSON object such as {"name": "<kernelspec>"}')
         if model.get("kernel_id") is not None:
             raise http_error(400, "kernel_id cannot be chosen when starting a kernel at the gateway")
-        name = model.get("name") or self.kernel_manager.default_kernel_name
-        if not isinstance(name, str):
-            raise http_error(400, "name must be a kernelspec name (a string)")
-        owner = self.current_user.username
         km: Any = self.kernel_manager
-        token = requesting_owner.set(owner)
-        try:
-            with access.reserve_start(owner, _profile_of(self, name)):
-                kernel_id: str = await km.start_kernel(kernel_name=name)
-                if access.runtime.kernels.get(kernel_id) is None:
-                    access.started_by[kernel_id] = owner  # a kernel without a GPU size
-        finally:
-            requesting_owner.reset(token)
+        name = model.get("name") or km.default_kernel_name
+        if not isinstance(name, str):
+            raise http_error(400, "name must be a kernelspec name (a string); list them at /api/kernelspecs")
+        access = _access(self)
+        if access is None:  # single-tenant: the server's own user owns every kernel
+            kernel_id: str = await km.start_kernel(kernel_name=name)
+        else:
+            owner = self.current_user.username
+            token = requesting_owner.set(owner)
+            try:
+                with access.reserve_start(owner, _profile_of(self, name)):
+                    kernel_id = await km.start_kernel(kernel_name=name)
+                    if access.runtime.kernels.get(kernel_id) is None:
+                        access.started_by[kernel_id] = owner  # a kernel without a GPU size
+            finally:
+                requesting_owner.reset(token)
         model = await ensure_async(km.kernel_model(kernel_id))
         self.set_header("Location", self.base_url.rstrip("/") + f"/api/kernels/{kernel_id}")
         self.set_status(201)
