@@ -13,6 +13,7 @@ It takes the same configuration file as ``jupyter server`` with the extension (`
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -26,6 +27,8 @@ from kernelmgr.core.errors import ConfigError
 from kernelmgr.server.ownership import SETTINGS_KEY
 
 CONFIG_ERROR_EXIT = 2
+#: Where JupyterHub puts a service's API token (current and legacy names).
+HUB_SECRET_VARIABLES = ("JUPYTERHUB_API_TOKEN", "JPY_API_TOKEN")
 
 
 class ElasticGatewayApp(ServerApp):
@@ -86,6 +89,7 @@ class ElasticGatewayApp(ServerApp):
         except ConfigError as exc:
             self.log.critical("elastic-gateway: invalid configuration: %s", exc.message)
             sys.exit(CONFIG_ERROR_EXIT)
+        _keep_hub_token_from_kernels(identity)
         access = GatewayAccess(
             km,
             runtime,
@@ -98,6 +102,14 @@ class ElasticGatewayApp(ServerApp):
         if km.hibernator is not None:
             km.hibernator.admission = access.resume_refusal
         self.log.info("elastic-gateway: JupyterHub users own their kernels; quotas %s", quotas)
+
+
+def _keep_hub_token_from_kernels(identity: HubIdentityProvider) -> None:
+    """The Hub gives this service its API token in the environment, which local kernels inherit:
+    read it into the Hub client, then take it out, so no user's kernel holds the gateway's token."""
+    if identity.hub_auth.api_token:
+        for name in HUB_SECRET_VARIABLES:
+            os.environ.pop(name, None)
 
 
 main = ElasticGatewayApp.launch_instance

@@ -77,6 +77,9 @@ def test_kernels_outlive_the_users_server_and_stay_private(tmp_path: Path) -> No
         session = open_session(hub, "alice", alice, NOTEBOOK, sized_spec(hub, "alice", alice, "small"))
         kernel_id = session["kernel"]["id"]
         assert run(hub, "alice", alice, kernel_id, "x = 41; x") == "41"
+        # Neither the gateway's Hub token nor alice's server token reaches her kernel.
+        seen = run(hub, "alice", alice, kernel_id, "import os; sorted(k for k in os.environ if 'TOKEN' in k)")
+        assert seen == "[]", seen
 
         model = gateway(hub, "GET", f"/api/elastic/kernels/{kernel_id}", alice).json()
         assert model["owner"] == "alice" and model["profile"] == "small"
