@@ -10,9 +10,16 @@ from __future__ import annotations
 
 import threading
 import time
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from kernelmgr.core.lifecycle import KernelState, Lifecycle
+
+#: The user a kernel being started belongs to, set by a shared gateway's start handler for the
+#: duration of the start (asyncio copies it into the tasks the start creates); ``None``: the
+#: server's own user. Read where the kernel is registered, so its checkpoints, keys and
+#: namespace follow from it.
+requesting_owner: ContextVar[str | None] = ContextVar("requesting_owner", default=None)
 
 
 @dataclass

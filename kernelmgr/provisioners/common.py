@@ -13,7 +13,7 @@ from typing import Any
 
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.allocator import Slice
-from kernelmgr.core.kernels import ManagedKernel
+from kernelmgr.core.kernels import ManagedKernel, requesting_owner
 from kernelmgr.core.lifecycle import KernelState
 
 AGENT_EXTENSION = "kernelmgr.checkpoint.agent"
@@ -55,7 +55,8 @@ def claim_slice(
     A size that does not fit raises here; a new kernel is then marked dead and forgotten, while a
     resume keeps its record and checkpoint (the hibernator decides what a failed resume means).
     """
-    record = runtime.kernels.register(kernel_id, kernelspec_name, profile_name, runtime.owner)
+    owner = requesting_owner.get() or runtime.owner  # a gateway starts kernels for many users
+    record = runtime.kernels.register(kernel_id, kernelspec_name, profile_name, owner)
     resuming = record.state is KernelState.RESUMING
     if not resuming and record.state is not KernelState.STARTING:
         record.lifecycle.move(KernelState.STARTING, "launch")

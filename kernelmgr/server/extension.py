@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from jupyter_server.extension.application import ExtensionApp
+from jupyter_server.gateway.gateway_client import GatewayClient
 from tornado import ioloop
 from traitlets import TraitError
 
@@ -27,7 +28,7 @@ from kernelmgr.server.background import BackgroundCheckpoints
 from kernelmgr.server.cluster_activity import ClusterGpuSampler, start_cluster_sampler
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.events import LifecycleEvents
-from kernelmgr.server.handlers import elastic_handlers
+from kernelmgr.server.handlers import elastic_handlers, gateway_mode_handlers
 from kernelmgr.server.hibernation import KUBERNETES_PROVISIONER, Hibernator
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
@@ -48,10 +49,23 @@ class ElasticKernelsExtension(ExtensionApp):
     runtime: ElasticRuntime | None = None
     background: BackgroundCheckpoints | None = None
     node_sync: Any = None
+    #: The server runs its kernels at a gateway (``GatewayClient.url``): the kernels, their GPU
+    #: slices and their culling are the gateway's, and this extension stays out of the way.
+    kernels_at_gateway = False
 
     def _link_jupyter_server_extension(self, serverapp: Any) -> None:
         """Install the elastic managers; linking runs before the ServerApp creates its managers."""
         super()._link_jupyter_server_extension(serverapp)
+        # The ServerApp makes this same singleton from the same config a moment later.
+        gateway_client = GatewayClient.instance(parent=serverapp)
+        if gateway_client.gateway_enabled:
+            self.kernels_at_gateway = True
+            self.log.info(
+                "jupyter-elastic-kernels: kernels run at the gateway %s; GPU sizes, hibernation and "
+                "culling are the gateway's (set gateway.singleuser's managers in this server)",
+                gateway_client.url,
+            )
+            return
         for trait, ours in (
             ("kernel_manager_class", ElasticMappingKernelManager),
             ("kernel_spec_manager_class", ElasticKernelSpecManager),
@@ -65,6 +79,8 @@ class ElasticKernelsExtension(ExtensionApp):
             setattr(serverapp, trait, ours)
 
     def initialize_settings(self) -> None:
+        if self.kernels_at_gateway:
+            return
         try:
             runtime = ElasticKernels(parent=self.serverapp, log=self.log).build()
             policy = CullPolicy(parent=self.serverapp, log=self.log).build(list(runtime.profiles))
@@ -143,7 +159,10 @@ class ElasticKernelsExtension(ExtensionApp):
         reaper.start()
 
     def initialize_handlers(self) -> None:
-        self.handlers.extend(elastic_handlers())
+        if self.kernels_at_gateway:
+            self.handlers.extend(gateway_mode_handlers())
+        else:
+            self.handlers.extend(elastic_handlers())
 
     async def stop_extension(self) -> None:
         """Server stop: the culler stops first, letting running hibernations finish.

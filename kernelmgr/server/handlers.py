@@ -20,6 +20,7 @@ from kernelmgr.server.errors import http_error
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import gpus_model, profiles_model
+from kernelmgr.server.ownership import access_of
 
 AUTH_RESOURCE = "kernels"
 _KERNEL_ID = r"(?P<kernel_id>[\w-]+)"
@@ -48,6 +49,13 @@ class ElasticHandler(APIHandler):
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(payload))
 
+    async def prepare(self) -> None:  # type: ignore[override]
+        """Another user's kernel id answers 404 on every path, as an unknown id does."""
+        await super().prepare()
+        kernel_id = self.path_kwargs.get("kernel_id")
+        if kernel_id and self.current_user and not access_of(self.settings).may_access(self, kernel_id):
+            raise http_error(404, f"no kernel with id {kernel_id!r}; list kernels at /api/elastic/kernels")
+
 
 class ProfilesHandler(ElasticHandler):
     @web.authenticated
@@ -69,7 +77,9 @@ class KernelsHandler(ElasticHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.write_json(self.elastic_kernel_manager.elastic_models())
+        access = access_of(self.settings)
+        models = self.elastic_kernel_manager.elastic_models()
+        self.write_json([model for model in models if access.may_access(self, model["id"])])
 
 
 class KernelHandler(ElasticHandler):
@@ -155,6 +165,36 @@ class SessionsPreflightHandler(SessionRootHandler):
         delegated = super().post()
         if delegated is not None:
             await delegated
+
+
+class GatewaySessionsHandler(SessionRootHandler):
+    """``POST /api/sessions`` in a server whose kernels run at a gateway: the gateway's 4xx stays.
+
+    jupyter_server answers 500 for any error while starting a session's kernel; a gateway that
+    refuses a start (over quota, a GPU size not offered) answers 403 or 409 with a message for the
+    user, and the notebook should show that message with that status, not a server error.
+    """
+
+    @web.authenticated
+    @authorized
+    async def post(self) -> None:
+        try:
+            delegated = super().post()
+            if delegated is not None:
+                await delegated
+        except web.HTTPError as err:
+            cause = err.__cause__
+            if err.status_code == 500 and isinstance(cause, web.HTTPError) and 400 <= cause.status_code < 500:
+                # GatewayClient's error: "Error from Gateway: [<message>] <reason>..." with the
+                # gateway's own JSON message as the first argument.
+                message = str(cause.args[0]) if cause.args else str(cause.log_message)
+                raise http_error(cause.status_code, message) from None
+            raise
+
+
+def gateway_mode_handlers() -> list[tuple[str, type[APIHandler]]]:
+    """What the extension serves in a server whose kernels run at a gateway."""
+    return [(r"/api/sessions", GatewaySessionsHandler)]
 
 
 def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:

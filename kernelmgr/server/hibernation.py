@@ -35,6 +35,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from jupyter_core.utils import ensure_async
@@ -291,6 +292,10 @@ class Hibernator:
         self.lost_notes: dict[str, str] = {}
         #: Kernels that ran in pods when the previous server stopped, until adoption decides.
         self.deferred: dict[str, KernelRecord] = {}
+        #: Asked before a hibernated kernel takes a GPU slice again: (owner, GPU size) -> why
+        #: not, or ``None``. A shared gateway checks its users' GPU quotas here, so a resume
+        #: (the API's or the next cell's) cannot exceed what a new start may hold.
+        self.admission: Callable[[str, str | None], str | None] | None = None
         runtime.kernel_lost = self._kernel_lost
 
     # -- queries -------------------------------------------------------------------------
@@ -516,6 +521,10 @@ class Hibernator:
         if state in (KernelState.STARTING, KernelState.DEAD):
             raise HibernationError(f"kernel {kernel_id} is {state.value}; nothing to resume")
         record = self.runtime.kernels.get(kernel_id)
+        if self.admission is not None and record is not None and state is KernelState.HIBERNATED:
+            refused = self.admission(record.owner, record.profile)
+            if refused is not None:
+                raise HibernationError(refused, status=403)
         km: Any = self.mkm.get_kernel(kernel_id) if kernel_id in self.mkm else None
         began = time.time()
         lost_note = self.lost_notes.get(kernel_id)

@@ -64,14 +64,16 @@ class KernelChannel:
     ``v1.kernel.websocket.jupyter.org`` subprotocol that JupyterLab uses.
     """
 
-    def __init__(self, url: str, kernel_id: str, timeout: float = 60, v1: bool = False) -> None:
+    def __init__(
+        self, url: str, kernel_id: str, timeout: float = 60, v1: bool = False, token: str = TOKEN
+    ) -> None:
         ws_url = url.replace("http://", "ws://") + f"/api/kernels/{kernel_id}/channels"
         self.session = uuid.uuid4().hex
         self.timeout = timeout
         self.v1 = v1
         self.conn = websocket.create_connection(
             f"{ws_url}?session_id={self.session}",
-            header=[f"Authorization: token {TOKEN}"],
+            header=[f"Authorization: token {token}"],
             timeout=timeout,
             subprotocols=[V1_PROTOCOL] if v1 else None,
             # websocket-client's default too, asked for explicitly: the client must never be the
@@ -266,8 +268,9 @@ def launch(
     config: dict[str, Any],
     extra_args: list[str] | None = None,
     env_extra: dict[str, str] | None = None,
+    app_module: str = "jupyter_server",
 ) -> tuple[subprocess.Popen[bytes], Path, str, dict[str, str]]:
-    """Start the server process; returns it without waiting for it to be ready."""
+    """Start the server process (or ``app_module``'s, e.g. the gateway); don't wait for it."""
     (home / "config").mkdir(parents=True, exist_ok=True)
     full = {"ServerApp": {"jpserver_extensions": {"kernelmgr": True}}}
     for section, values in config.items():
@@ -278,10 +281,16 @@ def launch(
     log_path = home / f"server-{port}.log"
     env = isolated_env(home)
     env.update(env_extra or {})
+    config_arg = (
+        []
+        if app_module == "jupyter_server"
+        else [f"--config={home / 'config' / 'jupyter_server_config.json'}"]
+    )
     cmd = [
         sys.executable,
         "-m",
-        "jupyter_server",
+        app_module,
+        *config_arg,
         "--allow-root",
         "--no-browser",
         f"--port={port}",
@@ -300,9 +309,10 @@ def start_server(
     config: dict[str, Any],
     extra_args: list[str] | None = None,
     env_extra: dict[str, str] | None = None,
+    app_module: str = "jupyter_server",
 ) -> RunningServer:
     """Start the server and wait until ``/api/status`` answers."""
-    proc, log_path, url, env = launch(home, config, extra_args, env_extra)
+    proc, log_path, url, env = launch(home, config, extra_args, env_extra, app_module)
     server = RunningServer(url=url, process=proc, home=home, log_path=log_path, env=env)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

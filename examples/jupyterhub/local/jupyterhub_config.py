@@ -1,0 +1,100 @@
+"""A real JupyterHub on one machine whose users' kernels run at the shared elastic gateway.
+
+    jupyterhub -f examples/jupyterhub/local/jupyterhub_config.py
+
+- configurable-http-proxy from npm (``npm install -g configurable-http-proxy``, or set
+  ELASTIC_HUB_PROXY to its path);
+- a test authenticator (any user in ELASTIC_HUB_USERS, one shared password from
+  ELASTIC_HUB_PASSWORD) and local-process single-user servers: for a demo, not for production;
+- the gateway (``jupyter-elastic-gateway``) as a Hub-managed service named ``elastic-gateway``,
+  configured by ``jupyter_elastic_gateway_config.py`` beside this file;
+- single-user servers pointed at the gateway with their own Hub token, running the project's
+  gateway-aware managers, and keeping their notebook-to-kernel sessions in the user's home, so a
+  notebook gets its kernel back after the user's server was stopped.
+
+Everything the Hub, the gateway and the users write goes under ELASTIC_HUB_STATE (default
+``./elastic-hub-state``). Run as root (containers, CI)? Jupyter servers refuse root unless told:
+set ELASTIC_HUB_ALLOW_ROOT=1 to pass ``--allow-root`` to the single-user servers and the gateway.
+"""
+
+import os
+import sys
+
+c = get_config()  # noqa: F821 - provided by traitlets when it loads this file
+
+here = os.path.dirname(os.path.abspath(__file__))
+state = os.path.abspath(os.environ.get("ELASTIC_HUB_STATE", "elastic-hub-state"))
+os.makedirs(state, exist_ok=True)
+hub_port = int(os.environ.get("ELASTIC_HUB_PORT", "8000"))
+gateway_port = int(os.environ.get("ELASTIC_GATEWAY_PORT", "8899"))
+allow_root = os.environ.get("ELASTIC_HUB_ALLOW_ROOT") == "1"
+root_flag = ["--allow-root"] if allow_root else []
+
+# -- the Hub ----------------------------------------------------------------------------------
+c.JupyterHub.bind_url = f"http://127.0.0.1:{hub_port}"
+hub_api_port = int(os.environ.get("ELASTIC_HUB_API_PORT", "8081"))
+proxy_api_port = int(os.environ.get("ELASTIC_HUB_PROXY_API_PORT", "8001"))
+c.JupyterHub.hub_bind_url = f"http://127.0.0.1:{hub_api_port}"
+c.JupyterHub.db_url = f"sqlite:///{state}/jupyterhub.sqlite"
+c.JupyterHub.cookie_secret_file = os.path.join(state, "jupyterhub_cookie_secret")
+c.ConfigurableHTTPProxy.pid_file = os.path.join(state, "proxy.pid")
+c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{proxy_api_port}"
+if os.environ.get("ELASTIC_HUB_PROXY"):
+    c.ConfigurableHTTPProxy.command = [os.environ["ELASTIC_HUB_PROXY"]]
+
+c.JupyterHub.authenticator_class = "dummy"
+c.DummyAuthenticator.password = os.environ.get("ELASTIC_HUB_PASSWORD", "elastic-demo")
+c.Authenticator.allowed_users = set(os.environ.get("ELASTIC_HUB_USERS", "alice,bob").split(","))
+c.Authenticator.admin_users = set(filter(None, os.environ.get("ELASTIC_HUB_ADMINS", "").split(",")))
+
+# Users may reach the gateway service; their servers' tokens get that scope too.
+GATEWAY = "elastic-gateway"
+c.JupyterHub.extra_user_scopes = {f"access:services!service={GATEWAY}", "read:users:groups!user"}
+c.Spawner.server_token_scopes = [
+    "users:activity!user",
+    "access:servers!server",
+    f"access:services!service={GATEWAY}",
+    "read:users:groups!user",
+]
+
+# -- the gateway, as a Hub-managed service ----------------------------------------------------
+gateway_prefix = f"/services/{GATEWAY}/"
+c.JupyterHub.services = [
+    {
+        "name": GATEWAY,
+        "url": f"http://127.0.0.1:{gateway_port}",
+        "command": [
+            sys.executable,
+            "-m",
+            "gateway.app",
+            f"--config={os.path.join(here, 'jupyter_elastic_gateway_config.py')}",
+            f"--ServerApp.port={gateway_port}",
+            f"--ServerApp.base_url={gateway_prefix}",
+            *root_flag,
+        ],
+        # A Hub-managed service sees only the environment given here.
+        "environment": {
+            "ELASTIC_HUB_STATE": state,
+            "ELASTIC_QUOTA_USERS": os.environ.get("ELASTIC_QUOTA_USERS", ""),
+        },
+    }
+]
+
+# -- single-user servers: kernels at the gateway ----------------------------------------------
+c.JupyterHub.spawner_class = "simple"  # local processes as the Hub's own OS user (demo only)
+c.SimpleLocalProcessSpawner.home_dir_template = os.path.join(state, "home", "{username}")
+c.Spawner.default_url = "/api/status"
+c.Spawner.environment = {
+    # The server's own Hub token authenticates it (and its user) at the gateway.
+    "JUPYTER_GATEWAY_URL": f"http://127.0.0.1:{gateway_port}{gateway_prefix}",
+    "JUPYTER_GATEWAY_AUTH_TOKEN": lambda spawner: spawner.api_token,
+}
+c.Spawner.args = [
+    "--ServerApp.kernel_manager_class=gateway.singleuser.ElasticGatewayMappingKernelManager",
+    "--ServerApp.session_manager_class=gateway.singleuser.ElasticGatewaySessionManager",
+    # In the user's home: the notebook keeps its kernel across server restarts.
+    "--SessionManager.database_filepath=.jupyter-elastic-sessions.db",
+    # The gateway's cull policy decides about idle kernels, not the user's server.
+    "--MappingKernelManager.cull_idle_timeout=0",
+    *root_flag,
+]

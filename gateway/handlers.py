@@ -1,0 +1,171 @@
+"""``/api/kernels`` and ``/api/kernelspecs`` for many users: jupyter_server's handlers, guarded.
+
+The gateway serves jupyter_server's own kernel and kernelspec handlers (what ``GatewayClient``
+speaks), each behind the same rule: a kernel id of another user answers 404, lists hold only the
+user's kernels and the GPU sizes offered to them, and a start over quota answers 403 saying
+which limit and what is held. Loaded as an ``extra_services`` module in place of the
+``kernels`` and ``kernelspecs`` services.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jupyter_server.kernelspecs.handlers import KernelSpecResourceHandler
+from jupyter_server.services.kernels import handlers as kernel_handlers
+from jupyter_server.services.kernels.websocket import KernelWebsocketHandler
+from jupyter_server.services.kernelspecs import handlers as spec_handlers
+from jupyter_server.utils import ensure_async
+from tornado import web
+
+from gateway.access import GatewayAccess
+from kernelmgr.core.kernels import requesting_owner
+from kernelmgr.server.errors import http_error
+from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
+from kernelmgr.server.ownership import SETTINGS_KEY
+
+
+def _access(handler: Any) -> GatewayAccess | None:
+    access = handler.settings.get(SETTINGS_KEY)
+    return access if isinstance(access, GatewayAccess) else None
+
+
+def _not_found(kernel_id: str) -> web.HTTPError:
+    return http_error(404, f"no kernel with id {kernel_id!r}")
+
+
+def _profile_of(handler: Any, kernel_name: str) -> str | None:
+    ksm = handler.kernel_spec_manager
+    if not isinstance(ksm, ElasticKernelSpecManager):
+        return None
+    try:
+        return ksm.profile_of(kernel_name)
+    except Exception:  # unknown kernelspec: the start itself answers 404 with the list
+        return None
+
+
+class _Guarded:
+    """Mixin: 404 for a kernel id the user may not see, before any method runs."""
+
+    def check_kernel_access(self: Any) -> None:
+        kernel_id = self.path_kwargs.get("kernel_id")
+        access = _access(self)
+        if kernel_id and access is not None and self.current_user and not access.may_access(self, kernel_id):
+            raise _not_found(kernel_id)
+
+
+class MainKernelHandler(_Guarded, kernel_handlers.MainKernelHandler):
+    @web.authenticated
+    async def get(self) -> None:
+        access = _access(self)
+        kernels = await ensure_async(self.kernel_manager.list_kernels())
+        if access is not None:
+            kernels = [k for k in kernels if access.may_access(self, k["id"])]
+        self.finish(json.dumps(kernels, default=kernel_handlers.json_default))
+
+    @web.authenticated
+    async def post(self) -> None:
+        """Start a kernel of the user's, within their quota (``env`` from GatewayClient is ignored)."""
+        try:
+            model = self.get_json_body() or {}
+        except web.HTTPError:
+            raise http_error(400, 'the body must be JSON, e.g. {"name": "<kernelspec>"}') from None
+        if not isinstance(model, dict):
+            raise http_error(400, 'the body must be a JSON object such as {"name": "<kernelspec>"}')
+        if model.get("kernel_id") is not None:
+            raise http_error(400, "kernel_id cannot be chosen when starting a kernel at the gateway")
+        km: Any = self.kernel_manager
+        name = model.get("name") or km.default_kernel_name
+        if not isinstance(name, str):
+            raise http_error(400, "name must be a kernelspec name (a string); list them at /api/kernelspecs")
+        access = _access(self)
+        if access is None:  # single-tenant: the server's own user owns every kernel
+            kernel_id: str = await km.start_kernel(kernel_name=name)
+        else:
+            owner = self.current_user.username
+            token = requesting_owner.set(owner)
+            try:
+                with access.reserve_start(owner, _profile_of(self, name)):
+                    kernel_id = await km.start_kernel(kernel_name=name)
+                    if access.runtime.kernels.get(kernel_id) is None:
+                        access.started_by[kernel_id] = owner  # a kernel without a GPU size
+            finally:
+                requesting_owner.reset(token)
+        model = await ensure_async(km.kernel_model(kernel_id))
+        self.set_header("Location", self.base_url.rstrip("/") + f"/api/kernels/{kernel_id}")
+        self.set_status(201)
+        self.finish(json.dumps(model, default=kernel_handlers.json_default))
+
+
+class KernelHandler(_Guarded, kernel_handlers.KernelHandler):
+    async def prepare(self) -> None:  # type: ignore[override]
+        await super().prepare()
+        self.check_kernel_access()
+
+    @web.authenticated
+    async def delete(self, kernel_id: str) -> None:
+        await super().delete(kernel_id)  # type: ignore[misc]
+        access = _access(self)
+        if access is not None:
+            access.forget(kernel_id)
+
+
+class KernelActionHandler(_Guarded, kernel_handlers.KernelActionHandler):
+    async def prepare(self) -> None:  # type: ignore[override]
+        await super().prepare()
+        self.check_kernel_access()
+
+
+class GuardedKernelWebsocketHandler(_Guarded, KernelWebsocketHandler):
+    async def pre_get(self) -> None:
+        await super().pre_get()
+        self.check_kernel_access()
+
+
+class MainKernelSpecHandler(spec_handlers.MainKernelSpecHandler):
+    """The kernelspec list, holding only the GPU sizes offered to the user."""
+
+    def finish(self, chunk: Any = None) -> Any:
+        access = _access(self)
+        if access is not None and isinstance(chunk, str) and self.get_status() == 200 and self.current_user:
+            model = json.loads(chunk)
+            limits = access.limits_for(self.current_user.username)
+            model["kernelspecs"] = {
+                name: spec
+                for name, spec in model.get("kernelspecs", {}).items()
+                if limits.allows_profile(_spec_profile(spec))
+            }
+            chunk = json.dumps(model)
+        return super().finish(chunk)
+
+
+class KernelSpecHandler(spec_handlers.KernelSpecHandler):
+    async def prepare(self) -> None:  # type: ignore[override]
+        await super().prepare()
+        access = _access(self)
+        name = self.path_kwargs.get("kernel_name")
+        if access is not None and name and self.current_user:
+            profile = _profile_of(self, name)
+            if not access.limits_for(self.current_user.username).allows_profile(profile):
+                raise http_error(404, f"no kernelspec named {name!r} is offered to you")
+
+
+def _spec_profile(spec: dict[str, Any]) -> str | None:
+    elastic = ((spec.get("spec") or {}).get("metadata") or {}).get("elastic") or {}
+    profile = elastic.get("profile")
+    return str(profile) if profile else None
+
+
+_KERNEL = kernel_handlers._kernel_id_regex
+_ACTION = kernel_handlers._kernel_action_regex
+
+default_handlers = [
+    (r"/api/kernels", MainKernelHandler),
+    (rf"/api/kernels/{_KERNEL}", KernelHandler),
+    (rf"/api/kernels/{_KERNEL}/{_ACTION}", KernelActionHandler),
+    (rf"/api/kernels/{_KERNEL}/channels", GuardedKernelWebsocketHandler),
+    (r"/api/kernelspecs", MainKernelSpecHandler),
+    (rf"/api/kernelspecs/{spec_handlers.kernel_name_regex}", KernelSpecHandler),
+    (rf"/kernelspecs/{spec_handlers.kernel_name_regex}/(?P<path>.*)", KernelSpecResourceHandler),
+]

@@ -1,0 +1,89 @@
+"""The single-user server's side of a shared gateway: kernels that outlive the user's server.
+
+Set in a JupyterHub single-user server (or any jupyter_server) that runs its kernels at the
+gateway::
+
+    c.ServerApp.kernel_manager_class = "gateway.singleuser.ElasticGatewayMappingKernelManager"
+    c.ServerApp.session_manager_class = "gateway.singleuser.ElasticGatewaySessionManager"
+    c.SessionManager.database_filepath = "/home/<user>/.jupyter/elastic-sessions.db"
+
+jupyter_server's stock gateway managers only know the kernels this process started: after the
+user's server restarts, the first ``GET /api/sessions`` takes every remote kernel for culled and
+deletes its session, so the notebook would get a new, empty kernel. And a stopping server shuts
+down every kernel it knows, so the kernels would not outlive it. These two classes fix both:
+
+- a kernel id the gateway still has (running or hibernated) is adopted on first sight, so the
+  notebook's persisted session keeps its kernel and the next cell resumes it;
+- a stopping server leaves its kernels at the gateway, where the admin's cull policy
+  hibernates them (``shutdown_kernels_on_stop`` restores the stock behaviour).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jupyter_server.gateway.gateway_client import gateway_request
+from jupyter_server.gateway.managers import GatewayMappingKernelManager, GatewaySessionManager
+from jupyter_server.utils import url_path_join
+from tornado import web
+from tornado.escape import json_decode, url_escape
+from traitlets import Bool
+
+
+class ElasticGatewayMappingKernelManager(GatewayMappingKernelManager):
+    """Knows every kernel the gateway holds for this user, not only those this process started."""
+
+    shutdown_kernels_on_stop = Bool(
+        False,
+        config=True,
+        help="""Shut the user's gateway kernels down when this server stops. Off: they stay at the
+        gateway (and are hibernated by its cull policy), and come back when the user does.""",
+    )
+
+    async def adopt(self, kernel_id: str) -> bool:
+        """Track a kernel the gateway has for this user; ``False`` if the gateway does not have it."""
+        if kernel_id in self._kernels:
+            return True
+        url = url_path_join(self.kernels_url, url_escape(str(kernel_id)))
+        try:
+            response = await gateway_request(url, method="GET")
+        except web.HTTPError as err:
+            if err.status_code == 404:
+                return False
+            raise
+        model = json_decode(response.body)
+        km = self.kernel_manager_factory(parent=self, log=self.log)
+        await km.start_kernel(kernel_id=kernel_id)  # with an id: refreshes the model, starts nothing
+        km.kernel = model
+        self._kernels[kernel_id] = km
+        self.log.info("Kernel %s at the gateway adopted (%s)", kernel_id, model.get("execution_state"))
+        return True
+
+    async def list_kernels(self, **kwargs: Any) -> list[dict[str, Any]]:
+        """The gateway's list is this user's kernels: adopt those this process does not know yet."""
+        response = await gateway_request(self.kernels_url, method="GET")
+        for model in json_decode(response.body):
+            if model["id"] not in self._kernels:
+                await self.adopt(model["id"])
+        models: list[dict[str, Any]] = await super().list_kernels(**kwargs)
+        return models
+
+    async def shutdown_all(self, now: bool = False) -> None:  # type: ignore[override]
+        if self.shutdown_kernels_on_stop:
+            await super().shutdown_all(now=now)
+            return
+        if self._kernels:
+            self.log.info("Leaving %d kernel(s) at the gateway: they outlive this server", len(self._kernels))
+        self._kernels.clear()
+
+
+class ElasticGatewaySessionManager(GatewaySessionManager):
+    """A session's kernel counts as culled only when the gateway no longer has it."""
+
+    async def kernel_culled(self, kernel_id: str) -> bool:
+        km = self.kernel_manager
+        if kernel_id in km:
+            return False
+        if isinstance(km, ElasticGatewayMappingKernelManager):
+            return not await km.adopt(kernel_id)
+        return bool(await super().kernel_culled(kernel_id))

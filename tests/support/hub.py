@@ -1,0 +1,179 @@
+"""A real JupyterHub (with configurable-http-proxy) running the project's local example.
+
+Started as a subprocess with ``examples/jupyterhub/local/jupyterhub_config.py`` exactly as the
+example's README runs it, on free ports, with its state in a temporary folder. Users log in
+through the Hub's login form (the test authenticator) and get API tokens from the Hub's REST
+API, as a person with a browser would.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.support.server import free_port, isolated_env
+
+REPO = Path(__file__).resolve().parents[2]
+HUB_CONFIG = REPO / "examples" / "jupyterhub" / "local" / "jupyterhub_config.py"
+PASSWORD = "elastic-test-password"
+CHP_CACHE = Path.home() / ".cache" / "jupyter-elastic-kernels" / "chp" / "node_modules" / ".bin"
+
+
+def proxy_command() -> str | None:
+    """configurable-http-proxy: ELASTIC_HUB_PROXY, the project's cache (.ci/run), or PATH."""
+    for candidate in (os.environ.get("ELASTIC_HUB_PROXY"), str(CHP_CACHE / "configurable-http-proxy")):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which("configurable-http-proxy")
+
+
+def require_proxy() -> str:
+    found = proxy_command()
+    if found is None:
+        message = (
+            "configurable-http-proxy is not installed (npm install configurable-http-proxy; .ci/run does)"
+        )
+        if os.environ.get("ELASTIC_REQUIRE_JUPYTERHUB"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return found
+
+
+@dataclass
+class Hub:
+    url: str
+    gateway_prefix: str
+    state: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def api(self, method: str, path: str, token: str, **kwargs: Any) -> requests.Response:
+        return requests.request(
+            method, f"{self.url}{path}", headers={"Authorization": f"token {token}"}, timeout=60, **kwargs
+        )
+
+    def login_token(self, user: str) -> str:
+        """Log in through the Hub's form, then ask the Hub for an API token for this user."""
+        session = requests.Session()
+        page = session.get(f"{self.url}/hub/login", timeout=30)
+        xsrf = session.cookies.get("_xsrf") or re.search(r'name="_xsrf" value="([^"]+)"', page.text).group(1)
+        done = session.post(
+            f"{self.url}/hub/login?next=",
+            data={"username": user, "password": PASSWORD, "_xsrf": xsrf},
+            timeout=30,
+            allow_redirects=False,
+        )
+        assert done.status_code in (302, 303), f"login of {user} failed: {done.status_code} {done.text[:300]}"
+        made = session.post(
+            f"{self.url}/hub/api/users/{user}/tokens",
+            json={"note": "elastic test"},
+            headers={"X-XSRFToken": session.cookies.get("_xsrf") or xsrf},
+            timeout=30,
+        )
+        assert made.status_code == 201, made.text
+        return str(made.json()["token"])
+
+    def start_server(self, user: str, token: str, timeout: float = 90) -> None:
+        started = self.api("POST", f"/hub/api/users/{user}/server", token)
+        assert started.status_code in (201, 202, 400), started.text  # 400: already running
+        self._wait_server(user, token, ready=True, timeout=timeout)
+
+    def stop_server(self, user: str, token: str, timeout: float = 90) -> None:
+        stopped = self.api("DELETE", f"/hub/api/users/{user}/server", token)
+        assert stopped.status_code in (202, 204), stopped.text
+        self._wait_server(user, token, ready=False, timeout=timeout)
+
+    def _wait_server(self, user: str, token: str, ready: bool, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            model = self.api("GET", f"/hub/api/users/{user}", token).json()
+            server = (model.get("servers") or {}).get("")
+            if ready and server and server.get("ready"):
+                return
+            if not ready and not server:
+                return
+            time.sleep(0.5)
+        raise AssertionError(
+            f"{user}'s server did not become {'ready' if ready else 'stopped'}:\n{self.log()[-4000:]}"
+        )
+
+
+@contextmanager
+def running_hub(
+    tmp: Path, quota_users: str = "", users: str = "alice,bob,carol,ada", admins: str = ""
+) -> Iterator[Hub]:
+    proxy = require_proxy()
+    state = tmp / "hub-state"
+    home = tmp / "jupyter-home"
+    env = isolated_env(home)
+    hub_port, api_port, proxy_api_port, gateway_port = (free_port() for _ in range(4))
+    env.update(
+        ELASTIC_HUB_STATE=str(state),
+        ELASTIC_HUB_PORT=str(hub_port),
+        ELASTIC_HUB_API_PORT=str(api_port),
+        ELASTIC_HUB_PROXY_API_PORT=str(proxy_api_port),
+        ELASTIC_GATEWAY_PORT=str(gateway_port),
+        ELASTIC_HUB_PROXY=proxy,
+        ELASTIC_HUB_PASSWORD=PASSWORD,
+        ELASTIC_HUB_USERS=users,
+        ELASTIC_HUB_ADMINS=admins,
+        ELASTIC_HUB_ALLOW_ROOT="1" if os.geteuid() == 0 else "",
+        ELASTIC_QUOTA_USERS=quota_users,
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+    )
+    env.pop("JUPYTERHUB_API_TOKEN", None)
+    log_path = tmp / "hub.log"
+    tmp.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyterhub", "-f", str(HUB_CONFIG)],
+            cwd=tmp,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    hub = Hub(f"http://127.0.0.1:{hub_port}", "/services/elastic-gateway", state, proc, log_path)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"JupyterHub exited:\n{hub.log()[-4000:]}"
+            try:
+                if requests.get(f"{hub.url}/services/elastic-gateway/api/status", timeout=5).status_code in (
+                    200,
+                    403,
+                ):
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"the Hub or its gateway did not come up:\n{hub.log()[-4000:]}")
+        yield hub
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the Hub (it stops its servers, service and proxy), then kill what is left."""
+    if proc.poll() is None:
+        proc.terminate()
+        with suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=60)
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, 9)

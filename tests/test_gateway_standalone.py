@@ -1,0 +1,80 @@
+"""An unmodified jupyter_server runs its notebooks' kernels at the gateway (standalone mode).
+
+The gateway here is single-tenant (one static token, no JupyterHub); the user's server is stock
+jupyter_server with only ``GatewayClient.url`` and ``GatewayClient.auth_token`` set. Its
+notebook's kernel starts at the gateway on a GPU size, keeps its websocket open while the
+gateway hibernates it, and the next cell on that same connection resumes it with its variables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import elastic_config
+from tests.support.server import TOKEN, RunningServer, launch, start_server
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[RunningServer]:
+    running = start_server(
+        tmp_path / "gateway",
+        elastic_config(tmp_path / "checkpoints"),
+        extra_args=["--ElasticGateway.auth=token"],
+        app_module="gateway.app",
+    )
+    yield running
+    running.stop()
+
+
+def test_stock_server_runs_its_kernels_at_the_gateway(tmp_path: Path, gateway: RunningServer) -> None:
+    user = start_server(
+        tmp_path / "user",
+        {},
+        extra_args=[f"--GatewayClient.url={gateway.url}", f"--GatewayClient.auth_token={TOKEN}"],
+    )
+    try:
+        specs = user.get("/api/kernelspecs")["kernelspecs"]
+        small = next(
+            n for n, s in specs.items() if s["spec"]["metadata"].get("elastic", {}).get("profile") == "small"
+        )
+        made = user.request(
+            "POST", "/api/sessions", {"path": "a.ipynb", "type": "notebook", "kernel": {"name": small}}
+        )
+        assert made.status == 201, made
+        kernel_id = made.body["kernel"]["id"]
+        assert [k["id"] for k in gateway.get("/api/kernels")] == [kernel_id]
+
+        with user.channel(kernel_id, timeout=120) as channel:
+            assert channel.execute("x = 41; print(x)").stdout == "41\n"
+            hibernated = gateway.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+            assert hibernated.status == 200 and hibernated.body["state"] == "hibernated", hibernated
+            again = channel.execute("print(x + 1)", timeout=120)  # the same open connection
+        assert again.stdout == "42\n", again
+        assert gateway.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running"
+
+        # The gateway's own API: bad input answers 4xx with a message, never a 500.
+        for body in ([1, 2], {"name": 7}, {"name": "small", "kernel_id": "x"}):
+            bad = gateway.request("POST", "/api/kernels", body)
+            assert bad.status == 400 and bad.body["message"], (body, bad)
+        unknown = gateway.request("POST", "/api/kernels", {"name": "no-such-kernel"})
+        assert unknown.status == 404 and "no kernelspec named" in unknown.body["message"], unknown
+        # No contents or UI at the gateway: kernels only.
+        assert gateway.request("GET", "/api/contents").status == 404
+    finally:
+        user.stop()
+
+
+def test_a_bad_quota_stops_the_gateway_with_one_clear_line(tmp_path: Path) -> None:
+    config = elastic_config(tmp_path / "checkpoints")
+    config["ElasticQuota"] = {"users": {"ann": {"profiles": ["enormous"]}}}
+    proc, log_path, _url, _env = launch(tmp_path / "gateway", config, app_module="gateway.app")
+    assert proc.wait(timeout=60) == 2
+    log = log_path.read_text()
+    assert (
+        "invalid configuration: ElasticQuota.users['ann'].profiles names unknown GPU sizes ['enormous']"
+        in log
+    )
+    assert "Traceback" not in log

@@ -1,0 +1,183 @@
+"""A real JupyterHub, the shared gateway as its service, two users, driven through the Hub's proxy.
+
+JupyterHub (PyPI) with configurable-http-proxy (npm) runs the project's example configuration
+as it is. alice starts her server, opens a notebook session on a GPU size and sets ``x = 41``;
+her kernel is hibernated at the gateway; the Hub stops her server and starts it again; the same
+notebook gets the same kernel id back and ``x + 1`` answers 42. bob cannot list, read,
+hibernate, resume, interrupt, delete or connect to alice's kernel (404 on every path, through
+his own server and at the gateway directly), and a start over his quota is refused with a
+message that names the limit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import websocket
+
+from tests.support.hub import Hub, running_hub
+from tests.support.server import KernelChannel
+
+pytestmark = pytest.mark.timeout(600)
+
+NOTEBOOK = "work/analysis.ipynb"
+
+
+def sized_spec(hub: Hub, user: str, token: str, profile: str) -> str:
+    specs = hub.api("GET", f"/user/{user}/api/kernelspecs", token).json()["kernelspecs"]
+    for name, spec in specs.items():
+        if ((spec["spec"].get("metadata") or {}).get("elastic") or {}).get("profile") == profile:
+            return str(name)
+    raise AssertionError(f"no {profile} kernelspec offered to {user}: {sorted(specs)}")
+
+
+def offered_profiles(hub: Hub, user: str, token: str) -> set[str]:
+    specs = hub.api("GET", f"/user/{user}/api/kernelspecs", token).json()["kernelspecs"]
+    return {
+        ((s["spec"].get("metadata") or {}).get("elastic") or {}).get("profile")
+        for s in specs.values()
+        if ((s["spec"].get("metadata") or {}).get("elastic") or {}).get("profile")
+    }
+
+
+def open_session(hub: Hub, user: str, token: str, path: str, kernel_name: str) -> dict[str, Any]:
+    made = hub.api(
+        "POST",
+        f"/user/{user}/api/sessions",
+        token,
+        json={"path": path, "type": "notebook", "name": path, "kernel": {"name": kernel_name}},
+    )
+    assert made.status_code == 201, made.text
+    return dict(made.json())
+
+
+def run(hub: Hub, user: str, token: str, kernel_id: str, code: str) -> str:
+    with KernelChannel(f"{hub.url}/user/{user}", kernel_id, timeout=120, token=token) as channel:
+        result = channel.execute(code, timeout=120)
+    assert not result.error, result.error
+    return result.displays[-1] if result.displays else result.stdout
+
+
+def gateway(hub: Hub, method: str, path: str, token: str, **kwargs: Any) -> Any:
+    return hub.api(method, f"{hub.gateway_prefix}{path}", token, **kwargs)
+
+
+def test_kernels_outlive_the_users_server_and_stay_private(tmp_path: Path) -> None:
+    with running_hub(tmp_path, quota_users=json.dumps({"bob": {"max_kernels": 1}})) as hub:
+        assert hub.api("GET", f"{hub.gateway_prefix}/api/kernels", "not-a-hub-token").status_code == 403
+        alice = hub.login_token("alice")
+        bob = hub.login_token("bob")
+        hub.start_server("alice", alice)
+
+        # Sizes offered follow the quota: the default offers small and medium, not whole.
+        assert offered_profiles(hub, "alice", alice) == {"small", "medium"}
+        session = open_session(hub, "alice", alice, NOTEBOOK, sized_spec(hub, "alice", alice, "small"))
+        kernel_id = session["kernel"]["id"]
+        assert run(hub, "alice", alice, kernel_id, "x = 41; x") == "41"
+        # Neither the gateway's Hub token nor alice's server token reaches her kernel.
+        seen = run(hub, "alice", alice, kernel_id, "import os; sorted(k for k in os.environ if 'TOKEN' in k)")
+        assert seen == "[]", seen
+
+        model = gateway(hub, "GET", f"/api/elastic/kernels/{kernel_id}", alice).json()
+        assert model["owner"] == "alice" and model["profile"] == "small"
+        hibernated = gateway(hub, "POST", f"/api/elastic/kernels/{kernel_id}/hibernate", alice)
+        assert hibernated.status_code == 200, hibernated.text
+        assert hibernated.json()["state"] == "hibernated"
+
+        # The Hub stops alice's server: her kernel stays at the gateway, hibernated.
+        hub.stop_server("alice", alice)
+        still = gateway(hub, "GET", f"/api/elastic/kernels/{kernel_id}", alice)
+        assert still.status_code == 200 and still.json()["state"] == "hibernated", still.text
+
+        # bob: a server of his own, and alice's kernel is nowhere to be seen.
+        hub.start_server("bob", bob)
+        assert [k["id"] for k in hub.api("GET", "/user/bob/api/kernels", bob).json()] == []
+        assert gateway(hub, "GET", "/api/kernels", bob).json() == []
+        assert gateway(hub, "GET", "/api/elastic/kernels", bob).json() == []
+        for method, path in (
+            ("GET", f"/api/kernels/{kernel_id}"),
+            ("DELETE", f"/api/kernels/{kernel_id}"),
+            ("POST", f"/api/kernels/{kernel_id}/interrupt"),
+            ("POST", f"/api/kernels/{kernel_id}/restart"),
+            ("GET", f"/api/elastic/kernels/{kernel_id}"),
+            ("POST", f"/api/elastic/kernels/{kernel_id}/hibernate"),
+            ("POST", f"/api/elastic/kernels/{kernel_id}/resume"),
+        ):
+            answer = gateway(hub, method, path, bob)
+            assert answer.status_code == 404, f"{method} {path} as bob: {answer.status_code} {answer.text}"
+            assert "message" in answer.json()
+        assert hub.api("GET", f"/user/bob/api/kernels/{kernel_id}", bob).status_code == 404
+        with pytest.raises(websocket.WebSocketBadStatusException) as refused:
+            KernelChannel(f"{hub.url}{hub.gateway_prefix}", kernel_id, timeout=30, token=bob)
+        assert refused.value.status_code == 404
+        with pytest.raises(websocket.WebSocketBadStatusException) as refused_via_server:
+            KernelChannel(f"{hub.url}/user/bob", kernel_id, timeout=30, token=bob)
+        assert refused_via_server.value.status_code == 404
+        # ... and alice's kernel is untouched by all of that.
+        assert gateway(hub, "GET", f"/api/elastic/kernels/{kernel_id}", alice).json()["state"] == "hibernated"
+
+        # bob's quota: one kernel; a second start is refused with the limit and what he holds.
+        bob_spec = sized_spec(hub, "bob", bob, "small")
+        open_session(hub, "bob", bob, "first.ipynb", bob_spec)
+        over = hub.api(
+            "POST",
+            "/user/bob/api/sessions",
+            bob,
+            json={"path": "second.ipynb", "type": "notebook", "name": "second", "kernel": {"name": bob_spec}},
+        )
+        assert over.status_code == 403, over.text
+        assert "kernel quota reached: you have 1 of 1 kernels" in over.json()["message"]
+        whole = gateway(hub, "POST", "/api/kernels", bob, json={"name": bob_spec.replace("small", "whole")})
+        assert whole.status_code in (403, 404), whole.text
+
+        # alice comes back: the same notebook gets the same kernel, which resumes with x.
+        hub.start_server("alice", alice)
+        sessions = hub.api("GET", "/user/alice/api/sessions", alice).json()
+        assert [(s["path"], s["kernel"]["id"]) for s in sessions] == [(NOTEBOOK, kernel_id)]
+        again = open_session(hub, "alice", alice, NOTEBOOK, sized_spec(hub, "alice", alice, "small"))
+        assert again["kernel"]["id"] == kernel_id
+        assert run(hub, "alice", alice, kernel_id, "x + 1") == "42"
+        assert gateway(hub, "GET", f"/api/elastic/kernels/{kernel_id}", alice).json()["state"] == "running"
+
+
+def test_gpu_quota_counts_running_kernels_only_and_guards_resumes(tmp_path: Path) -> None:
+    """Hibernated kernels hold no GPU; resuming one takes GPU again, so it must fit the quota."""
+    with running_hub(tmp_path, quota_users=json.dumps({"carol": {"max_gpu": 0.5}}), admins="ada") as hub:
+        carol = hub.login_token("carol")
+        ada = hub.login_token("ada")
+        hub.start_server("carol", carol)
+        small = open_session(hub, "carol", carol, "small.ipynb", sized_spec(hub, "carol", carol, "small"))
+        small_id = small["kernel"]["id"]
+        assert run(hub, "carol", carol, small_id, "y = 7; y") == "7"
+        medium_spec = sized_spec(hub, "carol", carol, "medium")
+        over = hub.api(
+            "POST",
+            "/user/carol/api/sessions",
+            carol,
+            json={"path": "medium.ipynb", "type": "notebook", "name": "m", "kernel": {"name": medium_spec}},
+        )
+        assert over.status_code == 403, over.text
+        assert "GPU quota reached: your running kernels hold 0.25 of 0.5 GPU" in over.json()["message"]
+
+        assert gateway(hub, "POST", f"/api/elastic/kernels/{small_id}/hibernate", carol).status_code == 200
+        medium = open_session(hub, "carol", carol, "medium.ipynb", medium_spec)  # fits now
+        medium_id = medium["kernel"]["id"]
+        assert run(hub, "carol", carol, medium_id, "z = 1; z") == "1"
+
+        refused = gateway(hub, "POST", f"/api/elastic/kernels/{small_id}/resume", carol)
+        assert refused.status_code == 403, refused.text
+        assert "GPU quota reached" in refused.json()["message"]
+        with KernelChannel(f"{hub.url}/user/carol", small_id, timeout=120, token=carol) as channel:
+            cell = channel.execute("y", timeout=120)  # the next cell's resume is refused the same way
+        assert "GPU quota reached" in cell.error, cell
+        assert gateway(hub, "GET", f"/api/elastic/kernels/{small_id}", carol).json()["state"] == "hibernated"
+
+        # An admin sees every user's kernels; carol frees GPU and her notebook comes back.
+        seen = {k["id"]: k["owner"] for k in gateway(hub, "GET", "/api/elastic/kernels", ada).json()}
+        assert seen == {small_id: "carol", medium_id: "carol"}
+        by_admin = gateway(hub, "POST", f"/api/elastic/kernels/{medium_id}/hibernate", ada)
+        assert by_admin.status_code == 200, by_admin.text
+        assert run(hub, "carol", carol, small_id, "y + 1") == "8"
