@@ -34,6 +34,7 @@ import builtins
 import gc
 import sys
 import types
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,7 +118,15 @@ def _extra_keys(obj: Any) -> Iterator[tuple[str, str, int]]:
 
 
 def _referents(obj: Any) -> Iterable[Any]:
-    """The objects ``obj`` refers to (object arrays are opaque to the gc, so read them)."""
+    """The objects ``obj`` refers to (object arrays are opaque to the gc, so read them).
+
+    A weak reference links to its referent: classes that pickle one dereference it in
+    their ``__getstate__`` (torch's hook handles hold their module's hook dict so), and the
+    restored handle must reach the restored dict, not a copy, to ``remove()`` the hook.
+    """
+    if isinstance(obj, weakref.ref):
+        referent = obj()
+        return [] if referent is None else [referent]
     dtype = getattr(obj, "dtype", None)
     if dtype is not None and getattr(dtype, "hasobject", False) and hasattr(obj, "flat"):
         return list(obj.flat)
