@@ -361,3 +361,40 @@ def test_plotly_express_figures_keep_their_private_attributes(kdir: Path) -> Non
     assert restored.to_plotly_json() == fig.to_plotly_json()
     # px's own API reads the private attribute plain pickling drops (AttributeError then).
     assert px.get_trendline_results(restored) == px.get_trendline_results(fig) == []
+
+
+# --- bokeh ---------------------------------------------------------------------------------
+
+
+def _bokeh_properties(model: Any) -> str:
+    """Every property value of ``model``, models named by id (they are compared one by one)."""
+    values = model.properties_with_values(include_defaults=True)
+    return repr(
+        {k: getattr(v, "id", v) if hasattr(v, "references") else v for k, v in sorted(values.items())}
+    )
+
+
+def test_bokeh_figures_and_renderers_restore_through_bokehs_serialisation(kdir: Path) -> None:
+    require("bokeh")
+    np = require("numpy")
+    from bokeh.models import ColumnDataSource
+    from bokeh.plotting import figure
+
+    source = ColumnDataSource({"x": np.arange(5.0), "y": np.arange(5.0) ** 2})
+    fig = figure(title="loss", width=300)
+    line = fig.line("x", "y", source=source, line_width=3)
+    other = figure(title="other")
+    other.scatter([1, 2], [3, 4])
+    r, report = round_trip(kdir, {"fig": fig, "line": line, "source": source, "other": other})
+    assert report["differs"] == {}
+    assert r["fig"].renderers[0] is r["line"] and r["line"].data_source is r["source"]
+    assert r["fig"].title.text == "loss" and r["line"].glyph.line_width == 3
+    assert np.array_equal(r["source"].data["y"], source.data["y"])
+    originals = {m.id: m for m in (*fig.references(), *other.references())}
+    restored = {m.id: m for m in (*r["fig"].references(), *r["other"].references())}
+    assert originals.keys() == restored.keys()
+    for model_id, model in originals.items():
+        assert _bokeh_properties(restored[model_id]) == _bokeh_properties(model), model_id
+    # Still a working model: a change goes through bokeh's property system.
+    r["source"].data = {"x": [0.0], "y": [1.0]}
+    assert r["line"].data_source.data["y"] == [1.0]

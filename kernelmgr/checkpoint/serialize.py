@@ -298,6 +298,10 @@ class GroupPickler(cloudpickle.Pickler):
             lambda sink: GroupPickler(sink, namespace, _discard_buffer, probing=True)
         )
 
+    def dump(self, obj: Any) -> None:
+        with reducers.one_stream():  # reducers' per-stream state (e.g. bokeh graphs) lives this long
+            super().dump(obj)
+
     def reducer_override(self, obj: Any) -> Any:
         if self._is_namespace_function(obj):
             return _reduce_namespace_function(obj)

@@ -21,9 +21,11 @@ reader imports the reducer module, which then imports the library the object nee
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 Reduce = Callable[[Any, Callable[[Any], Any]], Any]
@@ -32,6 +34,7 @@ Reduce = Callable[[Any, Callable[[Any], Any]], Any]
 LIBRARIES: dict[str, str] = {
     "torch": "kernelmgr.checkpoint.reducers.torch_state",
     "matplotlib": "kernelmgr.checkpoint.reducers.matplotlib_state",
+    "bokeh": "kernelmgr.checkpoint.reducers.bokeh_state",
 }
 
 
@@ -59,3 +62,23 @@ def reducer_for_type(cls: type, cache: dict[type, Reduce | None]) -> Reduce | No
                 break
     cache[cls] = found
     return found
+
+
+_STREAM: ContextVar[dict[str, Any] | None] = ContextVar("elastic_reducer_stream", default=None)
+
+
+@contextlib.contextmanager
+def one_stream() -> Iterator[dict[str, Any]]:
+    """Scope of one pickle stream: reducers keep per-stream state here (see ``stream_state``)."""
+    state: dict[str, Any] = {}
+    token = _STREAM.set(state)
+    try:
+        yield state
+    finally:
+        _STREAM.reset(token)
+
+
+def stream_state() -> dict[str, Any]:
+    """State a reducer keeps for the stream being written (a fresh dict outside one)."""
+    state = _STREAM.get()
+    return state if state is not None else {}
