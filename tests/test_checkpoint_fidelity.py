@@ -7,23 +7,28 @@ Every round trip goes through the real checkpoint writer and reader (``data.bin`
 
 from __future__ import annotations
 
+import os
 import textwrap
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
+from jupyter_client.manager import start_new_kernel
 
 from kernelmgr.checkpoint import fidelity
-from kernelmgr.checkpoint.agent import format_report
+from kernelmgr.checkpoint.agent import CHECKPOINT_CODE, format_report
 from kernelmgr.checkpoint.format import restore_checkpoint, write_checkpoint
 from kernelmgr.checkpoint.integrity import owner_key
+from kernelmgr.checkpoint.store import CheckpointStore
 from kernelmgr.core.manifest import Manifest, VariableRecord
+from tests import test_checkpoint_agent as agent_tests
 from tests.support.libraries import require
 
 OWNER = "alice"
 KERNEL = "3f2a9c1e-0000-4000-8000-00000000f1d0"
 KEY = owner_key(b"f" * 32, OWNER)
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def save(kernel_dir: Path, ns: dict[str, Any], **kwargs: Any) -> Manifest:
@@ -398,3 +403,123 @@ def test_bokeh_figures_and_renderers_restore_through_bokehs_serialisation(kdir: 
     # Still a working model: a change goes through bokeh's property system.
     r["source"].data = {"x": [0.0], "y": [1.0]}
     assert r["line"].data_source.data["y"] == [1.0]
+
+
+# --- ipywidgets ----------------------------------------------------------------------------
+
+
+def test_widgets_come_back_with_their_state_and_model_id(kdir: Path) -> None:
+    widgets = require("ipywidgets")
+    slider = widgets.IntSlider(value=7, min=0, max=10, description="epochs")
+    dropdown = widgets.Dropdown(options=["sgd", "adam"], value="adam")
+    chosen = widgets.SelectMultiple(options=[1, 2, 3], value=[1, 3])
+    box = widgets.VBox([slider, dropdown], layout=widgets.Layout(width="50%"))
+    box.add_class("panel")
+    ns = {"slider": slider, "dropdown": dropdown, "chosen": chosen, "box": box}
+    r, report = round_trip(kdir, ns)
+    assert report["differs"] == {}
+    for name, widget in ns.items():
+        restored = r[name]
+        assert type(restored) is type(widget)
+        assert restored.get_state() == widget.get_state(), name  # every synced trait, as JSON
+        assert restored.model_id == widget.model_id, name  # a frontend's view finds its model again
+    assert r["slider"].value == 7 and r["dropdown"].value == "adam" and r["chosen"].value == (1, 3)
+    assert r["box"].children[0] is r["slider"] and r["box"].layout.width == "50%"
+    r["slider"].value = 9  # a working widget: validation still applies
+    assert r["slider"].value == 9
+    r["slider"].value = 99
+    assert r["slider"].value == 10
+
+
+# --- a real kernel: hibernate (checkpoint) and resume in a new process ------------------------
+
+KERNEL_SESSION = """
+import warnings
+import torch, matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import ipywidgets as widgets
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+x = torch.randn(8, 4)
+model(x[:4]).sum().backward()          # half of an accumulated batch
+fig, ax = plt.subplots()
+(line,) = ax.plot([1, 2, 3])
+slider = widgets.IntSlider(value=3, max=5)
+
+class Summary:
+    def __init__(self, items):
+        self.items = list(items)
+    def __reduce__(self):
+        return (Summary, (self.items[:1],))
+
+summary = Summary([1, 2, 3])
+"""
+
+KERNEL_CHECK = """
+model(x[4:]).sum().backward()
+grad_after = model.weight.grad.clone()
+fig.canvas.draw()
+line.set_ydata([3, 2, 1])
+print("stale", fig.stale, "slider", slider.value, slider.model_id)
+"""
+
+
+def _output(kc: Any, code: str) -> tuple[list[str], list[str]]:
+    texts: list[str] = []
+    shown: list[str] = []
+
+    def hook(message: dict[str, Any]) -> None:
+        content = message["content"]
+        if message["msg_type"] == "stream":
+            texts.append(content["text"])
+        elif message["msg_type"] in ("display_data", "execute_result"):
+            shown.append(content["data"].get("text/plain", ""))
+        elif message["msg_type"] == "error":
+            texts.append("\n".join(content["traceback"]))
+
+    reply = kc.execute_interactive(code, timeout=120, output_hook=hook)
+    assert reply["content"]["status"] == "ok", texts
+    return texts, shown
+
+
+def test_a_real_kernel_resumes_gradients_figures_widgets_and_reports_differences(tmp_path: Path) -> None:
+    for name in ("torch", "matplotlib", "ipywidgets"):
+        require(name)
+    store = CheckpointStore(tmp_path / "checkpoints", agent_tests.SECRET)
+
+    def start(restore: bool) -> Any:
+        env = {**os.environ, **agent_tests.agent_env(store, restore=restore), "PYTHONPATH": str(ROOT)}
+        extension = f"--IPKernelApp.extensions=['{agent_tests.EXTENSION}']"
+        return start_new_kernel(extra_arguments=[extension], env=env)
+
+    km, kc = start(False)
+    try:
+        _output(kc, KERNEL_SESSION)
+        reply = kc.execute_interactive(CHECKPOINT_CODE, silent=True, timeout=120)
+        assert reply["content"]["status"] == "ok", reply["content"]
+        # What the resumed kernel must compute: the same cell, run here without a restore.
+        reference, _ = _output(kc, KERNEL_CHECK)
+        _, grad_reference = _output(kc, "grad_after.tolist()")
+        _, slider_id = _output(kc, "slider.model_id")
+    finally:
+        km.shutdown_kernel(now=True)
+    summary = store.summary(agent_tests.OWNER, agent_tests.KERNEL)
+    assert summary is not None and summary["not_saved"] == [], summary
+
+    km, kc = start(True)
+    try:
+        texts, shown = _output(kc, KERNEL_CHECK)
+        [report] = [text for text in shown if text.startswith("Kernel resumed")]
+        assert "Restored with known differences: summary (.items: list len=3 -> list len=1)." in report
+        assert "Not restored" not in report
+        assert texts == reference == [f"stale True slider 3 {slider_id[0].strip(chr(39))}\n"]
+        _, grad = _output(kc, "grad_after.tolist()")
+        assert grad == grad_reference  # the accumulation went on from the saved gradient
+    finally:
+        km.shutdown_kernel(now=True)
+    written = store.restore_report(agent_tests.OWNER, agent_tests.KERNEL)
+    assert written is not None
+    assert written["differs"] == {"summary": ".items: list len=3 -> list len=1"}

@@ -115,6 +115,10 @@ def describe(obj: Any) -> str:
     tensor = _tensor_like(obj)
     if tensor is not None:
         return _short(f"{name} {tensor}")
+    if isinstance(obj, dict) and len(obj) <= 1000:
+        # Keys that name process-local state (a lock an object creates lazily) are not counted.
+        kept = sum(1 for key in obj if not (isinstance(key, str) and _VOLATILE_NAME.search(key)))
+        return f"{name} len={kept}"
     if isinstance(obj, dict | list | tuple | set | frozenset | deque):
         return f"{name} len={len(obj)}"
     return _short(name)
