@@ -8,6 +8,7 @@ Every round trip goes through the real checkpoint writer and reader (``data.bin`
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 import warnings
 from pathlib import Path
@@ -523,3 +524,39 @@ def test_a_real_kernel_resumes_gradients_figures_widgets_and_reports_differences
     written = store.restore_report(agent_tests.OWNER, agent_tests.KERNEL)
     assert written is not None
     assert written["differs"] == {"summary": ".items: list len=3 -> list len=1"}
+
+
+# --- astropy -------------------------------------------------------------------------------
+
+
+def _wcs_text(wcs: Any) -> str:
+    """astropy's full description of a WCS's parameters, without memory addresses and the
+    capacity allocated for PV/PS cards (``npvmax``/``npsmax``: room, not parameters)."""
+    text = re.sub(r"0x[0-9a-f]+", "0x", str(wcs.wcs))
+    return "\n".join(line for line in text.splitlines() if not re.match(r"\s*np[vs]max:", line))
+
+
+def test_astropy_wcs_keeps_its_cd_matrix(kdir: Path) -> None:
+    require("astropy")
+    np = require("numpy")
+    from astropy.wcs import WCS
+
+    cd_wcs = WCS(naxis=2)
+    cd_wcs.wcs.cd = [[1e-3, 2e-4], [0.0, 1e-3]]
+    cd_wcs.wcs.ctype = ["RA---TAN", "DEC--TAN"]
+    cd_wcs.wcs.crval = [10.0, 20.0]
+    cd_wcs.wcs.crpix = [5.0, 5.0]
+    pc_wcs = WCS(naxis=2)
+    pc_wcs.wcs.pc = [[0.5, 0.1], [0.0, 1.0]]
+    pc_wcs.wcs.cdelt = [2e-3, 1e-3]
+    pc_wcs.wcs.ctype = ["RA---TAN", "DEC--TAN"]
+    r, report = round_trip(kdir, {"cd_wcs": cd_wcs, "pc_wcs": pc_wcs})
+    assert report["differs"] == {}
+    restored = r["cd_wcs"]
+    assert restored.wcs.has_cd() and not restored.wcs.has_pc()
+    assert np.array_equal(restored.wcs.cd, cd_wcs.wcs.cd)
+    assert _wcs_text(restored) == _wcs_text(cd_wcs)
+    assert r["pc_wcs"].wcs.has_pc() and np.array_equal(r["pc_wcs"].wcs.pc, pc_wcs.wcs.pc)
+    pixels = np.array([[1.0, 2.0], [30.0, 40.0]])
+    for name, original in (("cd_wcs", cd_wcs), ("pc_wcs", pc_wcs)):
+        assert np.allclose(r[name].all_pix2world(pixels, 0), original.all_pix2world(pixels, 0)), name

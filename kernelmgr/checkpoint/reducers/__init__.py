@@ -36,6 +36,7 @@ LIBRARIES: dict[str, str] = {
     "matplotlib": "kernelmgr.checkpoint.reducers.matplotlib_state",
     "bokeh": "kernelmgr.checkpoint.reducers.bokeh_state",
     "ipywidgets": "kernelmgr.checkpoint.reducers.ipywidgets_state",
+    "astropy": "kernelmgr.checkpoint.reducers.astropy_state",
 }
 
 
