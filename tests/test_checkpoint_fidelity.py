@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import textwrap
 import warnings
 from pathlib import Path
@@ -367,6 +368,20 @@ def test_plotly_express_figures_keep_their_private_attributes(kdir: Path) -> Non
     assert restored.to_plotly_json() == fig.to_plotly_json()
     # px's own API reads the private attribute plain pickling drops (AttributeError then).
     assert px.get_trendline_results(restored) == px.get_trendline_results(fig) == []
+
+
+def test_plotly_figure_widgets_keep_their_figure(kdir: Path) -> None:
+    go = require("plotly.graph_objects")
+    require("anywidget")
+    widget = go.FigureWidget(go.Bar(y=[1, 3, 2]))
+    widget.update_layout(title="live")
+    r, report = round_trip(kdir, {"widget": widget})
+    assert report["differs"] == {}
+    # anywidget gives each instance a class of its own, under the module's FigureWidget.
+    assert isinstance(r["widget"], sys.modules["plotly.graph_objs._figurewidget"].FigureWidget)
+    assert r["widget"].to_plotly_json() == widget.to_plotly_json()
+    r["widget"].data[0].y = [0, 0, 1]  # still a working figure
+    assert list(r["widget"].data[0].y) == [0, 0, 1]
 
 
 # --- bokeh ---------------------------------------------------------------------------------

@@ -18,10 +18,11 @@ graph, breadth first and bounded (:data:`MAX_ENTRIES` entries, :data:`MAX_DEPTH`
 
 It never reads array contents (a GPU tensor is never touched), so it costs the same for a
 kilobyte and a gigabyte. What it deliberately ignores, because it changes on every restore
-without anything being lost: attributes whose name says *cache*, *lock* or *stale* (a
-"needs redrawing" flag), private attributes below the variable's own, the identity of
-objects (``id``, addresses in ``repr``) and a tensor's device (device moves are reported
-separately). A library reducer may declare more volatile paths (:func:`register_volatile`).
+without anything being lost: attributes whose name says *cache*, *lock*, *stale* (a
+"needs redrawing" flag) or *in_process* (waiting for a frontend), private attributes
+below the variable's own, the identity of objects (``id``, addresses in ``repr``) and a
+tensor's device (device moves are reported separately). More volatile paths per type are
+declared in ``_VOLATILE_PATHS`` or with :func:`register_volatile`.
 
 The comparison (:func:`compare`) names at most three differences, e.g.
 ``.stale_callback: function -> None; .grad missing``. Paths only the restored value has are
@@ -50,7 +51,7 @@ _DESCRIPTION_LIMIT = 80
 MAX_REASONS = 3
 
 #: Attribute names that hold derived or process-local state (ignored).
-_VOLATILE_NAME = re.compile(r"cache|lock|_id$|^_?id_|mutex|thread|stale", re.IGNORECASE)
+_VOLATILE_NAME = re.compile(r"cache|lock|_id$|^_?id_|mutex|thread|stale|in_process", re.IGNORECASE)
 _ATOMS = (bool, int, float, type(None))
 #: ``(type name prefix, path regex)`` pairs registered by library reducers.
 _VOLATILE_PATHS: list[tuple[str, re.Pattern[str]]] = [

@@ -35,6 +35,7 @@ LIBRARIES: dict[str, str] = {
     "torch": "kernelmgr.checkpoint.reducers.torch_state",
     "matplotlib": "kernelmgr.checkpoint.reducers.matplotlib_state",
     "bokeh": "kernelmgr.checkpoint.reducers.bokeh_state",
+    "plotly": "kernelmgr.checkpoint.reducers.plotly_state",
     "ipywidgets": "kernelmgr.checkpoint.reducers.ipywidgets_state",
     "astropy": "kernelmgr.checkpoint.reducers.astropy_state",
 }
