@@ -227,6 +227,28 @@ def test_the_report_text_names_what_differs() -> None:
     assert "Restored with known differences:\n- `b` (.handle missing)" in markdown
 
 
+def test_numpy_views_share_memory_with_their_base_again(kdir: Path) -> None:
+    np = require("numpy")
+    base = np.arange(12.0).reshape(3, 4)  # itself a view of the 1-D arange
+    big = np.arange(1000.0)
+    ns = {"base": base, "rows": base[1:], "t": base.T, "col": base[:, 1], "head": big[:10]}
+    ns["frozen"] = base[2]
+    ns["frozen"].flags.writeable = False
+    expected = {name: array.copy() for name, array in ns.items()}
+    manifest = save(kdir, ns)
+    # The views are saved as windows of the one array that owns the memory: its 96 bytes once.
+    # `head` spans 80 of big's 8000 bytes and no variable holds `big`: a copy, as numpy does.
+    assert [g.names for g in manifest.groups] == [["base", "rows", "t", "col", "frozen"], ["head"]]
+    assert [sum(length for _, length in g.buffers) for g in manifest.groups] == [base.nbytes, 80]
+    r, report = load(kdir)
+    assert report["differs"] == {}
+    for name, array in ns.items():
+        assert np.array_equal(r[name], expected[name]) and r[name].strides == array.strides, name
+        assert r[name].flags.writeable == array.flags.writeable, name
+    r["base"][1, 1] = -1.0
+    assert r["rows"][0, 1] == r["t"][1, 1] == r["col"][1] == -1.0
+
+
 # --- PyTorch -------------------------------------------------------------------------------
 
 

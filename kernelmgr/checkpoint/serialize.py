@@ -299,7 +299,9 @@ class GroupPickler(cloudpickle.Pickler):
         )
 
     def dump(self, obj: Any) -> None:
-        with reducers.one_stream():  # reducers' per-stream state (e.g. bokeh graphs) lives this long
+        with reducers.one_stream() as state:  # reducers' per-stream state (e.g. bokeh graphs)
+            # What the stream saves in any case: the group's variables.
+            state["top"] = list(obj.values()) if isinstance(obj, dict) else []
             super().dump(obj)
 
     def reducer_override(self, obj: Any) -> Any:

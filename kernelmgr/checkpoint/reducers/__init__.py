@@ -32,6 +32,7 @@ Reduce = Callable[[Any, Callable[[Any], Any]], Any]
 
 #: Top-level package -> the module here that reduces its objects.
 LIBRARIES: dict[str, str] = {
+    "numpy": "kernelmgr.checkpoint.reducers.numpy_state",
     "torch": "kernelmgr.checkpoint.reducers.torch_state",
     "matplotlib": "kernelmgr.checkpoint.reducers.matplotlib_state",
     "bokeh": "kernelmgr.checkpoint.reducers.bokeh_state",
