@@ -18,6 +18,9 @@ here instead. Libraries that are not installed are left out of the table.
 
 Run: ``python benchmarks/bench_fidelity.py [--in-process]``. Prints a Markdown table for
 docs/benchmarks.md (a *recomputed* column is left for recomputation, which lands elsewhere).
+
+``--overhead [--repeat 5]`` instead times what this costs a checkpoint: the writer with the
+reducers, the generic rule and the fingerprints on, beside the same writer with them off.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ import argparse
 import importlib.util
 import json
 import pickle
+import statistics
 import sys
 import tempfile
 import textwrap
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -533,10 +538,95 @@ def run_in_kernel() -> list[dict[str, Any]]:
     return list(json.loads(lines[-1]))
 
 
+# --- what fidelity costs a checkpoint -------------------------------------------------------
+
+
+def _overhead_states() -> dict[str, Namespace]:
+    import numpy as np
+
+    states = {
+        "20,000 instances whose __getstate__ drops a dict": notebook(
+            """
+            class Item:
+                def __init__(self, i):
+                    self.i, self._meta = i, {"k": i}
+                def __getstate__(self):
+                    return {"i": self.i}
+            items = [Item(i) for i in range(20000)]
+            """
+        ),
+        "20,000 plain instances": notebook(
+            """
+            class Plain:
+                def __init__(self, i):
+                    self.i, self.meta = i, {"k": i}
+            plains = [Plain(i) for i in range(20000)]
+            """
+        ),
+        "1,000 variables (small dicts)": {f"v{i}": {"a": i, "b": [i, i]} for i in range(1000)},
+        "128 MiB float64 array": {"x": np.random.default_rng(0).random(1 << 24)},
+    }
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(8)])
+        model(torch.randn(4, 512)).sum().backward()
+        optimizer = torch.optim.Adam(model.parameters())
+        optimizer.step()
+        states["model + Adam, 2.1 M parameters with grads"] = {"model": model, "opt": optimizer}
+    return states
+
+
+def _write_once(ns: Namespace, directory: Path) -> float:
+    from kernelmgr.checkpoint.format import write_checkpoint
+
+    names = [k for k in ns if not k.startswith("__")]
+    started = time.perf_counter()
+    write_checkpoint(directory, ns, key=b"b" * 32, owner="b", kernel_id="b", names=names)
+    return time.perf_counter() - started
+
+
+def run_overhead(repeat: int) -> None:
+    """Checkpoint write time with the reducers, generic rule and fingerprints on, beside with
+    them off (the writer's plain cloudpickle path: GroupPickler(carry_dropped=False), no
+    fingerprint). The three modes take turns within each round (medians of ``repeat``)."""
+    from kernelmgr.checkpoint import serialize, writer
+
+    def plain_pickler(*args: Any, **kwargs: Any) -> Any:
+        return serialize.GroupPickler(*args, **{**kwargs, "carry_dropped": False})
+
+    def no_fingerprint(value: Any) -> None:
+        return None
+
+    modes = ("plain", "fingerprints", "all")
+    print_header(["state", "plain (s)", "+ fingerprints (s)", "+ reducers, generic rule (s)", "ratio"])
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, ns in _overhead_states().items():
+            times: dict[str, list[float]] = {mode: [] for mode in modes}
+            for round_ in range(repeat):
+                for mode in modes[round_ % 3 :] + modes[: round_ % 3]:
+                    pickler, fingerprint = writer.GroupPickler, writer.fingerprint_unless_plain
+                    if mode != "all":
+                        writer.GroupPickler = plain_pickler  # type: ignore[assignment,misc]
+                    if mode == "plain":
+                        writer.fingerprint_unless_plain = no_fingerprint  # type: ignore[assignment]
+                    try:
+                        times[mode].append(_write_once(ns, Path(tmp) / f"{len(times[mode])}-{mode}"))
+                    finally:
+                        writer.GroupPickler, writer.fingerprint_unless_plain = pickler, fingerprint  # type: ignore[misc]
+            medians = [statistics.median(times[mode]) for mode in modes]
+            print_row([label, *(f"{t:.3f}" for t in medians), f"{medians[2] / medians[0]:.2f}×"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--in-process", action="store_true", help="run here, not in a fresh ipykernel")
+    parser.add_argument("--overhead", action="store_true", help="time what fidelity costs a checkpoint")
+    parser.add_argument("--repeat", type=int, default=5, help="rounds per overhead measurement (median)")
     args = parser.parse_args()
+    if args.overhead:
+        run_overhead(args.repeat)
+        return
     rows = run_cases() if args.in_process else run_in_kernel()
     print_tables(rows)
 

@@ -198,6 +198,31 @@ def fingerprint(obj: Any) -> dict[str, str]:
     return out
 
 
+_PLAIN_ATOMS = (str, bytes, int, float, complex, bool, type(None))
+_PLAIN_CONTAINERS = (list, tuple, dict, set, frozenset)
+#: Strings and bytes up to this size count as plain data.
+PLAIN_TEXT_LIMIT = 64 << 10
+
+
+def plain_data(value: Any, depth: int = 2) -> bool:
+    """Whether ``value`` is atoms, or small builtin containers of them (two levels, 64 items).
+
+    Pickle round-trips such values exactly, so they need no fingerprint, and the generic
+    rule carries them without probing.
+    """
+    if isinstance(value, _PLAIN_ATOMS):
+        return not isinstance(value, str | bytes) or len(value) <= PLAIN_TEXT_LIMIT
+    if depth == 0 or type(value) not in _PLAIN_CONTAINERS or len(value) > 64:
+        return False
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+    return all(plain_data(item, depth - 1) for item in items)
+
+
+def fingerprint_unless_plain(obj: Any) -> dict[str, str] | None:
+    """What the writer records: ``None`` for plain data (nothing to compare), else the fingerprint."""
+    return None if plain_data(obj) else fingerprint(obj)
+
+
 def compare(saved: Mapping[str, str], restored: Mapping[str, str]) -> str | None:
     """Why ``restored`` differs from ``saved`` (at most :data:`MAX_REASONS` paths), or ``None``.
 

@@ -294,6 +294,8 @@ class GroupPickler(cloudpickle.Pickler):
         #: Whether the generic rule or a library reducer changed how something pickles here.
         self.carried = False
         self._reducers: dict[type, reducers.Reduce | None] = {}
+        #: Classes that leave their pickling to ``object``: the generic rule never applies.
+        self._plain_classes: set[type] = set()
         self._probe = generic.probe_with(
             lambda sink: GroupPickler(sink, namespace, _discard_buffer, probing=True)
         )
@@ -335,6 +337,12 @@ class GroupPickler(cloudpickle.Pickler):
     def reduce_keeping_dropped(self, obj: Any) -> tuple[Any, ...] | None:
         """The generic rule (:mod:`~kernelmgr.checkpoint.reducers.generic`) for ``obj``."""
         if not self._carry:
+            return None
+        cls = type(obj)
+        if cls in self._plain_classes:
+            return None
+        if not generic.customises_pickling(cls):
+            self._plain_classes.add(cls)
             return None
         rv = generic.reduce_keeping_dropped(obj, self.dispatch_table, self._probe, PROTOCOL)
         if rv is not None and rv[-1] is generic.apply_carried:

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelmgr.checkpoint.errors import CheckpointFailed
-from kernelmgr.checkpoint.fidelity import fingerprint
+from kernelmgr.checkpoint.fidelity import fingerprint_unless_plain
 from kernelmgr.checkpoint.grouping import DEFAULT_MAX_OBJECTS, VariableGroup, group_variables
 from kernelmgr.checkpoint.integrity import (
     DIGEST_CHUNK,
@@ -474,7 +474,7 @@ def _save_all(
                 "",
                 group=record.id,
                 bytes=record.nbytes,
-                fingerprint=fingerprint(ns[name]),
+                fingerprint=fingerprint_unless_plain(ns[name]),
             )
 
     for group in groups:

@@ -33,6 +33,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from kernelmgr.checkpoint.fidelity import plain_data
+
 #: In-band bytes one carried attribute may take; a probe past it gives up on that attribute.
 PROBE_LIMIT = 64 << 10
 
@@ -185,7 +187,7 @@ def reduce_keeping_dropped(
     if type(attributes) is not dict or not attributes or isinstance(obj, type):
         return None
     if cls in dispatch_table or cls in copyreg.dispatch_table or not customises_pickling(cls):
-        return None
+        return None  # (callers may remember this per class: it depends on the class only)
     rv = obj.__reduce_ex__(protocol)
     if not isinstance(rv, tuple) or not 2 <= len(rv) <= 6:
         return None
@@ -202,7 +204,7 @@ def reduce_keeping_dropped(
             continue  # the library keeps it (a dropped or blanked one reads as None here)
         if id(value) in in_args:
             continue  # rebuilt from the constructor arguments
-        if probe(value):
+        if plain_data(value) or probe(value):
             extras[name] = value
     if not extras:
         return rv
