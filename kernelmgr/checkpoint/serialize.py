@@ -44,6 +44,7 @@ import contextlib
 import ctypes
 import functools
 import importlib
+import logging
 import pickle
 import sys
 import types
@@ -58,6 +59,7 @@ from kernelmgr.checkpoint import reducers
 from kernelmgr.checkpoint.reducers import generic
 
 PROTOCOL = 5
+log = logging.getLogger(__name__)
 _LRU_WRAPPER = type(functools.lru_cache()(lambda: None))
 
 
@@ -324,7 +326,14 @@ class GroupPickler(cloudpickle.Pickler):
             return super().reducer_override(obj)
         reduce = reducers.reducer_for_type(type(obj), self._reducers) if self._carry else None
         if reduce is not None:
-            rv = reduce(obj, self.reduce_keeping_dropped)
+            try:
+                rv = reduce(obj, self.reduce_keeping_dropped)
+            except Exception as exc:
+                # A library version the reducer does not know: that object pickles as it would
+                # without the reducer (and may fail there, with its own reason).
+                module = getattr(reduce, "__module__", "?")
+                log.warning("the %s reducer failed on a %s (%s): pickled as is", module, type(obj), exc)
+                rv = None
             if rv is not None:
                 self.carried = True
                 return rv
