@@ -7,11 +7,14 @@ Every round trip goes through the real checkpoint writer and reader (``data.bin`
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import re
 import sys
 import textwrap
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,29 @@ def notebook(source: str) -> dict[str, Any]:
 @pytest.fixture
 def kdir(tmp_path: Path) -> Path:
     return tmp_path / "alice" / KERNEL
+
+
+@pytest.fixture(autouse=True)
+def finalize_widgets() -> Iterator[None]:
+    """Finalize this test's widgets now, at a safe point.
+
+    Outside a kernel, an original widget and its restored copy share a comm id in one comm
+    registry, so whichever closes second raises ``KeyError`` in ``Widget.__del__``. Left to
+    the garbage collector, that can happen inside any later ``ast.parse`` (pytest rewriting
+    a module it imports), where Python 3.11 formats the ignored exception's traceback with
+    another ``ast.parse`` and aborts the outer one ("AST constructor recursion depth
+    mismatch"). Closing them all here, duplicates included, leaves ``__del__`` nothing to do.
+    """
+    yield
+    widgets = sys.modules.get("ipywidgets")
+    if widgets is None:
+        return
+    for widget in [obj for obj in gc.get_objects() if isinstance(obj, widgets.Widget)]:
+        if widget.comm is not None:
+            with contextlib.suppress(KeyError):  # its id was taken over by its restored copy
+                widget.close()
+            widget.comm = None  # closed either way: nothing left for __del__ to do
+    gc.collect()
 
 
 # --- the generic rule --------------------------------------------------------------------
