@@ -411,6 +411,28 @@ def test_matplotlib_artists_stay_linked_and_redraw(kdir: Path) -> None:
     plt.close("all")
 
 
+def test_matplotlib_3d_collections_redraw_their_figure(kdir: Path) -> None:
+    matplotlib = require("matplotlib")
+    np = require("numpy")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    ax = fig.add_subplot(projection="3d")
+    x, y = np.meshgrid(np.arange(4.0), np.arange(4.0))
+    surface = ax.plot_surface(x, y, x * y)
+    points = ax.scatter([0, 1], [1, 0], [0.5, 0.5])
+    fig.canvas.draw()
+    r, report = round_trip(kdir, {"fig": fig, "surface": surface, "points": points})
+    assert report["differs"] == {}
+    assert r["surface"].axes is r["fig"].axes[0] and r["points"].figure is r["fig"]
+    for artist in (r["surface"], r["points"]):
+        r["fig"].canvas.draw()
+        artist.set_alpha(0.3)
+        assert r["fig"].stale, type(artist).__name__
+    plt.close("all")
+
+
 # --- plotly --------------------------------------------------------------------------------
 
 

@@ -51,7 +51,7 @@ _DESCRIPTION_LIMIT = 80
 MAX_REASONS = 3
 
 #: Attribute names that hold derived or process-local state (ignored).
-_VOLATILE_NAME = re.compile(r"cache|lock|_id$|^_?id_|mutex|thread|stale|in_process", re.IGNORECASE)
+_VOLATILE_NAME = re.compile(r"cache|lock|_id$|^_?id_|mutex|thread|(^|_)stale$|in_process", re.IGNORECASE)
 _ATOMS = (bool, int, float, type(None))
 #: ``(type name prefix, path regex)`` pairs registered by library reducers.
 _VOLATILE_PATHS: list[tuple[str, re.Pattern[str]]] = [
@@ -149,7 +149,9 @@ def _children(obj: Any, attribute_limit: int) -> Iterator[tuple[str, Any]]:
     if not isinstance(attributes, dict) or isinstance(obj, type(sys)):
         return
     count = 0
-    for key in sorted(k for k in attributes if isinstance(k, str)):
+    # Public attributes first: within the entry budget they are what users (and callbacks
+    # such as ``stale_callback``) rely on; private ones fill what is left.
+    for key in sorted((k for k in attributes if isinstance(k, str)), key=lambda k: (k.startswith("_"), k)):
         if _VOLATILE_NAME.search(key) or (key.startswith("_") and attribute_limit < MAX_ENTRIES):
             continue  # below the variable itself, private attributes are the library's business
         value = attributes[key]
