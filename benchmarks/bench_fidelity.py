@@ -6,6 +6,8 @@ as a notebook leaves them), each restored three ways, side by side in one run:
 * **checkpoint**: this project's writer and reader (one checkpoint per case, through
   ``data.bin`` + ``manifest.json``, grouping, reducers, the generic rule), with how many of
   the cases that came back different the restore report flagged (``differs``);
+* the same checkpoint **without reducers** (plain cloudpickle in the same writer, the
+  generic rule off, fingerprints still recorded): what the difference check alone flags;
 * **cloudpickle** and **dill**, each variable pickled and unpickled on its own (what a
   per-variable checkpoint built on either does).
 
@@ -26,6 +28,7 @@ reducers, the generic rule and the fingerprints on, beside the same writer with 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import pickle
@@ -35,7 +38,7 @@ import tempfile
 import textwrap
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -452,6 +455,22 @@ def judge(case: Case, original: Namespace, restored: Namespace | None) -> str:
         return "differs"
 
 
+@contextlib.contextmanager
+def _without_reducers() -> Iterator[None]:
+    """The writer with plain cloudpickle pickling (fingerprints still recorded)."""
+    from kernelmgr.checkpoint import serialize, writer
+
+    def plain_pickler(*args: Any, **kwargs: Any) -> Any:
+        return serialize.GroupPickler(*args, **{**kwargs, "carry_dropped": False})
+
+    saved = writer.GroupPickler
+    writer.GroupPickler = plain_pickler  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        writer.GroupPickler = saved  # type: ignore[misc]
+
+
 def run_cases() -> list[dict[str, Any]]:
     import cloudpickle
 
@@ -470,6 +489,16 @@ def run_cases() -> list[dict[str, Any]]:
                 restored, flagged = None, False
             row["checkpoint"] = judge(case, original, restored)
             row["flagged"] = flagged
+            # The same checkpoint with the reducers and the generic rule off: what the
+            # difference check alone catches of what plain pickling gets wrong.
+            original = case.build()
+            with _without_reducers():
+                try:
+                    restored, flagged = restore_checkpoint_way(original, Path(tmp) / f"{index}-plain")
+                except Exception:
+                    restored, flagged = None, False
+            row["unreduced"] = judge(case, original, restored)
+            row["unreduced_flagged"] = flagged
             original = case.build()
             row["cloudpickle"] = judge(case, original, restore_per_variable(original, cloudpickle.dumps))
             if dill is not None:
@@ -489,28 +518,36 @@ def _counts(rows: list[dict[str, Any]], way: str) -> str:
     return " / ".join(str(results.count(kind)) for kind in ("equal", "differs", "lost"))
 
 
+def _flagged(rows: list[dict[str, Any]], way: str, key: str) -> str:
+    """``flagged of differing`` for one way of checkpointing."""
+    differing = [row for row in rows if row[way] == "differs"]
+    return f"{sum(row[key] for row in differing)} of {len(differing)}" if differing else "—"
+
+
 def print_tables(rows: list[dict[str, Any]]) -> None:
     print("Per library, cases equal / differ / lost:\n")
     print_header(
-        ["library", "cases", "checkpoint", "flagged of differing", "cloudpickle", "dill", "recomputed"]
-    )
+        ["library", "cases", "checkpoint", "flagged", "without reducers", "flagged", "cloudpickle", "dill",
+         "recomputed"]
+    )  # fmt: skip
     libraries = list(dict.fromkeys(row["library"] for row in rows))
     for library in [*libraries, "all"]:
         subset = [row for row in rows if library in ("all", row["library"])]
-        differing = [row for row in subset if row["checkpoint"] == "differs"]
-        flagged = f"{sum(row['flagged'] for row in differing)} of {len(differing)}" if differing else "—"
         name = f"**{library}**" if library == "all" else library
         print_row(
-            [name, str(len(subset)), _counts(subset, "checkpoint"), flagged, _counts(subset, "cloudpickle"),
-             _counts(subset, "dill"), "—"]
+            [name, str(len(subset)), _counts(subset, "checkpoint"), _flagged(subset, "checkpoint", "flagged"),
+             _counts(subset, "unreduced"), _flagged(subset, "unreduced", "unreduced_flagged"),
+             _counts(subset, "cloudpickle"), _counts(subset, "dill"), "—"]
         )  # fmt: skip
     print("\nPer case:\n")
-    print_header(["library", "case", "checkpoint", "cloudpickle", "dill"])
+    print_header(["library", "case", "checkpoint", "without reducers", "cloudpickle", "dill"])
     for row in rows:
         mark = " (flagged)" if row["flagged"] else ""
+        plain_mark = " (flagged)" if row["unreduced_flagged"] else ""
         print_row(
-            [row["library"], row["case"], row["checkpoint"] + mark, row["cloudpickle"], row.get("dill", "—")]
-        )
+            [row["library"], row["case"], row["checkpoint"] + mark, row["unreduced"] + plain_mark,
+             row["cloudpickle"], row.get("dill", "—")]
+        )  # fmt: skip
 
 
 def run_in_kernel() -> list[dict[str, Any]]:
