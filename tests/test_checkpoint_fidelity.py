@@ -248,6 +248,11 @@ def test_fingerprint_describes_structure_not_contents() -> None:
     assert fidelity.compare({"": "list len=3"}, {"": "list len=3", "[0]": "int 1"}) is None
     many = {f".a{i}": "int 1" for i in range(5)}
     assert fidelity.compare(many, {}) == ".a0 missing; .a1 missing; .a2 missing (+2 more)"
+    # A full fingerprint (MAX_ENTRIES) reached depth 2: a missing attribute (depth 1) is gone,
+    # a missing depth-2 entry may just not have been reached.
+    full = {"": "T", **{f".x[k{i}]": "int 1" for i in range(fidelity.MAX_ENTRIES - 1)}}
+    assert fidelity.compare({".gone": "list len=0"}, full) == ".gone missing"
+    assert fidelity.compare({".x[unreached]": "int 1"}, full) is None
 
 
 def test_the_report_text_names_what_differs() -> None:

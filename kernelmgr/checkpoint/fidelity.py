@@ -225,18 +225,29 @@ def fingerprint_unless_plain(obj: Any) -> dict[str, str] | None:
     return None if plain_data(obj) else fingerprint(obj)
 
 
+_SEGMENT = re.compile(r"\.[^.\[]+|\[[^\]]*\]")
+
+
+def _depth(path: str) -> int:
+    """How many levels below the variable ``path`` is (``""`` 0, ``".a"`` 1, ``".a[k]"`` 2)."""
+    return len(_SEGMENT.findall(path))
+
+
 def compare(saved: Mapping[str, str], restored: Mapping[str, str]) -> str | None:
     """Why ``restored`` differs from ``saved`` (at most :data:`MAX_REASONS` paths), or ``None``.
 
-    A path missing from ``restored`` only counts when the restored fingerprint is not cut
-    short by :data:`MAX_ENTRIES` (then it may simply not have been reached).
+    A path missing from ``restored`` counts unless the restored fingerprint was cut short by
+    :data:`MAX_ENTRIES` before reaching that path's level.
     """
     reasons = []
     reported: list[str] = []
-    full = len(restored) < MAX_ENTRIES
+    # Entries are made breadth first: once the restored fingerprint holds a path of depth d,
+    # every path above d was looked at, so one missing there is really gone; below the
+    # deepest level it may just not have been reached within MAX_ENTRIES.
+    reached = MAX_DEPTH if len(restored) < MAX_ENTRIES else max(map(_depth, restored), default=0) - 1
     for path, before in saved.items():
         after = restored.get(path)
-        if after == before or (after is None and not full):
+        if after == before or (after is None and _depth(path) > reached):
             continue
         if any(path.startswith(parent) and path[len(parent)] in ".[" for parent in reported):
             continue  # below a path already named: its own difference says it
