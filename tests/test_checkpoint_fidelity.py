@@ -89,6 +89,17 @@ def finalize_widgets() -> Iterator[None]:
     gc.collect()
 
 
+def test_a_missing_library_skips_here_and_fails_where_ci_requires_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.support import libraries
+
+    monkeypatch.delenv(libraries.REQUIRE_ENV, raising=False)
+    with pytest.raises(pytest.skip.Exception, match="not installed"):
+        require("no_such_library_for_elastic_tests")
+    monkeypatch.setenv(libraries.REQUIRE_ENV, "1")
+    with pytest.raises(pytest.fail.Exception, match="ELASTIC_REQUIRE_LIBRARIES is set"):
+        require("no_such_library_for_elastic_tests")
+
+
 # --- the generic rule --------------------------------------------------------------------
 
 LIBRARY_CLASSES = """
