@@ -248,7 +248,7 @@ class _DataFile:
 class _GroupResult:
     record: GroupRecord | None
     error: BaseException | None
-    carried: bool = False  # the generic rule carried attributes (see _save_all's last try)
+    carried: bool = False  # a library reducer or the generic rule was used (see _save_all's last try)
 
 
 def _save_group(
@@ -487,8 +487,8 @@ def _save_all(
         for name in group.names:
             single = result if len(group.names) == 1 else _save_group(data, ns, [name], len(group_records))
             if single.record is None and single.carried:
-                # Last try without the generic rule's carried attributes (a carried value that
-                # probed fine alone but fails in the stream must not lose the whole variable).
+                # Last try as plain cloudpickle, without library reducers and carried attributes
+                # (one that fails in the stream, or a reducer gone wrong, must not lose the variable).
                 single = _save_group(data, ns, [name], len(group_records), carry_dropped=False)
             if single.record is not None:
                 saved(single.record)
