@@ -264,6 +264,12 @@ def test_fingerprint_describes_structure_not_contents() -> None:
     full = {"": "T", **{f".x[k{i}]": "int 1" for i in range(fidelity.MAX_ENTRIES - 1)}}
     assert fidelity.compare({".gone": "list len=0"}, full) == ".gone missing"
     assert fidelity.compare({".x[unreached]": "int 1"}, full) is None
+    # Huge containers are described by their length, never walked or sorted.
+    assert fidelity.fingerprint({f"k{i}": i for i in range(5000)}) == {"": "dict len=5000"}
+    assert fidelity.fingerprint(list(range(10**6))) == {
+        "": "list len=1000000",
+        **{f"[{i}]": f"int {i}" for i in range(4)},
+    }
 
 
 def test_the_report_text_names_what_differs() -> None:

@@ -44,6 +44,8 @@ MAX_ENTRIES = 64
 MAX_DEPTH = 2
 #: Dict keys / sequence items / attributes looked at per object.
 MAX_CHILDREN = 12
+#: Dicts (and instance dicts) bigger than this are described by length only, never sorted.
+_SORT_LIMIT = 1000
 #: Strings up to this length are described by value.
 SHORT_STR = 24
 _DESCRIPTION_LIMIT = 80
@@ -116,7 +118,7 @@ def describe(obj: Any) -> str:
     tensor = _tensor_like(obj)
     if tensor is not None:
         return _short(f"{name} {tensor}")
-    if isinstance(obj, dict) and len(obj) <= 1000:
+    if isinstance(obj, dict) and len(obj) <= _SORT_LIMIT:
         # Keys that name process-local state (a lock an object creates lazily) are not counted.
         kept = sum(1 for key in obj if not (isinstance(key, str) and _VOLATILE_NAME.search(key)))
         return f"{name} len={kept}"
@@ -132,6 +134,8 @@ def _children(obj: Any, attribute_limit: int) -> Iterator[tuple[str, Any]]:
     if _tensor_like(obj) is not None:
         return
     if isinstance(obj, dict):
+        if len(obj) > _SORT_LIMIT:
+            return  # its length says enough; sorting its keys would cost more than the checkpoint
         keys = sorted((k for k in obj if isinstance(k, str)), key=str)[:MAX_CHILDREN]
         for key in keys:
             if not _VOLATILE_NAME.search(key):
@@ -146,7 +150,7 @@ def _children(obj: Any, attribute_limit: int) -> Iterator[tuple[str, Any]]:
     if callable(obj) and not hasattr(obj, "__dict__"):
         return
     attributes = getattr(obj, "__dict__", None)
-    if not isinstance(attributes, dict) or isinstance(obj, type(sys)):
+    if not isinstance(attributes, dict) or isinstance(obj, type(sys)) or len(attributes) > _SORT_LIMIT:
         return
     count = 0
     # Public attributes first: within the entry budget they are what users (and callbacks
