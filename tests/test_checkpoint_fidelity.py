@@ -81,7 +81,10 @@ def finalize_widgets() -> Iterator[None]:
     widgets = sys.modules.get("ipywidgets")
     if widgets is None:
         return
-    for widget in [obj for obj in gc.get_objects() if isinstance(obj, widgets.Widget)]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on some library objects warns (torch's reduce_op)
+        found = [obj for obj in gc.get_objects() if isinstance(obj, widgets.Widget)]
+    for widget in found:
         if widget.comm is not None:
             with contextlib.suppress(KeyError):  # its id was taken over by its restored copy
                 widget.close()
