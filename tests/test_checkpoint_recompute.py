@@ -17,6 +17,7 @@ import pytest
 
 from kernelmgr.checkpoint import agent
 from kernelmgr.checkpoint.cells import CellRecord, analyze, plan_recompute
+from kernelmgr.checkpoint.layout import read_current
 from kernelmgr.checkpoint.store import CheckpointStore
 from tests.test_checkpoint_agent import (
     CHECKPOINT_CODE,
@@ -233,3 +234,40 @@ def test_replay_is_bounded_by_a_time_limit(
     hibernate_and_resume(store, monkeypatch, again)
     assert "recompute is off" in why_not("off") and report()["recomputed"] == []
     json.dumps(report())
+
+
+def test_a_tampered_cell_record_is_refused_and_never_run(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The record's sources are executed on resume: the manifest's HMAC must cover them."""
+    marker = tmp_path / "pwned"
+    shell = new_shell(monkeypatch, agent_env(store, restore=False))
+    run(shell, "import threading\nlock = threading.Lock()")
+    assert shell.run_cell(CHECKPOINT_CODE, silent=True).success
+    directory = store.kernel_dir(OWNER, KERNEL)
+    manifest_path = directory / read_current(directory) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["cells"][0]["source"] = f"open({str(marker)!r}, 'w')\nimport threading\nlock = threading.Lock()"
+    manifest_path.write_text(json.dumps(manifest))
+    resumed = new_shell(monkeypatch, agent_env(store, restore=True))
+    assert report()["refused"] and "lock" not in resumed.user_ns
+    assert not marker.exists()
+
+
+def test_a_variable_that_fails_to_load_is_recomputed(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shell = new_shell(monkeypatch, agent_env(store, restore=False))
+    run(shell, "calls = []")
+    run(
+        shell,
+        "def fail_on_load():\n    raise RuntimeError('cannot come back')\n"
+        "class Fragile:\n    def __reduce__(self):\n        return (fail_on_load, ())\n",
+    )
+    run(shell, "fragile = Fragile()")
+    resumed = hibernate_and_resume(store, monkeypatch, shell)
+    [item] = report()["recomputed"]
+    assert item["name"] == "fragile" and item["stage"] == "load", item
+    assert "could not be loaded: RuntimeError: cannot come back" in item["reason"]
+    assert type(resumed.user_ns["fragile"]).__name__ == "Fragile"
+    assert report()["not_restored"] == []

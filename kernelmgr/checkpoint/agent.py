@@ -415,7 +415,16 @@ class _Agent:
         plan = plan_recompute(self.cells, missing, report.get("restored", []))
         outcome = replay(plan, self.shell.user_ns, transform=self.shell.transform_cell, limit=limit)
         done = set(outcome.recomputed)
-        report["recomputed"] = [{"name": name, "cells": outcome.cells} for name in outcome.recomputed]
+        missing_items = {item["name"]: item for item in report["not_restored"]}
+        report["recomputed"] = [
+            {
+                "name": name,
+                "cells": outcome.cells,
+                "stage": missing_items[name].get("stage", ""),  # why it was missing: save or load
+                "reason": missing_items[name].get("reason", ""),
+            }
+            for name in outcome.recomputed
+        ]
         report["not_restored"] = [item for item in report["not_restored"] if item["name"] not in done]
         for item in report["not_restored"]:
             item["not_recomputed"] = outcome.not_recomputed.get(item["name"], "not planned")
