@@ -229,8 +229,9 @@ class _Agent:
         shell.events.register("post_run_cell", self._cell_finished)
 
     def _ids(self) -> dict[str, int]:
-        user_ns = self.shell.user_ns
-        return {name: id(user_ns[name]) for name in self.namespace.user_names() if name in user_ns}
+        """``id()`` of every value in the namespace: one dict pass, twice per cell; which names
+        are the user's is decided only for the few that changed (``record_cell``)."""
+        return {name: id(value) for name, value in list(self.shell.user_ns.items())}
 
     def _cell_started(self, info: Any = None) -> None:
         self.busy = True

@@ -32,6 +32,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kernelmgr.checkpoint.namespace import is_machinery
+
 #: Cells kept in the record (oldest dropped first); a long session's record stays small.
 MAX_CELLS = 500
 #: Larger sources are recorded without their text (they cannot be re-run).
@@ -462,8 +464,12 @@ def record_cell(
     a name added, removed or bound to another object was written, whatever the AST says.
     """
     found = analyze(transformed)
-    changed = {name for name in after if before.get(name) != after[name]} | (set(before) - set(after))
-    writes = (found.writes | changed) & (set(after) | set(before))
+    changed = {name for name, _ in after.items() ^ before.items()}  # added, removed or rebound
+    writes = {
+        name
+        for name in (found.writes | changed) & (after.keys() | before.keys())
+        if isinstance(name, str) and not is_machinery(name)
+    }
     unsafe = list(found.unsafe)
     if len(source) > MAX_SOURCE:
         source, unsafe = "", [*unsafe, f"its source is over {MAX_SOURCE // 1024} KiB and was not kept"]
