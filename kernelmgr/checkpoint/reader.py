@@ -215,7 +215,12 @@ def restore_checkpoint(
     context = RestoreContext(namespace, cuda_count=cuda_count)
     restored: list[str] = []
     not_restored = [
-        {"name": v.name, "type": v.type, "reason": f"{v.type.rsplit('.', 1)[-1]}: {v.reason}"}
+        {
+            "name": v.name,
+            "type": v.type,
+            "reason": f"{v.type.rsplit('.', 1)[-1]}: {v.reason}",
+            "stage": "save",
+        }
         for v in manifest.skipped()
     ]
     remapped: list[str] = []
@@ -230,7 +235,9 @@ def restore_checkpoint(
         except Exception as exc:
             reason = f"could not be loaded: {describe_error(exc)}"
             types = {v.name: v.type for v in manifest.variables}
-            not_restored.extend({"name": n, "type": types.get(n, ""), "reason": reason} for n in group.names)
+            not_restored.extend(
+                {"name": n, "type": types.get(n, ""), "reason": reason, "stage": "load"} for n in group.names
+            )
             continue
         finally:
             del pickled, buffers
@@ -252,6 +259,7 @@ def restore_checkpoint(
         "seconds": round(time.perf_counter() - started, 3),
         "remapped": remapped,
         "differs": {name: differs[name] for name in restored if name in differs},
+        "recomputed": [],  # filled by the agent (re-running recorded cells)
         "warnings": _version_warnings(manifest),
         "refused": None,
         "quarantined": None,
@@ -269,6 +277,7 @@ def refused_report(exc: CheckpointRefused, seconds: float = 0.0) -> dict[str, An
         "seconds": round(seconds, 3),
         "remapped": [],
         "differs": {},
+        "recomputed": [],
         "warnings": [],
         "refused": exc.reason,
         "quarantined": str(exc.quarantined) if exc.quarantined is not None else None,
