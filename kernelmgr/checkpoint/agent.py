@@ -375,10 +375,11 @@ class _Agent:
         except OSError as exc:
             self.log.warning("could not write %s: %s", directory / RESTORE_REPORT, exc)
         self.log.info(
-            "restore: %d restored, %d not restored, refused=%s",
+            "restore: %d restored, %d not restored, refused=%s, timings=%s",
             len(report["restored"]),
             len(report["not_restored"]),
             report["refused"],
+            report.get("timings"),
         )
         self.shell.events.register("pre_run_cell", self.show_report)
         self._hook_registered = True
