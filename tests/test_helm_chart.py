@@ -291,6 +291,10 @@ def test_values_reach_the_server_config(tmp_path: Path) -> None:
     assert config["ElasticGateway"] == {"auth": "token", "admin_users": ["ops"], "admin_groups": []}
     assert config["ElasticKernels"]["reap_interval"] == 2
     assert config["ElasticKernels"]["kernel_provisioner"] == "elastic-kubernetes-provisioner"
+    assert "base_url" not in config["ServerApp"]  # a token gateway is not a Hub service
+    hub = server_config(render({"jupyterhub": {"serviceName": "gpu-gateway"}}, tmp_path))
+    assert hub["ServerApp"]["base_url"] == "/services/gpu-gateway/"
+    assert hub["ElasticGateway"]["auth"] == "jupyterhub"
 
 
 # ---- helm install into the real API server; the gateway with the chart's identity

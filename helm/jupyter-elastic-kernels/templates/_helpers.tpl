@@ -70,6 +70,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 a new gateway pod (upgrade, another image's working directory) finds the hibernated kernels. The gateway
 serves no files, so the claim's folder is as good a root as any. */ -}}
 {{- $server := dict "ip" "0.0.0.0" "port" $v.gateway.port "allow_root" false "root_dir" $v.checkpoints.mountPath -}}
+{{- if eq $v.gateway.auth "jupyterhub" }}
+{{- /* A Hub service is served under /services/<name>/ (through the Hub's proxy or directly). */ -}}
+{{- $_ := set $server "base_url" (printf "/services/%s/" $v.jupyterhub.serviceName) -}}
+{{- end }}
 {{- $gateway := dict "auth" $v.gateway.auth "admin_users" $v.gateway.adminUsers "admin_groups" $v.gateway.adminGroups -}}
 {{- $quota := dict "default" $v.quota.default "groups" $v.quota.groups "users" $v.quota.users -}}
 {{- $config := dict
