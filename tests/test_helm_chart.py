@@ -522,3 +522,36 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
         release["core"].read_namespaced_persistent_volume_claim(release["claim"], namespace).metadata.uid
         == claim_uid
     )
+
+
+def test_z2jh_example_points_at_the_charts_gateway(tmp_path: Path) -> None:
+    """examples/jupyterhub/z2jh/values.yaml names the chart's Service, port, Hub service and real classes."""
+    import importlib
+
+    z2jh = yaml.safe_load((ROOT / "examples/jupyterhub/z2jh/values.yaml").read_text())
+    docs = render({}, tmp_path)
+    service = only(docs, "Service")
+    name, port = service["metadata"]["name"], service["spec"]["ports"][0]["port"]
+    config = server_config(docs)
+    (hub_service,) = z2jh["hub"]["services"]
+    assert z2jh["hub"]["services"][hub_service]["url"] == f"http://{name}:{port}"
+    assert config["ServerApp"]["base_url"] == f"/services/{hub_service}/"
+    extra = z2jh["hub"]["extraConfig"]["elastic-gateway"]
+    assert f'"http://{name}:{port}/services/{hub_service}/"' in extra
+    scope = f"access:services!service={hub_service}"
+    assert scope in z2jh["hub"]["config"]["JupyterHub"]["extra_user_scopes"]
+    assert scope in z2jh["hub"]["config"]["KubeSpawner"]["server_token_scopes"]
+    classes = [a.split("=", 1)[1] for a in z2jh["hub"]["config"]["KubeSpawner"]["args"] if "_class=" in a]
+    assert len(classes) == 2
+    for dotted in classes:
+        module, _, cls = dotted.rpartition(".")
+        assert hasattr(importlib.import_module(module), cls), dotted
+    # The example's single-user servers may reach the gateway pods the chart labels.
+    gateway_labels = only(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    (rule,) = z2jh["singleuser"]["networkPolicy"]["egress"]
+    assert rule["to"][0]["podSelector"]["matchLabels"].items() <= gateway_labels.items()
+    assert rule["ports"][0]["port"] == port
+    # Servers are culled after the gateway hibernates their idle kernels, and users are never removed.
+    chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert z2jh["cull"]["timeout"] > chart_values["cull"]["idleTimeout"]
+    assert z2jh["cull"]["users"] is False
