@@ -342,11 +342,9 @@ def release(kube_plane: Any, kube_api: Any, kube_runner: Any, tmp_path: Path) ->
             "launchTimeout": 60,
             "firstPort": 30000 + 5 * (uuid.uuid4().int % 5000),
         },
-        "gpu": {
-            "profiles": {"whole": {"gpu_fraction": 1, "backend": "whole"}},
-            "inventorySource": "declared",
-            "inventory": [{"uuid": "GPU-helm-0000", "name": "Test A100", "memory_mib": 40960}],
-        },
+        # The chart's default inventory source, "kubernetes": the GPUs of the nodes (the runner's one
+        # nvidia.com/gpu), read with the chart's nodes ClusterRole.
+        "gpu": {"profiles": {"whole": {"gpu_fraction": 1, "backend": "whole"}}},
         # The gateway process runs on this machine: the claim's folder is where the runner maps it.
         "checkpoints": {"mountPath": str(checkpoints)},
         "extraConfig": {"ElasticKernels": {"reap_interval": 1}},
@@ -372,7 +370,14 @@ def release(kube_plane: Any, kube_api: Any, kube_runner: Any, tmp_path: Path) ->
         helm("uninstall", RELEASE, "-n", namespace, *kubeconfig, check=False)
         from tests.support import rbac
 
-        rbac.delete(kube_api, [{"kind": "ClusterRole", "metadata": {"name": f"{RELEASE}:kernel-pods"}}])
+        rbac.delete(
+            kube_api,
+            [
+                {"kind": kind, "metadata": {"name": f"{RELEASE}:{name}"}}
+                for kind in ("ClusterRole", "ClusterRoleBinding")
+                for name in ("kernel-pods", "nodes")
+            ],
+        )
         core.delete_namespace(namespace)
         core.delete_persistent_volume(volume)
 
