@@ -485,9 +485,12 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
                 assert result.stdout.strip() == str(42 + n)
                 (pod,) = kernel_pods(release, kernel_id)
                 assert pod.metadata.labels["component"] == "kernel"
-        hibernate(gateway, release, kernel_id)
     finally:
+        # SIGTERM, as Kubernetes stops the old gateway pod on an upgrade: the running idle kernel is
+        # hibernated (checkpoint committed, pod deleted) before the gateway exits.
         gateway.stop()
+    assert gateway.process.returncode == 0, gateway.log()[-3000:]
+    assert kernel_pods(release, kernel_id) == []
 
     # helm upgrade with a changed configuration: the Deployment's pod template changes (the gateway
     # restarts); the claim and the registry on it keep the hibernated kernel.
@@ -560,3 +563,25 @@ def test_z2jh_example_points_at_the_charts_gateway(tmp_path: Path) -> None:
     chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert z2jh["cull"]["timeout"] > chart_values["cull"]["idleTimeout"]
     assert z2jh["cull"]["users"] is False
+
+
+def _leaves(values: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(values, dict) and values:
+        for key, value in values.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    else:
+        yield prefix.rstrip(".")
+
+
+def test_chart_readme_lists_every_value_and_nothing_else() -> None:
+    import re
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    documented = set(re.findall(r"^\| `([A-Za-z.]+)` \|", (CHART / "README.md").read_text(), re.MULTILINE))
+    leaves = set(_leaves(values))
+    undocumented = {
+        leaf for leaf in leaves if not any(leaf == d or leaf.startswith(d + ".") for d in documented)
+    }
+    assert not undocumented, f"values missing from the chart README: {sorted(undocumented)}"
+    stale = {d for d in documented if not any(leaf == d or leaf.startswith(d + ".") for leaf in leaves)}
+    assert not stale, f"the chart README documents values that do not exist: {sorted(stale)}"
