@@ -32,6 +32,7 @@ import yaml
 
 from kernelmgr.backends.kubernetes import render_pod_fragment, validate_backend_options
 from kernelmgr.core.profiles import parse_profiles
+from kernelmgr.kube.namespaces import namespace_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "jupyter-elastic-kernels"
@@ -121,6 +122,7 @@ def test_lint_strict() -> None:
         ({"nodeAgent": {"enabled": "yes"}}, "enabled"),
         ({"gateway": {"replicas": 2}}, "replicas"),
         ({"kernels": {"namespce": "x"}}, "namespce"),
+        ({"kernels": {"namespaceTemplate": "jupyter-{username}"}}, "namespaceTemplate"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(values: dict[str, Any], named: str, tmp_path: Path) -> None:
@@ -151,7 +153,7 @@ BACKEND_PROFILES: dict[str, dict[str, Any]] = {
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     **{f"backend-{b}": {"gpu": {"profiles": {f"{b}-size": p}}} for b, p in BACKEND_PROFILES.items()},
-    "per-user-namespaces": {"kernels": {"namespaceTemplate": "jupyter-{username}", "createNamespaces": True}},
+    "per-user-namespaces": {"kernels": {"namespaceTemplate": "jupyter-{owner}", "createNamespaces": True}},
     "extra-namespaces": {"kernels": {"namespace": "kernels", "extraNamespaces": ["kernels-b"]}},
     "existing-claim": {"checkpoints": {"existingClaim": "team-checkpoints"}},
     "no-agent": {"nodeAgent": {"enabled": False}, "networkPolicy": {"enabled": False}},
@@ -234,7 +236,10 @@ def test_kernel_role_is_exactly_the_shipped_rbac(tmp_path: Path) -> None:
     assert rules(per_user, "nodes") == rules(shipped, "nodes")
     assert rules(per_user, "namespaces") == rules(shipped_namespaces, "namespaces")
     config = server_config(per_user)["ElasticKubernetesProvisioner"]
-    assert config["namespace_template"] == "jupyter-{username}" and config["create_namespace"] is True
+    assert config["namespace_template"] == "jupyter-{owner}" and config["create_namespace"] is True
+    assert namespace_for(config["namespace_template"], "Bob.Smith") == namespace_for(
+        "jupyter-{owner}", "Bob.Smith"
+    )
     assert config["namespace_cluster_role"] == "jupyter-elastic-kernels:kernel-pods"
     # Without per-user namespaces the gateway gets no right to make namespaces or bindings.
     plain = render({}, tmp_path)
