@@ -9,8 +9,10 @@
   chart's ServiceAccount identity (a TokenRequest token) and the ConfigMap as the server stored it, and
   starts, hibernates and resumes a kernel pod run by the node runner: a permission missing from the
   chart fails this test;
-- ``helm upgrade`` with a changed configuration keeps a hibernated kernel (claim and registry survive the
-  gateway's restart), and ``helm uninstall`` keeps the checkpoint claim.
+- per-user namespaces: the gateway, with only the chart's rights, creates the owner's namespace, binds
+  itself the kernel role there and hibernates and resumes a kernel pod in it;
+- ``helm upgrade`` with a changed configuration keeps a kernel: the old gateway, stopped by SIGTERM,
+  hibernates it; claim and registry survive the restart; ``helm uninstall`` keeps the claim.
 
 The helm binary comes from ``scripts/helm.sh build``; without it these tests skip, or fail when
 ``ELASTIC_REQUIRE_HELM`` is set (as in CI).
@@ -311,8 +313,13 @@ NOWHERE = {"elastic.test/no-such-node": "true"}  # the gateway and agent pods st
 
 
 @pytest.fixture
-def release(kube_plane: Any, kube_api: Any, kube_runner: Any, tmp_path: Path) -> Iterator[dict[str, Any]]:
-    """The chart installed by helm into a fresh namespace of the envtest API server."""
+def release(
+    request: pytest.FixtureRequest, kube_plane: Any, kube_api: Any, kube_runner: Any, tmp_path: Path
+) -> Iterator[dict[str, Any]]:
+    """The chart installed by helm into a fresh namespace of the envtest API server.
+
+    Parametrized indirectly with "per-user": kernels in one namespace per owner, made by the gateway.
+    """
     from kubernetes import client
 
     from tests.support.kube import wait_for
@@ -354,6 +361,8 @@ def release(kube_plane: Any, kube_api: Any, kube_runner: Any, tmp_path: Path) ->
         "checkpoints": {"mountPath": str(checkpoints)},
         "extraConfig": {"ElasticKernels": {"reap_interval": 1}},
     }
+    if getattr(request, "param", None) == "per-user":
+        values["kernels"].update({"namespaceTemplate": f"{namespace}-{{owner}}", "createNamespaces": True})
     kubeconfig = ["--kubeconfig", str(kube_plane.admin_kubeconfig)]
     install = ["install", RELEASE, str(CHART), "-n", namespace, "--create-namespace", *kubeconfig]
     helm(*install, *values_args(values, tmp_path))
@@ -380,7 +389,7 @@ def release(kube_plane: Any, kube_api: Any, kube_runner: Any, tmp_path: Path) ->
             [
                 {"kind": kind, "metadata": {"name": f"{RELEASE}:{name}"}}
                 for kind in ("ClusterRole", "ClusterRoleBinding")
-                for name in ("kernel-pods", "nodes")
+                for name in ("kernel-pods", "nodes", "namespaces")
             ],
         )
         core.delete_namespace(namespace)
@@ -590,3 +599,98 @@ def test_chart_readme_lists_every_value_and_nothing_else() -> None:
     assert not undocumented, f"values missing from the chart README: {sorted(undocumented)}"
     stale = {d for d in documented if not any(leaf == d or leaf.startswith(d + ".") for leaf in leaves)}
     assert not stale, f"the chart README documents values that do not exist: {sorted(stale)}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("release", ["per-user"], indirect=True)
+def test_per_user_namespace_made_by_the_gateway_with_the_charts_rights(
+    kube_plane: Any, kube_api: Any, kube_runner: Any, release: dict[str, Any], tmp_path: Path
+) -> None:
+    """The gateway, as the chart's ServiceAccount, creates the owner's namespace and binds itself there."""
+    import getpass
+    import threading
+
+    from kubernetes import client
+
+    from tests.support.kube import wait_for
+
+    core = release["core"]
+    template = f"{release['namespace']}-{{owner}}"
+    user_namespace = namespace_for(template, getpass.getuser())
+    claim = release["claim"]
+    # The owner's namespace needs a checkpoint claim of the same name on the same storage (see the
+    # chart README); on the runner that is the release claim's folder.
+    user_folder = kube_runner.volumes_root / "pvc" / user_namespace / claim
+    user_folder.parent.mkdir(parents=True)
+    user_folder.symlink_to(release["checkpoints"])
+    volume = f"{user_namespace}-checkpoints"
+    gateway = start_gateway(tmp_path, kube_plane, kube_api, release, "per-user")
+    started: dict[str, Any] = {}
+    starter = threading.Thread(
+        target=lambda: started.update(reply=gateway.request("POST", "/api/kernels", {"name": SIZE}))
+    )
+    try:
+        starter.start()
+        # The gateway made the namespace (Pod Security restricted) and its RoleBinding to itself.
+        wait_for(
+            lambda: user_namespace in [n.metadata.name for n in core.list_namespace().items],
+            60,
+            "the namespace",
+        )
+        labels = core.read_namespace(user_namespace).metadata.labels
+        assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+        core.create_persistent_volume(
+            {
+                "metadata": {"name": volume},
+                "spec": {
+                    "capacity": {"storage": "100Gi"},
+                    "accessModes": ["ReadWriteMany"],
+                    "storageClassName": "",
+                    "hostPath": {"path": "/srv/elastic-checkpoints"},
+                    "claimRef": {"namespace": user_namespace, "name": claim},
+                },
+            }
+        )
+        core.create_namespaced_persistent_volume_claim(
+            user_namespace,
+            {
+                "metadata": {"name": claim},
+                "spec": {
+                    "accessModes": ["ReadWriteMany"],
+                    "storageClassName": "",
+                    "volumeName": volume,
+                    "resources": {"requests": {"storage": "100Gi"}},
+                },
+            },
+        )
+        starter.join(120)
+        reply = started["reply"]
+        assert reply.status == 201, (reply, gateway.log()[-3000:])
+        kernel_id = reply.body["id"]
+        (binding,) = (
+            client.RbacAuthorizationV1Api(kube_api).list_namespaced_role_binding(user_namespace).items
+        )
+        assert binding.role_ref.name == f"{RELEASE}:kernel-pods"
+        assert [(s.kind, s.name, s.namespace) for s in binding.subjects] == [
+            ("ServiceAccount", RELEASE, release["namespace"])
+        ]
+        pods = core.list_namespaced_pod(user_namespace, label_selector=f"kernel_id={kernel_id}").items
+        assert len(pods) == 1
+        assert gateway.execute(kernel_id, "y = 'kept'; print(y)", timeout=120).strip() == "kept"
+        reply = gateway.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert reply.status == 200, (reply, gateway.log()[-3000:])
+        assert core.list_namespaced_pod(user_namespace, label_selector=f"kernel_id={kernel_id}").items == []
+        assert gateway.execute(kernel_id, "print(y)", timeout=120).strip() == "kept"
+        gateway.shutdown_kernel(kernel_id)
+    finally:
+        gateway.stop()
+        starter.join(1)
+        for delete in (
+            lambda: core.delete_namespace(user_namespace),
+            lambda: core.delete_persistent_volume(volume),
+        ):
+            try:
+                delete()
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
