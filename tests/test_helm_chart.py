@@ -488,6 +488,18 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
 
     gateway = start_gateway(tmp_path, kube_plane, kube_api, release, "first")
     try:
+        # The PrometheusRule's expressions name metrics the gateway really exports.
+        import re
+
+        rule = only(render({"metrics": {"prometheusRule": {"enabled": True}}}, tmp_path), "PrometheusRule")
+        exprs = [r["expr"] for group in rule["spec"]["groups"] for r in group["rules"]]
+        names = {name for expr in exprs for name in re.findall(r"\belastic_[a-z_]+(?=\[)", expr)}
+        # What a query can name: a counter's samples end in _total (the TYPE line may omit it).
+        types = re.findall(r"^# TYPE (\S+) (\S+)$", gateway.text("/metrics"), re.MULTILINE)
+        exported = {
+            name if kind != "counter" or name.endswith("_total") else f"{name}_total" for name, kind in types
+        }
+        assert names and names <= exported, (names, sorted(n for n in exported if n.startswith("elastic")))
         kernel_id = gateway.start_kernel(SIZE)
         with gateway.channel(kernel_id, timeout=120) as tab:
             assert tab.execute("x = 41; print('ok')", timeout=120).stdout.strip() == "ok"
