@@ -7,11 +7,35 @@ missing library fails the run instead of skipping silently.
 
 from __future__ import annotations
 
+import builtins
 import importlib
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 REQUIRE_ENV = "ELASTIC_REQUIRE_LIBRARIES"
+
+
+@contextmanager
+def _no_stale_ipython_marker() -> Iterator[None]:
+    """Import as outside IPython when an earlier test's shell is gone but left ``__IPYTHON__``.
+
+    Libraries such as astropy read ``builtins.__IPYTHON__`` at import and then call
+    ``get_ipython()``, which returns ``None`` once that shell was cleared: the import would fail
+    only because of the order the tests ran in.
+    """
+    stale = hasattr(builtins, "__IPYTHON__")
+    if stale:
+        from IPython import get_ipython
+
+        stale = get_ipython() is None
+    marker = builtins.__dict__.pop("__IPYTHON__") if stale else None
+    try:
+        yield
+    finally:
+        if stale:
+            builtins.__IPYTHON__ = marker  # type: ignore[attr-defined]
 
 
 def require(name: str) -> ModuleType:
@@ -19,7 +43,8 @@ def require(name: str) -> ModuleType:
     import pytest
 
     try:
-        return importlib.import_module(name)
+        with _no_stale_ipython_marker():
+            return importlib.import_module(name)
     except ImportError as exc:
         if os.environ.get(REQUIRE_ENV):
             pytest.fail(f"{REQUIRE_ENV} is set but {name} does not import ({exc})", pytrace=False)
