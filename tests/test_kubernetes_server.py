@@ -438,3 +438,43 @@ def test_the_server_runs_with_only_the_shipped_rbac(cluster: PodCluster, tmp_pat
     finally:
         running.stop()
         rbac.delete(api, docs)
+
+
+def test_missing_rights_are_named_in_the_api_answer(cluster: PodCluster, tmp_path: Path) -> None:
+    """A server whose ServiceAccount lacks a rule answers with the rule to add, not "Unhandled
+    error", and loses nothing: the kernel comes back with its variables once the rule is added."""
+    from tests.support import rbac
+
+    api = cluster.core.api_client
+    docs = rbac.without(rbac.load(rbac.RBAC, NAMESPACE, "e2e-no-delete"), "pods", "delete")
+    rbac.apply(api, docs)
+    account = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    kubeconfig, token = rbac.service_account_kubeconfig(
+        cluster.plane, api, NAMESPACE, account, tmp_path / "server.kubeconfig"
+    )
+    rbac.wait_allowed(cluster.plane, token, "create", "pods", NAMESPACE)
+    running = start_server(tmp_path, cluster.config(kubeconfig=str(kubeconfig)))
+    kernel_id = None
+    try:
+        kernel_id = running.start_kernel(SIZE)
+        assert running.execute(kernel_id, "x = 41; print(x)").strip() == "41"
+        refused = running.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert refused.status == 500, refused
+        message = refused.body["message"]
+        assert "delete" in message and "pods" in message and "rbac.yaml" in message, message
+        assert "Unhandled error" not in message
+        # The checkpoint was committed before the pod was to go: the next cell's resume names
+        # the same rule, and once the admin adds it, the kernel resumes with its variables.
+        with running.channel(kernel_id, timeout=120) as chan:
+            refused_cell = chan.execute("print(x + 1)", timeout=120)
+        assert "may not delete pods" in refused_cell.error, refused_cell
+        shipped = rbac.load(rbac.RBAC, NAMESPACE, "e2e-no-delete")
+        role = next(d for d in shipped if d["kind"] == "ClusterRole" and "pods" in str(d["rules"]))
+        client.RbacAuthorizationV1Api(api).replace_cluster_role(role["metadata"]["name"], role)
+        rbac.wait_allowed(cluster.plane, token, "delete", "pods", NAMESPACE)
+        assert running.execute(kernel_id, "print(x + 1)", timeout=120).strip() == "42"
+    finally:
+        running.stop()
+        if kernel_id is not None and cluster.pod_of(kernel_id) is not None:
+            cluster.core.delete_namespaced_pod(f"kernel-{kernel_id}", NAMESPACE, grace_period_seconds=0)
+        rbac.delete(api, docs)

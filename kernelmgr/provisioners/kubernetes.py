@@ -655,9 +655,13 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         # Secret, pod, then the Secret's owner: the pod must find its Secret at once (a kubelet
         # retries a missing Secret volume with back-off, seconds per start), and the Secret must
         # die with the pod. Three API calls per start.
-        await asyncio.to_thread(core.create_namespaced_secret, self.namespace, self.secret_manifest())
-        self._launched = True
-        pod = await asyncio.to_thread(core.create_namespaced_pod, self.namespace, self.pod_manifest(cmd))
+        try:
+            pod = await self._create_secret_and_pod(cmd)
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+            await self._remove_leftovers()
+            pod = await self._create_secret_and_pod(cmd)
         owner = {"apiVersion": "v1", "kind": "Pod", "name": self._pod_name, "uid": pod.metadata.uid}
         await asyncio.to_thread(
             core.patch_namespaced_secret,
@@ -832,6 +836,25 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
                 raise
         if wait:
             await self.informer.wait_for(self.kernel_id, lambda pod: pod is None, self.stop_timeout)
+
+    async def _create_secret_and_pod(self, cmd: list[str]) -> Any:
+        core = self.core
+        await asyncio.to_thread(core.create_namespaced_secret, self.namespace, self.secret_manifest())
+        self._launched = True
+        return await asyncio.to_thread(core.create_namespaced_pod, self.namespace, self.pod_manifest(cmd))
+
+    async def _remove_leftovers(self) -> None:
+        """This kernel's pod and Secret from an earlier launch are still there (a stop whose pod
+        deletion was refused, say, until an admin added the right): remove them, then start
+        afresh. Rare, so it costs nothing on the usual path (three API calls per start)."""
+        self.log.warning("Removing kernel %s's leftover pod and Secret before it starts", self.kernel_id)
+        self._launched = True
+        try:
+            await self._delete_pod(grace=0, wait=True)
+        finally:
+            self._launched = False
+            self._stopping = False
+        await self._delete_secret()
 
     async def _delete_secret(self) -> None:
         """Delete the kernel's Secret now rather than leave it to the garbage collector (best effort)."""

@@ -30,6 +30,7 @@ from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelMana
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.errors import CapacityError, UnknownProfileError
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.kube.access import KubeRefused
 from kernelmgr.server.concurrency import hibernate_on_shutdown
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.errors import http_error
@@ -129,6 +130,8 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             raise http_error(409, exc.message) from None
         except UnknownProfileError as exc:
             raise http_error(400, exc.message) from None
+        except KubeRefused as exc:  # the server's RBAC or an admission policy: the admin's to fix
+            raise http_error(500, f"could not start the kernel: {exc}") from None
         if self.hibernator is not None and self.hibernator.state_of(started) is not None:
             self.hibernator.track(started)
         return started
@@ -328,6 +331,8 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             await self._require_hibernator().hibernate(kernel_id, reason)
         except HibernationError as exc:
             raise http_error(exc.status, exc.message) from None
+        except KubeRefused as exc:
+            raise http_error(500, f"could not hibernate kernel {kernel_id}: {exc}") from None
         return self.elastic_model(kernel_id)
 
     async def resume(self, kernel_id: str, reason: str = "api") -> dict[str, Any]:
@@ -336,6 +341,8 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             await self._require_hibernator().resume(kernel_id, reason)
         except HibernationError as exc:
             raise http_error(exc.status, exc.message) from None
+        except KubeRefused as exc:
+            raise http_error(500, f"could not resume kernel {kernel_id}: {exc}") from None
         return self.elastic_model(kernel_id)
 
     def _require_hibernator(self) -> Hibernator:
