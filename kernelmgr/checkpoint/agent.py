@@ -154,6 +154,13 @@ def format_report(report: Mapping[str, Any]) -> tuple[str, str]:
         markdown += "\n\nNot restored:\n" + "\n".join(
             f"- `{item['name']}` ({item['reason']})" for item in report.get("not_restored", [])
         )
+    differs = report.get("differs") or {}
+    if differs:
+        listed = "; ".join(f"{name} ({why})" for name, why in differs.items())
+        plain += f" Restored with known differences: {listed}."
+        markdown += "\n\nRestored with known differences:\n" + "\n".join(
+            f"- `{name}` ({why})" for name, why in differs.items()
+        )
     for title, items in (("Moved", report.get("remapped", [])), ("Note", report.get("warnings", []))):
         if items:
             plain += f" {title}: " + "; ".join(items) + "."

@@ -18,8 +18,9 @@ the garbage collector follows). What is not:
   are not entered, because a notebook function's globals *is* the user namespace and
   would glue everything together;
 * the namespace dict itself, for the same reason;
-* torch tensors are also linked through their storage, so views of one storage held by
-  two variables are grouped (and then restored as views of one storage).
+* torch tensors are also linked through their storage, and numpy arrays through the array
+  that owns their memory, so views held by two variables are grouped (and then restored
+  as views of one storage / one array).
 
 The cap: at most ``max_objects`` referents are examined per variable. Beyond it the rest of
 that variable's graph is not looked at, so sharing deeper than that is not detected: the
@@ -34,6 +35,7 @@ import builtins
 import gc
 import sys
 import types
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,7 +107,15 @@ def approx_size(obj: Any) -> int:
 
 
 def _extra_keys(obj: Any) -> Iterator[tuple[str, str, int]]:
-    """Identities beyond ``id()``: a tensor's storage (views share it, their ids differ)."""
+    """Identities beyond ``id()``: a tensor's storage, a numpy array's memory owner (views
+    share it, their ids differ, and numpy views are opaque to ``gc.get_referents``)."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and type(obj) is numpy.ndarray:
+        root = obj
+        while type(root.base) is numpy.ndarray:
+            root = root.base
+        yield ("numpy-memory", "", id(root))
+        return
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         try:
@@ -117,7 +127,15 @@ def _extra_keys(obj: Any) -> Iterator[tuple[str, str, int]]:
 
 
 def _referents(obj: Any) -> Iterable[Any]:
-    """The objects ``obj`` refers to (object arrays are opaque to the gc, so read them)."""
+    """The objects ``obj`` refers to (object arrays are opaque to the gc, so read them).
+
+    A weak reference links to its referent: classes that pickle one dereference it in
+    their ``__getstate__`` (torch's hook handles hold their module's hook dict so), and the
+    restored handle must reach the restored dict, not a copy, to ``remove()`` the hook.
+    """
+    if isinstance(obj, weakref.ref):
+        referent = obj()
+        return [] if referent is None else [referent]
     dtype = getattr(obj, "dtype", None)
     if dtype is not None and getattr(dtype, "hasobject", False) and hasattr(obj, "flat"):
         return list(obj.flat)

@@ -20,7 +20,9 @@ been read, while the next one is read, so on a machine with two cores or more th
 restore costs about reading plus half of hashing, not their sum.
 
 Each group is unpickled on its own: a group that fails (a module that no longer imports,
-a class that changed) is reported and the others are still restored.
+a class that changed) is reported and the others are still restored. Each restored value
+is compared with the fingerprint the writer recorded (:mod:`~kernelmgr.checkpoint.fidelity`);
+one known to differ is listed in the report's ``differs`` (``{name: why}``).
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from kernelmgr.checkpoint.errors import CheckpointRefused
+from kernelmgr.checkpoint.fidelity import compare, fingerprint
 from kernelmgr.checkpoint.integrity import DIGEST_CHUNK, DataDigest, digest_workers, digests_match
 from kernelmgr.checkpoint.layout import DATA_FILE
 from kernelmgr.checkpoint.serialize import RestoreContext, restoring
 from kernelmgr.checkpoint.verify import Untrusted, check_layout, load_verified_manifest, refuse
 from kernelmgr.checkpoint.writer import describe_error, library_versions
-from kernelmgr.core.manifest import GroupRecord, Manifest, iso_utc
+from kernelmgr.core.manifest import GroupRecord, Manifest, VariableRecord, iso_utc
 
 #: Memory one region of ``data.bin`` is read into (see :func:`_allocate`).
 Buffer = bytearray | mmap.mmap
@@ -153,6 +156,19 @@ def _load_group(group: GroupRecord, pickled: Buffer, buffers: list[Buffer]) -> d
     return values
 
 
+def _differences(values: dict[str, Any], records: dict[str, VariableRecord]) -> dict[str, str]:
+    """``{name: why}`` for restored values whose fingerprint differs from the saved one."""
+    found = {}
+    for name, value in values.items():
+        record = records.get(name)
+        if record is None or record.fingerprint is None:
+            continue  # written before fingerprints existed: nothing to compare with
+        why = compare(record.fingerprint, fingerprint(value))
+        if why is not None:
+            found[name] = why
+    return found
+
+
 def restore_checkpoint(
     kernel_dir: str | os.PathLike[str],
     namespace: dict[str, Any],
@@ -203,6 +219,8 @@ def restore_checkpoint(
         for v in manifest.skipped()
     ]
     remapped: list[str] = []
+    differs: dict[str, str] = {}
+    records = {v.name: v for v in manifest.variables}
     for group in manifest.groups:
         pickled, buffers = payload.pop(group.id)
         seen = len(context.remapped)
@@ -218,6 +236,7 @@ def restore_checkpoint(
             del pickled, buffers
         namespace.update(values)
         restored.extend(group.names)
+        differs.update(_differences(values, records))
         for note in dict.fromkeys(context.remapped[seen:]):
             remapped.append(f"{', '.join(group.names)}: {note}")
 
@@ -232,6 +251,7 @@ def restore_checkpoint(
         "bytes": manifest.data_bytes,
         "seconds": round(time.perf_counter() - started, 3),
         "remapped": remapped,
+        "differs": {name: differs[name] for name in restored if name in differs},
         "warnings": _version_warnings(manifest),
         "refused": None,
         "quarantined": None,
@@ -248,6 +268,7 @@ def refused_report(exc: CheckpointRefused, seconds: float = 0.0) -> dict[str, An
         "bytes": 0,
         "seconds": round(seconds, 3),
         "remapped": [],
+        "differs": {},
         "warnings": [],
         "refused": exc.reason,
         "quarantined": str(exc.quarantined) if exc.quarantined is not None else None,

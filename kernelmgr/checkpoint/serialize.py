@@ -1,4 +1,4 @@
-"""How objects become bytes: a cloudpickle pickler with three additions, and their inverses.
+"""How objects become bytes: a cloudpickle pickler with a few additions, and their inverses.
 
 cloudpickle is the base because notebook code defines functions and classes in
 ``__main__``, which plain pickle saves by reference to a module that will not exist in the
@@ -21,8 +21,17 @@ The additions, all in :meth:`GroupPickler.reducer_override`:
   bytes (copied to host memory first when it lives on a GPU), once per storage, so views
   keep sharing it; on restore the storage is rebuilt with ``torch.frombuffer`` over the read
   buffer (no copy) and moved to its device if that device exists, else to another GPU or the
-  CPU, recording the move for the restore report. torch is never imported here: tensors
-  can only exist if the notebook already imported it.
+  CPU, recording the move for the restore report. A leaf tensor's ``.grad`` goes with it
+  (a model in the middle of gradient accumulation keeps what it accumulated). torch is
+  never imported here: tensors can only exist if the notebook already imported it.
+* **Library reducers** (:mod:`kernelmgr.checkpoint.reducers`): objects of a library with a
+  reducer there (looked up by the class's top-level package, and only once that library
+  is imported) are reduced by it.
+* **The generic rule** (:mod:`kernelmgr.checkpoint.reducers.generic`): an object whose own
+  pickling drops or blanks attributes gets those that pickle carried along and put back
+  where the restored object lacks them. ``carry_dropped=False`` turns this and the
+  library reducers off: plain cloudpickle, the writer's last try for a variable that
+  failed with them.
 
 numpy arrays and pandas blocks need nothing: with protocol 5 they hand their memory to
 ``buffer_callback`` themselves.
@@ -35,6 +44,7 @@ import contextlib
 import ctypes
 import functools
 import importlib
+import logging
 import pickle
 import sys
 import types
@@ -45,7 +55,11 @@ from typing import Any
 
 import cloudpickle
 
+from kernelmgr.checkpoint import reducers
+from kernelmgr.checkpoint.reducers import generic
+
 PROTOCOL = 5
+log = logging.getLogger(__name__)
 _LRU_WRAPPER = type(functools.lru_cache()(lambda: None))
 
 
@@ -222,6 +236,7 @@ def _rebuild_tensor(
     requires_grad: bool,
     parameter: bool,
     attributes: dict[str, Any],
+    grad: Any = None,
 ) -> Any:
     import torch
 
@@ -233,6 +248,9 @@ def _rebuild_tensor(
         tensor.requires_grad_(True)
     if attributes:
         tensor.__dict__.update(attributes)
+    if grad is not None:
+        # After the move to a device: a gradient must live where its tensor does.
+        tensor.grad = grad if grad.device == tensor.device else grad.to(tensor.device)
     return tensor
 
 
@@ -244,6 +262,19 @@ def _is_plain_tensor(obj: Any, torch: Any) -> bool:
 
 # --- the pickler --------------------------------------------------------------------------
 
+#: Types pickle handles natively: no reducer is looked up for them (the common case, fast).
+_PLAIN_TYPES = frozenset(
+    {str, bytes, bytearray, int, float, complex, bool, type(None), list, tuple, dict, set, frozenset}
+)
+
+
+def _discard_buffer(buffer: pickle.PickleBuffer) -> bool:
+    return False  # taken out of band and dropped: a probe's sink never holds big buffers
+
+
+def _no_tensor() -> None:
+    return None
+
 
 class GroupPickler(cloudpickle.Pickler):
     """Pickles one group of variables (see the module docstring for what it adds)."""
@@ -253,10 +284,29 @@ class GroupPickler(cloudpickle.Pickler):
         file: Any,
         namespace: dict[str, Any],
         buffer_callback: Callable[[pickle.PickleBuffer], bool],
+        *,
+        carry_dropped: bool = True,
+        probing: bool = False,
     ) -> None:
         super().__init__(file, protocol=PROTOCOL, buffer_callback=buffer_callback)
         self._namespace = namespace
         self._storages: dict[tuple[str, int], _StorageRef] = {}
+        self._probing = probing
+        self._carry = carry_dropped and not probing
+        #: Whether the generic rule or a library reducer changed how something pickles here.
+        self.carried = False
+        self._reducers: dict[type, reducers.Reduce | None] = {}
+        #: Classes that leave their pickling to ``object``: the generic rule never applies.
+        self._plain_classes: set[type] = set()
+        self._probe = generic.probe_with(
+            lambda sink: GroupPickler(sink, namespace, _discard_buffer, probing=True)
+        )
+
+    def dump(self, obj: Any) -> None:
+        with reducers.one_stream() as state:  # reducers' per-stream state (e.g. bokeh graphs)
+            # What the stream saves in any case: the group's variables.
+            state["top"] = list(obj.values()) if isinstance(obj, dict) else []
+            super().dump(obj)
 
     def reducer_override(self, obj: Any) -> Any:
         if self._is_namespace_function(obj):
@@ -269,8 +319,44 @@ class GroupPickler(cloudpickle.Pickler):
             return (_rebuild_storage, (obj.buffer(), obj.nbytes, obj.device))
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor) and _is_plain_tensor(obj, torch):
+            if self._probing:  # a probe only asks "does it pickle": never copy a GPU storage for it
+                return (_no_tensor, ())
             return self._reduce_tensor(obj, torch)
+        if isinstance(obj, type) or type(obj) in _PLAIN_TYPES:
+            return super().reducer_override(obj)
+        reduce = reducers.reducer_for_type(type(obj), self._reducers) if self._carry else None
+        if reduce is not None:
+            try:
+                rv = reduce(obj, self.reduce_keeping_dropped)
+            except Exception as exc:
+                # A library version the reducer does not know: that object pickles as it would
+                # without the reducer (and may fail there, with its own reason).
+                module = getattr(reduce, "__module__", "?")
+                log.warning("the %s reducer failed on a %s (%s): pickled as is", module, type(obj), exc)
+                rv = None
+            if rv is not None:
+                self.carried = True
+                return rv
+        if self._carry:
+            rv = self.reduce_keeping_dropped(obj)
+            if rv is not None:
+                return rv
         return super().reducer_override(obj)
+
+    def reduce_keeping_dropped(self, obj: Any) -> tuple[Any, ...] | None:
+        """The generic rule (:mod:`~kernelmgr.checkpoint.reducers.generic`) for ``obj``."""
+        if not self._carry:
+            return None
+        cls = type(obj)
+        if cls in self._plain_classes:
+            return None
+        if not generic.customises_pickling(cls):
+            self._plain_classes.add(cls)
+            return None
+        rv = generic.reduce_keeping_dropped(obj, self.dispatch_table, self._probe, PROTOCOL)
+        if rv is not None and rv[-1] is generic.apply_carried:
+            self.carried = True
+        return rv
 
     def _is_namespace_function(self, obj: Any) -> bool:
         return isinstance(obj, types.FunctionType) and obj.__globals__ is self._namespace
@@ -287,6 +373,9 @@ class GroupPickler(cloudpickle.Pickler):
         if ref is None:
             ref = self._storages[key] = _StorageRef(storage)
         attributes = dict(getattr(tensor, "__dict__", {}))
+        # A leaf's accumulated gradient (gradient accumulation over several cells must survive);
+        # a non-leaf has none to keep (reading it only warns).
+        grad = tensor.grad if tensor.is_leaf and requires_grad else None
         return (
             _rebuild_tensor,
             (
@@ -298,5 +387,6 @@ class GroupPickler(cloudpickle.Pickler):
                 requires_grad,
                 parameter,
                 attributes,
+                grad,
             ),
         )

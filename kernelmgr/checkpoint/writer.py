@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelmgr.checkpoint.errors import CheckpointFailed
+from kernelmgr.checkpoint.fidelity import fingerprint_unless_plain
 from kernelmgr.checkpoint.grouping import DEFAULT_MAX_OBJECTS, VariableGroup, group_variables
 from kernelmgr.checkpoint.integrity import (
     DIGEST_CHUNK,
@@ -247,9 +248,12 @@ class _DataFile:
 class _GroupResult:
     record: GroupRecord | None
     error: BaseException | None
+    carried: bool = False  # a library reducer or the generic rule was used (see _save_all's last try)
 
 
-def _save_group(data: _DataFile, namespace: dict[str, Any], names: list[str], group_id: int) -> _GroupResult:
+def _save_group(
+    data: _DataFile, namespace: dict[str, Any], names: list[str], group_id: int, *, carry_dropped: bool = True
+) -> _GroupResult:
     """Pickle ``names`` as one stream plus buffers at the end of ``data``; rewind on failure."""
     mark = data.mark()
     buffers: list[memoryview] = []
@@ -262,14 +266,14 @@ def _save_group(data: _DataFile, namespace: dict[str, Any], names: list[str], gr
         return False
 
     # The pickler lives until the buffers are written: it owns host copies of GPU storages.
-    pickler = GroupPickler(data, namespace, take)
+    pickler = GroupPickler(data, namespace, take, carry_dropped=carry_dropped)
     try:
         pickler.dump({name: namespace[name] for name in names})
     except _DiskError:
         raise
     except Exception as exc:
         data.rollback(mark)
-        return _GroupResult(None, exc)
+        return _GroupResult(None, exc, pickler.carried)
     pickle_length = data.offset - mark.offset
     placed = []
     for view in buffers:
@@ -464,7 +468,13 @@ def _save_all(
         group_records.append(record)
         for name in record.names:
             records[name] = VariableRecord(
-                name, type_name(ns[name]), "saved", "", group=record.id, bytes=record.nbytes
+                name,
+                type_name(ns[name]),
+                "saved",
+                "",
+                group=record.id,
+                bytes=record.nbytes,
+                fingerprint=fingerprint_unless_plain(ns[name]),
             )
 
     for group in groups:
@@ -476,6 +486,10 @@ def _save_all(
             log.info("group %s failed (%s); saving its variables one by one", group.names, result.error)
         for name in group.names:
             single = result if len(group.names) == 1 else _save_group(data, ns, [name], len(group_records))
+            if single.record is None and single.carried:
+                # Last try as plain cloudpickle, without library reducers and carried attributes
+                # (one that fails in the stream, or a reducer gone wrong, must not lose the variable).
+                single = _save_group(data, ns, [name], len(group_records), carry_dropped=False)
             if single.record is not None:
                 saved(single.record)
             else:

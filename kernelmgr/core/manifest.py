@@ -78,6 +78,11 @@ class VariableRecord:
     ``bytes`` is the size on disk of the group the variable was saved in. For a variable
     that shares objects with others, that is the whole group's size (the bytes cannot be
     split between names); ``Manifest.totals["bytes"]`` is the exact total.
+
+    ``fingerprint`` (saved variables; optional, absent from older manifests) is a small
+    structural description of the value as it was saved, ``{path: description}``, that the
+    reader compares with the restored value to report differences
+    (``kernelmgr.checkpoint.fidelity``).
     """
 
     name: str
@@ -86,9 +91,10 @@ class VariableRecord:
     reason: str = ""
     group: int | None = None
     bytes: int = 0
+    fingerprint: dict[str, str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "type": self.type,
             "status": self.status,
@@ -96,6 +102,9 @@ class VariableRecord:
             "group": self.group,
             "bytes": self.bytes,
         }
+        if self.fingerprint is not None:
+            out["fingerprint"] = dict(self.fingerprint)
+        return out
 
     @classmethod
     def from_dict(cls, raw: Any, where: str = "variable") -> VariableRecord:
@@ -109,6 +118,12 @@ class VariableRecord:
             group = _check_int(f"{where}.group", group)
         if status == "saved" and group is None:
             raise ManifestError(f"manifest: {where} is saved but names no group")
+        fingerprint = None
+        if raw.get("fingerprint") is not None:
+            fingerprint = {
+                _check_str(f"{where}.fingerprint key", k): _check_str(f"{where}.fingerprint[{k!r}]", v)
+                for k, v in _check_mapping(f"{where}.fingerprint", raw["fingerprint"]).items()
+            }
         return cls(
             name=_check_str(f"{where}.name", raw["name"]),
             type=_check_str(f"{where}.type", raw["type"]),
@@ -116,6 +131,7 @@ class VariableRecord:
             reason=_check_str(f"{where}.reason", raw["reason"]),
             group=group,
             bytes=_check_int(f"{where}.bytes", raw["bytes"]),
+            fingerprint=fingerprint,
         )
 
 

@@ -38,6 +38,10 @@ def train(steps):
     return float(loss)
 losses = [train(20)]
 checksum = float(big.double().sum())
+def opt_devices():  # Adam keeps exp_avg/exp_avg_sq with the parameter and its step count on the CPU
+    found = {(k, str(t.device)) for s in opt.state.values() for k, t in s.items() if torch.is_tensor(t)}
+    return sorted(found)
+opt_devices_before = opt_devices()
 print("ready")
 """
 
@@ -46,7 +50,9 @@ import json as _json
 print(_json.dumps({
     "big_device": str(big.device), "big_ok": abs(float(big.double().sum()) - checksum) < 1e-6,
     "params_on_cuda": all(p.is_cuda for p in model.parameters()),
-    "opt_state_on_cuda": all(t.is_cuda for s in opt.state.values() for t in s.values() if torch.is_tensor(t)),
+    "opt_state_devices_kept": opt_devices() == opt_devices_before,
+    "moments_on_cuda": all(s["exp_avg"].is_cuda and s["exp_avg_sq"].is_cuda for s in opt.state.values()),
+    "grads_on_cuda": all(p.grad is not None and p.grad.is_cuda for p in model.parameters()),
     "opt_steps": int(next(iter(opt.state.values()))["step"]),
     "math": math.sqrt(16),
     "loss_falls": (losses.append(train(20)) or losses[-1] <= losses[0]),
@@ -112,7 +118,8 @@ def test_cuda_state_survives_five_cycles_and_the_gpu_is_freed(server: RunningSer
         print(f"cycle {cycle}: report {result.displays}")
         state = json.loads(result.stdout)
         assert state["big_device"].startswith("cuda") and state["big_ok"]
-        assert state["params_on_cuda"] and state["opt_state_on_cuda"] and state["math"] == 4.0
+        assert state["params_on_cuda"] and state["moments_on_cuda"] and state["math"] == 4.0, state
+        assert state["opt_state_devices_kept"] and state["grads_on_cuda"], state
         assert state["opt_steps"] == 20 * cycle, state  # the optimizer's state came back each time
         assert state["loss_falls"] and state["n_losses"] == cycle + 1
         assert "restored" in " ".join(result.displays)
