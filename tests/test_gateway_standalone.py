@@ -72,7 +72,12 @@ def test_a_bad_quota_stops_the_gateway_with_one_clear_line(tmp_path: Path) -> No
     config = elastic_config(tmp_path / "checkpoints")
     config["ElasticQuota"] = {"users": {"ann": {"profiles": ["enormous"]}}}
     proc, log_path, _url, _env = launch(tmp_path / "gateway", config, app_module="gateway.app")
-    assert proc.wait(timeout=60) == 2
+    try:
+        assert proc.wait(timeout=60) == 2
+    finally:  # a gateway that failed to stop must not outlive the test
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     log = log_path.read_text()
     assert (
         "invalid configuration: ElasticQuota.users['ann'].profiles names unknown GPU sizes ['enormous']"
