@@ -53,6 +53,10 @@ class CliError(Exception):
     """A failure to report as one line on stderr with exit code 1."""
 
 
+class NotFound(CliError):
+    """The server answered 404 for a kernel path: an unknown id (a user mistake, exit 2)."""
+
+
 class RequestTimedOut(CliError):
     """No answer within the request timeout: the server may still be working on it."""
 
@@ -126,6 +130,8 @@ def fetch(target: Target, path: str, method: str = "GET", timeout: float = DEFAU
             raise CliError(
                 f"{target.url} has no /api/elastic API: is the kernelmgr extension enabled?"
             ) from None
+        if err.code == 404:
+            raise NotFound(f"HTTP {err.code} from {target.url}{path}: {message}") from None
         raise CliError(f"HTTP {err.code} from {target.url}{path}: {message}") from None
     except urllib.error.URLError as err:
         if isinstance(err.reason, TimeoutError):
@@ -258,6 +264,34 @@ def render_kernel(kernel: dict[str, Any]) -> str:
     return line
 
 
+def render_report(doc: dict[str, Any]) -> str:
+    """``jupyter elastic report``: the last restore, one fact a line."""
+    report = doc.get("restore_report")
+    kernel = doc.get("id")
+    if not report:
+        return f"kernel {kernel} has not been resumed from a checkpoint yet"
+    if report.get("refused"):
+        return f"kernel {kernel} resumed without its variables: {report['refused']}"
+    lines = [
+        f"kernel {kernel} resumed from {report.get('checkpoint')} (saved {report.get('created')})",
+        f"restored: {', '.join(report.get('restored', [])) or 'none'}",
+    ]
+    recomputed = report.get("recomputed") or []
+    if recomputed:
+        cells = sorted({c for item in recomputed for c in item.get("cells", [])})
+        names = ", ".join(item["name"] for item in recomputed)
+        lines.append(f"recomputed: {names} (re-ran cells {', '.join(map(str, cells))})")
+    for item in report.get("not_restored", []):
+        stage = "not saved" if item.get("stage") == "save" else "failed to load"
+        line = f"{stage}: {item['name']} ({item.get('reason', '')})"
+        if item.get("not_recomputed"):
+            line += f"; not recomputed: {item['not_recomputed']}"
+        lines.append(line)
+    for name, why in (report.get("differs") or {}).items():
+        lines.append(f"restored with differences: {name} ({why})")
+    return "\n".join(lines)
+
+
 def _try_fetch(target: Target, path: str, timeout: float) -> Any:
     """``fetch``, but ``None`` instead of an error (for polls and best-effort reads)."""
     try:
@@ -350,6 +384,10 @@ COMMANDS: dict[str, tuple[str, Renderer, str]] = {
 KERNEL_ACTIONS = {
     "hibernate": "checkpoint a kernel's variables, stop it and release its GPU slice",
     "resume": "bring a hibernated kernel back now",
+}
+#: Read-only views of one kernel: ``jupyter elastic report <id>``.
+KERNEL_VIEWS: dict[str, tuple[str, Renderer, str]] = {
+    "report": ("report", render_report, "what the kernel's last resume restored, recomputed and lost"),
 }
 KERNEL_ID = re.compile(r"^[\w-]+$")
 MIB = 1024 * 1024
@@ -466,10 +504,13 @@ def build_parser() -> OneLineParser:
         f"checkpoint timeout; default {DEFAULT_REQUEST_TIMEOUT:g})",
     )
     sub = parser.add_subparsers(
-        dest="command", metavar="{" + ",".join([*COMMANDS, *KERNEL_ACTIONS, NODE_AGENT]) + "}"
+        dest="command", metavar="{" + ",".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, NODE_AGENT]) + "}"
     )
     for name, (_path, _render, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text)
+    for name, (_sub, _render, help_text) in KERNEL_VIEWS.items():
+        view = sub.add_parser(name, help=help_text)
+        view.add_argument("kernel_id", help="the kernel's id (see `jupyter elastic list`)")
     for name, help_text in KERNEL_ACTIONS.items():
         action = sub.add_parser(name, help=help_text)
         action.add_argument("kernel_id", help="the kernel's id (see `jupyter elastic list`)")
@@ -492,6 +533,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not KERNEL_ID.match(args.kernel_id):
             parser.error(f"{args.kernel_id!r} is not a kernel id (letters, digits and '-')")
         path, render, method = f"/api/elastic/kernels/{args.kernel_id}/{args.command}", render_kernel, "POST"
+    elif args.command in KERNEL_VIEWS:
+        if not KERNEL_ID.match(args.kernel_id):
+            parser.error(f"{args.kernel_id!r} is not a kernel id (letters, digits and '-')")
+        sub_path, render, _help = KERNEL_VIEWS[args.command]
+        path = f"/api/elastic/kernels/{args.kernel_id}/{sub_path}"
     else:
         path, render, _help = COMMANDS[args.command]
     try:
@@ -506,6 +552,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             doc = run_kernel_action(target, args.command, args.kernel_id, args.request_timeout)
         else:
             doc = fetch(target, path, method, timeout=args.request_timeout)
+    except NotFound as err:
+        print(f"jupyter elastic: {err}", file=sys.stderr)
+        return USAGE_ERROR if args.command in KERNEL_VIEWS else FAILURE
     except CliError as err:
         print(f"jupyter elastic: {err}", file=sys.stderr)
         return FAILURE

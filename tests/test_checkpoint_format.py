@@ -197,6 +197,7 @@ def test_generator_is_skipped_with_its_reason(kdir: Path) -> None:
             "name": "gen",
             "type": "generator",
             "reason": "generator: TypeError: cannot pickle 'generator' object",
+            "stage": "save",
         }
     ]
 

@@ -99,7 +99,8 @@ def test_hibernate_then_next_cell_resumes_with_variables(server: RunningServer) 
         assert result.error == ""
         assert result.stdout.strip() == EXPECTED
         report = "\n".join(result.displays)
-        assert "restored" in report and "gen" in report and "generator" in report
+        # gen cannot be pickled; the cell that made it is safe to re-run (its print is swallowed)
+        assert "restored 9 variables" in report and "Recomputed (re-ran 1 cell): gen" in report
 
     model = server.get(f"/api/elastic/kernels/{kernel_id}")
     assert model["state"] == "running"

@@ -203,6 +203,9 @@ def test_pod_kernel_hibernates_and_resumes_on_another_node_five_times(
             check_same(server, kernel_id, reference)
             assert model(server, kernel_id)["state"] == "running"
         assert "42" in tab.execute("print(6 * 7)").stdout
+    # The pod's agent wrote its restore report on the checkpoint volume; the server serves it.
+    report = server.get(f"/api/elastic/kernels/{kernel_id}/report")["restore_report"]
+    assert report["refused"] is None and report["checkpoint"] and report["restored"], report
     assert len(set(ips)) > 1, ips
     reply = server.request("DELETE", f"/api/kernels/{kernel_id}")
     assert reply.status == 204

@@ -16,6 +16,8 @@ environment variables when it starts the kernel:
 ``ELASTIC_RESTORE_CHECKPOINT``  with ``ELASTIC_RESTORE=1``: the id of the checkpoint the server
                             verified; any other committed checkpoint is refused (an older one
                             put back in place verifies under the same key)
+``ELASTIC_RECOMPUTE_SECONDS``  optional: the time limit (seconds) for re-running cells on
+                            resume to rebuild unsaved variables (default 30; ``0`` disables it)
 ``ELASTIC_SERVER_PID``      optional: the server's pid. Kernels are launched independent of the
                             server (ipykernel's parent poller would kill them mid-checkpoint);
                             a :class:`~kernelmgr.checkpoint.watchdog.ServerWatchdog` then
@@ -30,6 +32,13 @@ Silent executions do not bump the execution count, store no history and display 
 and the expression binds no name, so the user's session looks untouched. A failure raises
 :class:`CheckpointFailed`, whose one-line message reaches the server as the reply's
 ``evalue``; the server then keeps the kernel running.
+
+The agent records every user cell (:mod:`kernelmgr.checkpoint.cells`) and commits the record
+inside each checkpoint's signed manifest; a restore takes the record back, so the history
+continues across hibernations. A variable that was not saved or failed to load is then rebuilt
+by re-running the fewest recorded cells that produced it, when they are safe to re-run
+(:mod:`kernelmgr.checkpoint.recompute`); the report says what was recomputed and why the rest
+was not.
 
 After a restore, the first user cell shows a short report (what came back, what did not
 and why); the full report is also written to ``restore-report.json`` for the server. The
@@ -51,11 +60,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kernelmgr.checkpoint.cells import MAX_CELLS, CellRecord, plan_recompute, record_cell
 from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_key_file
 from kernelmgr.checkpoint.layout import RESTORE_REPORT, write_file_atomic
 from kernelmgr.checkpoint.namespace import UserNamespace
 from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
+from kernelmgr.checkpoint.recompute import DEFAULT_LIMIT, replay
+from kernelmgr.checkpoint.verify import load_verified_manifest
 from kernelmgr.checkpoint.writer import describe_error, write_checkpoint
 
 ENV_DIR = "ELASTIC_CHECKPOINT_DIR"
@@ -66,6 +78,7 @@ ENV_OWNER = "ELASTIC_OWNER"
 ENV_RESTORE = "ELASTIC_RESTORE"
 ENV_RESTORE_CHECKPOINT = "ELASTIC_RESTORE_CHECKPOINT"
 ENV_SERVER_PID = "ELASTIC_SERVER_PID"
+ENV_RECOMPUTE_SECONDS = "ELASTIC_RECOMPUTE_SECONDS"
 
 #: What the server sends (silently) to checkpoint a kernel.
 CHECKPOINT_CODE = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.checkpoint()'
@@ -146,14 +159,20 @@ def format_report(report: Mapping[str, Any]) -> tuple[str, str]:
     noun = "variable" if count == 1 else "variables"
     size = human_bytes(int(report.get("bytes", 0)))
     head = f"restored {count} {noun} ({size}) in {float(report.get('seconds', 0)):.1f} s."
-    missing = [f"{item['name']} ({item['reason']})" for item in report.get("not_restored", [])]
+    missing = [f"{item['name']} ({_why_missing(item)})" for item in report.get("not_restored", [])]
     plain = f"Kernel resumed: {head}"
     markdown = f"**Kernel resumed**: {head}"
     if missing:
         plain += " Not restored: " + ", ".join(missing) + "."
         markdown += "\n\nNot restored:\n" + "\n".join(
-            f"- `{item['name']}` ({item['reason']})" for item in report.get("not_restored", [])
+            f"- `{item['name']}` ({_why_missing(item)})" for item in report.get("not_restored", [])
         )
+    recomputed = [item["name"] for item in report.get("recomputed", [])]
+    if recomputed:
+        cells = sorted({cell for item in report.get("recomputed", []) for cell in item.get("cells", [])})
+        ran = f"re-ran {len(cells)} cell{'s' if len(cells) != 1 else ''}"
+        plain += f" Recomputed ({ran}): " + ", ".join(recomputed) + "."
+        markdown += f"\n\nRecomputed ({ran}): " + ", ".join(f"`{name}`" for name in recomputed)
     differs = report.get("differs") or {}
     if differs:
         listed = "; ".join(f"{name} ({why})" for name, why in differs.items())
@@ -166,6 +185,21 @@ def format_report(report: Mapping[str, Any]) -> tuple[str, str]:
             plain += f" {title}: " + "; ".join(items) + "."
             markdown += f"\n\n{title}:\n" + "\n".join(f"- {item}" for item in items)
     return plain, markdown
+
+
+def _why_missing(item: Mapping[str, Any]) -> str:
+    why = str(item.get("reason", ""))
+    if item.get("not_recomputed"):
+        why += f"; not recomputed: {item['not_recomputed']}"
+    return why
+
+
+def recompute_limit(env: Mapping[str, str]) -> float:
+    """``ELASTIC_RECOMPUTE_SECONDS`` as a number (the default when unset or not a number)."""
+    try:
+        return max(0.0, float(env.get(ENV_RECOMPUTE_SECONDS, DEFAULT_LIMIT)))
+    except ValueError:
+        return DEFAULT_LIMIT
 
 
 class _Agent:
@@ -187,15 +221,62 @@ class _Agent:
         self.cells_run = 0  # user cells finished so far
         self.saved_at_cell: int | None = None  # ``cells_run`` when the namespace last committed
         self.namespace = UserNamespace(shell)
+        #: The cell record, oldest first; committed with every checkpoint, taken back on restore.
+        self.cells: list[CellRecord] = []
+        self._before: dict[str, int] | None = None
+        self._started_at = 0.0
         shell.events.register("pre_run_cell", self._cell_started)
         shell.events.register("post_run_cell", self._cell_finished)
 
+    def _ids(self) -> dict[str, int]:
+        """``id()`` of every value in the namespace: one dict pass, twice per cell; which names
+        are the user's is decided only for the few that changed (``record_cell``)."""
+        return {name: id(value) for name, value in list(self.shell.user_ns.items())}
+
     def _cell_started(self, info: Any = None) -> None:
         self.busy = True
+        self._before = None
+        if getattr(info, "silent", False) or not getattr(info, "store_history", True):
+            return  # the server's checkpoint request, or a frontend's internal execution
+        try:
+            self._before = self._ids()
+        except Exception:
+            self.log.exception("could not snapshot the namespace before a cell")
+        self._started_at = time.perf_counter()
 
     def _cell_finished(self, result: Any = None) -> None:
         self.cells_run += 1
         self.busy = False
+        before, self._before = self._before, None
+        info = getattr(result, "info", None)
+        if before is None or info is None:
+            return
+        try:
+            self._record(info, before, bool(getattr(result, "success", True)))
+        except Exception:
+            self.log.exception("could not record a cell")
+
+    def _record(self, info: Any, before: dict[str, int], ok: bool) -> None:
+        source = str(getattr(info, "raw_cell", "") or "")
+        if not source.strip():
+            return
+        try:
+            transformed = self.shell.transform_cell(source)
+        except Exception:
+            transformed = source
+        index = self.cells[-1].index + 1 if self.cells else 1
+        self.cells.append(
+            record_cell(
+                index,
+                source,
+                transformed,
+                before,
+                self._ids(),
+                ok=ok,
+                seconds=time.perf_counter() - self._started_at,
+            )
+        )
+        del self.cells[:-MAX_CELLS]
 
     # -- checkpoint -----------------------------------------------------------------------
 
@@ -239,6 +320,7 @@ class _Agent:
                 kernel_id=self.config.kernel_id,
                 names=self.namespace.user_names(),
                 prune=False,  # the server prunes once the kernel has stopped (off the hibernate path)
+                cells=[cell.to_dict() for cell in self.cells],
             )
         except CheckpointFailed as exc:
             self.log.error("checkpoint failed: %s", exc)
@@ -279,6 +361,8 @@ class _Agent:
             report = refused_report(
                 CheckpointRefused(f"restore failed: {describe_error(exc)}"), time.perf_counter() - started
             )
+        if not report["refused"]:
+            self._resume_history(report)
         self.report = report
         if not report["refused"] and not report["not_restored"]:
             self.saved_at_cell = self.cells_run  # the namespace is exactly the committed checkpoint
@@ -291,14 +375,69 @@ class _Agent:
         except OSError as exc:
             self.log.warning("could not write %s: %s", directory / RESTORE_REPORT, exc)
         self.log.info(
-            "restore: %d restored, %d not restored, refused=%s",
+            "restore: %d restored, %d not restored, refused=%s, timings=%s",
             len(report["restored"]),
             len(report["not_restored"]),
             report["refused"],
+            report.get("timings"),
         )
         self.shell.events.register("pre_run_cell", self.show_report)
         self._hook_registered = True
         return report
+
+    def _resume_history(self, report: dict[str, Any]) -> None:
+        """Take back the committed cell record; rebuild what was not restored by re-running cells.
+
+        The record comes from the same verified manifest as the variables (re-read: it is
+        small, and the restore already checked it), so the history continues across
+        hibernations. Fills ``report["recomputed"]`` and, on each item still missing,
+        ``not_recomputed`` (why).
+        """
+        assert self.config is not None
+        report.setdefault("recomputed", [])
+        try:
+            manifest = load_verified_manifest(
+                self.config.kernel_dir, self.config.key, self.config.owner, self.config.kernel_id
+            )
+            if manifest is None or manifest.checkpoint_id != report.get("checkpoint"):
+                return
+            self.cells = [CellRecord.from_dict(raw) for raw in manifest.cells][-MAX_CELLS:]
+        except Exception as exc:
+            self.log.warning("the cell record could not be read back: %s", describe_error(exc))
+            self.cells = []
+            return
+        missing = [item["name"] for item in report.get("not_restored", [])]
+        if not missing:
+            return
+        limit = recompute_limit(os.environ)
+        if limit <= 0:
+            for item in report["not_restored"]:
+                item["not_recomputed"] = f"recompute is off ({ENV_RECOMPUTE_SECONDS}=0)"
+            return
+        plan = plan_recompute(self.cells, missing, report.get("restored", []))
+        outcome = replay(plan, self.shell.user_ns, transform=self.shell.transform_cell, limit=limit)
+        done = set(outcome.recomputed)
+        missing_items = {item["name"]: item for item in report["not_restored"]}
+        report["recomputed"] = [
+            {
+                "name": name,
+                "cells": outcome.cells,
+                "stage": missing_items[name].get("stage", ""),  # why it was missing: save or load
+                "reason": missing_items[name].get("reason", ""),
+            }
+            for name in outcome.recomputed
+        ]
+        report["not_restored"] = [item for item in report["not_restored"] if item["name"] not in done]
+        for item in report["not_restored"]:
+            item["not_recomputed"] = outcome.not_recomputed.get(item["name"], "not planned")
+        self.namespace.adopt_restored(outcome.recomputed)
+        self.log.info(
+            "recompute: %d rebuilt by re-running cells %s in %.2f s; %d not",
+            len(done),
+            outcome.cells,
+            outcome.seconds,
+            len(report["not_restored"]),
+        )
 
     def expected_checkpoint(self) -> str:
         """The checkpoint id the server expects restored; refused without one.

@@ -353,8 +353,12 @@ def write_checkpoint(
     write_fn: WriteFn = os.write,
     max_objects: int = DEFAULT_MAX_OBJECTS,
     prune: bool = True,
+    cells: Sequence[Mapping[str, Any]] | None = None,
 ) -> Manifest:
     """Checkpoint the user variables of ``namespace`` into ``kernel_dir`` and commit it.
+
+    ``cells`` is the agent's cell record; it goes into the signed manifest, so it commits
+    (or not) with the variables.
 
     ``prune=False`` leaves the superseded checkpoint on disk after the commit (it is no longer
     ``current``, so it is never read): deleting a 1 GiB file takes ~0.4 s, which the hibernate
@@ -418,6 +422,7 @@ def write_checkpoint(
                 "bytes": result.size,
             },
             data_sha256=result.sha256,
+            cells=[dict(cell) for cell in cells or ()],
         )
         timings = {"grouping": grouping, **result.timings, "total": time.perf_counter() - started}
         manifest.timings = {name: round(seconds, 6) for name, seconds in timings.items()}

@@ -242,6 +242,10 @@ class Manifest:
     data_sha256: str = ""
     hmac: str = ""
     format: str = FORMAT
+    #: The cell record (``kernelmgr.checkpoint.cells``): one JSON object per executed cell,
+    #: kept here so the HMAC covers it (its sources are re-run on resume) and it is committed
+    #: with the checkpoint. Omitted from the JSON when empty.
+    cells: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def data_bytes(self) -> int:
@@ -269,6 +273,8 @@ class Manifest:
             "totals": dict(self.totals),
             "timings": dict(self.timings),
         }
+        if self.cells:
+            out["cells"] = [dict(cell) for cell in self.cells]
         if with_hmac:
             out["hmac"] = self.hmac
         return out
@@ -305,8 +311,13 @@ class Manifest:
             GroupRecord.from_dict(g, f"groups[{i}]")
             for i, g in enumerate(_check_list("groups", raw["groups"]))
         ]
+        cells = [
+            dict(_check_mapping(f"cells[{i}]", c))
+            for i, c in enumerate(_check_list("cells", raw.get("cells", [])))
+        ]
         manifest = cls(
             format=fmt,
+            cells=cells,
             checkpoint_id=_check_str("checkpoint_id", raw["checkpoint_id"]),
             kernel_id=_check_str("kernel_id", raw["kernel_id"]),
             owner=_check_str("owner", raw["owner"]),

@@ -129,6 +129,15 @@ class HibernateHandler(ElasticHandler):
         self.write_json(await self.elastic_kernel_manager.hibernate(kernel_id, "api"))
 
 
+class ReportHandler(ElasticHandler):
+    """The last restore report the kernel's agent wrote (kept on disk, so it outlives restarts)."""
+
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        self.write_json(self.elastic_kernel_manager.elastic_report(kernel_id))
+
+
 class ResumeHandler(ElasticHandler):
     """Bring a hibernated kernel back now (the next execute would do it anyway)."""
 
@@ -207,5 +216,6 @@ def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:
         (rf"/api/elastic/kernels/{_KERNEL_ID}/hibernate", HibernateHandler),
         (r"/api/elastic/policy", PolicyHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/resume", ResumeHandler),
+        (rf"/api/elastic/kernels/{_KERNEL_ID}/report", ReportHandler),
         (r"/api/sessions", SessionsPreflightHandler),
     ]

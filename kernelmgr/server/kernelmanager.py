@@ -299,6 +299,20 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             raise http_error(404, f"no kernel with id {kernel_id!r}; list kernels at /api/elastic/kernels")
         return elastic_kernel_model(runtime, self.kernel_model(kernel_id), self._activity(kernel_id))
 
+    def elastic_report(self, kernel_id: str) -> dict[str, Any]:
+        """``GET /api/elastic/kernels/{id}/report``: the last restore report; 404 for an unknown id.
+
+        The agent writes ``restore-report.json`` beside the checkpoints after each restore (one
+        atomic rename), so the report is there after a server restart too; ``null`` until the
+        kernel was first resumed.
+        """
+        runtime = self._require_runtime()
+        if kernel_id not in self:
+            raise http_error(404, f"no kernel with id {kernel_id!r}; list kernels at /api/elastic/kernels")
+        record = runtime.kernels.get(kernel_id)
+        owner = record.owner if record else runtime.owner
+        return {"id": kernel_id, "restore_report": runtime.checkpoints.restore_report(owner, kernel_id)}
+
     def elastic_models(self) -> list[dict[str, Any]]:
         runtime = self._require_runtime()
         return [

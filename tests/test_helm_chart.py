@@ -1,0 +1,708 @@
+"""The Helm chart (helm/jupyter-elastic-kernels), with the real helm binary and the real API server.
+
+- ``helm lint --strict``, and ``values.schema.json`` refuses a bad value with a message naming it;
+- ``helm template`` over value sets (each slice backend, per-user namespaces, an existing claim, no node
+  agent, monitoring and pre-puller on): every manifest is a valid object (kubernetes-validate, strict),
+  the rendered ``jupyter_server_config.json`` is one the provisioner accepts for every GPU size, and the
+  chart's kernel Role is exactly deploy/kubernetes/rbac.yaml's (the rules the code's calls need);
+- ``helm install`` into the envtest API server; then the gateway's real command runs here with the
+  chart's ServiceAccount identity (a TokenRequest token) and the ConfigMap as the server stored it, and
+  starts, hibernates and resumes a kernel pod run by the node runner: a permission missing from the
+  chart fails this test;
+- per-user namespaces: the gateway, with only the chart's rights, creates the owner's namespace, binds
+  itself the kernel role there and hibernates and resumes a kernel pod in it;
+- ``helm upgrade`` with a changed configuration keeps a kernel: the old gateway, stopped by SIGTERM,
+  hibernates it; claim and registry survive the restart; ``helm uninstall`` keeps the claim.
+
+The helm binary comes from ``scripts/helm.sh build``; without it these tests skip, or fail when
+``ELASTIC_REQUIRE_HELM`` is set (as in CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kernelmgr.backends.kubernetes import render_pod_fragment, validate_backend_options
+from kernelmgr.core.profiles import parse_profiles
+from kernelmgr.kube.namespaces import namespace_for
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "jupyter-elastic-kernels"
+K8S_VERSION = "1.33"  # the newest schema version kubernetes-validate knows
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # prometheus-operator CRDs: not in kubernetes-validate
+
+
+def helm_binary() -> Path:
+    path = Path(
+        subprocess.run([ROOT / "scripts" / "helm.sh", "path"], capture_output=True, text=True).stdout.strip()
+    )
+    if path.is_file() and os.access(path, os.X_OK):
+        return path
+    if os.environ.get("ELASTIC_REQUIRE_HELM"):
+        pytest.fail(
+            f"ELASTIC_REQUIRE_HELM is set but {path} is missing: run scripts/helm.sh build", pytrace=False
+        )
+    pytest.skip("helm is not built: run scripts/helm.sh build", allow_module_level=True)
+    raise AssertionError("unreachable")
+
+
+HELM = helm_binary()
+
+
+def helm(
+    *args: str, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    home = {"HELM_CACHE_HOME": "/tmp/elastic-helm/cache", "HELM_CONFIG_HOME": "/tmp/elastic-helm/config"}
+    result = subprocess.run(
+        [str(HELM), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **home, **(env or {})},
+        timeout=120,
+    )
+    if check:
+        assert result.returncode == 0, f"helm {' '.join(args)} failed:\n{result.stderr}"
+    return result
+
+
+def values_args(values: dict[str, Any], tmp_path: Path) -> list[str]:
+    path = tmp_path / f"values-{uuid.uuid4().hex[:6]}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return ["-f", str(path)]
+
+
+def render(values: dict[str, Any], tmp_path: Path, namespace: str = "jupyter") -> list[dict[str, Any]]:
+    # helm built by `go install` assumes Kubernetes v1.20 without a cluster: name the validated one.
+    kube = ["--kube-version", f"{K8S_VERSION}.0"]
+    out = helm(
+        "template",
+        "jupyter-elastic-kernels",
+        str(CHART),
+        "-n",
+        namespace,
+        *kube,
+        *values_args(values, tmp_path),
+    )
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def only(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"{len(found)} {kind} {name or ''}: {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def server_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    config: dict[str, Any] = json.loads(only(docs, "ConfigMap")["data"]["jupyter_server_config.json"])
+    return config
+
+
+# ---- helm lint and the values schema
+
+
+def test_lint_strict() -> None:
+    result = helm("lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"gpu": {"profiles": {"q": {"gpu_fraction": 0.25, "backend": "quarter"}}}}, "backend"),
+        ({"gateway": {"auth": "none"}}, "auth"),
+        ({"checkpoints": {"mountPath": "relative/path"}}, "mountPath"),
+        ({"nodeAgent": {"enabled": "yes"}}, "enabled"),
+        ({"gateway": {"replicas": 2}}, "replicas"),
+        ({"kernels": {"namespce": "x"}}, "namespce"),
+        ({"kernels": {"namespaceTemplate": "jupyter-{username}"}}, "namespaceTemplate"),
+    ],
+)
+def test_schema_refuses_bad_values_naming_them(values: dict[str, Any], named: str, tmp_path: Path) -> None:
+    result = helm(
+        "template", "x", str(CHART), "--kube-version", "1.33.0", *values_args(values, tmp_path), check=False
+    )
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr
+    assert named in result.stderr
+
+
+# ---- helm template over value sets
+
+BACKEND_PROFILES: dict[str, dict[str, Any]] = {
+    "whole": {"gpu_fraction": 1, "backend": "whole"},
+    "mig": {
+        "gpu_fraction": 0.5,
+        "memory_mib": 20096,
+        "backend": "mig",
+        "options": {"mig_profile": "3g.20gb"},
+    },
+    "shared": {"gpu_fraction": 0.25, "memory_mib": 10240, "backend": "shared"},
+    "hami": {"gpu_fraction": 0.25, "memory_mib": 10240, "compute_percent": 25, "backend": "hami"},
+    "volcano": {"gpu_fraction": 0.25, "memory_mib": 10240, "backend": "volcano"},
+    "dra": {"gpu_fraction": 0.5, "memory_mib": 20480, "backend": "dra", "options": {"sharing": "MPS"}},
+}
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    **{f"backend-{b}": {"gpu": {"profiles": {f"{b}-size": p}}} for b, p in BACKEND_PROFILES.items()},
+    "per-user-namespaces": {"kernels": {"namespaceTemplate": "jupyter-{owner}", "createNamespaces": True}},
+    "extra-namespaces": {"kernels": {"namespace": "kernels", "extraNamespaces": ["kernels-b"]}},
+    "existing-claim": {"checkpoints": {"existingClaim": "team-checkpoints"}},
+    "no-agent": {"nodeAgent": {"enabled": False}, "networkPolicy": {"enabled": False}},
+    "monitoring-prepuller-hub": {
+        "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
+        "prePuller": {"enabled": True},
+        "jupyterhub": {"apiTokenSecret": "hub-service-token"},
+        "gpu": {
+            "inventorySource": "declared",
+            "inventory": [{"uuid": "GPU-1", "name": "A100", "memory_mib": 40960}],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_template_renders_valid_objects_and_an_accepted_config(name: str, tmp_path: Path) -> None:
+    import kubernetes_validate
+
+    docs = render(VALUE_SETS[name], tmp_path)
+    for doc in docs:
+        if doc["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    config = server_config(docs)
+    profiles = parse_profiles(config["ElasticKernels"]["profiles"])
+    for profile in profiles.values():
+        validate_backend_options(profile)
+        render_pod_fragment(profile, "k-" + uuid.uuid4().hex[:8])
+    deployment = only(docs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"] == [
+        "jupyter-elastic-gateway",
+        "--config=/etc/jupyter-elastic/jupyter_server_config.json",
+    ]
+    assert pod["serviceAccountName"] == only(docs, "ServiceAccount")["metadata"]["name"]
+    claim = config["ElasticKubernetesProvisioner"]["checkpoint_claim"]
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}} in pod["volumes"]
+    assert config["ElasticKernels"]["checkpoint_root"] in {
+        m["mountPath"] for m in pod["containers"][0]["volumeMounts"]
+    }
+
+
+def test_existing_claim_is_used_and_no_claim_is_made(tmp_path: Path) -> None:
+    docs = render(VALUE_SETS["existing-claim"], tmp_path)
+    assert not [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    assert server_config(docs)["ElasticKubernetesProvisioner"]["checkpoint_claim"] == "team-checkpoints"
+    made = render({}, tmp_path)
+    claim = only(made, "PersistentVolumeClaim")
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert (
+        server_config(made)["ElasticKubernetesProvisioner"]["checkpoint_claim"] == claim["metadata"]["name"]
+    )
+
+
+def test_node_agent_runs_on_gpu_nodes_only_without_api_rights(tmp_path: Path) -> None:
+    docs = render({}, tmp_path)
+    agent = only(docs, "DaemonSet", "jupyter-elastic-kernels-node-agent")["spec"]["template"]["spec"]
+    assert agent["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert agent["hostPID"] is True
+    assert agent["automountServiceAccountToken"] is False
+    assert "serviceAccountName" not in agent
+    container = agent["containers"][0]
+    assert all(m["readOnly"] for m in container["volumeMounts"] if m["name"] == "host-proc")
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "resources" in container and "nvidia.com/gpu" not in json.dumps(container["resources"])
+    assert not [d for d in render(VALUE_SETS["no-agent"], tmp_path) if d["kind"] == "DaemonSet"]
+
+
+def test_kernel_role_is_exactly_the_shipped_rbac(tmp_path: Path) -> None:
+    shipped = [d for d in yaml.safe_load_all((ROOT / "deploy/kubernetes/rbac.yaml").read_text()) if d]
+    shipped_namespaces = [
+        d for d in yaml.safe_load_all((ROOT / "deploy/kubernetes/rbac-namespaces.yaml").read_text()) if d
+    ]
+
+    def rules(docs: list[dict[str, Any]], suffix: str) -> Any:
+        return only(docs, "ClusterRole", f"jupyter-elastic-kernels:{suffix}")["rules"]
+
+    per_user = render(VALUE_SETS["per-user-namespaces"], tmp_path)
+    assert rules(per_user, "kernel-pods") == rules(shipped, "kernel-pods")
+    assert rules(per_user, "nodes") == rules(shipped, "nodes")
+    assert rules(per_user, "namespaces") == rules(shipped_namespaces, "namespaces")
+    config = server_config(per_user)["ElasticKubernetesProvisioner"]
+    assert config["namespace_template"] == "jupyter-{owner}" and config["create_namespace"] is True
+    assert namespace_for(config["namespace_template"], "Bob.Smith") == namespace_for(
+        "jupyter-{owner}", "Bob.Smith"
+    )
+    assert config["namespace_cluster_role"] == "jupyter-elastic-kernels:kernel-pods"
+    # Without per-user namespaces the gateway gets no right to make namespaces or bindings.
+    plain = render({}, tmp_path)
+    assert not [d for d in plain if d["metadata"]["name"].endswith(":namespaces")]
+    # A RoleBinding and a NetworkPolicy in every kernel namespace, none elsewhere.
+    spread = render(VALUE_SETS["extra-namespaces"], tmp_path)
+    assert sorted(d["metadata"]["namespace"] for d in spread if d["kind"] == "RoleBinding") == [
+        "kernels",
+        "kernels-b",
+    ]
+    policies = [
+        d for d in spread if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-kernels")
+    ]
+    assert sorted(d["metadata"]["namespace"] for d in policies) == ["kernels", "kernels-b"]
+    # Declared inventory: no right to read nodes either.
+    declared = render(VALUE_SETS["monitoring-prepuller-hub"], tmp_path)
+    assert not [d for d in declared if d["metadata"]["name"].endswith(":nodes")]
+
+
+def test_network_policy_admits_only_the_gateway(tmp_path: Path) -> None:
+    docs = render({}, tmp_path)
+    gateway_labels = only(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    policy = only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernels")["spec"]
+    assert policy["podSelector"]["matchExpressions"] == [
+        {"key": "component", "operator": "In", "values": ["kernel"]}
+    ]
+    (source,) = policy["ingress"][0]["from"]
+    assert source["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "jupyter"}
+    assert source["podSelector"]["matchLabels"].items() <= gateway_labels.items()
+    assert source["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
+
+
+def test_values_reach_the_server_config(tmp_path: Path) -> None:
+    values = {
+        "cull": {
+            "idleTimeout": 900,
+            "warnBefore": 60,
+            "hibernatedTtl": 86400,
+            "rules": [{"profiles": ["*"], "idle_timeout": 600}],
+        },
+        "quota": {"default": {"max_kernels": 2, "max_gpu": 1}},
+        "gateway": {"auth": "token", "adminUsers": ["ops"]},
+        "extraConfig": {"ElasticKernels": {"reap_interval": 2}},
+    }
+    config = server_config(render(values, tmp_path))
+    assert config["CullPolicy"] == {
+        "idle_timeout": 900,
+        "interval": 60,
+        "warn_before": 60,
+        "hibernated_ttl": 86400,
+        "rules": [{"profiles": ["*"], "idle_timeout": 600}],
+    }
+    assert config["ElasticQuota"]["default"] == {"max_kernels": 2, "max_gpu": 1}
+    assert config["ElasticGateway"] == {"auth": "token", "admin_users": ["ops"], "admin_groups": []}
+    assert config["ElasticKernels"]["reap_interval"] == 2
+    assert config["ElasticKernels"]["kernel_provisioner"] == "elastic-kubernetes-provisioner"
+    assert "base_url" not in config["ServerApp"]  # a token gateway is not a Hub service
+    hub = server_config(render({"jupyterhub": {"serviceName": "gpu-gateway"}}, tmp_path))
+    assert hub["ServerApp"]["base_url"] == "/services/gpu-gateway/"
+    assert hub["ElasticGateway"]["auth"] == "jupyterhub"
+
+
+# ---- helm install into the real API server; the gateway with the chart's identity
+
+
+RELEASE = "jupyter-elastic-kernels"
+SIZE = "python3-gpu-whole"
+NOWHERE = {"elastic.test/no-such-node": "true"}  # the gateway and agent pods stay Pending: they run here
+
+
+@pytest.fixture
+def release(
+    request: pytest.FixtureRequest, kube_plane: Any, kube_api: Any, kube_runner: Any, tmp_path: Path
+) -> Iterator[dict[str, Any]]:
+    """The chart installed by helm into a fresh namespace of the envtest API server.
+
+    Parametrized indirectly with "per-user": kernels in one namespace per owner, made by the gateway.
+    """
+    from kubernetes import client
+
+    from tests.support.kube import wait_for
+
+    require_envtest()
+    core = client.CoreV1Api(kube_api)
+    namespace = f"helm-{uuid.uuid4().hex[:6]}"
+    claim = f"{RELEASE}-checkpoints"
+    volume = f"{namespace}-checkpoints"
+    # A static volume for the chart's claim (envtest has no storage provisioner).
+    core.create_persistent_volume(
+        {
+            "metadata": {"name": volume},
+            "spec": {
+                "capacity": {"storage": "100Gi"},
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "hostPath": {"path": "/srv/elastic-checkpoints"},
+                "claimRef": {"namespace": namespace, "name": claim},
+            },
+        }
+    )
+    checkpoints = kube_runner.volumes_root / "pvc" / namespace / claim
+    checkpoints.mkdir(parents=True)
+    values = {
+        "gateway": {"auth": "token", "nodeSelector": NOWHERE},
+        "nodeAgent": {"nodeSelector": NOWHERE},
+        "kernels": {
+            "image": "python:3.12",
+            "nodeSelector": {"elastic.test/node-runner": "true"},
+            "runAsUser": os.getuid() or 1000,
+            "launchTimeout": 60,
+            "firstPort": 30000 + 5 * (uuid.uuid4().int % 5000),
+        },
+        # The chart's default inventory source, "kubernetes": the GPUs of the nodes (the runner's one
+        # nvidia.com/gpu), read with the chart's nodes ClusterRole.
+        "gpu": {"profiles": {"whole": {"gpu_fraction": 1, "backend": "whole"}}},
+        # The gateway process runs on this machine: the claim's folder is where the runner maps it.
+        "checkpoints": {"mountPath": str(checkpoints)},
+        "extraConfig": {"ElasticKernels": {"reap_interval": 1}},
+    }
+    if getattr(request, "param", None) == "per-user":
+        values["kernels"].update({"namespaceTemplate": f"{namespace}-{{owner}}", "createNamespaces": True})
+    kubeconfig = ["--kubeconfig", str(kube_plane.admin_kubeconfig)]
+    install = ["install", RELEASE, str(CHART), "-n", namespace, "--create-namespace", *kubeconfig]
+    helm(*install, *values_args(values, tmp_path))
+    wait_for(
+        lambda: core.read_namespaced_persistent_volume_claim(claim, namespace).status.phase == "Bound",
+        60,
+        "the chart's checkpoint claim to be bound",
+    )
+    try:
+        yield {
+            "namespace": namespace,
+            "values": values,
+            "kubeconfig": kubeconfig,
+            "checkpoints": checkpoints,
+            "claim": claim,
+            "core": core,
+        }
+    finally:
+        helm("uninstall", RELEASE, "-n", namespace, *kubeconfig, check=False)
+        from tests.support import rbac
+
+        rbac.delete(
+            kube_api,
+            [
+                {"kind": kind, "metadata": {"name": f"{RELEASE}:{name}"}}
+                for kind in ("ClusterRole", "ClusterRoleBinding")
+                for name in ("kernel-pods", "nodes", "namespaces")
+            ],
+        )
+        core.delete_namespace(namespace)
+        core.delete_persistent_volume(volume)
+
+
+def require_envtest() -> None:
+    from tests.support.kube import require_envtest as require
+
+    require()
+
+
+def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any], name: str) -> Any:
+    """The chart's command with the ConfigMap as the API server holds it, as the chart's ServiceAccount."""
+    from kubernetes import client
+
+    from tests.support import rbac
+    from tests.support.server import TOKEN, RunningServer, free_port, isolated_env, wait_for
+
+    namespace = release["namespace"]
+    home = tmp_path / name
+    home.mkdir()
+    stored = client.CoreV1Api(api).read_namespaced_config_map(f"{RELEASE}-config", namespace)
+    config_file = home / "jupyter_server_config.json"
+    config_file.write_text(stored.data["jupyter_server_config.json"])
+    # In the pod the ServiceAccount token is mounted; here: a TokenRequest token in a kubeconfig.
+    kubeconfig, token = rbac.service_account_kubeconfig(
+        plane, api, namespace, RELEASE, home / "sa.kubeconfig"
+    )
+    rbac.wait_allowed(plane, token, "create", "pods", namespace)
+    port = free_port()
+    command = [
+        str(Path(sys.executable).parent / "jupyter-elastic-gateway"),
+        f"--config={config_file}",
+        # Only what differs from a pod: where it listens, its token, root in a test container.
+        f"--ElasticKubernetesProvisioner.kubeconfig={kubeconfig}",
+        f"--port={port}",
+        "--ip=127.0.0.1",
+        "--allow-root",
+        f"--IdentityProvider.token={TOKEN}",
+    ]
+    log_path = home / "gateway.log"
+    env = isolated_env(home)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=home)
+    gateway = RunningServer(
+        url=f"http://127.0.0.1:{port}", process=process, home=home, log_path=log_path, env=env
+    )
+
+    def answers() -> bool:
+        if process.poll() is not None:
+            raise AssertionError(f"the gateway exited with {process.returncode}:\n{gateway.log()}")
+        try:
+            return gateway.request("GET", "/api/status").status == 200
+        except OSError:
+            return False
+
+    wait_for(answers, 60, what="the gateway to answer")
+    return gateway
+
+
+def kernel_pods(release: dict[str, Any], kernel_id: str) -> list[Any]:
+    pods = (
+        release["core"]
+        .list_namespaced_pod(release["namespace"], label_selector=f"kernel_id={kernel_id}")
+        .items
+    )
+    return list(pods)
+
+
+def hibernate(gateway: Any, release: dict[str, Any], kernel_id: str) -> None:
+    reply = gateway.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+    assert reply.status == 200, (reply, gateway.log()[-3000:])
+    assert kernel_pods(release, kernel_id) == []
+    assert gateway.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernated"
+
+
+@pytest.mark.timeout(600)
+def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survives_upgrade(
+    kube_plane: Any, kube_api: Any, release: dict[str, Any], tmp_path: Path
+) -> None:
+    from kubernetes import client
+
+    namespace = release["namespace"]
+    apps = client.AppsV1Api(kube_api)
+    # The API server accepted every object of the chart.
+    assert (
+        apps.read_namespaced_deployment(RELEASE, namespace).spec.template.spec.service_account_name == RELEASE
+    )
+    assert apps.read_namespaced_daemon_set(f"{RELEASE}-node-agent", namespace).spec.template.spec.host_pid
+    client.RbacAuthorizationV1Api(kube_api).read_namespaced_role_binding(RELEASE, namespace)
+    client.NetworkingV1Api(kube_api).read_namespaced_network_policy(f"{RELEASE}-kernels", namespace)
+    claim_uid = (
+        release["core"].read_namespaced_persistent_volume_claim(release["claim"], namespace).metadata.uid
+    )
+
+    gateway = start_gateway(tmp_path, kube_plane, kube_api, release, "first")
+    try:
+        # The PrometheusRule's expressions name metrics the gateway really exports.
+        import re
+
+        rule = only(render({"metrics": {"prometheusRule": {"enabled": True}}}, tmp_path), "PrometheusRule")
+        exprs = [r["expr"] for group in rule["spec"]["groups"] for r in group["rules"]]
+        names = {name for expr in exprs for name in re.findall(r"\belastic_[a-z_]+(?=\[)", expr)}
+        # What a query can name: a counter's samples end in _total (the TYPE line may omit it).
+        types = re.findall(r"^# TYPE (\S+) (\S+)$", gateway.text("/metrics"), re.MULTILINE)
+        exported = {
+            name if kind != "counter" or name.endswith("_total") else f"{name}_total" for name, kind in types
+        }
+        assert names and names <= exported, (names, sorted(n for n in exported if n.startswith("elastic")))
+        kernel_id = gateway.start_kernel(SIZE)
+        with gateway.channel(kernel_id, timeout=120) as tab:
+            assert tab.execute("x = 41; print('ok')", timeout=120).stdout.strip() == "ok"
+            for n in range(2):
+                hibernate(gateway, release, kernel_id)
+                # The next cell on the open websocket resumes the kernel in a new pod.
+                result = tab.execute("x += 1; print(x)", timeout=120)
+                assert result.error == "", result.error
+                assert result.stdout.strip() == str(42 + n)
+                (pod,) = kernel_pods(release, kernel_id)
+                assert pod.metadata.labels["component"] == "kernel"
+    finally:
+        # SIGTERM, as Kubernetes stops the old gateway pod on an upgrade: the running idle kernel is
+        # hibernated (checkpoint committed, pod deleted) before the gateway exits.
+        gateway.stop()
+    assert gateway.process.returncode == 0, gateway.log()[-3000:]
+    assert kernel_pods(release, kernel_id) == []
+
+    # helm upgrade with a changed configuration: the Deployment's pod template changes (the gateway
+    # restarts); the claim and the registry on it keep the hibernated kernel.
+    values = json.loads(json.dumps(release["values"]))
+    values["cull"] = {"idleTimeout": 1800}
+    before = apps.read_namespaced_deployment(RELEASE, namespace).spec.template.metadata.annotations
+    helm(
+        "upgrade",
+        RELEASE,
+        str(CHART),
+        "-n",
+        namespace,
+        *release["kubeconfig"],
+        *values_args(values, tmp_path),
+    )
+    after = apps.read_namespaced_deployment(RELEASE, namespace).spec.template.metadata.annotations
+    assert after["checksum/config"] != before["checksum/config"]
+    assert (
+        release["core"].read_namespaced_persistent_volume_claim(release["claim"], namespace).metadata.uid
+        == claim_uid
+    )
+
+    gateway = start_gateway(tmp_path, kube_plane, kube_api, release, "after-upgrade")
+    try:
+        stored = json.loads((gateway.home / "jupyter_server_config.json").read_text())
+        assert stored["CullPolicy"]["idle_timeout"] == 1800
+        assert gateway.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernated"
+        assert kernel_pods(release, kernel_id) == []
+        assert gateway.execute(kernel_id, "print(x)", timeout=120).strip() == "43"
+        gateway.shutdown_kernel(kernel_id)
+    finally:
+        gateway.stop()
+
+    # Uninstalling keeps the checkpoint claim (helm.sh/resource-policy: keep).
+    helm("uninstall", RELEASE, "-n", namespace, *release["kubeconfig"])
+    assert (
+        release["core"].read_namespaced_persistent_volume_claim(release["claim"], namespace).metadata.uid
+        == claim_uid
+    )
+
+
+def test_z2jh_example_points_at_the_charts_gateway(tmp_path: Path) -> None:
+    """examples/jupyterhub/z2jh/values.yaml names the chart's Service, port, Hub service and real classes."""
+    import importlib
+    import re
+
+    z2jh = yaml.safe_load((ROOT / "examples/jupyterhub/z2jh/values.yaml").read_text())
+    docs = render({}, tmp_path)  # release "jupyter-elastic-kernels" in namespace "jupyter"
+    service = only(docs, "Service")
+    name, port = service["metadata"]["name"], service["spec"]["ports"][0]["port"]
+    gateway_url = f"http://{name}.jupyter.svc.cluster.local:{port}"
+    config = server_config(docs)
+    (hub_service,) = z2jh["hub"]["services"]
+    assert z2jh["hub"]["services"][hub_service]["url"] == gateway_url
+    assert config["ServerApp"]["base_url"] == f"/services/{hub_service}/"
+    assert z2jh["singleuser"]["extraEnv"]["JUPYTER_GATEWAY_URL"] == f"{gateway_url}/services/{hub_service}/"
+    scope = f"access:services!service={hub_service}"
+    assert scope in z2jh["hub"]["config"]["JupyterHub"]["extra_user_scopes"]
+    assert scope in z2jh["hub"]["config"]["KubeSpawner"]["server_token_scopes"]
+    client_config = z2jh["singleuser"]["extraFiles"]["elastic-gateway-client"]["stringData"]
+    classes = re.findall(r'_class = "([\w.]+)"', client_config)
+    assert len(classes) == 2
+    for dotted in classes:
+        module, _, cls = dotted.rpartition(".")
+        assert hasattr(importlib.import_module(module), cls), dotted
+    # The example's single-user servers may reach the gateway pods the chart labels.
+    gateway_labels = only(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    (rule,) = z2jh["singleuser"]["networkPolicy"]["egress"]
+    assert rule["to"][0]["podSelector"]["matchLabels"].items() <= gateway_labels.items()
+    assert rule["ports"][0]["port"] == port
+    # Idle servers are stopped, never their users removed (kernels stay at the gateway).
+    assert z2jh["cull"]["users"] is False
+
+
+def _leaves(values: Any, prefix: str = "") -> Iterator[str]:
+    if isinstance(values, dict) and values:
+        for key, value in values.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    else:
+        yield prefix.rstrip(".")
+
+
+def test_chart_readme_lists_every_value_and_nothing_else() -> None:
+    import re
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    documented = set(re.findall(r"^\| `([A-Za-z.]+)` \|", (CHART / "README.md").read_text(), re.MULTILINE))
+    leaves = set(_leaves(values))
+    undocumented = {
+        leaf for leaf in leaves if not any(leaf == d or leaf.startswith(d + ".") for d in documented)
+    }
+    assert not undocumented, f"values missing from the chart README: {sorted(undocumented)}"
+    stale = {d for d in documented if not any(leaf == d or leaf.startswith(d + ".") for leaf in leaves)}
+    assert not stale, f"the chart README documents values that do not exist: {sorted(stale)}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("release", ["per-user"], indirect=True)
+def test_per_user_namespace_made_by_the_gateway_with_the_charts_rights(
+    kube_plane: Any, kube_api: Any, kube_runner: Any, release: dict[str, Any], tmp_path: Path
+) -> None:
+    """The gateway, as the chart's ServiceAccount, creates the owner's namespace and binds itself there."""
+    import getpass
+    import threading
+
+    from kubernetes import client
+
+    from tests.support.kube import wait_for
+
+    core = release["core"]
+    template = f"{release['namespace']}-{{owner}}"
+    user_namespace = namespace_for(template, getpass.getuser())
+    claim = release["claim"]
+    # The owner's namespace needs a checkpoint claim of the same name on the same storage (see the
+    # chart README); on the runner that is the release claim's folder.
+    user_folder = kube_runner.volumes_root / "pvc" / user_namespace / claim
+    user_folder.parent.mkdir(parents=True)
+    user_folder.symlink_to(release["checkpoints"])
+    volume = f"{user_namespace}-checkpoints"
+    gateway = start_gateway(tmp_path, kube_plane, kube_api, release, "per-user")
+    started: dict[str, Any] = {}
+    starter = threading.Thread(
+        target=lambda: started.update(reply=gateway.request("POST", "/api/kernels", {"name": SIZE}))
+    )
+    try:
+        starter.start()
+        # The gateway made the namespace (Pod Security restricted) and its RoleBinding to itself.
+        wait_for(
+            lambda: user_namespace in [n.metadata.name for n in core.list_namespace().items],
+            60,
+            "the namespace",
+        )
+        labels = core.read_namespace(user_namespace).metadata.labels
+        assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+        core.create_persistent_volume(
+            {
+                "metadata": {"name": volume},
+                "spec": {
+                    "capacity": {"storage": "100Gi"},
+                    "accessModes": ["ReadWriteMany"],
+                    "storageClassName": "",
+                    "hostPath": {"path": "/srv/elastic-checkpoints"},
+                    "claimRef": {"namespace": user_namespace, "name": claim},
+                },
+            }
+        )
+        core.create_namespaced_persistent_volume_claim(
+            user_namespace,
+            {
+                "metadata": {"name": claim},
+                "spec": {
+                    "accessModes": ["ReadWriteMany"],
+                    "storageClassName": "",
+                    "volumeName": volume,
+                    "resources": {"requests": {"storage": "100Gi"}},
+                },
+            },
+        )
+        starter.join(120)
+        reply = started["reply"]
+        assert reply.status == 201, (reply, gateway.log()[-3000:])
+        kernel_id = reply.body["id"]
+        (binding,) = (
+            client.RbacAuthorizationV1Api(kube_api).list_namespaced_role_binding(user_namespace).items
+        )
+        assert binding.role_ref.name == f"{RELEASE}:kernel-pods"
+        assert [(s.kind, s.name, s.namespace) for s in binding.subjects] == [
+            ("ServiceAccount", RELEASE, release["namespace"])
+        ]
+        pods = core.list_namespaced_pod(user_namespace, label_selector=f"kernel_id={kernel_id}").items
+        assert len(pods) == 1
+        assert gateway.execute(kernel_id, "y = 'kept'; print(y)", timeout=120).strip() == "kept"
+        reply = gateway.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert reply.status == 200, (reply, gateway.log()[-3000:])
+        assert core.list_namespaced_pod(user_namespace, label_selector=f"kernel_id={kernel_id}").items == []
+        assert gateway.execute(kernel_id, "print(y)", timeout=120).strip() == "kept"
+        gateway.shutdown_kernel(kernel_id)
+    finally:
+        gateway.stop()
+        starter.join(1)
+        for delete in (
+            lambda: core.delete_namespace(user_namespace),
+            lambda: core.delete_persistent_volume(volume),
+        ):
+            try:
+                delete()
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
