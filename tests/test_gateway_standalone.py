@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.bench_roundtrip import server_side_nodelay
 from tests.conftest import elastic_config
 from tests.support.server import TOKEN, RunningServer, launch, start_server
 
@@ -71,10 +72,45 @@ def test_a_bad_quota_stops_the_gateway_with_one_clear_line(tmp_path: Path) -> No
     config = elastic_config(tmp_path / "checkpoints")
     config["ElasticQuota"] = {"users": {"ann": {"profiles": ["enormous"]}}}
     proc, log_path, _url, _env = launch(tmp_path / "gateway", config, app_module="gateway.app")
-    assert proc.wait(timeout=60) == 2
+    try:
+        assert proc.wait(timeout=60) == 2
+    finally:  # a gateway that failed to stop must not outlive the test
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     log = log_path.read_text()
     assert (
         "invalid configuration: ElasticQuota.users['ann'].profiles names unknown GPU sizes ['enormous']"
         in log
     )
     assert "Traceback" not in log
+
+
+def test_the_projects_relay_runs_cells_with_nagle_off(tmp_path: Path, gateway: RunningServer) -> None:
+    """``ElasticGatewayWebSocketConnection`` relays cells (hibernation included) with Nagle off.
+
+    Nagle on the notebook's websocket is what makes the stock relay cost a delayed ACK per cell
+    (``benchmarks/bench_gateway.py``); whether it is off is read from outside the server process.
+    """
+    relay = (
+        "--ServerApp.kernel_websocket_connection_class=gateway.singleuser.ElasticGatewayWebSocketConnection"
+    )
+    user = start_server(
+        tmp_path / "user",
+        {},
+        extra_args=[f"--GatewayClient.url={gateway.url}", f"--GatewayClient.auth_token={TOKEN}", relay],
+    )
+    try:
+        kernel_id = user.start_kernel("python3-gpu-small")
+        with user.channel(kernel_id, timeout=120) as channel:
+            for cycle in range(3):
+                assert channel.execute(f"x = {cycle}; print(x)").stdout == f"{cycle}\n"
+                hibernated = gateway.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+                assert hibernated.status == 200, hibernated
+                assert channel.execute("print(x * 10)", timeout=120).stdout == f"{cycle * 10}\n"
+            port = channel.conn.sock.getsockname()[1]
+            assert server_side_nodelay(user, port) == "on"
+        user.shutdown_kernel(kernel_id)
+        assert gateway.get("/api/kernels") == []
+    finally:
+        user.stop()

@@ -92,6 +92,8 @@ c.Spawner.environment = {
 c.Spawner.args = [
     "--ServerApp.kernel_manager_class=gateway.singleuser.ElasticGatewayMappingKernelManager",
     "--ServerApp.session_manager_class=gateway.singleuser.ElasticGatewaySessionManager",
+    # Relays cells to the gateway with Nagle off (the stock relay waits a delayed ACK per cell).
+    "--ServerApp.kernel_websocket_connection_class=gateway.singleuser.ElasticGatewayWebSocketConnection",
     # In the user's home: the notebook keeps its kernel across server restarts.
     "--SessionManager.database_filepath=.jupyter-elastic-sessions.db",
     # The gateway's cull policy decides about idle kernels, not the user's server.
