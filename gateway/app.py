@@ -23,6 +23,7 @@ from traitlets import default
 from gateway.access import GatewayAccess
 from gateway.config import ElasticGateway, ElasticQuota
 from gateway.identity import HubIdentityProvider
+from kernelmgr.config import CullPolicy, ElasticKernels
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.server.ownership import SETTINGS_KEY
 
@@ -39,9 +40,15 @@ class ElasticGatewayApp(ServerApp):
     # No contents, files, sessions, nbconvert or UI: kernels only.
     default_services = ("api", "auth", "security", "shutdown", "events")  # type: ignore[assignment]
 
-    @property
-    def classes(self) -> list[Any]:  # type: ignore[override]
-        return [*super().classes, ElasticGateway, ElasticQuota, HubIdentityProvider]
+    # The gateway's own configurables join ServerApp's in --help-all and the config file.
+    classes = [  # noqa: RUF012
+        *ServerApp.classes,
+        ElasticKernels,
+        CullPolicy,
+        ElasticGateway,
+        ElasticQuota,
+        HubIdentityProvider,
+    ]
 
     @default("extra_services")
     def _default_extra_services(self) -> list[str]:

@@ -114,3 +114,15 @@ def test_the_projects_relay_runs_cells_with_nagle_off(tmp_path: Path, gateway: R
         assert gateway.get("/api/kernels") == []
     finally:
         user.stop()
+
+
+def test_help_lists_the_gateways_own_settings() -> None:
+    import subprocess
+    import sys
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "gateway.app", "--help-all"], capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    for name in ("--ElasticQuota.default", "--ElasticGateway.auth", "--ElasticKernels.profiles"):
+        assert name in shown.stdout, name
