@@ -60,9 +60,6 @@ class GatewayAccess(KernelAccess):
             name in self.admin_users or bool(groups & self.admin_groups) or self.identity.is_hub_admin(name)
         )
 
-    def owner_for(self, handler: Any) -> str | None:
-        return self._user(handler)
-
     def owner_of(self, kernel_id: str) -> str | None:
         record = self.runtime.kernels.get(kernel_id)
         return record.owner if record is not None else self.started_by.get(kernel_id)

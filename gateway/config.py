@@ -6,8 +6,6 @@ ConfigMap) holds the gateway's settings beside ``ElasticKernels`` and ``CullPoli
 
 from __future__ import annotations
 
-from typing import Any
-
 from traitlets import Dict, Enum, List, Unicode
 from traitlets.config import Configurable
 
@@ -64,14 +62,10 @@ class ElasticQuota(Configurable):
         default = parse_limits("ElasticQuota.default", self.default, known_profiles)
         groups = {
             name: parse_limits(f"ElasticQuota.groups[{name!r}]", raw, known_profiles)
-            for name, raw in self._mapping("groups").items()
+            for name, raw in self.groups.items()
         }
         users = {
             name: parse_limits(f"ElasticQuota.users[{name!r}]", raw, known_profiles)
-            for name, raw in self._mapping("users").items()
+            for name, raw in self.users.items()
         }
         return QuotaTable(default=default, groups=groups, users=users)
-
-    def _mapping(self, name: str) -> dict[str, Any]:
-        value = getattr(self, name)
-        return dict(value)

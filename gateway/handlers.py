@@ -21,18 +21,14 @@ from tornado import web
 
 from gateway.access import GatewayAccess
 from kernelmgr.core.kernels import requesting_owner
-from kernelmgr.server.errors import http_error
+from kernelmgr.server.errors import http_error, no_such_kernel
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
-from kernelmgr.server.ownership import SETTINGS_KEY
+from kernelmgr.server.ownership import SETTINGS_KEY, access_of
 
 
 def _access(handler: Any) -> GatewayAccess | None:
     access = handler.settings.get(SETTINGS_KEY)
     return access if isinstance(access, GatewayAccess) else None
-
-
-def _not_found(kernel_id: str) -> web.HTTPError:
-    return http_error(404, f"no kernel with id {kernel_id!r}")
 
 
 def _profile_of(handler: Any, kernel_name: str) -> str | None:
@@ -50,18 +46,16 @@ class _Guarded:
 
     def check_kernel_access(self: Any) -> None:
         kernel_id = self.path_kwargs.get("kernel_id")
-        access = _access(self)
-        if kernel_id and access is not None and self.current_user and not access.may_access(self, kernel_id):
-            raise _not_found(kernel_id)
+        if kernel_id and self.current_user and not access_of(self.settings).may_access(self, kernel_id):
+            raise no_such_kernel(kernel_id)
 
 
-class MainKernelHandler(_Guarded, kernel_handlers.MainKernelHandler):
+class MainKernelHandler(kernel_handlers.MainKernelHandler):
     @web.authenticated
     async def get(self) -> None:
-        access = _access(self)
+        access = access_of(self.settings)
         kernels = await ensure_async(self.kernel_manager.list_kernels())
-        if access is not None:
-            kernels = [k for k in kernels if access.may_access(self, k["id"])]
+        kernels = [k for k in kernels if access.may_access(self, k["id"])]
         self.finish(json.dumps(kernels, default=kernel_handlers.json_default))
 
     @web.authenticated

@@ -37,13 +37,6 @@ class Limits:
         """CPU kernels (no GPU size) are always allowed; GPU sizes only when listed."""
         return profile is None or self.profiles is None or profile in self.profiles
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "max_kernels": self.max_kernels,
-            "max_gpu": self.max_gpu,
-            "profiles": sorted(self.profiles) if self.profiles is not None else None,
-        }
-
 
 def parse_limits(where: str, raw: Any, known_profiles: Iterable[str]) -> dict[str, Any]:
     """Validate one configured entry; returns only the keys it sets. Raises :class:`ConfigError`."""

@@ -33,9 +33,7 @@ from typing import Any
 from jupyter_server.gateway.connections import GatewayWebSocketConnection
 from jupyter_server.gateway.gateway_client import gateway_request
 from jupyter_server.gateway.managers import GatewayMappingKernelManager, GatewaySessionManager
-from jupyter_server.utils import url_path_join
-from tornado import web
-from tornado.escape import json_decode, url_escape
+from tornado.escape import json_decode
 from traitlets import Bool
 
 
@@ -53,19 +51,13 @@ class ElasticGatewayMappingKernelManager(GatewayMappingKernelManager):
         """Track a kernel the gateway has for this user; ``False`` if the gateway does not have it."""
         if kernel_id in self._kernels:
             return True
-        url = url_path_join(self.kernels_url, url_escape(str(kernel_id)))
-        try:
-            response = await gateway_request(url, method="GET")
-        except web.HTTPError as err:
-            if err.status_code == 404:
-                return False
-            raise
-        model = json_decode(response.body)
         km = self.kernel_manager_factory(parent=self, log=self.log)
-        await km.start_kernel(kernel_id=kernel_id)  # with an id: refreshes the model, starts nothing
-        km.kernel = model
+        # With an id, the stock manager only fetches the kernel's model (None: a 404), starting nothing.
+        await km.start_kernel(kernel_id=kernel_id)
+        if km.kernel is None:
+            return False
         self._kernels[kernel_id] = km
-        self.log.info("Kernel %s at the gateway adopted (%s)", kernel_id, model.get("execution_state"))
+        self.log.info("Kernel %s at the gateway adopted (%s)", kernel_id, km.kernel.get("execution_state"))
         return True
 
     async def list_kernels(self, **kwargs: Any) -> list[dict[str, Any]]:

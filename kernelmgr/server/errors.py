@@ -22,3 +22,8 @@ class ClearHTTPError(web.HTTPError):
 def http_error(status: int, message: str) -> web.HTTPError:
     """An error that jupyter_server renders as ``{"message": message}`` with ``status``."""
     return ClearHTTPError(status, message)
+
+
+def no_such_kernel(kernel_id: str) -> web.HTTPError:
+    """404 for an unknown kernel id, and for another user's: both must read the same."""
+    return http_error(404, f"no kernel with id {kernel_id!r}; list kernels at /api/elastic/kernels")

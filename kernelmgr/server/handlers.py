@@ -16,7 +16,7 @@ from jupyter_server.services.sessions.handlers import SessionRootHandler
 from tornado import web
 
 from kernelmgr.config import ElasticRuntime
-from kernelmgr.server.errors import http_error
+from kernelmgr.server.errors import http_error, no_such_kernel
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import gpus_model, profiles_model
@@ -54,7 +54,7 @@ class ElasticHandler(APIHandler):
         await super().prepare()
         kernel_id = self.path_kwargs.get("kernel_id")
         if kernel_id and self.current_user and not access_of(self.settings).may_access(self, kernel_id):
-            raise http_error(404, f"no kernel with id {kernel_id!r}; list kernels at /api/elastic/kernels")
+            raise no_such_kernel(kernel_id)
 
 
 class ProfilesHandler(ElasticHandler):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from jupyter_client.kernelspec import NoSuchKernel
@@ -33,11 +34,26 @@ from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube.access import KubeRefused
 from kernelmgr.server.concurrency import hibernate_on_shutdown
 from kernelmgr.server.culler import Culler
-from kernelmgr.server.errors import http_error
+from kernelmgr.server.errors import http_error, no_such_kernel
 from kernelmgr.server.hibernation import KUBERNETES_PROVISIONER, HibernationError, Hibernator
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import elastic_kernel_model
 from kernelmgr.server.persistence import KernelRecord
+
+
+@contextlib.contextmanager
+def _answered_as_http(what: str) -> Iterator[None]:
+    """A refused or failed hibernate/resume as the HTTP answer that says why.
+
+    A Kubernetes refusal (the server's RBAC, an admission policy) is the admin's to fix: 500 with
+    the rule to add, not jupyter_server's bare "Unhandled error".
+    """
+    try:
+        yield
+    except HibernationError as exc:
+        raise http_error(exc.status, exc.message) from None
+    except KubeRefused as exc:
+        raise http_error(500, f"could not {what}: {exc}") from None
 
 
 class ElasticMappingKernelManager(AsyncMappingKernelManager):
@@ -299,7 +315,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         """The ``/api/elastic/kernels/{id}`` model; 404 when the id is not a kernel here."""
         runtime = self._require_runtime()
         if kernel_id not in self:
-            raise http_error(404, f"no kernel with id {kernel_id!r}; list kernels at /api/elastic/kernels")
+            raise no_such_kernel(kernel_id)
         return elastic_kernel_model(runtime, self.kernel_model(kernel_id), self._activity(kernel_id))
 
     def elastic_report(self, kernel_id: str) -> dict[str, Any]:
@@ -311,7 +327,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         """
         runtime = self._require_runtime()
         if kernel_id not in self:
-            raise http_error(404, f"no kernel with id {kernel_id!r}; list kernels at /api/elastic/kernels")
+            raise no_such_kernel(kernel_id)
         record = runtime.kernels.get(kernel_id)
         owner = record.owner if record else runtime.owner
         return {"id": kernel_id, "restore_report": runtime.checkpoints.restore_report(owner, kernel_id)}
@@ -327,22 +343,14 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
 
     async def hibernate(self, kernel_id: str, reason: str = "api") -> dict[str, Any]:
         """``POST /api/elastic/kernels/{id}/hibernate``; returns the kernel model."""
-        try:
+        with _answered_as_http(f"hibernate kernel {kernel_id}"):
             await self._require_hibernator().hibernate(kernel_id, reason)
-        except HibernationError as exc:
-            raise http_error(exc.status, exc.message) from None
-        except KubeRefused as exc:
-            raise http_error(500, f"could not hibernate kernel {kernel_id}: {exc}") from None
         return self.elastic_model(kernel_id)
 
     async def resume(self, kernel_id: str, reason: str = "api") -> dict[str, Any]:
         """``POST /api/elastic/kernels/{id}/resume``; returns the kernel model."""
-        try:
+        with _answered_as_http(f"resume kernel {kernel_id}"):
             await self._require_hibernator().resume(kernel_id, reason)
-        except HibernationError as exc:
-            raise http_error(exc.status, exc.message) from None
-        except KubeRefused as exc:
-            raise http_error(500, f"could not resume kernel {kernel_id}: {exc}") from None
         return self.elastic_model(kernel_id)
 
     def _require_hibernator(self) -> Hibernator:

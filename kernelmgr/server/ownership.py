@@ -22,10 +22,6 @@ SETTINGS_KEY = "elastic_kernel_access"
 class KernelAccess:
     """Everyone the server authenticated may see and act on every kernel (one user's server)."""
 
-    def owner_for(self, handler: Any) -> str | None:
-        """The owner a kernel started by this request gets; ``None``: the server's own owner."""
-        return None
-
     def may_access(self, handler: Any, kernel_id: str) -> bool:
         """Whether the request's user may see or act on the kernel ``kernel_id``.
 
