@@ -43,13 +43,14 @@ def offered_profiles(hub: Hub, user: str, token: str) -> set[str]:
     }
 
 
+def post_session(hub: Hub, user: str, token: str, path: str, kernel_name: str) -> Any:
+    """``POST /api/sessions`` on the user's server, as a notebook opening does."""
+    body = {"path": path, "type": "notebook", "name": path, "kernel": {"name": kernel_name}}
+    return hub.api("POST", f"/user/{user}/api/sessions", token, json=body)
+
+
 def open_session(hub: Hub, user: str, token: str, path: str, kernel_name: str) -> dict[str, Any]:
-    made = hub.api(
-        "POST",
-        f"/user/{user}/api/sessions",
-        token,
-        json={"path": path, "type": "notebook", "name": path, "kernel": {"name": kernel_name}},
-    )
+    made = post_session(hub, user, token, path, kernel_name)
     assert made.status_code == 201, made.text
     return dict(made.json())
 
@@ -122,12 +123,7 @@ def test_kernels_outlive_the_users_server_and_stay_private(tmp_path: Path) -> No
         # bob's quota: one kernel; a second start is refused with the limit and what he holds.
         bob_spec = sized_spec(hub, "bob", bob, "small")
         open_session(hub, "bob", bob, "first.ipynb", bob_spec)
-        over = hub.api(
-            "POST",
-            "/user/bob/api/sessions",
-            bob,
-            json={"path": "second.ipynb", "type": "notebook", "name": "second", "kernel": {"name": bob_spec}},
-        )
+        over = post_session(hub, "bob", bob, "second.ipynb", bob_spec)
         assert over.status_code == 403, over.text
         assert "kernel quota reached: you have 1 of 1 kernels" in over.json()["message"]
         whole = gateway(hub, "POST", "/api/kernels", bob, json={"name": bob_spec.replace("small", "whole")})
@@ -153,12 +149,7 @@ def test_gpu_quota_counts_running_kernels_only_and_guards_resumes(tmp_path: Path
         small_id = small["kernel"]["id"]
         assert run(hub, "carol", carol, small_id, "y = 7; y") == "7"
         medium_spec = sized_spec(hub, "carol", carol, "medium")
-        over = hub.api(
-            "POST",
-            "/user/carol/api/sessions",
-            carol,
-            json={"path": "medium.ipynb", "type": "notebook", "name": "m", "kernel": {"name": medium_spec}},
-        )
+        over = post_session(hub, "carol", carol, "medium.ipynb", medium_spec)
         assert over.status_code == 403, over.text
         assert "GPU quota reached: your running kernels hold 0.25 of 0.5 GPU" in over.json()["message"]
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ if not torch.cuda.is_available():
 from kernelmgr.activity.gpu import GpuActivitySampler  # noqa: E402
 from kernelmgr.activity.nvml import PynvmlNvml  # noqa: E402
 from kernelmgr.nodeagent.sampler import NodeSampler  # noqa: E402
+from tests.support.server import wait_for  # noqa: E402
 
 WORKER = """
 import sys, time, pathlib, torch
@@ -55,16 +55,6 @@ def busy_child(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     child.wait()
 
 
-def _until(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
-
-
 def test_nvml_sees_a_real_process_busy_then_idle(busy_child: tuple[subprocess.Popen[str], Path]) -> None:
     child, stop = busy_child
     nvml = PynvmlNvml()
@@ -84,7 +74,7 @@ def test_nvml_sees_a_real_process_busy_then_idle(busy_child: tuple[subprocess.Po
         activity = sampler.sample(kernels)["k1"]
         return activity if activity.utilization and activity.utilization > 5 else None
 
-    busy = _until(busy_now)
+    busy = wait_for(busy_now, 30, 0.5, what="NVML to see the process busy")
     print("busy sample:", busy)
     assert busy and busy.available and busy.memory_mib >= 1024
     assert busy.idle_seconds is not None and busy.idle_seconds < 5
@@ -96,7 +86,7 @@ def test_nvml_sees_a_real_process_busy_then_idle(busy_child: tuple[subprocess.Po
         activity = sampler.sample(kernels)["k1"]
         return activity if activity.idle_seconds and activity.idle_seconds > 5 else None
 
-    idle = _until(idle_now, 40)
+    idle = wait_for(idle_now, 40, 0.5, what="NVML to see the process idle")
     print("idle sample:", idle)
     assert idle and idle.utilization is not None and idle.utilization <= 5
     assert idle.memory_mib >= 1024  # memory held is no activity signal
