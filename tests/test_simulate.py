@@ -71,12 +71,28 @@ def test_one_session_hibernated_after_its_idle_timeout() -> None:
     assert [x.peak_gpus for x in r.values()] == [1, 1, 1]
 
 
-def test_gpu_activity_keeps_a_silent_training_cell_alive_but_not_a_cpu_cell() -> None:
-    # One long GPU cell [0, 3000] at 90%: busy, never hibernated (the policy never touches a
-    # busy kernel); after it ends at 3000: warn at 3540, hibernate at 3600 -> 3600 s held.
+def test_a_busy_cell_is_never_hibernated_and_a_gpu_idle_one_is_noted() -> None:
+    # One long cell [0, 3000]: busy, never hibernated; after it ends at 3000: warn at 3540,
+    # hibernate at 3600 -> 3600 s held.
     r = run([{"id": "a", "size": "whole", "start": 0, "end": 7200, "cells": [[0, 3000, 90]]}])
     assert r["policy"].gpu_hours == pytest.approx(3600 / H)
     assert r["policy"].hibernations == 1
+    # With busy_gpu_idle_warning 300: a cell at 0% GPU is noted once, at the tick at 300 s (GPU
+    # idle since the kernel started); a cell at 90% is not. jupyter_server's culler shows no note.
+    noting = build_policy(600, 60, 5, 60, 0, 300, [], list(PROFILES))
+    for util, notes in ((0, 1), (90, 0)):
+        cell = [[0, 3000, util]]
+        r = run([{"id": "a", "size": "whole", "start": 0, "end": 7200, "cells": cell}], cull=noting)
+        assert (r["policy"].busy_warnings, r["cull_shutdown"].busy_warnings) == (notes, 0)
+
+
+def test_activity_after_a_warning_cancels_it_and_the_next_idle_period_is_warned_again() -> None:
+    # Warned at 660 (idle since 100); a cell at [680, 700] cancels the warning (tick 720: idle 20).
+    # Idle since 700: warned again at 1260 (idle 560), hibernated at 1320 (idle 620).
+    cells = [[0, 100, 90], [680, 700, 90]]
+    r = run([{"id": "a", "size": "small", "start": 0, "end": 3600, "cells": cells}])
+    assert (r["policy"].warnings, r["policy"].hibernations) == (2, 1)
+    assert r["policy"].gpu_hours == pytest.approx(0.25 * 1320 / H)
 
 
 def test_idle_past_the_timeout_then_a_resume() -> None:
