@@ -146,11 +146,6 @@ def simulated_inventory(
     return GpuInventory(devices, source="declared", note=f"{count} simulated GPU(s)")
 
 
-def enough_gpus(sessions: Iterable[Session], profiles: Mapping[str, GpuProfile]) -> int:
-    """A device count with which no session ever waits: one device per GPU each session could hold."""
-    return max(1, sum(max(1, profiles[s.size].whole_gpus) for s in sessions))
-
-
 def without_warnings(policy: Policy) -> Policy:
     """The policy as jupyter_server's culler applies it: same timeouts, no warning, no busy note."""
     quiet = {"warn_before": 0.0, "busy_gpu_idle_warning": 0.0}
@@ -227,6 +222,7 @@ class _Replay:
         inventory: GpuInventory,
         delays: DelayModel,
         strategy: str,
+        grow: bool,
     ) -> None:
         self.mode = mode
         self.policy = without_warnings(policy) if mode == "cull_shutdown" else policy
@@ -234,6 +230,10 @@ class _Replay:
         self.threshold = policy.defaults.gpu_idle_threshold
         self.delays = delays
         self.allocator = SliceAllocator(inventory, strategy=strategy)
+        #: "As many GPUs as needed": add a device of the same model whenever a size does not fit,
+        #: so the device count ends at the peak that the allocator's placement needs (cheaper than
+        #: starting with one device per session: placement scans every device).
+        self.grow = grow
         self.runs = [_Run(s, profiles[s.size]) for s in sessions]
         self.heap: list[tuple[float, int, int, int, _Run | None]] = []
         self.seq = 0
@@ -314,11 +314,22 @@ class _Replay:
     def ask(self, run: _Run, kind: str, requested_at: float, now: float) -> None:
         """A start, resume or restart asks for a slice; it waits in line if none fits."""
         run.wait_kind, run.requested_at = kind, requested_at
+        if self.grow:
+            self.make_room(run.profile)
         if not self.queue and self.allocator.fits(run.profile):
             self.grant(run, now)
         else:
             run.state = "waiting"
             self.queue.append(run)
+
+    def make_room(self, profile: GpuProfile) -> None:
+        """Add empty devices, like the last one, until ``profile`` fits."""
+        while not self.allocator.fits(profile):
+            current = self.allocator.inventory
+            model = current.devices[-1]
+            count = len(current) + max(1, profile.whole_gpus)
+            grown = simulated_inventory(count, model.memory_mib, model.name)
+            self.allocator.replace_inventory(grown)
 
     def serve(self, now: float) -> None:
         """Hand freed capacity to waiting kernels, first come first served (a small size that
@@ -484,9 +495,11 @@ def simulate(
     modes: Iterable[str] = MODES,
 ) -> dict[str, Result]:
     """Replay ``sessions`` under each mode; ``inventory`` ``None`` means as many GPUs as needed."""
+    grow = inventory is None
     if inventory is None:
-        inventory = simulated_inventory(enough_gpus(sessions, profiles))
-    probe = SliceAllocator(inventory, strategy=strategy)
+        inventory = simulated_inventory(1)
+    widest = max((profiles[s.size].whole_gpus for s in sessions), default=1)
+    probe = SliceAllocator(simulated_inventory(max(1, widest)) if grow else inventory, strategy=strategy)
     for session in sessions:
         if not probe.ever_fits(profiles[session.size]):
             raise TraceError(
@@ -498,7 +511,7 @@ def simulate(
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; modes are {', '.join(MODES)}")
-        replay = _Replay(mode, sessions, profiles, policy, inventory, delays or DelayModel(), strategy)
+        replay = _Replay(mode, sessions, profiles, policy, inventory, delays or DelayModel(), strategy, grow)
         result = replay.run()
         result.resumes_per_session_day = result.resumes / days if days else 0.0
         results[mode] = result
