@@ -38,8 +38,8 @@ from kernelmgr.core.policy import (
     KernelSnapshot,
     Policy,
     PolicyRule,
-    activity_resets_warning,
     decide,
+    review,
 )
 from kernelmgr.core.profiles import GpuProfile
 from kernelmgr.core.simulate.trace import Session, TraceError
@@ -451,15 +451,12 @@ class _Replay:
         """One culler pass, in the order :meth:`kernelmgr.server.culler.Culler.tick` takes."""
         policy = self.policy
         for run in list(self.running.values()):
-            snapshot = self.snapshot(run, now, KernelState.RUNNING)
-            if activity_resets_warning(snapshot, policy, now):
+            reviewed = review(policy, self.snapshot(run, now, KernelState.RUNNING), now)
+            if reviewed.warning_cancelled:
                 run.warned_at = None
-                snapshot = replace(snapshot, warned_at=None)
             if not run.busy:
                 run.busy_warned = False
-                snapshot = replace(snapshot, busy_warned=False)
-            decision = decide(policy, snapshot, now)
-            action = decision.action
+            action = reviewed.decision.action
             if action is Action.NOTHING:
                 continue
             if action is Action.WARN:
