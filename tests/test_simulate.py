@@ -128,6 +128,20 @@ def test_idle_past_the_timeout_then_a_resume() -> None:
     assert r["static"].gpu_hours == pytest.approx(0.25)
 
 
+def test_hibernated_ttl_removal_loses_the_state() -> None:
+    # hibernated_ttl 300: hibernated at 720 (no state, no fixed cost), removed at the tick at
+    # 1020 (300 s later). The cell at 1500 starts a fresh kernel (1 s): state lost, no resume.
+    # The cell runs 1501..1601; idle since 1601: warned at 2160 (idle 559), hibernated at 2220
+    # (idle 619), removed again at 2520. Held 0..720 and 1500..2220 (the slice is taken when
+    # the restart begins).
+    cull = build_policy(600, 60, 5, 60, 300, 0, [], list(PROFILES))
+    cells = [[0, 100, 90], [1500, 1600, 90]]
+    r = run([{"id": "a", "size": "small", "start": 0, "end": 3600, "cells": cells}], cull=cull)
+    p = r["policy"]
+    assert (p.removals, p.restarts_state_lost, p.resumes, p.hibernations) == (2, 1, 0, 2)
+    assert p.gpu_hours == pytest.approx(0.25 * (720 + 720) / H)
+
+
 def test_two_sessions_share_one_gpu() -> None:
     # Two half GPUs on one device: both fit at once, nobody waits.
     halves = [
@@ -190,6 +204,14 @@ def test_per_size_rule_applies() -> None:
     ]
     r = run(sessions, cull=cull)
     assert r["policy"].gpu_hours == pytest.approx((1320 + 0.25 * 720) / H)
+    # Without --gpus there are as many GPUs as needed: a whole one plus one for the small size.
+    assert (r["policy"].peak_gpus, r["policy"].slice_waits) == (2, 0)
+
+
+def test_cli_generate_writes_a_valid_trace(tmp_path: Path) -> None:
+    done = cli(tmp_path, "--generate", "5", "--days", "1", "--seed", "3")
+    assert done.returncode == 0, done.stderr
+    assert len(parse_trace(json.loads(done.stdout), list(PROFILES))) == 5
 
 
 def test_generator_is_seeded_and_valid() -> None:
