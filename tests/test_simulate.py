@@ -272,6 +272,13 @@ def test_cli_json_replays_a_config_unchanged(tmp_path: Path) -> None:
     assert doc["policy"]["warnings"] == 1
 
 
+def test_cli_reads_a_python_config_too(tmp_path: Path) -> None:
+    (tmp_path / "config.py").write_text("c.CullPolicy.idle_timeout = 600\nc.CullPolicy.warn_before = 60\n")
+    done = cli(tmp_path, "trace.json", "--config", "config.py", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["policy"]["hibernations"] == 1
+
+
 def test_cli_table_and_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     done = cli(tmp_path, "trace.json", "--config", "config.json", "--plot", "out.png")
