@@ -394,6 +394,7 @@ MIB = 1024 * 1024
 
 
 NODE_AGENT = "node-agent"
+SIMULATE = "simulate"
 DEFAULT_NVML_CLASS = "kernelmgr.activity.nvml.PynvmlNvml"
 
 
@@ -488,6 +489,95 @@ def run_node_agent(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     return 0
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _add_simulate(sub: Any) -> None:
+    from kernelmgr.core.simulate.engine import DelayModel
+
+    d = DelayModel()
+    sim = sub.add_parser(
+        SIMULATE,
+        help="replay a notebook workload trace through the cull policy and GPU allocator (no server needed)",
+        description="Replay TRACE.json with a simulated clock through the real CullPolicy, slice allocator "
+        "and GPU sizes, beside static allocation and jupyter_server-style culling (see docs/simulate.md).",
+    )
+    sim.add_argument("trace", nargs="?", metavar="TRACE.json", help="the workload trace")
+    sim.add_argument(
+        "--config", metavar="FILE", help="jupyter_server_config.json (or .py) to take sizes and policy from"
+    )
+    sim.add_argument("--gpus", type=_count, metavar="N", help="N GPUs (default: as many as the peak needs)")
+    sim.add_argument("--json", dest="sim_json", action="store_true", help="print JSON instead of a table")
+    sim.add_argument("--plot", metavar="OUT.png", help="draw GPUs held over time and the table (matplotlib)")
+    sim.add_argument(
+        "--generate",
+        type=_count,
+        metavar="SESSIONS",
+        help="print a synthetic trace of SESSIONS sessions instead",
+    )
+    sim.add_argument(
+        "--days", type=_seconds, default=1.0, help="with --generate: days the sessions spread over"
+    )
+    sim.add_argument("--seed", type=int, default=0, help="with --generate: random seed (default 0)")
+    sim.add_argument(
+        "--start-s", type=_seconds, default=d.start_s, help=f"resume: kernel start, s (default {d.start_s:g})"
+    )
+    sim.add_argument(
+        "--read-mib-s",
+        type=_seconds,
+        default=d.read_mib_s,
+        help=f"resume: checkpoint read MiB/s (default {d.read_mib_s:g})",
+    )
+    sim.add_argument(
+        "--hibernate-s",
+        type=_seconds,
+        default=d.hibernate_fixed_s,
+        help=f"hibernate: fixed s (default {d.hibernate_fixed_s:g})",
+    )
+    sim.add_argument(
+        "--write-mib-s",
+        type=_seconds,
+        default=d.write_mib_s,
+        help=f"hibernate: checkpoint write MiB/s (default {d.write_mib_s:g})",
+    )
+
+
+def run_simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Replay (or generate) a trace; every user mistake is one line and exit code 2."""
+    from kernelmgr import simulate_cli
+    from kernelmgr.core.simulate.engine import DelayModel
+    from kernelmgr.core.simulate.generate import generate
+    from kernelmgr.core.simulate.trace import trace_to_dict
+
+    prog = f"{parser.prog} {SIMULATE}"
+    if args.generate is not None:
+        print(json.dumps(trace_to_dict(generate(args.generate, args.days, args.seed))))
+        return 0
+    if not args.trace:
+        parser.error(f"{SIMULATE}: a TRACE.json is required (or --generate SESSIONS)")
+    delays = DelayModel(args.start_s, args.read_mib_s, args.hibernate_s, args.write_mib_s)
+    try:
+        _setup, sessions, results = simulate_cli.run(args.trace, args.config, args.gpus, delays)
+        if args.plot:
+            title = f"{os.path.basename(args.trace)}: {len(sessions)} sessions"
+            simulate_cli.plot(results, args.plot, title)
+    except simulate_cli.SimulateError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return USAGE_ERROR
+    if args.sim_json:
+        print(json.dumps({mode: result.to_dict() for mode, result in results.items()}, indent=2))
+    else:
+        print(simulate_cli.render_table(results))
+    return 0
+
+
 def build_parser() -> OneLineParser:
     parser = OneLineParser(
         prog="jupyter elastic", description="GPU-size kernels of a running Jupyter server."
@@ -504,7 +594,8 @@ def build_parser() -> OneLineParser:
         f"checkpoint timeout; default {DEFAULT_REQUEST_TIMEOUT:g})",
     )
     sub = parser.add_subparsers(
-        dest="command", metavar="{" + ",".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, NODE_AGENT]) + "}"
+        dest="command",
+        metavar="{" + ",".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, NODE_AGENT, SIMULATE]) + "}",
     )
     for name, (_path, _render, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text)
@@ -515,6 +606,7 @@ def build_parser() -> OneLineParser:
         action = sub.add_parser(name, help=help_text)
         action.add_argument("kernel_id", help="the kernel's id (see `jupyter elastic list`)")
     _add_node_agent(sub)
+    _add_simulate(sub)
     return parser
 
 
@@ -525,6 +617,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("a command is required: " + ", ".join([*COMMANDS, *KERNEL_ACTIONS, NODE_AGENT]))
     if args.command == NODE_AGENT:
         return run_node_agent(parser, args)
+    if args.command == SIMULATE:
+        return run_simulate(parser, args)
     if not args.request_timeout > 0:
         parser.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
     method = "GET"

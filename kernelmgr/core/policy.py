@@ -298,3 +298,22 @@ def activity_resets_warning(snapshot: KernelSnapshot, policy: Policy, now: float
         return True
     idle, _signals = idle_seconds(snapshot, now)
     return idle < limits.idle_timeout - limits.warn_before
+
+
+@dataclass(frozen=True)
+class Review:
+    """One culler tick's view of one kernel (see :func:`review`)."""
+
+    decision: Decision
+    #: Activity since the warning cancelled it: the caller forgets the warning it showed.
+    warning_cancelled: bool
+
+
+def review(policy: Policy, snapshot: KernelSnapshot, now: float) -> Review:
+    """What a culler tick does with one kernel: activity cancels a warning (one per idle
+    period), then :func:`decide`. The server's culler and the simulator both call this, so a
+    simulation answers what the server would do."""
+    cancelled = activity_resets_warning(snapshot, policy, now)
+    if cancelled:
+        snapshot = replace(snapshot, warned_at=None)
+    return Review(decide(policy, snapshot, now), cancelled)

@@ -48,9 +48,9 @@ from kernelmgr.core.policy import (
     Decision,
     KernelSnapshot,
     Policy,
-    activity_resets_warning,
     decide,
     idle_seconds,
+    review,
 )
 from kernelmgr.server import metrics
 from kernelmgr.server.cluster_activity import ClusterGpuSampler
@@ -299,12 +299,12 @@ class Culler:
         for record in records:
             snapshot = self.snapshot(record, now)
             state = self.states.setdefault(record.kernel_id, CullState())
-            if activity_resets_warning(snapshot, self.policy, now):
+            reviewed = review(self.policy, snapshot, now)
+            if reviewed.warning_cancelled:
                 state.warned_at, state.deadline, state.warning = None, None, ""
-                snapshot = self.snapshot(record, now)
             if snapshot.execution_state != "busy":
                 state.busy_warned = False
-            decision = decide(self.policy, snapshot, now)
+            decision = reviewed.decision
             if decision.action is Action.NOTHING:
                 continue
             decided.append((record.kernel_id, decision))
