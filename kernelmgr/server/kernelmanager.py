@@ -316,7 +316,9 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         runtime = self._require_runtime()
         if kernel_id not in self:
             raise no_such_kernel(kernel_id)
-        return elastic_kernel_model(runtime, self.kernel_model(kernel_id), self._activity(kernel_id))
+        return elastic_kernel_model(
+            runtime, self.kernel_model(kernel_id), self._activity(kernel_id), self._pod_annotations(kernel_id)
+        )
 
     def elastic_report(self, kernel_id: str) -> dict[str, Any]:
         """``GET /api/elastic/kernels/{id}/report``: the last restore report; 404 for an unknown id.
@@ -335,8 +337,21 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
     def elastic_models(self) -> list[dict[str, Any]]:
         runtime = self._require_runtime()
         return [
-            elastic_kernel_model(runtime, model, self._activity(model["id"])) for model in self.list_kernels()
+            elastic_kernel_model(
+                runtime, model, self._activity(model["id"]), self._pod_annotations(model["id"])
+            )
+            for model in self.list_kernels()
         ]
+
+    def _pod_annotations(self, kernel_id: str) -> dict[str, str] | None:
+        """The annotations of the kernel's pod from the pod watch's cache (Kubernetes mode), else ``None``."""
+        if self._require_runtime().provisioner_name != KUBERNETES_PROVISIONER:
+            return None
+        from kernelmgr.provisioners.kubernetes import kernel_pods  # only loaded in Kubernetes mode
+
+        pod = kernel_pods().get(kernel_id)
+        metadata = getattr(pod, "metadata", None)
+        return dict(getattr(metadata, "annotations", None) or {}) if metadata is not None else None
 
     def _activity(self, kernel_id: str) -> dict[str, Any]:
         return self.culler.activity_model(kernel_id) if self.culler is not None else {}
