@@ -31,7 +31,7 @@ from kubernetes import client  # noqa: E402
 
 from kernelmgr.config import ElasticKernels, ElasticRuntime  # noqa: E402
 from kernelmgr.provisioners import kubernetes as kprov  # noqa: E402
-from kernelmgr.server.models import elastic_kernel_model  # noqa: E402
+from kernelmgr.server.models import elastic_kernel_model, kernel_pod_annotations  # noqa: E402
 from tests.support.kernel_pods import kernel_manager  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -117,7 +117,12 @@ SCENARIOS: dict[str, tuple[dict[str, str], list[str], str, str]] = {
 
 @pytest.fixture
 def runtime(tmp_path: Path) -> ElasticRuntime:
-    elastic = ElasticKernels(profiles=PROFILES, gpu_inventory=INVENTORY, checkpoint_root=str(tmp_path / "ck"))
+    elastic = ElasticKernels(
+        profiles=PROFILES,
+        gpu_inventory=INVENTORY,
+        checkpoint_root=str(tmp_path / "ck"),
+        kernel_provisioner="elastic-kubernetes-provisioner",
+    )
     return elastic.build()
 
 
@@ -241,8 +246,7 @@ def test_gpushare_device_assigned_by_the_extender_is_shown_in_the_kernel_model(
             )
 
             def model() -> dict[str, Any] | None:
-                pod = kprov.kernel_pods().get(kernel_id)
-                annotations = dict(pod.metadata.annotations or {}) if pod is not None else {}
+                annotations = kernel_pod_annotations(runtime, kernel_id, kprov.kernel_pods())
                 found = elastic_kernel_model(runtime, {"id": kernel_id}, None, annotations)
                 return found if "assigned" in (found["slice"] or {}) else None
 

@@ -37,7 +37,7 @@ from kernelmgr.server.culler import Culler
 from kernelmgr.server.errors import http_error, no_such_kernel
 from kernelmgr.server.hibernation import KUBERNETES_PROVISIONER, HibernationError, Hibernator
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
-from kernelmgr.server.models import elastic_kernel_model
+from kernelmgr.server.models import elastic_kernel_model, kernel_pod_annotations
 from kernelmgr.server.persistence import KernelRecord
 
 
@@ -345,13 +345,12 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
 
     def _pod_annotations(self, kernel_id: str) -> dict[str, str] | None:
         """The annotations of the kernel's pod from the pod watch's cache (Kubernetes mode), else ``None``."""
-        if self._require_runtime().provisioner_name != KUBERNETES_PROVISIONER:
+        runtime = self._require_runtime()
+        if runtime.provisioner_name != KUBERNETES_PROVISIONER:
             return None
         from kernelmgr.provisioners.kubernetes import kernel_pods  # only loaded in Kubernetes mode
 
-        pod = kernel_pods().get(kernel_id)
-        metadata = getattr(pod, "metadata", None)
-        return dict(getattr(metadata, "annotations", None) or {}) if metadata is not None else None
+        return kernel_pod_annotations(runtime, kernel_id, kernel_pods())
 
     def _activity(self, kernel_id: str) -> dict[str, Any]:
         return self.culler.activity_model(kernel_id) if self.culler is not None else {}

@@ -60,6 +60,19 @@ def elastic_kernel_model(
     }
 
 
+def kernel_pod_annotations(
+    runtime: ElasticRuntime, kernel_id: str, pods: Mapping[str, Any]
+) -> dict[str, str] | None:
+    """The annotations of ``kernel_id``'s pod in ``pods`` (the provisioner's pod watch, kernel id -> pod);
+    ``None`` for local kernels and for a kernel whose pod the watch has not seen."""
+    if runtime.provisioner_name != KUBERNETES_PROVISIONER:
+        return None
+    metadata = getattr(pods.get(kernel_id), "metadata", None)
+    if metadata is None:
+        return None
+    return dict(getattr(metadata, "annotations", None) or {})
+
+
 def _checkpoint(runtime: ElasticRuntime, owner: str, kernel_id: str) -> dict[str, Any] | None:
     """The committed checkpoint's summary, or why it cannot be read (never raises)."""
     try:
