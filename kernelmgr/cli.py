@@ -162,6 +162,13 @@ def _fraction(value: Any) -> str:
     return f"{int(value)} GPU" if value >= 1 else f"{value:.0%}"
 
 
+def _isolation(isolation: dict[str, Any] | None) -> str:
+    """``hard/soft``: what the platform enforces for the size's memory and compute (``-`` if unknown)."""
+    if not isolation:
+        return "-"
+    return f"{isolation.get('memory', '?')}/{isolation.get('compute', '?')}"
+
+
 def render_profiles(doc: dict[str, Any]) -> str:
     rows = [
         [
@@ -170,12 +177,23 @@ def render_profiles(doc: dict[str, Any]) -> str:
             _fraction(p["gpu_fraction"]),
             _gib(p["memory_mib"]),
             p["backend"],
+            _isolation(p.get("isolation")),
             "yes" if p.get("fits_now") else "no",
             ", ".join(p.get("kernelspecs", [])),
         ]
         for p in doc.get("profiles", [])
     ]
-    out = table(["SIZE", "DISPLAY NAME", "GPU", "MEMORY", "BACKEND", "FITS NOW", "KERNELSPECS"], rows)
+    headers = [
+        "SIZE",
+        "DISPLAY NAME",
+        "GPU",
+        "MEMORY",
+        "BACKEND",
+        "ENFORCED MEM/COMPUTE",
+        "FITS NOW",
+        "KERNELSPECS",
+    ]
+    out = table(headers, rows)
     if not doc.get("gpus_available", True):
         out += f"\n\n{doc.get('message', 'No GPUs.')}"
     return out

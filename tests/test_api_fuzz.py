@@ -104,5 +104,10 @@ def test_documented_answers_have_the_documented_shape(plain_server: RunningServe
         profiles = plain_server.get("/api/elastic/profiles")["profiles"]
         profile_required = SPEC["components"]["schemas"]["Profile"]["required"]
         assert profiles and all(set(profile_required) <= set(p) for p in profiles)
+        isolation = SPEC["components"]["schemas"]["Isolation"]
+        for entry in profiles:
+            assert set(isolation["required"]) <= set(entry["isolation"])
+            for key in ("memory", "compute"):
+                assert entry["isolation"][key] in isolation["properties"][key]["enum"]
     finally:
         plain_server.shutdown_kernel(kernel_id)

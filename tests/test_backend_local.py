@@ -21,6 +21,7 @@ def test_fractional_slice_environment() -> None:
     assert env["ELASTIC_GPU_MEMORY_MIB"] == "10000"
     assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.250"
     assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert env["ELASTIC_GPU_MEMORY_FRACTION"] == "0.250"  # for torch.cuda.set_per_process_memory_fraction
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in env
 
 

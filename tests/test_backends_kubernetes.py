@@ -159,6 +159,26 @@ CASES: dict[str, GpuProfile] = {
     "dra-consumable": profile(
         "dra-cc", gpu_fraction=0.25, memory_mib=20480, backend="dra", options={"sharing": "consumable"}
     ),
+    "gpushare-quarter": profile("gs-q", gpu_fraction=0.25, memory_mib=4096, backend="gpushare"),
+    "gpushare-mib": profile(
+        "gs-mib",
+        gpu_fraction=0.25,
+        memory_mib=3000,
+        backend="gpushare",
+        options={"memory_unit": "MiB", "device_memory_mib": 16384, "scheduler_name": "gpushare-scheduler"},
+    ),
+    "gpushare-whole": profile(
+        "gs-1", gpu_fraction=1, backend="gpushare", options={"device_memory_mib": 16384}
+    ),
+    "vcuda-half": profile("vc-half", gpu_fraction=0.5, memory_mib=8000, backend="vcuda"),
+    "vcuda-nolimit": profile(
+        "vc-q",
+        gpu_fraction=0.25,
+        memory_mib=4096,
+        backend="vcuda",
+        options={"core_limit": False, "scheduler_name": "gpu-admission"},
+    ),
+    "vcuda-whole-2": profile("vc-2x", gpu_fraction=2, memory_mib=16384, backend="vcuda"),
 }
 
 
@@ -448,6 +468,13 @@ BAD_OPTIONS = [
     ("dra", 1, {"selectors": [""]}, "selectors"),
     ("dra", 1, {"device_class": "GPU"}, "device_class"),
     ("dra", 1, {"count": 2}, "count"),
+    ("gpushare", 0.25, {"memory_unit": "GB"}, "memory_unit"),
+    ("gpushare", 0.25, {"device_memory_mib": 4096}, "device_memory_mib"),
+    ("gpushare", 0.25, {"device_memory_mib": "16Gi"}, "device_memory_mib"),
+    ("gpushare", 1, {}, "device_memory_mib"),
+    ("gpushare", 0.25, {"gpu_count": 1}, "gpu_count"),
+    ("vcuda", 0.25, {"core_limit": "yes"}, "core_limit"),
+    ("vcuda", 0.25, {"scheduler_name": "GPU Admission"}, "scheduler_name"),
 ]
 
 
@@ -473,7 +500,12 @@ def test_unknown_option_lists_the_allowed_ones() -> None:
 
 @pytest.mark.parametrize(
     ("backend", "fraction", "options"),
-    [("mig", 2, {"mig_profile": "1g.10gb"}), ("shared", 2, {}), ("dra", 2, {"mig_profile": "1g.10gb"})],
+    [
+        ("mig", 2, {"mig_profile": "1g.10gb"}),
+        ("shared", 2, {}),
+        ("dra", 2, {"mig_profile": "1g.10gb"}),
+        ("gpushare", 2, {"device_memory_mib": 16384}),
+    ],
 )
 def test_sizes_a_backend_cannot_express(backend: str, fraction: float, options: dict[str, Any]) -> None:
     size = profile("bad", gpu_fraction=fraction, backend=backend, options=options)
@@ -482,9 +514,105 @@ def test_sizes_a_backend_cannot_express(backend: str, fraction: float, options: 
 
 
 def test_unknown_backend_is_a_config_error() -> None:
-    size = GpuProfile("odd", "Odd", 0.5, 1024, 50, "gpushare")
+    size = GpuProfile("odd", "Odd", 0.5, 1024, 50, "cgpu")
     with pytest.raises(ConfigError, match=re.escape("ElasticKernels.profiles['odd'].backend: ")):
         render_pod_fragment(size, KERNEL_ID)
+
+
+def test_gpushare_resources_and_memory_hints() -> None:
+    quarter = render_pod_fragment(CASES["gpushare-quarter"], KERNEL_ID)
+    assert dict(quarter.limits) == {"aliyun.com/gpu-mem": "4"}  # GiB
+    assert quarter.scheduler_name is None  # the extender runs inside the default scheduler
+    # gpushare enforces nothing: the kernel is told its share in the frameworks' own variables
+    assert quarter.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.250"
+    assert quarter.env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert quarter.env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
+    assert quarter.env["ELASTIC_GPU_MEMORY_FRACTION"] == "0.250"
+    assert quarter.env["ELASTIC_GPU_MEMORY_MIB"] == "4096"
+    mib = render_pod_fragment(CASES["gpushare-mib"], KERNEL_ID)
+    assert dict(mib.limits) == {"aliyun.com/gpu-mem": "3000"}
+    assert mib.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.183"  # 3000 / 16384, not the size's 0.25
+    assert mib.scheduler_name == "gpushare-scheduler"
+    whole = render_pod_fragment(CASES["gpushare-whole"], KERNEL_ID)
+    assert dict(whole.limits) == {"aliyun.com/gpu-mem": "16"}  # the whole card's memory
+    assert whole.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "1.000"
+
+
+def test_gpushare_memory_must_be_whole_gib_in_the_gib_unit() -> None:
+    size = profile("gs", gpu_fraction=0.25, memory_mib=3000, backend="gpushare")
+    with pytest.raises(ConfigError, match=re.escape("ElasticKernels.profiles['gs'].memory_mib: 3000 is not")):
+        validate_backend_options(size)
+
+
+def test_shared_and_gpushare_tell_the_kernel_its_share_the_same_way() -> None:
+    """One helper writes the framework variables for every backend that enforces no memory cap."""
+    shared = render_pod_fragment(
+        profile("a", gpu_fraction=0.25, memory_mib=4096, backend="shared"), KERNEL_ID
+    )
+    gpushare = render_pod_fragment(CASES["gpushare-quarter"], KERNEL_ID)
+    assert {k: v for k, v in shared.env.items() if k != "ELASTIC_GPU_PROFILE"} == {
+        k: v for k, v in gpushare.env.items() if k != "ELASTIC_GPU_PROFILE"
+    }
+
+
+def test_gpushare_assigned_device_read_back() -> None:
+    from kernelmgr.backends.gpushare import assigned_device
+
+    assert assigned_device(None) is None
+    assert assigned_device({"elastic.jupyter.org/gpu-size": "x"}) is None
+    annotations = {
+        "ALIYUN_COM_GPU_MEM_IDX": "1",
+        "ALIYUN_COM_GPU_MEM_DEV": "15",
+        "ALIYUN_COM_GPU_MEM_POD": "4",
+        "ALIYUN_COM_GPU_MEM_ASSUME_TIME": "1700000000000000000",
+        "ALIYUN_COM_GPU_MEM_ASSIGNED": "true",
+    }
+    assert assigned_device(annotations) == {
+        "mechanism": "gpushare",
+        "index": 1,
+        "device_memory": 15,
+        "pod_memory": 4,
+        "assume_time": 1700000000000000000,
+        "assigned": True,
+    }
+    assert assigned_device({"ALIYUN_COM_GPU_MEM_IDX": "?"}) == {
+        "mechanism": "gpushare",
+        "index": None,
+        "device_memory": None,
+        "pod_memory": None,
+        "assume_time": None,
+        "assigned": False,
+    }
+
+
+def test_vcuda_resources() -> None:
+    half = render_pod_fragment(CASES["vcuda-half"], KERNEL_ID)
+    assert dict(half.limits) == {"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "32"}  # 8000/256
+    assert half.annotations["tencent.com/vcuda-core-limit"] == "50"
+    nolimit = render_pod_fragment(CASES["vcuda-nolimit"], KERNEL_ID)
+    assert "tencent.com/vcuda-core-limit" not in nolimit.annotations
+    assert nolimit.scheduler_name == "gpu-admission"
+    whole = render_pod_fragment(CASES["vcuda-whole-2"], KERNEL_ID)
+    assert dict(whole.limits) == {"tencent.com/vcuda-core": "200", "tencent.com/vcuda-memory": "128"}
+    assert "tencent.com/vcuda-core-limit" not in whole.annotations
+
+
+def test_vcuda_refuses_a_fraction_that_would_switch_limiting_off() -> None:
+    size = profile("vc", gpu_fraction=0.99, memory_mib=8000, compute_percent=100, backend="vcuda")
+    with pytest.raises(
+        ConfigError, match=re.escape("ElasticKernels.profiles['vc'].compute_percent: 100 would")
+    ):
+        validate_backend_options(size)
+    with pytest.raises(ConfigError, match="vcuda-core: 100"):
+        render_pod_fragment(size, KERNEL_ID)
+    assert (
+        dict(
+            render_pod_fragment(
+                profile("ok", gpu_fraction=0.99, memory_mib=8000, backend="vcuda"), KERNEL_ID
+            ).limits
+        )["tencent.com/vcuda-core"]
+        == "99"
+    )
 
 
 # -- the validation bites -------------------------------------------------------------------------

@@ -33,6 +33,7 @@ def test_profiles_table_from_the_runtime_file(plain_server: RunningServer) -> No
     assert lines[0].split()[:3] == ["SIZE", "DISPLAY", "NAME"]
     small = next(line for line in lines if line.startswith("small "))
     assert "GPU small (10 GiB)" in small and "25%" in small and "python3-gpu-small" in small
+    assert " none/none " in small  # a local fraction without MPS: nothing enforced, only told its share
 
 
 def test_gpus_json(plain_server: RunningServer) -> None:

@@ -150,6 +150,18 @@ BACKEND_PROFILES: dict[str, dict[str, Any]] = {
     "hami": {"gpu_fraction": 0.25, "memory_mib": 10240, "compute_percent": 25, "backend": "hami"},
     "volcano": {"gpu_fraction": 0.25, "memory_mib": 10240, "backend": "volcano"},
     "dra": {"gpu_fraction": 0.5, "memory_mib": 20480, "backend": "dra", "options": {"sharing": "MPS"}},
+    "gpushare": {
+        "gpu_fraction": 0.25,
+        "memory_mib": 4096,
+        "backend": "gpushare",
+        "options": {"device_memory_mib": 16384},
+    },
+    "vcuda": {
+        "gpu_fraction": 0.5,
+        "memory_mib": 8192,
+        "backend": "vcuda",
+        "options": {"scheduler_name": "gpu-admission"},
+    },
 }
 
 VALUE_SETS: dict[str, dict[str, Any]] = {

@@ -143,6 +143,42 @@ def test_hami_register_annotation_in_both_formats() -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("gpu_mem", "per_gpu_mib"),
+    [("30", 15 * 1024), (str(2 * 16384), 16384)],
+    ids=["GiB-unit", "MiB-unit"],
+)
+def test_gpushare_count_and_memory_in_either_unit(gpu_mem: str, per_gpu_mib: int) -> None:
+    devices = node_devices(node("g", {"aliyun.com/gpu-count": "2", "aliyun.com/gpu-mem": gpu_mem}))
+    assert [(d.uuid, d.memory_mib, d.resource, d.exclusive) for d in devices] == [
+        (f"g/gpushare-{i}", per_gpu_mib, "aliyun.com/gpu-mem", False) for i in range(2)
+    ]
+
+
+def test_vcuda_cores_count_gpus_and_memory_is_in_256_mib_units() -> None:
+    allocatable = {"tencent.com/vcuda-core": "300", "tencent.com/vcuda-memory": str(3 * 64)}
+    devices = node_devices(node("t", allocatable, labels={"nvidia.com/gpu.product": "Tesla-T4"}))
+    assert [(d.uuid, d.name, d.memory_mib, d.resource) for d in devices] == [
+        (f"t/vcuda-{i}", "Tesla-T4", 16384, "tencent.com/vcuda-core") for i in range(3)
+    ]
+
+
+def test_gpushare_and_vcuda_sizes_land_on_their_own_nodes() -> None:
+    """With ``gpu_inventory_source: kubernetes`` each size is placed only on nodes of its mechanism."""
+    devices = (
+        *node_devices(node("g", {"aliyun.com/gpu-count": "1", "aliyun.com/gpu-mem": "16"})),
+        *node_devices(node("t", {"tencent.com/vcuda-core": "100", "tencent.com/vcuda-memory": "64"})),
+        *node_devices(node("n", {"nvidia.com/gpu": "1"}, labels=GFD)),
+    )
+    alloc = SliceAllocator(GpuInventory(devices, source="kubernetes"), profile_resource=profile_resource)
+    share = parse_profile("share", {"gpu_fraction": 0.5, "memory_mib": 8192, "backend": "gpushare"})
+    vcuda = parse_profile("vc", {"gpu_fraction": 0.5, "memory_mib": 8192, "backend": "vcuda"})
+    assert alloc.allocate("a", share).device_uuids == ("g/gpushare-0",)
+    assert alloc.allocate("b", vcuda).device_uuids == ("t/vcuda-0",)
+    assert alloc.allocate("c", share).device_uuids == ("g/gpushare-0",)
+    assert not alloc.fits(share)  # 16 GiB taken; the NVIDIA node's GPU is not gpushare's
+
+
 def test_sizes_land_on_the_devices_of_their_resource() -> None:
     """The allocator with the Kubernetes resource matcher: a MIG size never lands on a whole GPU."""
     devices = node_devices(node("a", {"nvidia.com/gpu": "1", "nvidia.com/mig-1g.10gb": "1"}, labels=GFD))

@@ -60,6 +60,17 @@ def test_profiles_are_listed_with_their_kernelspecs(server: RunningServer) -> No
     assert by_name["small"]["kernelspecs"] == ["python3-gpu-small"]
     assert by_name["small"]["fits_now"] is True
     assert by_name["huge"]["fits_ever"] is False
+    # local kernels: the size's Kubernetes backend (hami) does not apply; without MPS a fraction is
+    # only told its share, and a whole GPU is hidden from others by CUDA_VISIBLE_DEVICES alone
+    assert {k: by_name["small"]["isolation"][k] for k in ("mechanism", "memory", "compute")} == {
+        "mechanism": "local",
+        "memory": "none",
+        "compute": "none",
+    }
+    assert (by_name["whole"]["isolation"]["memory"], by_name["whole"]["isolation"]["compute"]) == (
+        "soft",
+        "soft",
+    )
 
 
 def test_kernelspecs_are_generated_per_size(server: RunningServer) -> None:

@@ -47,6 +47,29 @@ def size_annotations(profile: GpuProfile) -> dict[str, str]:
     return {FRACTION_ANNOTATION: fraction_text(profile)}
 
 
+def framework_share_env(profile: GpuProfile, share: float) -> dict[str, str]:
+    """The variables that tell a kernel its memory share when nothing else enforces it.
+
+    Used by every backend whose memory limit is not enforced below the framework (local
+    without MPS, time-slicing, gpushare): JAX preallocates 75 % of the device at first use and
+    TensorFlow maps nearly all of it, either of which alone would starve the other sharers.
+    ``share`` is the fraction of the device's memory the size may use (``XLA_PYTHON_CLIENT_MEM_
+    FRACTION``); ``ELASTIC_GPU_MEMORY_FRACTION`` carries the same number for PyTorch, which reads
+    no variable for it: ``torch.cuda.set_per_process_memory_fraction`` must be called with it.
+    """
+    env = {
+        "ELASTIC_GPU_PROFILE": profile.name,
+        "ELASTIC_GPU_FRACTION": fraction_text(profile),
+        "ELASTIC_GPU_MEMORY_FRACTION": f"{share:.3f}",
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{share:.3f}",
+        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+    }
+    if profile.memory_mib is not None:
+        env["ELASTIC_GPU_MEMORY_MIB"] = str(profile.memory_mib)
+    return env
+
+
 def option_error(profile: GpuProfile, key: str, problem: str) -> ConfigError:
     """A ``ConfigError`` pointing at ``ElasticKernels.profiles['<name>'].options.<key>``."""
     return ConfigError(f"ElasticKernels.profiles[{profile.name!r}].options.{key}: {problem}")

@@ -1,8 +1,9 @@
 """Dispatch from a GPU size to the Kubernetes mechanism that provides it.
 
 Each mechanism lives in its own module (``whole``, ``mig``, ``shared``, ``hami``, ``volcano``,
-``dra``) with the same three members: ``OPTION_KEYS``, ``parse_options`` (checks the size's
-``options`` and raises ``ConfigError`` naming the bad key) and ``render`` (size → ``PodFragment``).
+``dra``, ``gpushare``, ``vcuda``) with the same three members: ``OPTION_KEYS``, ``parse_options``
+(checks the size's ``options`` and raises ``ConfigError`` naming the bad key) and ``render``
+(size → ``PodFragment``).
 This module only maps the profile's ``backend`` name to that module, so the provisioner and the
 configuration loader never branch on vendor names themselves.
 
@@ -17,7 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from kernelmgr.backends import dra, hami, mig, shared, volcano, whole
+from kernelmgr.backends import dra, gpushare, hami, mig, shared, vcuda, volcano, whole
 from kernelmgr.backends.common import profile_error
 from kernelmgr.backends.fragment import PodFragment
 from kernelmgr.core.profiles import GpuProfile
@@ -41,6 +42,8 @@ REGISTRY: Mapping[str, SliceBackend] = MappingProxyType(
         "hami": SliceBackend("hami", hami.OPTION_KEYS, hami.parse_options, hami.render),
         "volcano": SliceBackend("volcano", volcano.OPTION_KEYS, volcano.parse_options, volcano.render),
         "dra": SliceBackend("dra", dra.OPTION_KEYS, dra.parse_options, dra.render),
+        "gpushare": SliceBackend("gpushare", gpushare.OPTION_KEYS, gpushare.parse_options, gpushare.render),
+        "vcuda": SliceBackend("vcuda", vcuda.OPTION_KEYS, vcuda.parse_options, vcuda.render),
     }
 )
 
@@ -76,7 +79,8 @@ def profile_resource(profile: GpuProfile) -> str | None:
     devices :mod:`kernelmgr.kube.nodes` reads from the cluster's nodes: ``nvidia.com/gpu`` for
     whole GPUs, HAMi and single-strategy MIG (HAMi nodes advertise ``nvidia.com/gpu`` too, and a
     whole size there gets a whole card), the size's own ``nvidia.com/mig-<profile>`` for mixed
-    MIG, the configured resource name for time-slicing/MPS replicas. ``None`` (any device) for the
+    MIG, the configured resource name for time-slicing/MPS replicas, ``aliyun.com/gpu-mem`` for
+    gpushare and ``tencent.com/vcuda-core`` for vCUDA (their nodes' GPUs). ``None`` (any device) for the
     backends whose capacity is not read from nodes (Volcano vGPU, DRA) and for local sizes.
     """
     backend = REGISTRY.get(profile.backend)
@@ -88,6 +92,10 @@ def profile_resource(profile: GpuProfile) -> str | None:
         return shared.parse_options(profile).resource_name
     if backend.name == "hami":
         return "nvidia.com/gpu"
+    if backend.name == "gpushare":
+        return gpushare.GPU_MEM
+    if backend.name == "vcuda":
+        return vcuda.VCUDA_CORE
     if backend.name == "mig":
         settings = mig.parse_options(profile)
         if settings.strategy == "mixed" and settings.mig_profile is not None:

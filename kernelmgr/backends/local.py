@@ -18,6 +18,7 @@ more. The README says so.
 
 from __future__ import annotations
 
+from kernelmgr.backends.common import framework_share_env
 from kernelmgr.core.allocator import Slice
 from kernelmgr.core.inventory import GpuInventory
 from kernelmgr.core.profiles import GpuProfile
@@ -31,6 +32,7 @@ MANAGED_VARIABLES = (
     "ELASTIC_GPU_MEMORY_MIB",
     "XLA_PYTHON_CLIENT_PREALLOCATE",
     "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "ELASTIC_GPU_MEMORY_FRACTION",
     "TF_FORCE_GPU_ALLOW_GROWTH",
     "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
     "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
@@ -58,7 +60,9 @@ def local_environment(
     if profile.is_fractional:
         placement = granted.placements[0]
         device = inventory.by_uuid(placement.device_uuid)
-        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{placement.memory_mib / device.memory_mib:.3f}"
+        # The same framework knobs as the Kubernetes backends that enforce no memory cap.
+        env.update(framework_share_env(profile, placement.memory_mib / device.memory_mib))
+        env["ELASTIC_GPU_MEMORY_MIB"] = str(placement.memory_mib)
         if use_mps:
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(profile.compute_percent)
             # Device ordinals here are as the kernel sees them (its visible devices), so always 0.

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from kernelmgr.backends.common import (
     check_resource_name,
+    framework_share_env,
     get_bool,
     get_positive_int,
     get_str,
@@ -82,19 +83,11 @@ def parse_options(profile: GpuProfile) -> SharedSettings:
 
 def render(profile: GpuProfile, kernel_id: str) -> PodFragment:
     settings = parse_options(profile)
-    env = {
-        "ELASTIC_GPU_PROFILE": profile.name,
-        "ELASTIC_GPU_FRACTION": f"{profile.gpu_fraction:g}",
-        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
-        "TF_FORCE_GPU_ALLOW_GROWTH": "true",
-    }
     if profile.memory_mib is not None and settings.device_memory_mib is not None:
         share = profile.memory_mib / settings.device_memory_mib
     else:
         share = profile.gpu_fraction
-    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{share:.3f}"
-    if profile.memory_mib is not None:
-        env["ELASTIC_GPU_MEMORY_MIB"] = str(profile.memory_mib)
+    env = framework_share_env(profile, share)
     if settings.mps:
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(profile.compute_percent)
         if profile.memory_mib is not None:

@@ -20,7 +20,7 @@ from typing import Any
 from kernelmgr.core.errors import ConfigError
 
 #: Kubernetes-side mechanisms a profile can name. Local mode always uses the local backend.
-BACKENDS = ("whole", "mig", "shared", "hami", "volcano", "dra")
+BACKENDS = ("whole", "mig", "shared", "hami", "volcano", "dra", "gpushare", "vcuda")
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
 _KNOWN_KEYS = {"display_name", "gpu_fraction", "memory_mib", "compute_percent", "backend", "options"}

@@ -30,6 +30,14 @@ kernels already there keep theirs, since cordoning stops new pods, not running o
   ``<node>/gpu-<i>`` sharing ``gpumem`` equally. On a HAMi node ``nvidia.com/gpu`` counts vGPU
   shares (GPUs x split count), not GPUs, so it adds nothing more. HAMi devices are of resource
   ``nvidia.com/gpu``: a whole size there gets a whole card.
+* **Aliyun gpushare**: ``aliyun.com/gpu-count: N`` with ``aliyun.com/gpu-mem: M`` (the memory of all
+  N GPUs, in GiB, or in MiB where the device plugin runs with ``--memory-unit=MiB``) gives N devices
+  ``<node>/gpushare-<i>`` of resource ``aliyun.com/gpu-mem`` with ``M / N`` each. The node does not
+  say which unit it counts in; since no GPU has 1024 GiB, a per-GPU figure of 1024 or more is read
+  as MiB, a smaller one as GiB.
+* **Tencent gpu-manager**: ``tencent.com/vcuda-core: 100 * N`` with ``tencent.com/vcuda-memory: U``
+  (256 MiB units, all GPUs together) gives N devices ``<node>/vcuda-<i>`` of resource
+  ``tencent.com/vcuda-core`` with ``U * 256 / N`` MiB each.
 
 Kernel pods consume node resources that the allocator already tracks by kernel id, so nothing
 here subtracts pod requests: the allocator's slices *are* the usage. (Pods that are not elastic
@@ -66,6 +74,12 @@ PRODUCT_LABEL = "nvidia.com/gpu.product"
 MEMORY_LABEL = "nvidia.com/gpu.memory"
 REPLICAS_LABEL = "nvidia.com/gpu.replicas"
 MIG_STRATEGY_LABEL = "nvidia.com/mig.strategy"
+GPUSHARE_MEM = "aliyun.com/gpu-mem"
+GPUSHARE_COUNT = "aliyun.com/gpu-count"
+VCUDA_CORE = "tencent.com/vcuda-core"
+VCUDA_MEMORY = "tencent.com/vcuda-memory"
+#: MiB per ``tencent.com/vcuda-memory`` unit.
+VCUDA_MEMORY_UNIT_MIB = 256
 #: ``nvidia.com/mig-1g.10gb``, ``nvidia.com/mig-1g.10gb.me`` (the device plugin writes ``+me`` as ``.me``).
 MIG_RESOURCE_RE = re.compile(r"^nvidia\.com/mig-(?P<profile>[1-7]g\.(?P<gb>[0-9]+)gb(\.[a-z.]+)?)$")
 
@@ -165,6 +179,8 @@ def _ready_node_devices(node: Any, name: str) -> tuple[GpuDevice, ...]:
                 )
                 for i in range(physical)
             )
+    devices.extend(_gpushare_devices(name, allocatable, product))
+    devices.extend(_vcuda_devices(name, allocatable, product))
     for resource in sorted(allocatable):
         match = MIG_RESOURCE_RE.match(resource)
         if not match:
@@ -243,6 +259,46 @@ def _hami_resource_devices(
             index=i,
             node=node,
             resource=GPU,
+        )
+        for i in range(count)
+    ]
+
+
+def _gpushare_devices(node: str, allocatable: Mapping[str, Any], product: str) -> list[GpuDevice]:
+    """Devices of a node running Aliyun's gpushare device plugin (see the module docstring)."""
+    count = _count(allocatable.get(GPUSHARE_COUNT))
+    total = _count(allocatable.get(GPUSHARE_MEM))
+    if count <= 0 or total <= 0:
+        return []
+    per_gpu = total // count
+    memory = per_gpu if per_gpu >= 1024 else per_gpu * 1024
+    return [
+        GpuDevice(
+            uuid=f"{node}/gpushare-{i}",
+            name=product or "gpushare GPU",
+            memory_mib=memory,
+            index=i,
+            node=node,
+            resource=GPUSHARE_MEM,
+        )
+        for i in range(count)
+    ]
+
+
+def _vcuda_devices(node: str, allocatable: Mapping[str, Any], product: str) -> list[GpuDevice]:
+    """Devices of a node running Tencent's gpu-manager (see the module docstring)."""
+    count = _count(allocatable.get(VCUDA_CORE)) // 100
+    if count <= 0:
+        return []
+    memory = _count(allocatable.get(VCUDA_MEMORY)) * VCUDA_MEMORY_UNIT_MIB // count
+    return [
+        GpuDevice(
+            uuid=f"{node}/vcuda-{i}",
+            name=product or "vCUDA GPU",
+            memory_mib=memory,
+            index=i,
+            node=node,
+            resource=VCUDA_CORE,
         )
         for i in range(count)
     ]

@@ -37,7 +37,7 @@ from kernelmgr.server.culler import Culler
 from kernelmgr.server.errors import http_error, no_such_kernel
 from kernelmgr.server.hibernation import KUBERNETES_PROVISIONER, HibernationError, Hibernator
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
-from kernelmgr.server.models import elastic_kernel_model
+from kernelmgr.server.models import elastic_kernel_model, kernel_pod_annotations
 from kernelmgr.server.persistence import KernelRecord
 
 
@@ -316,7 +316,9 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         runtime = self._require_runtime()
         if kernel_id not in self:
             raise no_such_kernel(kernel_id)
-        return elastic_kernel_model(runtime, self.kernel_model(kernel_id), self._activity(kernel_id))
+        return elastic_kernel_model(
+            runtime, self.kernel_model(kernel_id), self._activity(kernel_id), self._pod_annotations(kernel_id)
+        )
 
     def elastic_report(self, kernel_id: str) -> dict[str, Any]:
         """``GET /api/elastic/kernels/{id}/report``: the last restore report; 404 for an unknown id.
@@ -335,8 +337,20 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
     def elastic_models(self) -> list[dict[str, Any]]:
         runtime = self._require_runtime()
         return [
-            elastic_kernel_model(runtime, model, self._activity(model["id"])) for model in self.list_kernels()
+            elastic_kernel_model(
+                runtime, model, self._activity(model["id"]), self._pod_annotations(model["id"])
+            )
+            for model in self.list_kernels()
         ]
+
+    def _pod_annotations(self, kernel_id: str) -> dict[str, str] | None:
+        """The annotations of the kernel's pod from the pod watch's cache (Kubernetes mode), else ``None``."""
+        runtime = self._require_runtime()
+        if runtime.provisioner_name != KUBERNETES_PROVISIONER:
+            return None
+        from kernelmgr.provisioners.kubernetes import kernel_pods  # only loaded in Kubernetes mode
+
+        return kernel_pod_annotations(runtime, kernel_id, kernel_pods())
 
     def _activity(self, kernel_id: str) -> dict[str, Any]:
         return self.culler.activity_model(kernel_id) if self.culler is not None else {}

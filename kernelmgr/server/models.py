@@ -6,18 +6,35 @@ read one definition of each field.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from kernelmgr.backends import gpushare
+from kernelmgr.backends.isolation import isolation_of
 from kernelmgr.config import ElasticRuntime
+from kernelmgr.server.hibernation import KUBERNETES_PROVISIONER
 
 
 def elastic_kernel_model(
-    runtime: ElasticRuntime, jupyter_model: dict[str, Any], activity: dict[str, Any] | None = None
+    runtime: ElasticRuntime,
+    jupyter_model: dict[str, Any],
+    activity: dict[str, Any] | None = None,
+    pod_annotations: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One managed kernel: jupyter_server's fields plus size, state, owner, slice, activity."""
+    """One managed kernel: jupyter_server's fields plus size, state, owner, slice, activity.
+
+    ``pod_annotations`` are those of the kernel's pod (Kubernetes mode): where the mechanism's own
+    scheduler wrote which device it gave the pod (gpushare's extender), the slice says so as
+    ``assigned``, since the allocator only knows the node's devices, not the one picked there.
+    """
     kernel_id = jupyter_model["id"]
     record = runtime.kernels.get(kernel_id)
     granted = runtime.allocator.slice_of(kernel_id)
+    slice_model = granted.to_dict() if granted else None
+    if slice_model is not None:
+        assigned = gpushare.assigned_device(pod_annotations)
+        if assigned is not None:
+            slice_model["assigned"] = assigned
     return {
         "id": kernel_id,
         "name": jupyter_model.get("name"),
@@ -31,7 +48,7 @@ def elastic_kernel_model(
         "execution_state": jupyter_model.get("execution_state"),
         "connections": jupyter_model.get("connections", 0),
         "owner": record.owner if record else runtime.owner,
-        "slice": granted.to_dict() if granted else None,
+        "slice": slice_model,
         "activity": {
             "last_activity": jupyter_model.get("last_activity"),
             "gpu_utilization": None,
@@ -41,6 +58,19 @@ def elastic_kernel_model(
         },
         "checkpoint": _checkpoint(runtime, record.owner, kernel_id) if record else None,
     }
+
+
+def kernel_pod_annotations(
+    runtime: ElasticRuntime, kernel_id: str, pods: Mapping[str, Any]
+) -> dict[str, str] | None:
+    """The annotations of ``kernel_id``'s pod in ``pods`` (the provisioner's pod watch, kernel id -> pod);
+    ``None`` for local kernels and for a kernel whose pod the watch has not seen."""
+    if runtime.provisioner_name != KUBERNETES_PROVISIONER:
+        return None
+    metadata = getattr(pods.get(kernel_id), "metadata", None)
+    if metadata is None:
+        return None
+    return dict(getattr(metadata, "annotations", None) or {})
 
 
 def _checkpoint(runtime: ElasticRuntime, owner: str, kernel_id: str) -> dict[str, Any] | None:
@@ -57,11 +87,14 @@ def profiles_model(runtime: ElasticRuntime, kernelspecs: dict[str, str]) -> dict
     for spec_name, profile_name in kernelspecs.items():
         by_profile.setdefault(profile_name, []).append(spec_name)
     profiles = []
+    # Local kernels get the local backend's environment whatever the size's Kubernetes backend.
+    local = runtime.provisioner_name != KUBERNETES_PROVISIONER
     for profile in runtime.profiles.values():
         entry = profile.to_dict()
         entry["kernelspecs"] = sorted(by_profile.get(profile.name, []))
         entry["fits_now"] = runtime.gpus_available and runtime.allocator.fits(profile)
         entry["fits_ever"] = runtime.gpus_available and runtime.allocator.ever_fits(profile)
+        entry["isolation"] = isolation_of(profile, local=local, use_mps=runtime.use_mps).to_dict()
         profiles.append(entry)
     return {
         "gpus_available": runtime.gpus_available,
