@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The JupyterLab extension's toolchain (labextension/), with node_modules cached under ~/.cache.
+#
+#   bash scripts/labextension.sh deps    # npm ci into ~/.cache/jupyter-elastic-kernels/labext-<lock hash>,
+#                                        # linked as labextension/node_modules
+#   bash scripts/labextension.sh build   # TypeScript + webpack -> kernelmgr/labextension (committed)
+#   bash scripts/labextension.sh check   # rebuild into a temporary folder; fail if the committed build differs
+#   bash scripts/labextension.sh test    # the front-end unit tests (vitest)
+#
+# The build uses the Python jupyterlab package's staging folder as its core (pip install -e ".[lab]"),
+# so the shared modules it asks for are the ones JupyterLab provides.
+set -euo pipefail
+cd "$(dirname "$0")/../labextension"
+
+deps() {
+    local hash dir
+    hash=$(sha256sum package-lock.json | cut -c1-16)
+    dir="$HOME/.cache/jupyter-elastic-kernels/labext-$hash"
+    if [ ! -f "$dir/.complete" ]; then
+        rm -rf "$dir" && mkdir -p "$dir"
+        cp package.json package-lock.json "$dir/"
+        (cd "$dir" && npm ci --silent --no-audit --no-fund)
+        touch "$dir/.complete"
+    fi
+    ln -sfn "$dir/node_modules" node_modules
+}
+
+core_path() {
+    python3 -c "import jupyterlab, os; print(os.path.join(os.path.dirname(jupyterlab.__file__), 'staging'))"
+}
+
+# Build the extension in folder $1 (a labextension/ copy); the builder writes where package.json's
+# jupyterlab.outputDir says: ../kernelmgr/labextension beside that folder.
+build_in() {
+    (
+        cd "$1"
+        rm -rf lib ../kernelmgr/labextension
+        node_modules/.bin/tsc
+        node node_modules/@jupyterlab/builder/lib/build-labextension.js --core-path "$(core_path)" . > /dev/null
+    )
+}
+
+case "${1:-}" in
+    deps) deps ;;
+    build)
+        deps
+        build_in .
+        ;;
+    check)
+        # Rebuilt in place (webpack's module ids follow the absolute path) and compared with the
+        # committed build, which is put back whatever the result.
+        deps
+        tmp=$(mktemp -d)
+        cp -r ../kernelmgr/labextension "$tmp/committed"
+        trap 'rm -rf ../kernelmgr/labextension && cp -r "$tmp/committed" ../kernelmgr/labextension && rm -rf "$tmp"' EXIT
+        build_in .
+        if ! diff -r "$tmp/committed" ../kernelmgr/labextension; then
+            echo "kernelmgr/labextension does not match labextension/: run 'bash scripts/labextension.sh build' and commit" >&2
+            exit 1
+        fi
+        ;;
+    test)
+        deps
+        node_modules/.bin/vitest run
+        ;;
+    *)
+        echo "usage: $0 {deps|build|check|test}" >&2
+        exit 2
+        ;;
+esac
