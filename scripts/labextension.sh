@@ -6,6 +6,9 @@
 #   bash scripts/labextension.sh build   # TypeScript + webpack -> kernelmgr/labextension (committed)
 #   bash scripts/labextension.sh check   # rebuild into a temporary folder; fail if the committed build differs
 #   bash scripts/labextension.sh test    # the front-end unit tests (vitest)
+#   bash scripts/labextension.sh develop # link the active environment's installed copy to kernelmgr/labextension
+#                                        # (pip install -e copies shared-data once; after this, a build shows
+#                                        # on the next page load)
 #
 # The build uses the Python jupyterlab package's staging folder as its core (pip install -e ".[lab]"),
 # so the shared modules it asks for are the ones JupyterLab provides.
@@ -59,12 +62,19 @@ case "${1:-}" in
             exit 1
         fi
         ;;
+    develop)
+        target="$(python3 -c 'import sys; print(sys.prefix)')/share/jupyter/labextensions/jupyter-elastic-kernels"
+        rm -rf "$target"
+        mkdir -p "$(dirname "$target")"
+        ln -s "$(cd ../kernelmgr/labextension && pwd)" "$target"
+        echo "$target -> kernelmgr/labextension"
+        ;;
     test)
         deps
         node_modules/.bin/vitest run
         ;;
     *)
-        echo "usage: $0 {deps|build|check|test}" >&2
+        echo "usage: $0 {deps|build|check|test|develop}" >&2
         exit 2
         ;;
 esac

@@ -7,7 +7,7 @@
  * without the extension's server part answers 404 and nothing appears.
  */
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
-import { Notification } from '@jupyterlab/apputils';
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { ServerConnection } from '@jupyterlab/services';
@@ -15,7 +15,17 @@ import { IStatusBar } from '@jupyterlab/statusbar';
 import { Widget } from '@lumino/widgets';
 
 import { GpusPanel } from './panel';
-import { changes, ElasticKernel, Fetcher, KernelPoller, reportText, statusText, warningText } from './model';
+import {
+  changes,
+  ElasticKernel,
+  Fetcher,
+  KernelPoller,
+  reportSummary,
+  reportText,
+  RestoreReport,
+  statusText,
+  warningText
+} from './model';
 
 const settings = ServerConnection.makeSettings();
 
@@ -24,6 +34,18 @@ export const serverFetch: Fetcher = async (path, init) => {
   const url = URLExt.join(settings.baseUrl, path);
   return ServerConnection.makeRequest(url, { method: init?.method ?? 'GET' }, settings);
 };
+
+/** The restore report in full, in a dialog a person can read at leisure. */
+async function showReport(notebook: string | undefined, report: RestoreReport | null): Promise<void> {
+  const body = document.createElement('pre');
+  body.className = 'jp-ElasticReport';
+  body.textContent = reportText(report);
+  await showDialog({
+    title: `Restore report${notebook ? ' · ' + notebook : ''}`,
+    body: new Widget({ node: body }),
+    buttons: [Dialog.okButton({ label: 'Close' })]
+  });
+}
 
 class StatusItem extends Widget {
   constructor() {
@@ -102,17 +124,36 @@ const plugin: JupyterFrontEndPlugin<void> = {
             if (reply.status === 200) {
               const body = (await reply.json()) as { restore_report: unknown };
               const where = notebookOf(id);
-              Notification.info(`${where ? where + ': ' : ''}${reportText(body.restore_report as never)}`, {
-                autoClose: false
+              const report = body.restore_report as RestoreReport | null;
+              Notification.info(`${where ? where + ': ' : ''}${reportSummary(report)}`, {
+                autoClose: false,
+                actions: [
+                  {
+                    label: 'Details',
+                    caption: 'What was restored, and what was not and why',
+                    callback: () => void showReport(where, report)
+                  }
+                ]
               });
             }
           });
         }
       }
-      panel?.render();
+      panel?.update_();
     });
 
     tracker.currentChanged.connect(renderStatus);
+    // A cell sent to a hibernated kernel starts its resume: look now rather than at the next poll
+    // (only then: a running kernel's busy/idle changes cost nothing).
+    tracker.widgetAdded.connect((_, notebook) => {
+      notebook.sessionContext.statusChanged.connect(() => {
+        const id = notebook.sessionContext.session?.kernel?.id;
+        const kernel = id ? poller.kernels.get(id) : undefined;
+        if (kernel && kernel.state !== 'running' && poller.available) {
+          void poller.refresh();
+        }
+      });
+    });
     if (statusBar) {
       statusBar.registerStatusItem('jupyter-elastic-kernels:status', {
         item,

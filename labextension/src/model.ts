@@ -147,6 +147,26 @@ export function reportText(report: RestoreReport | null | undefined): string {
   return lines.join('\n');
 }
 
+/** One line for the notification (JupyterLab cuts longer ones); the full text is a click away. */
+export function reportSummary(report: RestoreReport | null | undefined): string {
+  if (!report) {
+    return 'Kernel resumed.';
+  }
+  if (report.refused) {
+    return 'Kernel resumed empty: its checkpoint was not loaded.';
+  }
+  const missing = (report.not_restored ?? []).map(item => item.name);
+  const recomputed = (report.recomputed ?? []).length;
+  let text = `Kernel resumed: ${(report.restored ?? []).length} variable(s) restored`;
+  if (recomputed) {
+    text += `, ${recomputed} recomputed`;
+  }
+  if (missing.length) {
+    text += `; not restored: ${missing.join(', ')}`;
+  }
+  return text + '.';
+}
+
 /** Which transitions of one kernel the extension reacts to, between two polls. */
 export interface Changes {
   warned: boolean;
@@ -180,8 +200,19 @@ export class KernelPoller {
 
   constructor(
     private fetcher: Fetcher,
-    public intervalMs = 3000
+    public intervalMs = 3000,
+    public fastIntervalMs = 1000
   ) {}
+
+  /** Faster only while a kernel is hibernating or resuming (seconds), so its phases show. */
+  nextDelay(): number {
+    for (const kernel of this.kernels.values()) {
+      if (kernel.state === 'resuming' || kernel.state === 'hibernating') {
+        return this.fastIntervalMs;
+      }
+    }
+    return this.intervalMs;
+  }
 
   onUpdate(listener: (poller: KernelPoller, previous: Map<string, ElasticKernel>) => void): void {
     this.listeners.push(listener);
@@ -211,19 +242,26 @@ export class KernelPoller {
     this.emit(previous);
   }
 
-  /** Poll now (after an action), then on schedule. */
+  /** Poll now (after an action, or a cell sent to a hibernated kernel), then on schedule. */
   async refresh(): Promise<void> {
+    const scheduled = this.timer !== null;
+    this.stop();
     await this.poll();
+    if (scheduled && this.available !== false && this.timer === null) {
+      this.timer = setTimeout(this.tick, this.nextDelay());
+    }
   }
 
+  private tick = async (): Promise<void> => {
+    this.timer = null;
+    await this.poll();
+    if (this.available !== false && this.timer === null) {
+      this.timer = setTimeout(this.tick, this.nextDelay());
+    }
+  };
+
   start(): void {
-    const tick = async (): Promise<void> => {
-      await this.poll();
-      if (this.available !== false) {
-        this.timer = setTimeout(tick, this.intervalMs);
-      }
-    };
-    void tick();
+    void this.tick();
   }
 
   stop(): void {

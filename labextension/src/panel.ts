@@ -12,7 +12,7 @@ interface Device {
   uuid: string;
   name: string;
   memory_mib?: number;
-  fraction_used?: number;
+  used_fraction?: number;
   slices?: { kernel_id: string; profile?: string; fraction?: number }[];
 }
 
@@ -63,6 +63,22 @@ export class GpusPanel extends Widget {
     }
   }
 
+  /**
+   * After a poll: the admin view follows when a kernel changed state (a slice taken or given
+   * back), and only while the panel is visible, so the admin data costs nothing otherwise.
+   */
+  update_(): void {
+    const signature = [...this.poller.kernels.values()].map(k => `${k.id}:${k.state}`).join(',');
+    if (this.isVisible && this.admin?.admin && signature !== this.signature) {
+      this.signature = signature;
+      void this.loadAdmin();
+      return;
+    }
+    this.render();
+  }
+
+  private signature = '';
+
   render(): void {
     const node = this.node;
     node.replaceChildren();
@@ -75,25 +91,28 @@ export class GpusPanel extends Widget {
       empty.textContent = 'No kernel with a GPU size.';
       node.appendChild(empty);
     }
-    const table = document.createElement('table');
-    table.className = 'jp-ElasticPanel-kernels';
+    const list = document.createElement('div');
+    list.className = 'jp-ElasticPanel-kernels';
     for (const kernel of mine) {
-      const row = table.insertRow();
+      const row = document.createElement('div');
+      row.className = 'jp-ElasticPanel-kernel';
       row.dataset.kernelId = kernel.id;
       const util = kernel.activity.gpu_utilization;
-      const cells = [
-        kernel.id.slice(0, 8),
-        kernel.profile ?? '',
-        stateText(kernel),
-        util === null || util === undefined ? '' : `${Math.round(util)}%`,
-        formatMib(kernel.activity.gpu_memory_mib)
-      ];
-      for (const text of cells) {
-        row.insertCell().textContent = text;
-      }
-      const buttons = row.insertCell();
+      // GPU use only of a running kernel: a hibernated one holds no GPU (its last sample is stale).
+      const use =
+        kernel.state !== 'running'
+          ? []
+          : [
+              util === null || util === undefined ? '' : `GPU ${Math.round(util)}%`,
+              formatMib(kernel.activity.gpu_memory_mib)
+            ].filter(Boolean);
+      const text = document.createElement('div');
+      text.className = 'jp-ElasticPanel-kernelText';
+      text.textContent = `${kernel.id.slice(0, 8)} · ${kernel.profile} · ${stateText(kernel)}${
+        use.length ? ' · ' + use.join(' · ') : ''
+      }`;
       const button = document.createElement('button');
-      button.className = 'jp-mod-styled';
+      button.className = 'jp-mod-styled jp-ElasticPanel-action';
       if (kernel.state === 'running') {
         button.textContent = 'Hibernate';
         button.onclick = () => void this.act(kernel, 'hibernate');
@@ -104,9 +123,10 @@ export class GpusPanel extends Widget {
         button.textContent = '…';
         button.disabled = true;
       }
-      buttons.appendChild(button);
+      row.append(text, button);
+      list.appendChild(row);
     }
-    node.appendChild(table);
+    node.appendChild(list);
     if (this.admin?.admin) {
       const h = document.createElement('h3');
       h.textContent = 'All GPUs (admin)';
@@ -115,7 +135,7 @@ export class GpusPanel extends Widget {
         const p = document.createElement('div');
         p.className = 'jp-ElasticPanel-device';
         const slices = (device.slices ?? []).map(s => `${s.profile ?? '?'} (${s.kernel_id.slice(0, 8)})`);
-        p.textContent = `${device.name} ${device.uuid}: ${Math.round((device.fraction_used ?? 0) * 100)}% allocated; ${
+        p.textContent = `${device.name} ${device.uuid}: ${Math.round((device.used_fraction ?? 0) * 100)}% allocated; ${
           slices.length ? slices.join(', ') : 'no slices'
         }`;
         node.appendChild(p);
@@ -124,7 +144,7 @@ export class GpusPanel extends Widget {
       const total = released.reduce((sum, [, hours]) => sum + hours, 0);
       const r = document.createElement('p');
       r.className = 'jp-ElasticPanel-released';
-      r.textContent = `GPU-hours released by hibernation: ${total.toFixed(3)}`;
+      r.textContent = `GPU-hours released by hibernation: ${total.toFixed(4)}`;
       node.appendChild(r);
     }
   }

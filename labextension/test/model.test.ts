@@ -4,6 +4,7 @@ import {
   changes,
   ElasticKernel,
   KernelPoller,
+  reportSummary,
   reportText,
   resumeText,
   secondsLeft,
@@ -136,5 +137,22 @@ describe('KernelPoller', () => {
     expect(fetcher).toHaveBeenCalledTimes(4);
     poller.stop();
     vi.useRealTimers();
+  });
+  it('polls faster only while a kernel resumes or hibernates', async () => {
+    const poller = new KernelPoller(async () => ({ status: 200, json: async () => [] }), 3000, 1000);
+    expect(poller.nextDelay()).toBe(3000);
+    poller.kernels.set('k1', kernel({ state: 'resuming' }));
+    expect(poller.nextDelay()).toBe(1000);
+    poller.kernels.set('k1', kernel({ state: 'hibernated' }));
+    expect(poller.nextDelay()).toBe(3000);
+  });
+});
+
+describe('reportSummary', () => {
+  it('fits one line and names what is missing', () => {
+    expect(
+      reportSummary({ restored: ['a', 'b'], recomputed: [{ name: 'g' }], not_restored: [{ name: 'sock', reason: 'x' }] })
+    ).toBe('Kernel resumed: 2 variable(s) restored, 1 recomputed; not restored: sock.');
+    expect(reportSummary({ refused: 'bad digest' })).toBe('Kernel resumed empty: its checkpoint was not loaded.');
   });
 });
