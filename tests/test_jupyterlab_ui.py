@@ -118,18 +118,22 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServe
     )
     server = RunningServer(url=url, process=proc, home=home, log_path=log_path, env=env)
     (home / "root" / "demo.ipynb").write_text(json.dumps(NOTEBOOK))
-    # JupyterLab's own "get notified about news?" prompt would cover the screenshots.
-    labconfig = Path(env["JUPYTER_CONFIG_DIR"]) / "labconfig"
-    labconfig.mkdir(parents=True, exist_ok=True)
-    (labconfig / "page_config.json").write_text(
-        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
-    )
+    _no_news_prompt(env)
     try:
         wait_for(lambda: _status(server) == 200, timeout=90, what="jupyter lab to answer")
         yield server, gpu
     finally:
         server.shutdown_all_kernels()
         server.stop()
+
+
+def _no_news_prompt(env: dict[str, str]) -> None:
+    """JupyterLab's own "get notified about news?" prompt would cover the screenshots."""
+    labconfig = Path(env["JUPYTER_CONFIG_DIR"]) / "labconfig"
+    labconfig.mkdir(parents=True, exist_ok=True)
+    (labconfig / "page_config.json").write_text(
+        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}})
+    )
 
 
 def _status(server: RunningServer) -> int | None:
@@ -263,3 +267,112 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     # A new process (not in the GPU script: 0% of the GPU), running.
     expect(status).to_have_text("GPU small · 0% · 0 MiB · running", timeout=10_000)
     server.shutdown_kernel(holders[1])
+
+
+def _kernel_of(server: RunningServer, path: str) -> str | None:
+    for session in server.get("/api/sessions"):
+        if session["path"] == path and session.get("kernel"):
+            return str(session["kernel"]["id"])
+    return None
+
+
+def _open(page: Any, server: RunningServer, path: str) -> Any:
+    from playwright.sync_api import expect
+
+    page.goto(f"{server.url}/lab/tree/{path}?reset&token={TOKEN}")  # only this notebook open
+    cells = page.locator(".jp-Notebook .jp-CodeCell")
+    expect(cells.first).to_be_visible(timeout=60_000)
+    kernel_id = wait_for(lambda: _kernel_of(server, path), timeout=60, what="the notebook's kernel")
+    wait_for(
+        lambda: server.get(f"/api/kernels/{kernel_id}")["execution_state"] == "idle",
+        timeout=60,
+        what="the kernel to be ready",
+    )
+    cells.first.click()
+    page.keyboard.press("Shift+Enter")
+    expect(cells.first.locator(".jp-OutputArea-output")).to_have_text("2", timeout=60_000)
+    return cells
+
+
+CPU_NOTEBOOK = {
+    **NOTEBOOK,
+    "cells": [
+        {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": "1 + 1"}
+    ],
+    "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+}
+
+
+def test_a_kernel_without_a_gpu_size_shows_nothing(
+    lab: tuple[RunningServer, GpuScript], tmp_path: Path
+) -> None:
+    server, _gpu = lab
+    (server.home / "root" / "cpu.ipynb").write_text(json.dumps(CPU_NOTEBOOK))
+    sync_playwright = _require_browser()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--headless", "--no-sandbox"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 720})
+            _open(page, server, "cpu.ipynb")
+            kernel_id = _kernel_of(server, "cpu.ipynb")
+            assert server.get(f"/api/elastic/kernels/{kernel_id}")["profile"] is None
+            # The extension runs (its panel is there) and has polled since the kernel started ...
+            tab = page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]')
+            from playwright.sync_api import expect
+
+            expect(tab).to_have_count(1, timeout=10_000)
+            time.sleep(4)
+            # ... and shows no status for a kernel without a GPU size.
+            expect(page.locator(".jp-ElasticStatus")).to_be_hidden()
+            expect(page.locator(".Toastify__toast")).to_have_count(0)
+        finally:
+            browser.close()
+            server.shutdown_all_kernels()
+
+
+@pytest.fixture
+def lab_without_server_part(tmp_path: Path) -> Iterator[RunningServer]:
+    _require_browser()
+    home = tmp_path / "plain-lab"
+    config = {
+        "ServerApp": {"jpserver_extensions": {"kernelmgr": False}},
+        "LabApp": {"check_for_updates_class": "jupyterlab.NeverCheckForUpdate"},
+    }
+    proc, log_path, url, env = launch(home, config, app_module="jupyterlab")
+    server = RunningServer(url=url, process=proc, home=home, log_path=log_path, env=env)
+    (home / "root" / "cpu.ipynb").write_text(json.dumps(CPU_NOTEBOOK))
+    _no_news_prompt(env)
+    try:
+        wait_for(lambda: _status(server) == 200, timeout=90, what="jupyter lab to answer")
+        yield server
+    finally:
+        server.shutdown_all_kernels()
+        server.stop()
+
+
+def test_a_server_without_the_server_part_shows_nothing(lab_without_server_part: RunningServer) -> None:
+    from playwright.sync_api import expect
+
+    server = lab_without_server_part
+    assert server.request("GET", "/api/elastic/kernels").status == 404
+    sync_playwright = _require_browser()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--headless", "--no-sandbox"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 720})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            _open(page, server, "cpu.ipynb")
+            # The extension is loaded (its status item exists, empty and hidden), asked once, got 404.
+            expect(page.locator(".jp-ElasticStatus")).to_have_count(1, timeout=10_000)
+            time.sleep(4)
+            expect(page.locator(".jp-ElasticStatus")).to_be_hidden()
+            expect(page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]')).to_have_count(0)
+            expect(page.locator(".Toastify__toast")).to_have_count(0)
+            assert not [e for e in errors if "elastic" in e.lower()], errors
+        finally:
+            browser.close()

@@ -12,6 +12,7 @@ import { URLExt } from '@jupyterlab/coreutils';
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { ServerConnection } from '@jupyterlab/services';
 import { IStatusBar } from '@jupyterlab/statusbar';
+import { Signal } from '@lumino/signaling';
 import { Widget } from '@lumino/widgets';
 
 import { GpusPanel } from './panel';
@@ -47,7 +48,11 @@ async function showReport(notebook: string | undefined, report: RestoreReport | 
   });
 }
 
+/** The status bar item; the status bar shows it only while `active` (a kernel with a GPU size). */
 class StatusItem extends Widget {
+  readonly activeChanged = new Signal<this, void>(this);
+  active = false;
+
   constructor() {
     super();
     this.addClass('jp-ElasticStatus');
@@ -57,7 +62,10 @@ class StatusItem extends Widget {
   show_(text: string | null, state: string): void {
     this.node.textContent = text ?? '';
     this.node.dataset.state = state;
-    this.setHidden(text === null);
+    if (this.active !== (text !== null)) {
+      this.active = text !== null;
+      this.activeChanged.emit();
+    }
   }
 }
 
@@ -159,7 +167,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
         item,
         align: 'left',
         rank: 4,
-        isActive: () => true
+        isActive: () => item.active,
+        activeStateChanged: item.activeChanged
       });
     }
     void poller.poll().then(() => {
