@@ -49,6 +49,7 @@ def test_keep_running_cancels_the_warning_and_the_hibernation(server: RunningSer
     reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/activity")
     assert reply.status == 200, reply.body
     assert reply.body["activity"]["warning"] is None  # gone at once, not at the next policy check
+    assert reply.body["activity"]["idle_seconds"] < 1.0  # counts as activity: the idle clock restarted
     # Past the hibernation the warning announced, the kernel still runs: the idle clock restarted.
     time.sleep(max(0.0, warning["hibernate_at"] - time.time()) + 1.5)
     after = model(server, kernel_id)

@@ -173,7 +173,7 @@ class MeHandler(ElasticHandler):
             {
                 "user": getattr(user, "username", None),
                 "admin": admin,
-                "gpu_hours_released": {size: round(seconds / 3600, 4) for size, seconds in released.items()}
+                "gpu_hours_released": {size: seconds / 3600 for size, seconds in released.items()}
                 if released is not None
                 else None,
             }
