@@ -215,6 +215,13 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     assert _model(server, kernel_id)["activity"]["warning"] is None  # cancelled by the click itself
     gpu.set(pid, memory_mib=2048, sm_percent=35)  # busy again: no new warning
     assert _model(server, kernel_id)["state"] == "running"
+    time.sleep(1.5)  # the GPU sampler (every 0.5 s) sees it busy
+    # A warning cancelled another way (a cell run from elsewhere) goes away too.
+    gpu.set(pid, memory_mib=2048, sm_percent=0)
+    expect(toast).to_be_visible(timeout=20_000)
+    server.execute(kernel_id, "x")
+    expect(toast).to_have_count(0, timeout=8_000)
+    gpu.set(pid, memory_mib=2048, sm_percent=35)
 
     # 3. Hibernate from the GPUs panel; the status says so.
     page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]').click()
