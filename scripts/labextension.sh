@@ -2,16 +2,17 @@
 # The JupyterLab extension's toolchain (labextension/), with node_modules cached under ~/.cache.
 #
 #   bash scripts/labextension.sh deps    # npm ci into ~/.cache/jupyter-elastic-kernels/labext-<lock hash>,
-#                                        # linked as labextension/node_modules
+#                                        # hard-linked into labextension/node_modules
 #   bash scripts/labextension.sh build   # TypeScript + webpack -> kernelmgr/labextension (committed)
-#   bash scripts/labextension.sh check   # rebuild into a temporary folder; fail if the committed build differs
+#   bash scripts/labextension.sh check   # rebuild in place; fail if the committed build differs (it is put back)
 #   bash scripts/labextension.sh test    # the front-end unit tests (vitest)
 #   bash scripts/labextension.sh develop # link the active environment's installed copy to kernelmgr/labextension
 #                                        # (pip install -e copies shared-data once; after this, a build shows
 #                                        # on the next page load)
 #
 # The build uses the Python jupyterlab package's staging folder as its core (pip install -e ".[lab]"),
-# so the shared modules it asks for are the ones JupyterLab provides.
+# so the shared modules it asks for are the ones JupyterLab provides: a new JupyterLab release (a newer
+# core in the environment) changes the build, and check then asks for a rebuild.
 set -euo pipefail
 cd "$(dirname "$0")/../labextension"
 
@@ -25,7 +26,14 @@ deps() {
         (cd "$dir" && npm ci --silent --no-audit --no-fund)
         touch "$dir/.complete"
     fi
-    ln -sfn "$dir/node_modules" node_modules
+    # A real folder inside the checkout (hard links: no copy of the data where the cache shares the
+    # file system), not a link to the cache: webpack names modules by their path relative to the
+    # checkout, and a path into ~/.cache would differ between checkouts, and so would the build.
+    if [ -L node_modules ] || [ "$(cat node_modules/.elastic-lock 2> /dev/null)" != "$hash" ]; then
+        rm -rf node_modules
+        cp -al "$dir/node_modules" node_modules 2> /dev/null || cp -a "$dir/node_modules" node_modules
+        echo "$hash" > node_modules/.elastic-lock
+    fi
 }
 
 core_path() {
@@ -50,7 +58,7 @@ case "${1:-}" in
         build_in .
         ;;
     check)
-        # Rebuilt in place (webpack's module ids follow the absolute path) and compared with the
+        # Rebuilt in place and compared with the
         # committed build, which is put back whatever the result.
         deps
         tmp=$(mktemp -d)
