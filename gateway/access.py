@@ -70,6 +70,11 @@ class GatewayAccess(KernelAccess):
             return False
         return self.is_admin(name) or self.owner_of(kernel_id) == name
 
+    def is_admin_request(self, handler: Any) -> bool:
+        """``KernelAccess.is_admin_request``: the gateway's admins only."""
+        name = self._user(handler)
+        return name is not None and self.is_admin(name)
+
     def forget(self, kernel_id: str) -> None:
         self.started_by.pop(kernel_id, None)
 

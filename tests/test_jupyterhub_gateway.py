@@ -106,6 +106,7 @@ def test_kernels_outlive_the_users_server_and_stay_private(tmp_path: Path) -> No
             ("GET", f"/api/elastic/kernels/{kernel_id}"),
             ("POST", f"/api/elastic/kernels/{kernel_id}/hibernate"),
             ("POST", f"/api/elastic/kernels/{kernel_id}/resume"),
+            ("POST", f"/api/elastic/kernels/{kernel_id}/activity"),
         ):
             answer = gateway(hub, method, path, bob)
             assert answer.status_code == 404, f"{method} {path} as bob: {answer.status_code} {answer.text}"
@@ -171,4 +172,12 @@ def test_gpu_quota_counts_running_kernels_only_and_guards_resumes(tmp_path: Path
         assert seen == {small_id: "carol", medium_id: "carol"}
         by_admin = gateway(hub, "POST", f"/api/elastic/kernels/{medium_id}/hibernate", ada)
         assert by_admin.status_code == 200, by_admin.text
+        # JupyterLab's GPUs panel: the all-GPUs view and the GPU-hours released are for admins only.
+        assert gateway(hub, "GET", "/api/elastic/me", ada).json()["admin"] is True
+        assert gateway(hub, "GET", "/api/elastic/me", ada).json()["gpu_hours_released"]["small"] > 0
+        assert gateway(hub, "GET", "/api/elastic/me", carol).json() == {
+            "user": "carol",
+            "admin": False,
+            "gpu_hours_released": None,
+        }
         assert run(hub, "carol", carol, small_id, "y + 1") == "8"

@@ -65,6 +65,7 @@ from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_key_file
 from kernelmgr.checkpoint.layout import RESTORE_REPORT, write_file_atomic
 from kernelmgr.checkpoint.namespace import UserNamespace
+from kernelmgr.checkpoint.progress import ProgressFile
 from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
 from kernelmgr.checkpoint.recompute import DEFAULT_LIMIT, replay
 from kernelmgr.checkpoint.verify import load_verified_manifest
@@ -347,6 +348,7 @@ class _Agent:
                 owner=self.config.owner,
                 kernel_id=self.config.kernel_id,
                 expected_checkpoint=self.expected_checkpoint(),
+                on_read=ProgressFile(Path(directory)),
             )
             if report is None:
                 report = refused_report(

@@ -28,6 +28,7 @@ one known to differ is listed in the report's ``differs`` (``{name: why}``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import mmap
 import os
@@ -35,6 +36,7 @@ import platform
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +79,17 @@ def _allocate(length: int) -> Buffer:
     return region
 
 
-def _readinto_fully(file: io.RawIOBase, target: memoryview, what: str, digest: DataDigest) -> None:
-    """Fill ``target``, feeding the digest piece by piece so hashing overlaps reading."""
+def _readinto_fully(
+    file: io.RawIOBase,
+    target: memoryview,
+    what: str,
+    digest: DataDigest,
+    on_piece: Callable[[int], None] | None = None,
+) -> None:
+    """Fill ``target``, feeding the digest piece by piece so hashing overlaps reading.
+
+    ``on_piece(bytes of target filled)`` after each piece: progress within one large buffer.
+    """
     for start in range(0, len(target), DIGEST_CHUNK):
         piece = target[start : start + DIGEST_CHUNK]
         rest = piece
@@ -88,11 +99,20 @@ def _readinto_fully(file: io.RawIOBase, target: memoryview, what: str, digest: D
                 raise Untrusted(f"{DATA_FILE} ended early while reading {what}")
             rest = rest[count:]
         digest.update(piece)
+        if on_piece is not None:
+            on_piece(start + len(piece))
 
 
-def read_payload(path: Path, manifest: Manifest) -> Payload:
+def _report_read(on_read: Callable[[int, int], None], base: int, total: int, done: int) -> None:
+    on_read(base + done, total)
+
+
+def read_payload(
+    path: Path, manifest: Manifest, on_read: Callable[[int, int], None] | None = None
+) -> Payload:
     """All group regions of ``data.bin``, read once and checked against the manifest digest.
 
+    ``on_read(bytes read, bytes in all)`` is called after each region (the resume's progress).
     Raises :class:`Untrusted` on a short file, a size mismatch or a digest mismatch.
     """
     slots: list[tuple[int, int, int, int]] = []  # offset, length, group id, slot (-1 = pickle)
@@ -118,7 +138,10 @@ def read_payload(path: Path, manifest: Manifest) -> Payload:
             if slot == -2:
                 break
             buffer = _allocate(length)
-            _readinto_fully(file, memoryview(buffer), f"group {group_id}", digest)
+            piece_read = None
+            if on_read is not None:
+                piece_read = functools.partial(_report_read, on_read, position, manifest.data_bytes)
+            _readinto_fully(file, memoryview(buffer), f"group {group_id}", digest, piece_read)
             position += length
             if slot == -1:
                 payload[group_id] = (buffer, payload[group_id][1])
@@ -207,6 +230,7 @@ def restore_checkpoint(
     kernel_id: str,
     expected_checkpoint: str | None = None,
     cuda_count: int | None = None,
+    on_read: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any] | None:
     """Restore the committed checkpoint's variables into ``namespace``; return the report.
 
@@ -216,7 +240,8 @@ def restore_checkpoint(
     the HMAC proves a checkpoint is this owner's and this kernel's, not that it is the
     *latest* one, so an older checkpoint of the same kernel put back in place would verify;
     comparing ids refuses it (quarantined, so it is kept). ``cuda_count`` overrides the
-    number of visible GPUs (for tests).
+    number of visible GPUs (for tests). ``on_read(checkpoint id, bytes read, bytes in all)``
+    follows the read of ``data.bin`` (the resume's progress).
     """
     started = time.perf_counter()
     directory = Path(kernel_dir)
@@ -239,7 +264,12 @@ def restore_checkpoint(
     verified = time.perf_counter()
     prewarm = _prewarm(manifest)
     try:
-        payload = read_payload(directory / manifest.checkpoint_id / DATA_FILE, manifest)
+        checkpoint_id = manifest.checkpoint_id
+        payload = read_payload(
+            directory / checkpoint_id / DATA_FILE,
+            manifest,
+            None if on_read is None else lambda done, total: on_read(checkpoint_id, done, total),
+        )
     except Untrusted as exc:
         raise refuse(directory, manifest.checkpoint_id, str(exc)) from None
     finally:

@@ -22,6 +22,7 @@ from typing import Any
 from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, owner_key
 from kernelmgr.checkpoint.layout import CURRENT, RESTORE_REPORT, read_current, remove_stale
+from kernelmgr.checkpoint.progress import read_progress
 from kernelmgr.checkpoint.verify import load_verified_manifest
 from kernelmgr.core.manifest import Manifest
 
@@ -167,6 +168,10 @@ class CheckpointStore:
         except (OSError, ValueError):  # missing, unreadable, or half-written by hand
             return None
         return report if isinstance(report, dict) else None
+
+    def restore_progress(self, owner: str, kernel_id: str, since: float) -> dict[str, Any] | None:
+        """How far the kernel's agent has read its checkpoint in a restore begun after ``since``."""
+        return read_progress(self.kernel_dir(owner, kernel_id), since)
 
     def prune(self, owner: str, kernel_id: str) -> None:
         """Delete superseded checkpoints and leftovers, keeping the committed one.

@@ -144,6 +144,8 @@ class LifecycleController:
         self._slots: dict[str, _Slot] = {}
         #: The last committed checkpoint of each kernel, as the controller knows it.
         self.committed: dict[str, Committed] = {}
+        #: Kernels whose resume waits for a free GPU slice now (the resume's shown phase).
+        self.waiting_for_slice: set[str] = set()
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -380,6 +382,7 @@ class LifecycleController:
         launched = False
         try:
             await self._wait_for_slice(kernel_id, record, notify)
+            self.waiting_for_slice.discard(kernel_id)
             committed = self.committed.get(kernel_id) if restore else None
             if not restore:
                 await self.platform.discard_checkpoints(kernel_id)
@@ -388,6 +391,7 @@ class LifecycleController:
             launched = True
             await self.platform.launch(kernel_id, committed, timeout)
         except BaseException as exc:
+            self.waiting_for_slice.discard(kernel_id)
             if launched:  # whatever it got to, no process may outlive a failed resume
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.platform.kill(kernel_id))
@@ -411,6 +415,7 @@ class LifecycleController:
                 self.allocator.check(profile)
                 return
             except CapacityError as exc:
+                self.waiting_for_slice.add(kernel_id)
                 if not self.allocator.ever_fits(profile):
                     raise LifecycleError(exc.message) from None
                 if not told and notify is not None:

@@ -407,6 +407,12 @@ class Culler:
             await self.mkm.shutdown_kernel(kernel_id)
         self.states.pop(kernel_id, None)
 
+    def cancel_warning(self, kernel_id: str) -> None:
+        """The user asked to keep the kernel (an API call): drop its warning now, not at the next tick."""
+        state = self.states.get(kernel_id)
+        if state is not None:
+            state.warned_at, state.deadline, state.warning = None, None, ""
+
     # -- what the API shows ----------------------------------------------------------------
 
     def activity_model(self, kernel_id: str) -> dict[str, Any]:

@@ -147,6 +147,39 @@ class ResumeHandler(ElasticHandler):
         self.write_json(await self.elastic_kernel_manager.resume(kernel_id, "api"))
 
 
+class ActivityHandler(ElasticHandler):
+    """ "Keep running": counts as activity and cancels the idle warning (JupyterLab's button)."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        self.write_json(self.elastic_kernel_manager.keep_running(kernel_id))
+
+
+class MeHandler(ElasticHandler):
+    """Who is asking: whether they are an admin, and (for admins) the GPU-hours hibernation released.
+
+    JupyterLab's GPUs panel shows every GPU only to admins. One user's server: its user is the admin.
+    """
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        admin = access_of(self.settings).is_admin_request(self)
+        user = self.current_user
+        km = self.elastic_kernel_manager
+        released = km.hibernator.released.totals() if admin and km.hibernator is not None else None
+        self.write_json(
+            {
+                "user": getattr(user, "username", None),
+                "admin": admin,
+                "gpu_hours_released": {size: seconds / 3600 for size, seconds in released.items()}
+                if released is not None
+                else None,
+            }
+        )
+
+
 class SessionsPreflightHandler(SessionRootHandler):
     """``POST /api/sessions`` with the GPU-size check done first.
 
@@ -218,4 +251,6 @@ def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:
         (rf"/api/elastic/kernels/{_KERNEL_ID}/resume", ResumeHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/report", ReportHandler),
         (r"/api/sessions", SessionsPreflightHandler),
+        (rf"/api/elastic/kernels/{_KERNEL_ID}/activity", ActivityHandler),
+        (r"/api/elastic/me", MeHandler),
     ]

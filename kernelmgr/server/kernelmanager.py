@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -317,7 +318,11 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         if kernel_id not in self:
             raise no_such_kernel(kernel_id)
         return elastic_kernel_model(
-            runtime, self.kernel_model(kernel_id), self._activity(kernel_id), self._pod_annotations(kernel_id)
+            runtime,
+            self.kernel_model(kernel_id),
+            self._activity(kernel_id),
+            self._pod_annotations(kernel_id),
+            self._waiting(kernel_id),
         )
 
     def elastic_report(self, kernel_id: str) -> dict[str, Any]:
@@ -338,7 +343,11 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         runtime = self._require_runtime()
         return [
             elastic_kernel_model(
-                runtime, model, self._activity(model["id"]), self._pod_annotations(model["id"])
+                runtime,
+                model,
+                self._activity(model["id"]),
+                self._pod_annotations(model["id"]),
+                self._waiting(model["id"]),
             )
             for model in self.list_kernels()
         ]
@@ -351,6 +360,33 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         from kernelmgr.provisioners.kubernetes import kernel_pods  # only loaded in Kubernetes mode
 
         return kernel_pod_annotations(runtime, kernel_id, kernel_pods())
+
+    def _waiting(self, kernel_id: str) -> bool:
+        hibernator = self.hibernator
+        return hibernator is not None and kernel_id in hibernator.controller.waiting_for_slice
+
+    def keep_running(self, kernel_id: str) -> dict[str, Any]:
+        """``POST /api/elastic/kernels/{id}/activity``: the user wants the kernel kept running.
+
+        Counts as activity (the idle clock starts again, as if a cell had just finished) and
+        cancels a pending idle warning at once, so the next policy check does not hibernate it.
+        409 for a kernel that is not running: there is nothing to keep.
+        """
+        runtime = self._require_runtime()
+        if kernel_id not in self:
+            raise no_such_kernel(kernel_id)
+        record = runtime.kernels.get(kernel_id)
+        if record is None or self.hibernator is None:
+            raise http_error(409, f"kernel {kernel_id} is not an elastic kernel: no cull policy applies")
+        if record.state is not KernelState.RUNNING:
+            raise http_error(
+                409,
+                f"kernel {kernel_id} is {record.state.value}, not running: run a cell to resume it instead",
+            )
+        self.hibernator.activity.get(kernel_id).last_execution_end = time.time()
+        if self.culler is not None:
+            self.culler.cancel_warning(kernel_id)
+        return self.elastic_model(kernel_id)
 
     def _activity(self, kernel_id: str) -> dict[str, Any]:
         return self.culler.activity_model(kernel_id) if self.culler is not None else {}

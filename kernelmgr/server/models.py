@@ -12,6 +12,8 @@ from typing import Any
 from kernelmgr.backends import gpushare
 from kernelmgr.backends.isolation import isolation_of
 from kernelmgr.config import ElasticRuntime
+from kernelmgr.core.kernels import ManagedKernel
+from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.server.hibernation import KUBERNETES_PROVISIONER
 
 
@@ -20,6 +22,7 @@ def elastic_kernel_model(
     jupyter_model: dict[str, Any],
     activity: dict[str, Any] | None = None,
     pod_annotations: Mapping[str, str] | None = None,
+    waiting_for_slice: bool = False,
 ) -> dict[str, Any]:
     """One managed kernel: jupyter_server's fields plus size, state, owner, slice, activity.
 
@@ -57,6 +60,32 @@ def elastic_kernel_model(
             **(activity or {}),
         },
         "checkpoint": _checkpoint(runtime, record.owner, kernel_id) if record else None,
+        "resume": _resume_progress(runtime, record, granted is not None, waiting_for_slice)
+        if record and record.state is KernelState.RESUMING
+        else None,
+    }
+
+
+MIB = 1024 * 1024
+
+
+def _resume_progress(
+    runtime: ElasticRuntime, record: ManagedKernel, has_slice: bool, waiting_for_slice: bool
+) -> dict[str, Any]:
+    """Where a resume is: waiting for a GPU slice, starting the process, or reading N of M MiB.
+
+    The reading phase comes from the file the kernel's agent writes while it reads its
+    checkpoint (:mod:`kernelmgr.checkpoint.progress`); one small read, only when asked.
+    """
+    if waiting_for_slice and not has_slice:
+        return {"phase": "waiting_for_slice"}
+    progress = runtime.checkpoints.restore_progress(record.owner, record.kernel_id, record.lifecycle.since)
+    if progress is None:
+        return {"phase": "starting"}
+    return {
+        "phase": "restoring",
+        "restored_mib": round(int(progress.get("read_bytes", 0)) / MIB, 1),
+        "total_mib": round(int(progress.get("total_bytes", 0)) / MIB, 1),
     }
 
 

@@ -1,0 +1,185 @@
+/**
+ * JupyterLab view of jupyter-elastic-kernels: a status bar item for the current notebook's
+ * kernel (GPU size, use, state, resume progress), idle warnings as notifications with a
+ * "Keep running" action, the restore report as a note, and a GPUs panel in the left sidebar.
+ *
+ * All data comes from one shared poll of `/api/elastic/kernels` (see KernelPoller); a server
+ * without the extension's server part answers 404 and nothing appears.
+ */
+import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
+import { URLExt } from '@jupyterlab/coreutils';
+import { INotebookTracker } from '@jupyterlab/notebook';
+import { ServerConnection } from '@jupyterlab/services';
+import { IStatusBar } from '@jupyterlab/statusbar';
+import { Signal } from '@lumino/signaling';
+import { Widget } from '@lumino/widgets';
+
+import { GpusPanel } from './panel';
+import {
+  changes,
+  ElasticKernel,
+  Fetcher,
+  KernelPoller,
+  reportSummary,
+  reportText,
+  RestoreReport,
+  statusText,
+  warningText
+} from './model';
+
+const settings = ServerConnection.makeSettings();
+
+/** fetch() under the server's base URL with Jupyter's auth (token, XSRF). */
+export const serverFetch: Fetcher = async (path, init) => {
+  const url = URLExt.join(settings.baseUrl, path);
+  return ServerConnection.makeRequest(url, { method: init?.method ?? 'GET' }, settings);
+};
+
+/** The restore report in full, in a dialog a person can read at leisure. */
+async function showReport(notebook: string | undefined, report: RestoreReport | null): Promise<void> {
+  const body = document.createElement('pre');
+  body.className = 'jp-ElasticReport';
+  body.textContent = reportText(report);
+  await showDialog({
+    title: `Restore report${notebook ? ' · ' + notebook : ''}`,
+    body: new Widget({ node: body }),
+    buttons: [Dialog.okButton({ label: 'Close' })]
+  });
+}
+
+/** The status bar item; the status bar shows it only while `active` (a kernel with a GPU size). */
+class StatusItem extends Widget {
+  readonly activeChanged = new Signal<this, void>(this);
+  active = false;
+
+  constructor() {
+    super();
+    this.addClass('jp-ElasticStatus');
+    this.node.title = 'GPU size, GPU use and state of this notebook\'s kernel (jupyter-elastic-kernels)';
+  }
+
+  show_(text: string | null, state: string): void {
+    this.node.textContent = text ?? '';
+    this.node.dataset.state = state;
+    if (this.active !== (text !== null)) {
+      this.active = text !== null;
+      this.activeChanged.emit();
+    }
+  }
+}
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: 'jupyter-elastic-kernels:plugin',
+  description: 'GPU size, use, state, idle warnings and resume progress of elastic kernels.',
+  autoStart: true,
+  requires: [INotebookTracker],
+  optional: [IStatusBar],
+  activate: (app: JupyterFrontEnd, tracker: INotebookTracker, statusBar: IStatusBar | null) => {
+    const poller = new KernelPoller(serverFetch, 3000);
+    const item = new StatusItem();
+    const notified = new Map<string, string>(); // kernel id -> notification id
+    let panel: GpusPanel | null = null;
+
+    const currentKernelId = (): string | undefined =>
+      tracker.currentWidget?.sessionContext.session?.kernel?.id;
+
+    const notebookOf = (kernelId: string): string | undefined => {
+      let found: string | undefined;
+      tracker.forEach(nb => {
+        if (nb.sessionContext.session?.kernel?.id === kernelId) {
+          found = nb.context.path;
+        }
+      });
+      return found;
+    };
+
+    const keepRunning = async (kernelId: string): Promise<void> => {
+      const reply = await serverFetch(`api/elastic/kernels/${kernelId}/activity`, { method: 'POST' });
+      if (reply.status !== 200) {
+        const body = (await reply.json()) as { message?: string };
+        Notification.error(`Could not keep the kernel running: ${body.message ?? reply.status}`);
+      }
+      await poller.refresh();
+    };
+
+    const renderStatus = (): void => {
+      const id = currentKernelId();
+      const kernel = id ? poller.kernels.get(id) : undefined;
+      item.show_(statusText(kernel), kernel?.state ?? '');
+    };
+
+    poller.onUpdate((p, previous) => {
+      renderStatus();
+      const now = Date.now() / 1000;
+      for (const id of new Set([...previous.keys(), ...p.kernels.keys()])) {
+        const before = previous.get(id);
+        const after: ElasticKernel | undefined = p.kernels.get(id);
+        const change = changes(before, after);
+        if (change.warned && after?.profile) {
+          const text = warningText(after, now, notebookOf(id));
+          const nid = Notification.warning(text, {
+            autoClose: false,
+            actions: [{ label: 'Keep running', caption: 'Counts as activity', callback: () => void keepRunning(id) }]
+          });
+          notified.set(id, nid);
+        } else if (change.warningCleared && notified.has(id)) {
+          Notification.dismiss(notified.get(id));
+          notified.delete(id);
+        }
+        if (change.resumed && after?.profile) {
+          void serverFetch(`api/elastic/kernels/${id}/report`).then(async reply => {
+            if (reply.status === 200) {
+              const body = (await reply.json()) as { restore_report: unknown };
+              const where = notebookOf(id);
+              const report = body.restore_report as RestoreReport | null;
+              Notification.info(`${where ? where + ': ' : ''}${reportSummary(report)}`, {
+                autoClose: false,
+                actions: [
+                  {
+                    label: 'Details',
+                    caption: 'What was restored, and what was not and why',
+                    callback: () => void showReport(where, report)
+                  }
+                ]
+              });
+            }
+          });
+        }
+      }
+      panel?.update_();
+    });
+
+    tracker.currentChanged.connect(renderStatus);
+    // A cell sent to a hibernated kernel starts its resume: look now rather than at the next poll
+    // (only then: a running kernel's busy/idle changes cost nothing).
+    tracker.widgetAdded.connect((_, notebook) => {
+      notebook.sessionContext.statusChanged.connect(() => {
+        const id = notebook.sessionContext.session?.kernel?.id;
+        const kernel = id ? poller.kernels.get(id) : undefined;
+        if (kernel && kernel.state !== 'running' && poller.available) {
+          void poller.refresh();
+        }
+      });
+    });
+    if (statusBar) {
+      statusBar.registerStatusItem('jupyter-elastic-kernels:status', {
+        item,
+        align: 'left',
+        rank: 4,
+        isActive: () => item.active,
+        activeStateChanged: item.activeChanged
+      });
+    }
+    void poller.poll().then(() => {
+      if (poller.available !== true) {
+        return; // no /api/elastic here: nothing appears
+      }
+      panel = new GpusPanel(poller, serverFetch);
+      app.shell.add(panel, 'left', { rank: 700 });
+      poller.start();
+    });
+  }
+};
+
+export default plugin;

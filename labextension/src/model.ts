@@ -1,0 +1,279 @@
+/**
+ * What the extension shows, computed from the server's models: no JupyterLab imports here,
+ * so the unit tests (vitest) run it as plain TypeScript.
+ */
+
+export interface Warning {
+  message: string;
+  hibernate_at: number | null;
+}
+
+export interface ResumeProgress {
+  phase: 'waiting_for_slice' | 'starting' | 'restoring';
+  restored_mib?: number;
+  total_mib?: number;
+}
+
+export interface ElasticKernel {
+  id: string;
+  name: string | null;
+  profile: string | null;
+  state: string;
+  execution_state: string | null;
+  owner: string;
+  slice: { devices?: string[]; fraction?: number; memory_mib?: number | null } | null;
+  activity: {
+    gpu_utilization: number | null;
+    gpu_memory_mib: number | null;
+    idle_seconds?: number;
+    warning?: Warning | null;
+  };
+  resume?: ResumeProgress | null;
+  last_error?: string;
+}
+
+export interface RestoreReport {
+  restored?: string[];
+  recomputed?: { name: string; cells?: number[] }[] | string[];
+  not_restored?: { name: string; reason?: string; stage?: string; not_recomputed?: string }[];
+  differs?: Record<string, string>;
+  refused?: string | null;
+}
+
+/** "3.2 GiB" / "512 MiB". */
+export function formatMib(mib: number | null | undefined): string {
+  if (mib === null || mib === undefined) {
+    return '';
+  }
+  return mib >= 1024 ? `${(mib / 1024).toFixed(1)} GiB` : `${Math.round(mib)} MiB`;
+}
+
+/** The phase of a resume, in words. */
+export function resumeText(resume: ResumeProgress | null | undefined): string {
+  if (!resume) {
+    return 'resuming';
+  }
+  switch (resume.phase) {
+    case 'waiting_for_slice':
+      return 'resuming: waiting for a free GPU slice';
+    case 'starting':
+      return 'resuming: starting the kernel';
+    case 'restoring':
+      return `resuming: restoring ${Math.round(resume.restored_mib ?? 0)} of ${Math.round(
+        resume.total_mib ?? 0
+      )} MiB`;
+  }
+  return 'resuming';
+}
+
+/** running / idle for N min / hibernating / hibernated / resuming (with its phase). */
+export function stateText(kernel: ElasticKernel): string {
+  switch (kernel.state) {
+    case 'running': {
+      if (kernel.execution_state === 'busy') {
+        return 'running';
+      }
+      const idle = kernel.activity.idle_seconds ?? 0;
+      return idle >= 60 ? `idle for ${Math.floor(idle / 60)} min` : 'running';
+    }
+    case 'resuming':
+      return resumeText(kernel.resume);
+    default:
+      return kernel.state;
+  }
+}
+
+/** The status bar's text, or null when the kernel has no GPU size (the item hides). */
+export function statusText(kernel: ElasticKernel | null | undefined, sizeLabel?: string): string | null {
+  if (!kernel || !kernel.profile) {
+    return null;
+  }
+  const parts = [`GPU ${sizeLabel ?? kernel.profile}`];
+  if (kernel.state === 'running') {
+    const { gpu_utilization: util, gpu_memory_mib: mem } = kernel.activity;
+    if (util !== null && util !== undefined) {
+      parts.push(`${Math.round(util)}%`);
+    }
+    if (mem !== null && mem !== undefined) {
+      parts.push(formatMib(mem));
+    }
+  }
+  parts.push(stateText(kernel));
+  return parts.join(' · ');
+}
+
+/** Seconds left before the announced hibernation (never negative). */
+export function secondsLeft(warning: Warning, nowSeconds: number): number {
+  if (warning.hibernate_at === null) {
+    return 0;
+  }
+  return Math.max(0, Math.round(warning.hibernate_at - nowSeconds));
+}
+
+/** The notification's text for an idle warning. */
+export function warningText(kernel: ElasticKernel, nowSeconds: number, notebook?: string): string {
+  const warning = kernel.activity.warning;
+  if (!warning) {
+    return '';
+  }
+  const where = notebook ? `${notebook}: ` : '';
+  const left = secondsLeft(warning, nowSeconds);
+  return `${where}idle kernel (GPU ${kernel.profile}) will be hibernated in ${left} s; its variables are saved first.`;
+}
+
+/** The restore report as a short note a person reads. */
+export function reportText(report: RestoreReport | null | undefined): string {
+  if (!report) {
+    return 'Kernel resumed.';
+  }
+  if (report.refused) {
+    return `Kernel resumed empty: the checkpoint was not loaded (${report.refused}).`;
+  }
+  const restored = report.restored ?? [];
+  const lines = [`Kernel resumed: ${restored.length} variable(s) restored.`];
+  const recomputed = report.recomputed ?? [];
+  if (recomputed.length) {
+    const names = recomputed.map(item => (typeof item === 'string' ? item : item.name));
+    lines.push(`Recomputed by re-running cells: ${names.join(', ')}.`);
+  }
+  for (const item of report.not_restored ?? []) {
+    const why = item.reason ?? 'unknown reason';
+    const more = item.not_recomputed ? ` (not recomputed: ${item.not_recomputed})` : '';
+    lines.push(`Not restored: ${item.name}: ${why}${more}.`);
+  }
+  for (const [name, why] of Object.entries(report.differs ?? {})) {
+    lines.push(`Restored with differences: ${name}: ${why}.`);
+  }
+  return lines.join('\n');
+}
+
+/** One line for the notification (JupyterLab cuts longer ones); the full text is a click away. */
+export function reportSummary(report: RestoreReport | null | undefined): string {
+  if (!report) {
+    return 'Kernel resumed.';
+  }
+  if (report.refused) {
+    return 'Kernel resumed empty: its checkpoint was not loaded.';
+  }
+  const missing = (report.not_restored ?? []).map(item => item.name);
+  const recomputed = (report.recomputed ?? []).length;
+  let text = `Kernel resumed: ${(report.restored ?? []).length} variable(s) restored`;
+  if (recomputed) {
+    text += `, ${recomputed} recomputed`;
+  }
+  if (missing.length) {
+    text += `; not restored: ${missing.join(', ')}`;
+  }
+  return text + '.';
+}
+
+/** Which transitions of one kernel the extension reacts to, between two polls. */
+export interface Changes {
+  warned: boolean;
+  warningCleared: boolean;
+  resumed: boolean;
+}
+
+export function changes(before: ElasticKernel | undefined, after: ElasticKernel | undefined): Changes {
+  const had = !!before?.activity.warning;
+  const has = !!after?.activity.warning;
+  const wasAsleep = !!before && ['hibernated', 'resuming', 'hibernating'].includes(before.state);
+  return {
+    warned: has && !had,
+    warningCleared: had && !has,
+    resumed: wasAsleep && after?.state === 'running'
+  };
+}
+
+export type Fetcher = (path: string, init?: { method?: string }) => Promise<{ status: number; json(): Promise<unknown> }>;
+
+/**
+ * One shared poll of `GET /api/elastic/kernels` for every open notebook and the GPUs panel:
+ * the whole extension costs the server one request every `intervalMs`. A 404 (a server
+ * without the extension's server part) stops it for good and reports `unavailable`.
+ */
+export class KernelPoller {
+  kernels = new Map<string, ElasticKernel>();
+  available: boolean | null = null;
+  private timer: ReturnType<typeof setTimeout> | null = null;
+  private listeners: ((poller: KernelPoller, previous: Map<string, ElasticKernel>) => void)[] = [];
+
+  constructor(
+    private fetcher: Fetcher,
+    public intervalMs = 3000,
+    public fastIntervalMs = 1000
+  ) {}
+
+  /** Faster only while a kernel is hibernating or resuming (seconds), so its phases show. */
+  nextDelay(): number {
+    for (const kernel of this.kernels.values()) {
+      if (kernel.state === 'resuming' || kernel.state === 'hibernating') {
+        return this.fastIntervalMs;
+      }
+    }
+    return this.intervalMs;
+  }
+
+  onUpdate(listener: (poller: KernelPoller, previous: Map<string, ElasticKernel>) => void): void {
+    this.listeners.push(listener);
+  }
+
+  async poll(): Promise<void> {
+    let reply;
+    try {
+      reply = await this.fetcher('api/elastic/kernels');
+    } catch {
+      return; // the server is restarting: keep what we showed, try again later
+    }
+    if (reply.status === 404) {
+      this.available = false;
+      this.stop();
+      this.kernels = new Map();
+      this.emit(new Map());
+      return;
+    }
+    if (reply.status !== 200) {
+      return;
+    }
+    const list = (await reply.json()) as ElasticKernel[];
+    const previous = this.kernels;
+    this.kernels = new Map(list.map(kernel => [kernel.id, kernel]));
+    this.available = true;
+    this.emit(previous);
+  }
+
+  /** Poll now (after an action, or a cell sent to a hibernated kernel), then on schedule. */
+  async refresh(): Promise<void> {
+    const scheduled = this.timer !== null;
+    this.stop();
+    await this.poll();
+    if (scheduled && this.available !== false && this.timer === null) {
+      this.timer = setTimeout(this.tick, this.nextDelay());
+    }
+  }
+
+  private tick = async (): Promise<void> => {
+    this.timer = null;
+    await this.poll();
+    if (this.available !== false && this.timer === null) {
+      this.timer = setTimeout(this.tick, this.nextDelay());
+    }
+  };
+
+  start(): void {
+    void this.tick();
+  }
+
+  stop(): void {
+    if (this.timer !== null) {
+      clearTimeout(this.timer);
+      this.timer = null;
+    }
+  }
+
+  private emit(previous: Map<string, ElasticKernel>): void {
+    for (const listener of this.listeners) {
+      listener(this, previous);
+    }
+  }
+}

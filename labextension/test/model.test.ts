@@ -1,0 +1,158 @@
+import { describe, expect, it, vi } from 'vitest';
+
+import {
+  changes,
+  ElasticKernel,
+  KernelPoller,
+  reportSummary,
+  reportText,
+  resumeText,
+  secondsLeft,
+  statusText,
+  warningText
+} from '../src/model';
+
+function kernel(over: Partial<ElasticKernel> = {}): ElasticKernel {
+  return {
+    id: 'k1',
+    name: 'python3-gpu-small',
+    profile: 'small',
+    state: 'running',
+    execution_state: 'idle',
+    owner: 'me',
+    slice: { devices: ['GPU-0'] },
+    activity: { gpu_utilization: 37.4, gpu_memory_mib: 2048, idle_seconds: 10, warning: null },
+    resume: null,
+    ...over
+  };
+}
+
+describe('statusText', () => {
+  it('shows size, use and state of a running kernel', () => {
+    expect(statusText(kernel())).toBe('GPU small · 37% · 2.0 GiB · running');
+  });
+  it('says how long an idle kernel has been idle', () => {
+    const k = kernel({ activity: { gpu_utilization: 0, gpu_memory_mib: 512, idle_seconds: 185 } });
+    expect(statusText(k)).toBe('GPU small · 0% · 512 MiB · idle for 3 min');
+  });
+  it('a busy kernel is running whatever its idle time', () => {
+    const k = kernel({ execution_state: 'busy', activity: { gpu_utilization: null, gpu_memory_mib: null, idle_seconds: 900 } });
+    expect(statusText(k)).toBe('GPU small · running');
+  });
+  it('hibernated and hibernating show no GPU use', () => {
+    expect(statusText(kernel({ state: 'hibernated' }))).toBe('GPU small · hibernated');
+    expect(statusText(kernel({ state: 'hibernating' }))).toBe('GPU small · hibernating');
+  });
+  it('a resuming kernel shows its phase', () => {
+    expect(statusText(kernel({ state: 'resuming', resume: { phase: 'restoring', restored_mib: 120.4, total_mib: 300 } }))).toBe(
+      'GPU small · resuming: restoring 120 of 300 MiB'
+    );
+  });
+  it('hides for a kernel without a GPU size, or none', () => {
+    expect(statusText(kernel({ profile: null }))).toBeNull();
+    expect(statusText(undefined)).toBeNull();
+  });
+});
+
+describe('resumeText', () => {
+  it('names each phase', () => {
+    expect(resumeText({ phase: 'waiting_for_slice' })).toBe('resuming: waiting for a free GPU slice');
+    expect(resumeText({ phase: 'starting' })).toBe('resuming: starting the kernel');
+    expect(resumeText(null)).toBe('resuming');
+  });
+});
+
+describe('warnings', () => {
+  it('counts the seconds left, never below zero', () => {
+    expect(secondsLeft({ message: '', hibernate_at: 1010.4 }, 1000)).toBe(10);
+    expect(secondsLeft({ message: '', hibernate_at: 990 }, 1000)).toBe(0);
+  });
+  it('the notification names the notebook and the time left', () => {
+    const k = kernel({ activity: { gpu_utilization: 0, gpu_memory_mib: 0, warning: { message: 'x', hibernate_at: 1030 } } });
+    expect(warningText(k, 1000, 'a.ipynb')).toBe(
+      'a.ipynb: idle kernel (GPU small) will be hibernated in 30 s; its variables are saved first.'
+    );
+  });
+  it('detects a new warning, a cancelled one, and a resume', () => {
+    const warned = kernel({ activity: { gpu_utilization: 0, gpu_memory_mib: 0, warning: { message: 'x', hibernate_at: 1 } } });
+    expect(changes(kernel(), warned)).toEqual({ warned: true, warningCleared: false, resumed: false });
+    expect(changes(warned, kernel())).toEqual({ warned: false, warningCleared: true, resumed: false });
+    expect(changes(warned, warned)).toEqual({ warned: false, warningCleared: false, resumed: false });
+    expect(changes(kernel({ state: 'resuming' }), kernel()).resumed).toBe(true);
+    expect(changes(kernel(), kernel()).resumed).toBe(false);
+  });
+});
+
+describe('reportText', () => {
+  it('lists what was restored, recomputed, not restored and why', () => {
+    const text = reportText({
+      restored: ['a', 'b'],
+      recomputed: [{ name: 'gen', cells: [3] }],
+      not_restored: [{ name: 'f', reason: 'TextIOWrapper: cannot pickle', not_recomputed: 'the cell writes a file' }],
+      differs: { m: 'an attribute was dropped' },
+      refused: null
+    });
+    expect(text).toContain('2 variable(s) restored');
+    expect(text).toContain('Recomputed by re-running cells: gen.');
+    expect(text).toContain('Not restored: f: TextIOWrapper: cannot pickle (not recomputed: the cell writes a file).');
+    expect(text).toContain('Restored with differences: m: an attribute was dropped.');
+  });
+  it('says when the checkpoint was refused', () => {
+    expect(reportText({ refused: 'digest mismatch' })).toBe(
+      'Kernel resumed empty: the checkpoint was not loaded (digest mismatch).'
+    );
+  });
+});
+
+describe('KernelPoller', () => {
+  it('one request per poll for every kernel, and listeners see the previous state', async () => {
+    const replies = [[kernel()], [kernel({ state: 'hibernated' })]];
+    const fetcher = vi.fn(async () => ({ status: 200, json: async () => replies.shift() }));
+    const poller = new KernelPoller(fetcher);
+    const seen: string[] = [];
+    poller.onUpdate((p, previous) => seen.push(`${previous.get('k1')?.state}->${p.kernels.get('k1')?.state}`));
+    await poller.poll();
+    await poller.poll();
+    expect(fetcher).toHaveBeenCalledTimes(2);
+    expect(fetcher).toHaveBeenCalledWith('api/elastic/kernels');
+    expect(seen).toEqual(['undefined->running', 'running->hibernated']);
+  });
+  it('stops for good on a 404 (no server part) and shows nothing', async () => {
+    vi.useFakeTimers();
+    const fetcher = vi.fn(async () => ({ status: 404, json: async () => ({}) }));
+    const poller = new KernelPoller(fetcher, 1000);
+    poller.start();
+    await vi.advanceTimersByTimeAsync(5000);
+    expect(fetcher).toHaveBeenCalledTimes(1);
+    expect(poller.available).toBe(false);
+    expect(poller.kernels.size).toBe(0);
+    vi.useRealTimers();
+  });
+  it('polls on schedule while available', async () => {
+    vi.useFakeTimers();
+    const fetcher = vi.fn(async () => ({ status: 200, json: async () => [] }));
+    const poller = new KernelPoller(fetcher, 1000);
+    poller.start();
+    await vi.advanceTimersByTimeAsync(3500);
+    expect(fetcher).toHaveBeenCalledTimes(4);
+    poller.stop();
+    vi.useRealTimers();
+  });
+  it('polls faster only while a kernel resumes or hibernates', async () => {
+    const poller = new KernelPoller(async () => ({ status: 200, json: async () => [] }), 3000, 1000);
+    expect(poller.nextDelay()).toBe(3000);
+    poller.kernels.set('k1', kernel({ state: 'resuming' }));
+    expect(poller.nextDelay()).toBe(1000);
+    poller.kernels.set('k1', kernel({ state: 'hibernated' }));
+    expect(poller.nextDelay()).toBe(3000);
+  });
+});
+
+describe('reportSummary', () => {
+  it('fits one line and names what is missing', () => {
+    expect(
+      reportSummary({ restored: ['a', 'b'], recomputed: [{ name: 'g' }], not_restored: [{ name: 'sock', reason: 'x' }] })
+    ).toBe('Kernel resumed: 2 variable(s) restored, 1 recomputed; not restored: sock.');
+    expect(reportSummary({ refused: 'bad digest' })).toBe('Kernel resumed empty: its checkpoint was not loaded.');
+  });
+});
