@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import elastic_config
-from tests.support.server import RunningServer, process_alive, start_server, wait_for
+from tests.support.server import RunningServer, launch, process_alive, start_server, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 DOUBLE = REPO / "tests" / "support" / "doubles" / "gpu_at_import"
@@ -295,3 +296,39 @@ def test_bad_settings_are_one_line_errors(pool: dict[str, Any], message: str) ->
     with pytest.raises(WarmPoolConfigError, match=r"'r' is not in ElasticKernels\.base_kernels"):
         parse_warm_pool({"r": {}}, ["python3"])
     assert issubclass(WarmPoolConfigError, ValueError) and ConfigError
+
+
+def test_a_bad_setting_stops_the_server_with_one_line(tmp_path: Path) -> None:
+    config = elastic_config(tmp_path / "checkpoints", warm_pool={"python3": {"size": "two"}})
+    proc, log_path, _url, _env = launch(tmp_path, config)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    log = log_path.read_text()
+    assert proc.returncode == 2
+    assert "ElasticKernels.warm_pool['python3'].size must be an integer from 0 to 64, got 'two'" in log
+    assert "Traceback" not in log
+
+
+def test_the_pool_stays_within_its_memory_cap(tmp_path: Path) -> None:
+    """A cap below one process's resident memory: the first is started, no second one."""
+    server = start_server(
+        tmp_path,
+        warm_config(tmp_path / "checkpoints", size=3, memory_mib=1),
+        env_extra={"PYTHONPATH": str(REPO)},
+    )
+    try:
+        wait_for(lambda: ready(server) == 1, timeout=60, what="the first warm process")
+        wait_for(lambda: "another would pass memory_mib=1" in server.log(), timeout=30, what="the cap")
+        kernel_id = server.start_kernel("python3-gpu-small")
+        server.execute(kernel_id, "v = 1")
+        hibernate(server, kernel_id)
+        assert server.execute(kernel_id, "print('back')", timeout=120).strip() == "back"
+        # The one process was used; the refill starts one again (the pool is empty), never three.
+        wait_for(lambda: ready(server) == 1, timeout=60, what="the refill")
+        assert len(warm_pids(server)) == 2  # the kernel that was warm, and the new one
+        assert metric(server, "elastic_warm_pool_processes", kernel="python3", state="starting") == 0
+    finally:
+        server.stop()

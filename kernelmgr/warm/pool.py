@@ -93,6 +93,8 @@ class WarmPools:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
         self._capped_logged: set[str] = set()
+        #: Resident MiB of a ready process, per pool (the largest seen): what a new one will cost.
+        self._typical_mib: dict[str, float] = {}
 
     # -- what the server asks -----------------------------------------------------------
 
@@ -187,7 +189,12 @@ class WarmPools:
             task.add_done_callback(self._tasks.discard)
 
     async def fill(self, base: str) -> None:
-        """Start processes until the pool has ``size`` (ready or starting), within the memory cap."""
+        """Start processes until the pool has ``size`` (ready or starting), within the memory cap.
+
+        A starting process's resident memory says nothing yet (it is still importing), so each
+        one is counted at what a ready process of this pool used (measured when the first became
+        ready); until one has, processes are started one at a time.
+        """
         settings = self.settings[base]
         procs = self.processes[base]
         new: list[WarmProcess] = []
@@ -195,9 +202,15 @@ class WarmPools:
             procs[:] = [p for p in procs if p.popen.poll() is None]
             if len(procs) >= settings.size:
                 break
-            used = sum(resident_mib(p.pid) for p in procs)
-            each = max((resident_mib(p.pid) for p in procs if p.ready), default=0.0)
-            if procs and used + each > settings.memory_mib:
+            each = self._typical_mib.get(base)
+            if procs and each is None:
+                starting = [p for p in procs if not p.ready]
+                await asyncio.gather(*(self._wait_ready(base, warm) for warm in starting))
+                if base not in self._typical_mib:
+                    break  # none became ready: nothing to measure, do not start more blindly
+                continue
+            used = sum(resident_mib(p.pid) if p.ready else (each or 0.0) for p in procs)
+            if procs and used + (each or 0.0) > settings.memory_mib:
                 if base not in self._capped_logged:
                     self._capped_logged.add(base)
                     self.log.warning(
@@ -211,7 +224,7 @@ class WarmPools:
             warm = self._spawn(settings)
             procs.append(warm)
             new.append(warm)
-        await asyncio.gather(*(self._wait_ready(base, warm) for warm in new))
+        await asyncio.gather(*(self._wait_ready(base, warm) for warm in new if not warm.ready))
 
     def _spawn(self, settings: WarmPoolSettings) -> WarmProcess:
         status = self.status_dir / f"{settings.base_kernel}-{time.monotonic_ns()}.json"
@@ -231,11 +244,13 @@ class WarmPools:
         return WarmProcess(popen, status)
 
     async def _wait_ready(self, base: str, warm: WarmProcess) -> None:
-        while not self._closed:
+        while not self._closed and not warm.ready:
             if warm.status_file.exists():
                 status = json.loads(warm.status_file.read_text(encoding="utf-8"))
                 if status.get("ok"):
                     warm.ready = True
+                    measured = resident_mib(warm.pid)
+                    self._typical_mib[base] = max(self._typical_mib.get(base, 0.0), measured)
                     self.log.info(
                         "warm pool %s: process %d ready (preloaded in %.2f s)",
                         base,
