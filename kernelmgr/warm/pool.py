@@ -91,6 +91,7 @@ class WarmPools:
         self.hits: dict[tuple[str, str], int] = {}
         self.misses: dict[tuple[str, str], int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._capped_logged: set[str] = set()
         #: Resident MiB of a ready process, per pool (the largest seen): what a new one will cost.
@@ -178,13 +179,29 @@ class WarmPools:
     # -- filling ---------------------------------------------------------------------------
 
     def schedule_fill(self, base: str | None = None) -> None:
-        """Refill one pool (or all) in the background; a no-op without a running loop."""
+        """Refill one pool (or all) in the background, on the server's event loop.
+
+        The first call (the extension's, on the server loop) records that loop. A launch may run
+        on another thread's loop (a resume can be driven from a synchronous wrapper): a task
+        created there would die with that loop, so the refill is handed to the server's loop.
+        """
         try:
-            loop = asyncio.get_running_loop()
+            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
+            current = None
+        if self._loop is None:
+            self._loop = current
+        if self._loop is None or self._loop.is_closed():
             return
+        if current is self._loop:
+            self._start_fill_tasks(base)
+        else:
+            self._loop.call_soon_threadsafe(self._start_fill_tasks, base)
+
+    def _start_fill_tasks(self, base: str | None) -> None:
+        assert self._loop is not None
         for name in [base] if base else list(self.settings):
-            task = loop.create_task(self.fill(name))
+            task = self._loop.create_task(self.fill(name))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
