@@ -29,6 +29,8 @@ from kernelmgr.core.inventory import GpuInventory
 from kernelmgr.core.kernels import KernelRegistry
 from kernelmgr.core.policy import Policy, build_policy
 from kernelmgr.core.profiles import GpuProfile, parse_profiles
+from kernelmgr.warm.pool import WarmPools
+from kernelmgr.warm.settings import WarmPoolConfigError, WarmPoolSettings, parse_warm_pool
 
 #: The provisioners a GPU-size kernelspec may name (entry points of this package).
 PROVISIONERS = ("elastic-local-provisioner", "elastic-kubernetes-provisioner")
@@ -70,6 +72,10 @@ class ElasticRuntime:
     #: nodes, kept current by :class:`kernelmgr.kube.nodes.NodeInventorySync`, which the server
     #: starts when this says "kubernetes").
     inventory_source: str = "declared"
+    #: ``ElasticKernels.warm_pool``, validated; the server starts the pools from it.
+    warm_pool: dict[str, WarmPoolSettings] = field(default_factory=dict)
+    #: The running pools (:class:`kernelmgr.warm.pool.WarmPools`), set by the server extension.
+    warm_pools: WarmPools | None = None
 
     @property
     def inventory(self) -> GpuInventory:
@@ -210,6 +216,16 @@ class ElasticKernels(LoggingConfigurable):
         help="Seconds between GPU activity samples (one NVML query per device per sample).",
     )
 
+    warm_pool = Dict(
+        default_value={},
+        config=True,
+        help=(
+            "Warm kernels, per base kernelspec: processes started ahead with modules imported and no "
+            'GPU touched, taken by resumes (and new kernels with "starts": true). E.g. {"python3": '
+            '{"size": 2, "preload": ["torch"], "memory_mib": 8192, "starts": false}}. Off when empty.'
+        ),
+    )
+
     def checkpoint_directory(self) -> str:
         """``checkpoint_root`` as an absolute path (``~`` expanded)."""
         return os.path.abspath(os.path.expanduser(self.checkpoint_root))
@@ -273,7 +289,12 @@ class ElasticKernels(LoggingConfigurable):
             raise ConfigError(
                 "ElasticKernels.base_kernels is empty: name at least one kernelspec, e.g. python3"
             )
+        try:
+            warm_pool = parse_warm_pool(self.warm_pool, list(self.base_kernels))
+        except WarmPoolConfigError as exc:
+            raise ConfigError(str(exc)) from None
         return ElasticRuntime(
+            warm_pool=warm_pool,
             profiles=profiles,
             allocator=allocator,
             inventory_source=source,

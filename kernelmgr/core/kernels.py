@@ -39,6 +39,9 @@ class ManagedKernel:
     #: With ``restore_on_start``: the checkpoint id the server verified, the only one the
     #: kernel may restore (an older checkpoint put back in place is refused).
     restore_checkpoint: str | None = None
+    #: How the last launch started its process: ``cold`` (a new process) or ``warm`` (a warm
+    #: pool's, with the frameworks already imported); the resume metrics are split by it.
+    launch_path: str = "cold"
 
     @property
     def state(self) -> KernelState:

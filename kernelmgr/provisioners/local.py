@@ -39,6 +39,7 @@ from kernelmgr.checkpoint.keys import (
 )
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.kernels import ManagedKernel
+from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.provisioners.common import (
     AGENT_EXTENSION,
     claim_slice,
@@ -57,6 +58,12 @@ PROVISIONER_NAME = "elastic-local-provisioner"
 HANDED_OVER = (ENV_KEY_FILE, "ELASTIC_CHECKPOINT_KEY", "ELASTIC_RESTORE_CHECKPOINT")
 
 __all__ = ["AGENT_EXTENSION", "PROVISIONER_NAME", "ElasticLocalProvisioner", "find_runtime", "with_agent"]
+
+
+def base_kernel_of(kernel_spec: Any, kernel_name: str) -> str | None:
+    """The base kernelspec a (per-size) kernelspec derives from; its own name otherwise."""
+    elastic = (getattr(kernel_spec, "metadata", None) or {}).get("elastic") or {}
+    return str(elastic.get("base_kernelspec") or kernel_name) or None
 
 
 def agent_environment(runtime: ElasticRuntime, record: ManagedKernel, key_file: Path) -> dict[str, str]:
@@ -84,6 +91,8 @@ class ElasticLocalProvisioner(LocalProvisioner):
     #: True between a restart's shutdown request and the relaunch, so the exit seen by
     #: ``poll()`` during a restart does not give the slice away.
     _restarting = False
+    #: Set by ``pre_launch``: ``resume`` or ``start``, what a warm process would be used for.
+    _warm_use = "start"
 
     @property
     def runtime(self) -> ElasticRuntime:
@@ -106,6 +115,7 @@ class ElasticLocalProvisioner(LocalProvisioner):
         runtime = self.runtime
         kernelspec_name = getattr(self.parent, "kernel_name", "") or ""
         record, granted = claim_slice(runtime, self.kernel_id, kernelspec_name, self.profile_name)
+        self._warm_use = "resume" if record.state is KernelState.RESUMING else "start"
         slice_env = cpu_environment()
         if granted is not None:
             profile = runtime.profile(granted.profile)
@@ -129,13 +139,52 @@ class ElasticLocalProvisioner(LocalProvisioner):
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         try:
-            info = await super().launch_kernel(cmd, **kwargs)
+            info = self._launch_warm(cmd, kwargs)
+            if info is None:
+                info = await super().launch_kernel(cmd, **kwargs)
         except BaseException:
             self._release("kernel process failed to launch")
             raise
         self._restarting = False
         mark_launched(self.runtime, self.kernel_id, "process launched")
         return info
+
+    def _launch_warm(self, cmd: list[str], kwargs: dict[str, Any]) -> KernelConnectionInfo | None:
+        """Hand this launch to a warm process when a pool serves this kernel; ``None``: start cold.
+
+        The warm process gets what the cold start would have: the same command (with the
+        manager's connection file, so ports and key are the manager's), the environment with the
+        slice's and the agent's variables, and the notebook's directory.
+        """
+        runtime = self.runtime
+        record = runtime.kernels.get(self.kernel_id)
+        if record is not None:
+            record.launch_path = "cold"
+        pools = runtime.warm_pools
+        base = base_kernel_of(self.kernel_spec, getattr(self.parent, "kernel_name", "") or "")
+        settings = pools.settings_for(base) if pools is not None else None
+        if pools is None or settings is None or base is None:
+            return None
+        if self._warm_use == "start" and not settings.starts:
+            return None
+        cwd = str(kwargs.get("cwd") or os.getcwd())
+        process, reason = pools.take(base, self._warm_use, list(cmd), dict(kwargs.get("env") or {}), cwd)
+        if process is None:
+            self.log.info(
+                "kernel %s starts cold (%s): warm pool %s: %s", self.kernel_id, self._warm_use, base, reason
+            )
+            return None
+        self.process = process
+        self.pid = process.pid
+        try:
+            self.pgid = os.getpgid(process.pid)
+        except OSError:
+            self.pgid = None
+        self.cwd = cwd
+        if record is not None:
+            record.launch_path = "warm"
+        self.log.info("kernel %s (%s) took warm process %d", self.kernel_id, self._warm_use, process.pid)
+        return self.connection_info
 
     async def poll(self) -> int | None:
         status = await super().poll()

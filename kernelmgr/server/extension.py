@@ -21,8 +21,10 @@ from tornado import ioloop
 from traitlets import TraitError
 
 from kernelmgr.activity.gpu import GpuActivitySampler
+from kernelmgr.backends.local import MANAGED_VARIABLES
 from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
 from kernelmgr.core.errors import ConfigError
+from kernelmgr.provisioners.local import HANDED_OVER
 from kernelmgr.server.adoption import adopt_kernel_pods, start_node_inventory
 from kernelmgr.server.background import BackgroundCheckpoints
 from kernelmgr.server.cluster_activity import ClusterGpuSampler, start_cluster_sampler
@@ -36,6 +38,7 @@ from kernelmgr.server.metrics import install_collector
 from kernelmgr.server.persistence import KernelStateFile
 from kernelmgr.server.sessions import ElasticSessionManager, server_identity
 from kernelmgr.server.websocket import ElasticWebsocketConnection
+from kernelmgr.warm.pool import WarmPools
 
 CONFIG_ERROR_EXIT = 2
 
@@ -157,6 +160,20 @@ class ElasticKernelsExtension(ExtensionApp):
 
         reaper = ioloop.PeriodicCallback(km.reap_dead_slices, runtime.reap_interval * 1000)
         reaper.start()
+        self._start_warm_pools(runtime)
+
+    def _start_warm_pools(self, runtime: ElasticRuntime) -> None:
+        """Local warm processes (``ElasticKernels.warm_pool``), filled once the loop runs."""
+        if not runtime.warm_pool:
+            return
+        if runtime.provisioner_name == KUBERNETES_PROVISIONER:
+            self.log.warning(
+                "ElasticKernels.warm_pool is for local kernels; it is ignored with the Kubernetes provisioner"
+            )
+            return
+        scrubbed = (*MANAGED_VARIABLES, *HANDED_OVER)
+        runtime.warm_pools = WarmPools(runtime.warm_pool, scrubbed=scrubbed, log=self.log)
+        ioloop.IOLoop.current().add_callback(runtime.warm_pools.schedule_fill)
 
     def initialize_handlers(self) -> None:
         if self.kernels_at_gateway:
@@ -179,3 +196,5 @@ class ElasticKernelsExtension(ExtensionApp):
             await self.background.close()
         if self.node_sync is not None:
             await asyncio.to_thread(self.node_sync.stop)
+        if self.runtime is not None and self.runtime.warm_pools is not None:
+            self.runtime.warm_pools.close()

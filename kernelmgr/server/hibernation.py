@@ -552,6 +552,7 @@ class Hibernator:
         took = time.time() - began
         metrics.RESUMES.labels(reason, size).inc()
         metrics.RESUME_SECONDS.labels(size).observe(took)
+        metrics.RESUME_PATH_SECONDS.labels(size, record.launch_path).observe(took)
         self.released.woke(kernel_id)
         self.events.emit(
             "resume",

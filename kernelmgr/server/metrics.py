@@ -59,6 +59,12 @@ RESUME_SECONDS = Histogram(
     ["size"],
     buckets=DURATION_BUCKETS,
 )
+RESUME_PATH_SECONDS = Histogram(
+    "elastic_resume_path_duration_seconds",
+    "Resume to a responsive kernel, by how its process started: warm (a warm pool's) or cold.",
+    ["size", "path"],
+    buckets=DURATION_BUCKETS,
+)
 CHECKPOINT_BYTES = Histogram(
     "elastic_checkpoint_bytes", "Size of committed checkpoints.", ["size"], buckets=BYTES_BUCKETS
 )
@@ -130,12 +136,44 @@ class RuntimeCollector(Collector):
             for size in runtime.profiles:
                 slices.add_metric([size], len(held.get(size, [])))
                 fraction.add_metric([size], sum(held.get(size, [])))
+        yield from warm_pool_metrics(runtime)
         for size, seconds in self.released.totals().items():
             released.add_metric([size], seconds)
         yield kernels
         yield slices
         yield fraction
         yield released
+
+
+def warm_pool_metrics(runtime: ElasticRuntime | None) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Warm pools at scrape time: processes by state, hand-offs, and cold starts by reason."""
+    processes = GaugeMetricFamily(
+        "elastic_warm_pool_processes",
+        "Warm processes (no slice, not kernels) per base kernelspec, ready or still importing.",
+        labels=["kernel", "state"],
+    )
+    hits = CounterMetricFamily(
+        "elastic_warm_pool_hits",
+        "Launches that took a warm process, by use (resume, start).",
+        labels=["kernel", "use"],
+    )
+    misses = CounterMetricFamily(
+        "elastic_warm_pool_misses",
+        "Launches a warm pool serves that started cold, by reason.",
+        labels=["kernel", "reason"],
+    )
+    pools = runtime.warm_pools if runtime is not None else None
+    if pools is not None:
+        for base, counts in pools.counts().items():
+            for state, count in counts.items():
+                processes.add_metric([base, state], count)
+        for (base, use), count in pools.hits.items():
+            hits.add_metric([base, use], count)
+        for (base, reason), count in pools.misses.items():
+            misses.add_metric([base, reason], count)
+    yield processes
+    yield hits
+    yield misses
 
 
 _collector: RuntimeCollector | None = None
