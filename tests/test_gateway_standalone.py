@@ -68,6 +68,46 @@ def test_stock_server_runs_its_kernels_at_the_gateway(tmp_path: Path, gateway: R
         user.stop()
 
 
+def test_the_users_server_relays_the_elastic_api_to_the_gateway(
+    tmp_path: Path, gateway: RunningServer
+) -> None:
+    """JupyterLab asks its own server for ``/api/elastic/*``; with kernels at a gateway, the
+    server relays to it (``kernelmgr.server.gateway_relay``), so the extension sees the kernels."""
+    user = start_server(
+        tmp_path / "user",
+        {},
+        extra_args=[f"--GatewayClient.url={gateway.url}", f"--GatewayClient.auth_token={TOKEN}"],
+    )
+    try:
+        kernel_id = user.start_kernel("python3-gpu-small")
+        with user.channel(kernel_id, timeout=120) as channel:
+            assert channel.execute("x = 41; print(x)").stdout == "41\n"
+            listed = user.get("/api/elastic/kernels")
+            assert [(k["id"], k["profile"], k["state"]) for k in listed] == [(kernel_id, "small", "running")]
+            assert user.get("/api/elastic/profiles") == gateway.get("/api/elastic/profiles")
+            # A POST through the relay acts at the gateway; the answer is the gateway's model.
+            hibernated = user.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+            assert hibernated.status == 200 and hibernated.body["state"] == "hibernated", hibernated
+            assert gateway.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernated"
+            assert channel.execute("print(x + 1)", timeout=120).stdout == "42\n"
+        assert user.get(f"/api/elastic/kernels/{kernel_id}/report")["restore_report"] is not None
+        # The gateway's 4xx and its message come back as they are, not as a 500.
+        unknown = user.request("POST", "/api/elastic/kernels/no-such-kernel/hibernate")
+        assert unknown.status == 404 and "no-such-kernel" in unknown.body["message"], unknown
+        assert user.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate").status == 200
+        refused = user.request("POST", f"/api/elastic/kernels/{kernel_id}/activity")
+        assert refused.status == 409 and "run a cell to resume it" in refused.body["message"], refused
+        # The user's server still asks for its own token first.
+        assert user.request("GET", "/api/elastic/kernels", token="wrong").status == 403
+        user.shutdown_kernel(kernel_id)
+        # A gateway that is gone: 503 with a message naming it, never a traceback.
+        gateway.stop()
+        gone = user.request("GET", "/api/elastic/kernels")
+        assert gone.status == 503 and "cannot be reached" in gone.body["message"], gone
+    finally:
+        user.stop()
+
+
 def test_a_bad_quota_stops_the_gateway_with_one_clear_line(tmp_path: Path) -> None:
     config = elastic_config(tmp_path / "checkpoints")
     config["ElasticQuota"] = {"users": {"ann": {"profiles": ["enormous"]}}}

@@ -84,6 +84,11 @@ def test_kernels_outlive_the_users_server_and_stay_private(tmp_path: Path) -> No
 
         model = gateway(hub, "GET", f"/api/elastic/kernels/{kernel_id}", alice).json()
         assert model["owner"] == "alice" and model["profile"] == "small"
+        # Her own server relays /api/elastic to the gateway as her (what JupyterLab's extension asks).
+        via_server = hub.api("GET", "/user/alice/api/elastic/kernels", alice).json()
+        assert [(k["id"], k["owner"]) for k in via_server] == [(kernel_id, "alice")]
+        me = hub.api("GET", "/user/alice/api/elastic/me", alice).json()
+        assert me["user"] == "alice" and me["admin"] is False, me
         hibernated = gateway(hub, "POST", f"/api/elastic/kernels/{kernel_id}/hibernate", alice)
         assert hibernated.status_code == 200, hibernated.text
         assert hibernated.json()["state"] == "hibernated"
@@ -112,6 +117,11 @@ def test_kernels_outlive_the_users_server_and_stay_private(tmp_path: Path) -> No
             assert answer.status_code == 404, f"{method} {path} as bob: {answer.status_code} {answer.text}"
             assert "message" in answer.json()
         assert hub.api("GET", f"/user/bob/api/kernels/{kernel_id}", bob).status_code == 404
+        assert hub.api("GET", "/user/bob/api/elastic/kernels", bob).json() == []
+        for method in ("GET", "POST"):
+            path = f"/user/bob/api/elastic/kernels/{kernel_id}" + ("/resume" if method == "POST" else "")
+            relayed = hub.api(method, path, bob)
+            assert relayed.status_code == 404 and "message" in relayed.json(), (path, relayed.text)
         with pytest.raises(websocket.WebSocketBadStatusException) as refused:
             KernelChannel(f"{hub.url}{hub.gateway_prefix}", kernel_id, timeout=30, token=bob)
         assert refused.value.status_code == 404

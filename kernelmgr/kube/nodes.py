@@ -251,17 +251,7 @@ def _hami_resource_devices(
         return []
     total = _count(allocatable.get(HAMI_GPUMEM))
     memory = total // count if total else label_memory
-    return [
-        GpuDevice(
-            uuid=f"{node}/gpu-{i}",
-            name=product or "HAMi GPU",
-            memory_mib=memory,
-            index=i,
-            node=node,
-            resource=GPU,
-        )
-        for i in range(count)
-    ]
+    return _identical_devices(node, count, memory, "gpu", product or "HAMi GPU", GPU)
 
 
 def _gpushare_devices(node: str, allocatable: Mapping[str, Any], product: str) -> list[GpuDevice]:
@@ -272,17 +262,7 @@ def _gpushare_devices(node: str, allocatable: Mapping[str, Any], product: str) -
         return []
     per_gpu = total // count
     memory = per_gpu if per_gpu >= 1024 else per_gpu * 1024
-    return [
-        GpuDevice(
-            uuid=f"{node}/gpushare-{i}",
-            name=product or "gpushare GPU",
-            memory_mib=memory,
-            index=i,
-            node=node,
-            resource=GPUSHARE_MEM,
-        )
-        for i in range(count)
-    ]
+    return _identical_devices(node, count, memory, "gpushare", product or "gpushare GPU", GPUSHARE_MEM)
 
 
 def _vcuda_devices(node: str, allocatable: Mapping[str, Any], product: str) -> list[GpuDevice]:
@@ -291,14 +271,22 @@ def _vcuda_devices(node: str, allocatable: Mapping[str, Any], product: str) -> l
     if count <= 0:
         return []
     memory = _count(allocatable.get(VCUDA_MEMORY)) * VCUDA_MEMORY_UNIT_MIB // count
+    return _identical_devices(node, count, memory, "vcuda", product or "vCUDA GPU", VCUDA_CORE)
+
+
+def _identical_devices(
+    node: str, count: int, memory_mib: int, prefix: str, name: str, resource: str
+) -> list[GpuDevice]:
+    """``count`` devices of one node that only the node's totals describe (per-resource backends
+    advertise a sum, not one entry per GPU): equal shares of memory, ids ``<node>/<prefix>-<i>``."""
     return [
         GpuDevice(
-            uuid=f"{node}/vcuda-{i}",
-            name=product or "vCUDA GPU",
-            memory_mib=memory,
+            uuid=f"{node}/{prefix}-{i}",
+            name=name,
+            memory_mib=memory_mib,
             index=i,
             node=node,
-            resource=VCUDA_CORE,
+            resource=resource,
         )
         for i in range(count)
     ]

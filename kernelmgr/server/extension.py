@@ -30,6 +30,7 @@ from kernelmgr.server.background import BackgroundCheckpoints
 from kernelmgr.server.cluster_activity import ClusterGpuSampler, start_cluster_sampler
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.events import LifecycleEvents
+from kernelmgr.server.gateway_relay import gateway_relay_handlers
 from kernelmgr.server.handlers import elastic_handlers, gateway_mode_handlers
 from kernelmgr.server.hibernation import KUBERNETES_PROVISIONER, Hibernator
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
@@ -178,6 +179,7 @@ class ElasticKernelsExtension(ExtensionApp):
     def initialize_handlers(self) -> None:
         if self.kernels_at_gateway:
             self.handlers.extend(gateway_mode_handlers())
+            self.handlers.extend(gateway_relay_handlers())
         else:
             self.handlers.extend(elastic_handlers())
 
