@@ -67,6 +67,8 @@ if TYPE_CHECKING:
 
 #: How long a hibernation request waits for a kernel reported busy to report idle.
 BUSY_GRACE_SECONDS = 1.0
+#: How long a kernel that looks "starting" gets to answer kernel_info before a hibernation is refused.
+STARTING_PROBE_SECONDS = 5.0
 
 #: The names the rest of the server (handlers, culler, websocket) catches.
 HibernationError = LifecycleError
@@ -120,11 +122,43 @@ class JupyterKernelPlatform:
         while getattr(km, "execution_state", "unknown") == "busy" and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         execution_state = getattr(km, "execution_state", "unknown")
+        if execution_state == "starting":
+            execution_state = await self._state_after_kernel_info(km)
+        if execution_state == "starting":
+            raise LifecycleError(f"kernel {kernel_id} is still starting: it can hibernate once it is up")
         if execution_state != "idle":
             raise LifecycleError(
                 f"kernel {kernel_id} is {execution_state}: it can hibernate once the running cell finishes "
                 "(or after you interrupt it)"
             )
+
+    async def _state_after_kernel_info(self, km: Any) -> str:
+        """The state of a kernel jupyter_server still calls "starting", after asking it kernel_info.
+
+        ipykernel publishes its first "idle" only around a request, so a kernel started through
+        ``/api/kernels`` that no client has talked to stays "starting" however long it has been up,
+        and neither a user nor the culler could hibernate it. A kernel_info round trip makes it
+        publish busy/idle, which the server's own IOPub watcher records.
+        """
+        client = km.client()
+        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        deadline = time.monotonic() + STARTING_PROBE_SECONDS
+        try:
+            # Asked again while no status arrives: a kernel that has only just started may publish
+            # before the server's IOPub subscription is joined (ZeroMQ drops those messages).
+            while getattr(km, "execution_state", "unknown") == "starting":
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                await self.h._reply(client, client.kernel_info(), remaining, km, self.h._pid(km))
+                seen_by = time.monotonic() + 0.25
+                while getattr(km, "execution_state", "unknown") == "starting" and time.monotonic() < seen_by:
+                    await asyncio.sleep(0.02)
+        except HibernationError:  # not up yet (or gone): still starting, as far as anyone can tell
+            return "starting"
+        finally:
+            client.stop_channels()
+        return str(getattr(km, "execution_state", "unknown"))
 
     async def checkpoint(self, kernel_id: str) -> Committed:
         km = self._km(kernel_id)
