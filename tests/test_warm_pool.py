@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -330,5 +331,88 @@ def test_the_pool_stays_within_its_memory_cap(tmp_path: Path) -> None:
         wait_for(lambda: ready(server) == 1, timeout=60, what="the refill")
         assert len(warm_pids(server)) == 2  # the kernel that was warm, and the new one
         assert metric(server, "elastic_warm_pool_processes", kernel="python3", state="starting") == 0
+    finally:
+        server.stop()
+
+
+def test_two_resumes_at_once_share_one_warm_process_and_both_come_back(server: RunningServer) -> None:
+    """Pool of one, two resumes together: one takes the warm process, the other starts cold; both
+    get their own variables and slice, and the miss is counted as "empty"."""
+    kernels = [server.start_kernel("python3-gpu-small") for _ in range(2)]
+    for n, kernel_id in enumerate(kernels):
+        server.execute(kernel_id, f"mine = {n}")
+        hibernate(server, kernel_id)
+    wait_for(lambda: ready(server) == 1, timeout=60, what="the pool to refill")
+    pool = warm_pids(server)
+    misses = metric(server, "elastic_warm_pool_misses_total", kernel="python3", reason="empty")
+    with ThreadPoolExecutor(2) as both:
+        replies = list(
+            both.map(lambda k: server.request("POST", f"/api/elastic/kernels/{k}/resume"), kernels)
+        )
+    assert [r.status for r in replies] == [200, 200], replies
+    states = []
+    for n, kernel_id in enumerate(kernels):
+        with server.channel(kernel_id) as chan:
+            assert chan.execute("print(mine)").stdout.strip() == str(n)
+            state, _ = probe(chan)
+        assert state["env"]["CUDA_VISIBLE_DEVICES"] == slice_uuids(server, kernel_id)
+        states.append(state)
+    assert sorted(s["pid"] in pool for s in states) == [False, True]
+    assert metric(server, "elastic_warm_pool_misses_total", kernel="python3", reason="empty") == misses + 1
+    for kernel_id in kernels:
+        server.shutdown_kernel(kernel_id)
+
+
+def test_deleting_a_kernel_while_it_resumes_warm_frees_everything(server: RunningServer) -> None:
+    """The user deletes the kernel while its resume runs in the warm process: no kernel, slice or
+    process is left behind, and the pool refills."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    # Loading this variable takes 3 s (unpickling calls time.sleep): a resume we can cut into.
+    server.execute(
+        kernel_id,
+        "class SlowToLoad:\n    def __reduce__(self):\n        import time\n        return (time.sleep, (3,))\n"
+        "slow = SlowToLoad()",
+    )
+    hibernate(server, kernel_id)
+    wait_for(lambda: ready(server) == 1, timeout=60, what="the pool to refill")
+    pool = warm_pids(server)
+    hits = metric(server, "elastic_warm_pool_hits_total", kernel="python3", use="resume")
+    with ThreadPoolExecutor(1) as background:
+        resuming = background.submit(server.request, "POST", f"/api/elastic/kernels/{kernel_id}/resume")
+        wait_for(
+            lambda: server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "resuming",
+            timeout=30,
+            interval=0.05,
+            what="the resume to begin",
+        )
+        assert server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "resuming"
+        deleted = server.request("DELETE", f"/api/kernels/{kernel_id}")
+        assert deleted.status == 204, deleted
+        answer = resuming.result(timeout=120)
+    # The resume is told the kernel is gone; never a 5xx.
+    assert answer.status in (404, 409) and answer.body["message"], answer
+    assert metric(server, "elastic_warm_pool_hits_total", kernel="python3", use="resume") == hits + 1
+    wait_for(lambda: kernel_id not in [k["id"] for k in server.get("/api/kernels")], timeout=30, what="gone")
+    wait_for(
+        lambda: metric(server, "elastic_slices_allocated", size="small") == 0, timeout=30, what="slice free"
+    )
+    wait_for(lambda: not any(map(process_alive, pool)), timeout=30, what="the taken warm process to end")
+    wait_for(lambda: ready(server) == 1, timeout=60, what="the pool to refill")
+
+
+def test_a_server_that_dies_leaves_no_pool_process(tmp_path: Path) -> None:
+    """SIGKILL to the server (no stop hook runs): its warm processes notice and exit by themselves."""
+    server = start_server(
+        tmp_path, warm_config(tmp_path / "checkpoints", size=2), env_extra={"PYTHONPATH": str(REPO)}
+    )
+    try:
+        wait_for(lambda: ready(server) == 2, timeout=60, what="the warm pool to fill")
+        pool = warm_pids(server)
+        assert len(pool) == 2
+        server.process.kill()
+        server.process.wait()
+        wait_for(
+            lambda: not any(map(process_alive, pool)), timeout=30, what="the orphaned pool processes to end"
+        )
     finally:
         server.stop()
