@@ -191,8 +191,10 @@ def test_a_kernel_no_client_has_talked_to_can_hibernate(server: RunningServer) -
     however long it has been up; hibernating it (by hand or by the culler) must still work."""
     kernel_id = server.start_kernel("python3-gpu-small")
     wait_for(
-        lambda: server.get(f"/api/kernels/{kernel_id}")["execution_state"] == "starting"
-        and server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running",
+        lambda: (
+            server.get(f"/api/kernels/{kernel_id}")["execution_state"] == "starting"
+            and server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running"
+        ),
         what="a running kernel that jupyter_server still calls starting",
     )
     reply = hibernate(server, kernel_id)

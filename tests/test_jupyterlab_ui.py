@@ -31,7 +31,7 @@ from tests.support.server import TOKEN, RunningServer, launch, wait_for
 
 CHROMIUM = os.environ.get("ELASTIC_CHROMIUM", "/usr/bin/chromium")
 REQUIRE_ENV = "ELASTIC_REQUIRE_BROWSER"
-POLICY = {"idle_timeout": 10, "warn_before": 7, "interval": 1}
+POLICY = {"idle_timeout": 14, "warn_before": 11, "interval": 1}
 
 
 def _require_browser() -> Any:
@@ -178,6 +178,12 @@ def test_the_issue_scenario_in_a_real_browser(lab: tuple[RunningServer, GpuScrip
             browser.close()
 
 
+def _seconds_left(toast_text: str) -> int:
+    found = re.search(r"hibernated in (\d+) s", toast_text)
+    assert found, toast_text
+    return int(found.group(1))
+
+
 def _model(server: RunningServer, kernel_id: str) -> dict[str, Any]:
     return server.get(f"/api/elastic/kernels/{kernel_id}")  # type: ignore[no-any-return]
 
@@ -209,6 +215,10 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     expect(toast).to_be_visible(timeout=20_000)
     expect(toast).to_contain_text("demo.ipynb: idle kernel (GPU small)")
     assert _model(server, kernel_id)["activity"]["warning"] is not None
+    # The time left counts down in the open notification (a local timer, no extra request).
+    shown = _seconds_left(toast.inner_text())
+    expect(toast).not_to_contain_text(f"hibernated in {shown} s", timeout=3_000)
+    assert _seconds_left(toast.inner_text()) < shown
     shots("jupyterlab-idle-warning")
     toast.get_by_role("button", name="Keep running").click()
     expect(toast).to_have_count(0, timeout=5_000)  # the warning went away
@@ -270,6 +280,7 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     # A new process (not in the GPU script: 0% of the GPU), running.
     expect(status).to_have_text("GPU small · 0% · 0 MiB · running", timeout=10_000)
     server.shutdown_kernel(holders[1])
+    server.shutdown_kernel(kernel_id)  # its idle warnings would show up in the next test's page
 
 
 def _kernel_of(server: RunningServer, path: str) -> str | None:

@@ -370,7 +370,10 @@ def test_deleting_a_kernel_while_it_resumes_warm_frees_everything(server: Runnin
     # Loading this variable takes 3 s (unpickling calls time.sleep): a resume we can cut into.
     server.execute(
         kernel_id,
-        "class SlowToLoad:\n    def __reduce__(self):\n        import time\n        return (time.sleep, (3,))\n"
+        "class SlowToLoad:\n"
+        "    def __reduce__(self):\n"
+        "        import time\n"
+        "        return (time.sleep, (3,))\n"
         "slow = SlowToLoad()",
     )
     hibernate(server, kernel_id)

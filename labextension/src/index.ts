@@ -103,6 +103,26 @@ const plugin: JupyterFrontEndPlugin<void> = {
       await poller.refresh();
     };
 
+    // The warning's time left counts down in the open notification, from the server's deadline and
+    // the last poll's model: a local timer, no extra request. It stops when the warning is cleared,
+    // or when the user closed the notification (update then finds nothing to change).
+    const countdowns = new Map<string, number>();
+    const stopCountdown = (kernelId: string): void => {
+      window.clearInterval(countdowns.get(kernelId));
+      countdowns.delete(kernelId);
+    };
+    const startCountdown = (kernelId: string, notificationId: string): void => {
+      stopCountdown(kernelId);
+      const tick = (): void => {
+        const kernel = poller.kernels.get(kernelId);
+        const message = kernel?.activity.warning ? warningText(kernel, Date.now() / 1000, notebookOf(kernelId)) : '';
+        if (!message || !Notification.update({ id: notificationId, message })) {
+          stopCountdown(kernelId);
+        }
+      };
+      countdowns.set(kernelId, window.setInterval(tick, 1000));
+    };
+
     const renderStatus = (): void => {
       const id = currentKernelId();
       const kernel = id ? poller.kernels.get(id) : undefined;
@@ -123,9 +143,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
             actions: [{ label: 'Keep running', caption: 'Counts as activity', callback: () => void keepRunning(id) }]
           });
           notified.set(id, nid);
+          startCountdown(id, nid);
         } else if (change.warningCleared && notified.has(id)) {
           Notification.dismiss(notified.get(id));
           notified.delete(id);
+          stopCountdown(id);
         }
         if (change.resumed && after?.profile) {
           void serverFetch(`api/elastic/kernels/${id}/report`).then(async reply => {
