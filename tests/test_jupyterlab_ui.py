@@ -84,7 +84,13 @@ NOTEBOOK = {
             "metadata": {},
             "outputs": [],
             "source": "import os, socket\nx = 41\nbig = bytearray(400 * 2**20)\n"
-            "sock = socket.socket()\nos.getpid()",
+            "sock = socket.socket()\n"
+            "class SlowToLoad:  # loads back in 3 s, as a large model's state would\n"
+            "    def __reduce__(self):\n"
+            "        import time\n"
+            "        return (time.sleep, (3,))\n"
+            "slow = SlowToLoad()\n"
+            "os.getpid()",
         },
         {"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": "x + 1"},
     ],
@@ -257,9 +263,13 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     expect(page.locator(".jp-ElasticPanel-device").nth(1)).to_contain_text("100% allocated; whole")
     shots("jupyterlab-resume-waiting")
     server.shutdown_kernel(holders[0])
-    # The restore of this 400 MiB checkpoint takes under a second, less than one poll: the
-    # "restoring N of M MiB" phase is checked in tests/test_lab_api.py and the front end's text
-    # for it in labextension/test/model.test.ts.
+    # Reading the 400 MiB back takes under a second here, less than one poll; loading the
+    # variables (``slow`` takes 3 s) follows the read, and the status shows how much was read.
+    # The phase's figures while the read is under way: tests/test_lab_api.py.
+    expect(status).to_have_text(
+        re.compile(r"^GPU small · resuming: restoring 40\d of 40\d MiB$"), timeout=30_000
+    )
+    shots("jupyterlab-resume-restoring")
     report = page.locator(".Toastify__toast", has_text="Kernel resumed")
     expect(report).to_be_visible(timeout=90_000)
     expect(report).to_contain_text("variable(s) restored; not restored: sock.")
