@@ -582,13 +582,21 @@ def run_simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         parser.error(f"{SIMULATE}: a TRACE.json is required (or --generate SESSIONS)")
     delays = DelayModel(args.start_s, args.read_mib_s, args.hibernate_s, args.write_mib_s)
     try:
-        _setup, sessions, results = simulate_cli.run(args.trace, args.config, args.gpus, delays)
+        setup, sessions, results = simulate_cli.run(args.trace, args.config, args.gpus, delays)
         if args.plot:
             title = f"{os.path.basename(args.trace)}: {len(sessions)} sessions"
             simulate_cli.plot(results, args.plot, title)
     except simulate_cli.SimulateError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return USAGE_ERROR
+    if not setup.policy.enabled:
+        # Otherwise three identical columns, and nothing says why.
+        where = f"--config {args.config}" if args.config else "the default configuration (no --config)"
+        print(
+            f"{prog}: note: {where} sets no CullPolicy.idle_timeout: nothing is culled or hibernated; "
+            "pass the server's configuration file with --config",
+            file=sys.stderr,
+        )
     if args.sim_json:
         print(json.dumps({mode: result.to_dict() for mode, result in results.items()}, indent=2))
     else:

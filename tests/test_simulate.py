@@ -279,6 +279,19 @@ def test_cli_reads_a_python_config_too(tmp_path: Path) -> None:
     assert json.loads(done.stdout)["policy"]["hibernations"] == 1
 
 
+def test_cli_says_when_the_configuration_culls_nothing(tmp_path: Path) -> None:
+    """No CullPolicy in the configuration: three identical columns, and a note that says why."""
+    done = cli(tmp_path, "trace.json", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["policy"]["hibernations"] == 0
+    assert (
+        "the default configuration (no --config) sets no CullPolicy.idle_timeout: nothing is culled"
+        in done.stderr
+    )
+    configured = cli(tmp_path, "trace.json", "--config", "config.json", "--json")
+    assert configured.stderr == ""
+
+
 def test_cli_table_and_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     done = cli(tmp_path, "trace.json", "--config", "config.json", "--plot", "out.png")
