@@ -426,14 +426,22 @@ def _port(text: str) -> int:
     return port
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text!r}")
-    return value
+def _positive(unit: str) -> Callable[[str], float]:
+    """An argparse type: a finite number above 0, its error naming ``unit``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number of {unit}, got {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be > 0 {unit}, got {text!r}")
+        return value
+
+    return parse
+
+
+_seconds = _positive("seconds")
 
 
 def _add_node_agent(sub: Any) -> None:
@@ -541,7 +549,7 @@ def _add_simulate(sub: Any) -> None:
         help="print a synthetic trace of SESSIONS sessions instead",
     )
     sim.add_argument(
-        "--days", type=_seconds, default=1.0, help="with --generate: days the sessions spread over"
+        "--days", type=_positive("days"), default=1.0, help="with --generate: days the sessions spread over"
     )
     sim.add_argument("--seed", type=int, default=0, help="with --generate: random seed (default 0)")
     sim.add_argument(
@@ -549,7 +557,7 @@ def _add_simulate(sub: Any) -> None:
     )
     sim.add_argument(
         "--read-mib-s",
-        type=_seconds,
+        type=_positive("MiB/s"),
         default=d.read_mib_s,
         help=f"resume: checkpoint read MiB/s (default {d.read_mib_s:g})",
     )
@@ -561,7 +569,7 @@ def _add_simulate(sub: Any) -> None:
     )
     sim.add_argument(
         "--write-mib-s",
-        type=_seconds,
+        type=_positive("MiB/s"),
         default=d.write_mib_s,
         help=f"hibernate: checkpoint write MiB/s (default {d.write_mib_s:g})",
     )
