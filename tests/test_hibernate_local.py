@@ -127,6 +127,23 @@ def test_two_cycles_in_a_row(server: RunningServer) -> None:
     )
 
 
+def test_cell_numbers_go_on_from_the_kernels_own_count(server: RunningServer) -> None:
+    """The number comes from the kernel, not from the server's IOPub watcher.
+
+    The watcher reads another socket than the user's websocket, so a hibernate sent the
+    moment a reply arrives can reach the server before the watcher saw that cell (CI saw
+    the second cycle restart at the old number). A cell that moves the count on itself
+    makes the two sources disagree on every run, so this fails if the watcher's is used.
+    """
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id) as chan:
+        moved_on = chan.execute("get_ipython().execution_count = 40").reply["content"]["execution_count"]
+        assert moved_on > 2  # what the kernel now counts from, far from the watcher's 1
+        assert hibernate(server, kernel_id).status == 200
+        resumed = chan.execute("1 + 1", timeout=120)
+        assert resumed.reply["content"]["execution_count"] == moved_on + 1
+
+
 def test_resume_by_api_and_report_on_first_cell(server: RunningServer) -> None:
     kernel_id = server.start_kernel("python3-gpu-small")
     server.execute(kernel_id, "x = 'kept'")

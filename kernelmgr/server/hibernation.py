@@ -106,6 +106,10 @@ class JupyterKernelPlatform:
         self.h = hibernator
         #: Kernel ids → the kernel_info reply taken just before the checkpoint.
         self.kernel_info: dict[str, dict[str, Any]] = {}
+        #: Kernel ids → the kernel's own cell number at the checkpoint. The IOPub activity
+        #: watcher's count can lag: it reads a different socket than the user's websocket,
+        #: so a hibernate sent right after a reply may arrive before its execute_input.
+        self.execution_counts: dict[str, int] = {}
         #: Kernel ids → the slice given back by the last hibernation (for the metrics).
         self.released: dict[str, Slice] = {}
         #: Kernels a previous server left running (pid): they checkpoint themselves and exit.
@@ -174,7 +178,7 @@ class JupyterKernelPlatform:
             )
         self.h._remember(kernel_id, pid=self.h._pid(km))
         try:
-            self.kernel_info[kernel_id] = await self._run_checkpoint(km)
+            self.kernel_info[kernel_id], self.execution_counts[kernel_id] = await self._run_checkpoint(km)
         except LifecycleError as exc:
             if _disk_full(exc.message):
                 raise LifecycleError(exc.message, 507) from None
@@ -184,8 +188,12 @@ class JupyterKernelPlatform:
             raise LifecycleError("the agent reported success but no checkpoint was committed", 500)
         return committed_of(manifest)
 
-    async def _run_checkpoint(self, km: Any) -> dict[str, Any]:
-        """Run the agent's checkpoint through a private client; returns the kernel_info content."""
+    async def _run_checkpoint(self, km: Any) -> tuple[dict[str, Any], int]:
+        """Run the agent's checkpoint through a private client.
+
+        Returns the kernel_info content and the number of the last cell the user ran (a
+        silent execute's reply carries it without counting itself).
+        """
         client = km.client()
         client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
         pid = self.h._pid(km)
@@ -200,7 +208,8 @@ class JupyterKernelPlatform:
         content = reply["content"]
         if content.get("status") != "ok":
             raise LifecycleError(f"{content.get('ename', 'Error')}: {content.get('evalue', '')}".strip(), 500)
-        return dict(info["content"])
+        count = content.get("execution_count")
+        return dict(info["content"]), count if isinstance(count, int) and count > 0 else 0
 
     async def stop(self, kernel_id: str) -> None:
         """Stop the kernel gracefully (its atexit handlers flush the user's files), keeping
@@ -388,7 +397,8 @@ class Hibernator:
             hibernated_at=time.time(),
             checkpoint_id=committed.checkpoint_id,
             kernel_info=self.platform.kernel_info.pop(kernel_id, {}),
-            execution_count=self.activity.get(kernel_id).execution_count,
+            execution_count=self.platform.execution_counts.pop(kernel_id, 0)
+            or self.activity.get(kernel_id).execution_count,
         )
         took = time.time() - started
         metrics.HIBERNATIONS.labels(reason, size).inc()
@@ -468,6 +478,7 @@ class Hibernator:
         if committed is None:
             return None
         self.platform.kernel_info.pop(kernel_id, None)
+        self.platform.execution_counts.pop(kernel_id, None)
         self.runtime.checkpoints.forget_cached(record.owner, kernel_id)
         self._prune_later(record.owner, kernel_id)
         self._remember(kernel_id, checkpoint_id=committed.checkpoint_id)
