@@ -124,8 +124,9 @@ class ElasticKernels(LoggingConfigurable):
         help="""Where the GPU inventory comes from. "declared": ElasticKernels.gpu_inventory;
         "nvml": the GPUs of this machine; "kubernetes": the cluster's nodes (nvidia.com/gpu with the
         GPU feature discovery labels, HAMi, MIG resources), kept current by a node watch: nodes that
-        join add GPUs, nodes that leave, are cordoned or go NotReady take theirs away, and kernels
-        whose slice was on them are reported. "auto": declared if gpu_inventory is set, else nvml.""",
+        join add GPUs, nodes that are cordoned or go NotReady take no new slices (their kernels
+        keep theirs), nodes that leave take theirs away, and kernels whose slice was on them are
+        reported. "auto": declared if gpu_inventory is set, else nvml.""",
     )
     checkpoint_root = Unicode(
         config=True,

@@ -8,6 +8,7 @@ other nodes (the node runner, other tests' nodes) never show up here. The runtim
 from __future__ import annotations
 
 import asyncio
+import datetime
 import threading
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.kube import ControlPlane, create_fake_gpu_nodes, require_envtest
+from tests.support.kube import ControlPlane, create_fake_gpu_nodes, fake_gpu_node, require_envtest
 
 require_envtest(module_level=True)
 
@@ -181,6 +182,47 @@ def test_cordoned_nodes_close_their_gpus_and_deleted_ones_take_their_slices_away
     cluster.wait(lambda inventory: not closed(f"{a}/gpu-0")(inventory), "the uncordoned node's GPU to open")
     assert alloc.allocate("k-a2", cluster.runtime.profile("one")).device_uuids == (f"{a}/gpu-0",)
     assert [s.kernel_id for s in cluster.lost] == ["k-b"]
+
+
+def test_a_node_that_misses_heartbeats_keeps_its_kernels_slices(cluster: Cluster) -> None:
+    """NotReady for a moment, then back: its kernel's slice stays booked all along, so the GPU
+    is never offered twice. (The node is not kwok's: this test writes its Ready condition.)"""
+    alloc, one = cluster.runtime.allocator, cluster.runtime.profile("one")
+    name = cluster.name("flaky")
+    manifest = fake_gpu_node(name, gpus=1, labels={"elastic.test/inventory": cluster.tag, **GFD})
+    manifest["metadata"]["annotations"] = {}  # kwok manages only annotated nodes
+    cluster.core.create_node(manifest)
+    cluster.created.append(name)
+
+    def set_ready(status: str) -> None:
+        now = datetime.datetime.now(datetime.timezone.utc).isoformat()
+        condition = {
+            "type": "Ready",
+            "status": status,
+            "reason": "Test",
+            "lastHeartbeatTime": now,
+            "lastTransitionTime": now,
+        }
+        cluster.core.patch_node_status(name, {"status": {"conditions": [condition]}})
+
+    def open_gpu(is_open: bool) -> Callable[[GpuInventory], bool]:
+        return lambda inventory: any(d.uuid == f"{name}/gpu-0" and d.closed != is_open for d in inventory)
+
+    set_ready("True")
+    cluster.sync.start()
+    cluster.wait(open_gpu(True), "the node's GPU")
+    granted = alloc.allocate("k", one)
+    assert granted.device_uuids == (f"{name}/gpu-0",)
+
+    set_ready("False")
+    cluster.wait(open_gpu(False), "the NotReady node's GPU to close")
+    assert alloc.slice_of("k") == granted and not alloc.fits(one)
+
+    set_ready("True")
+    cluster.wait(open_gpu(True), "the node's GPU to open again")
+    assert alloc.slice_of("k") == granted
+    assert not alloc.fits(one)  # still the kernel's: nobody else gets that GPU
+    assert cluster.lost == []
 
 
 def test_a_node_joining_makes_a_bigger_size_fit(cluster: Cluster) -> None:

@@ -52,8 +52,9 @@ def test_without_the_memory_label_a_gpu_has_unknown_memory() -> None:
 @pytest.mark.parametrize(
     ("change", "why"), [({"ready": "False"}, "NotReady"), ({"ready": "Unknown"}, "lost")]
 )
-def test_nodes_that_are_not_ready_contribute_nothing(change: dict[str, Any], why: str) -> None:
-    assert node_devices(node("n1", {"nvidia.com/gpu": "4"}, labels=GFD, **change)) == (), why
+def test_nodes_that_are_not_ready_keep_their_devices_closed(change: dict[str, Any], why: str) -> None:
+    devices = node_devices(node("n1", {"nvidia.com/gpu": "2"}, labels=GFD, **change))
+    assert [(d.uuid, d.closed) for d in devices] == [("n1/gpu-0", True), ("n1/gpu-1", True)], why
 
 
 def test_a_cordoned_node_keeps_its_devices_closed() -> None:

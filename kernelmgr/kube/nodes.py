@@ -6,9 +6,12 @@ resources (what the device plugins advertise; it does not go down as pods use it
 :class:`~kernelmgr.core.inventory.GpuDevice` records by :func:`node_devices`, and
 :class:`NodeInventorySync` keeps the allocator's inventory equal to the union of those records.
 
-What a node contributes (nothing at all while its ``Ready`` condition is not ``True``; while it is
-cordoned, ``spec.unschedulable``, its devices are ``closed``: no new slice goes there, and the
-kernels already there keep theirs, since cordoning stops new pods, not running ones):
+What a node contributes (its devices are ``closed`` while it is cordoned, ``spec.unschedulable``, or
+its ``Ready`` condition is not ``True``: no new slice goes there, and the kernels already there keep
+theirs, since cordoning stops new pods, not running ones, and a node that misses heartbeats for a
+moment usually comes back with its pods still running; dropping their slices would count those
+GPUs free when it does. A kernel whose pod is evicted or lost ends, and gives its slice back, the
+way any ended kernel does. Only a deleted node, or one advertising fewer GPUs, takes slices away):
 
 * **Whole GPUs / time-slicing / MPS** (NVIDIA device plugin): ``nvidia.com/gpu: N`` gives
   ``N / replicas`` devices ``<node>/gpu-<i>`` (``nvidia.com/gpu.replicas`` is the time-slicing
@@ -137,18 +140,18 @@ def node_ready(node: Any) -> bool:
 
 
 def node_devices(node: Any) -> tuple[GpuDevice, ...]:
-    """The GPU devices ``node`` contributes (see the module docstring): ``()`` if it is not Ready;
-    ``closed`` ones (no new slices, the old ones kept) while it is cordoned."""
+    """The GPU devices ``node`` contributes (see the module docstring): ``closed`` ones (no new
+    slices, the old ones kept) while it is cordoned or not Ready."""
     name = node_name(node)
-    if not name or not node_ready(node):
+    if not name:
         return ()
-    devices = _ready_node_devices(node, name)
-    if _field(_field(node, "spec"), "unschedulable"):
+    devices = _advertised_devices(node, name)
+    if not node_schedulable(node):
         return tuple(dataclasses.replace(d, closed=True) for d in devices)
     return devices
 
 
-def _ready_node_devices(node: Any, name: str) -> tuple[GpuDevice, ...]:
+def _advertised_devices(node: Any, name: str) -> tuple[GpuDevice, ...]:
     metadata = _field(node, "metadata")
     labels: Mapping[str, str] = _field(metadata, "labels") or {}
     annotations: Mapping[str, str] = _field(metadata, "annotations") or {}
@@ -321,7 +324,7 @@ class NodeInventorySync:
     one new :class:`GpuInventory`, swapped into the allocator with
     :meth:`SliceAllocator.replace_inventory` on the watch thread (the allocator's lock makes
     that safe against allocations on the event loop). Slices that were on devices now gone
-    (node deleted, cordoned, NotReady, or advertising fewer GPUs) are no longer held; they are
+    (node deleted, or advertising fewer GPUs) are no longer held; they are
     handed to ``on_lost`` -- on ``loop`` with ``call_soon_threadsafe`` when a loop is given (the
     server's: then the callback may touch kernel managers), else on the watch thread -- so the
     caller can mark or stop those kernels. A node event that changes nothing GPU-related (status

@@ -14,9 +14,10 @@ and each kernel the previous server had running whose pod is gone is hibernated 
 checkpoint (the next cell resumes it, told what was lost) or, without one, forgotten.
 
 With ``ElasticKernels.gpu_inventory_source = "kubernetes"`` the GPU inventory is the nodes'
-(:class:`kernelmgr.kube.nodes.NodeInventorySync`). A slice on a node that left (deleted, not Ready,
-cordoned) is logged here; what becomes of its kernel follows its pod: evicted or deleted, the kernel
-is hibernated from its checkpoint (the provisioner's loss path), still running, it keeps running.
+(:class:`kernelmgr.kube.nodes.NodeInventorySync`). A cordoned or NotReady node keeps its kernels'
+slices (its GPUs take nothing new); a slice on a node that left (deleted, or advertising fewer
+GPUs) is logged here. What becomes of the kernel follows its pod: evicted or deleted, the kernel is
+hibernated from its checkpoint (the provisioner's loss path), still running, it keeps running.
 """
 
 from __future__ import annotations

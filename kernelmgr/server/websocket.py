@@ -456,7 +456,7 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
             if not attached:
                 self.multi_kernel_manager.add_restart_callback(self.kernel_id, self.on_kernel_restarted)
                 self.multi_kernel_manager.add_restart_callback(self.kernel_id, self.on_restart_failed, "dead")
-            await self.nudge()
+            await self._nudge_resumed()
             for stream in self.channels.values():
                 stream.on_recv_stream(self.handle_outgoing_message)
         except Exception as exc:
@@ -467,6 +467,28 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
             return
         for raw in self._take_queue():
             super().handle_incoming_message(raw)
+
+    def _nudge_resumed(self) -> asyncio.Future[None]:
+        """jupyter_server's nudge, which also runs for a kernel the server calls busy.
+
+        The nudge is what proves that this connection's IOPub subscription reaches the new
+        process (ZMQ drops what a kernel publishes before a subscriber is connected). Stock
+        jupyter_server skips it for a busy kernel, and right after a resume the kernel often
+        reads busy: the server's own wake-up request (the cell number) has been answered, but
+        its idle status is still on the way. Skipping then lost the first cell's output and
+        idle status now and then (a fast warm resume made it likely). The nudge asks on the
+        control channel too, which a busy ipykernel answers at once, so it is safe to run.
+        """
+        km = self.kernel_manager
+        state = getattr(km, "execution_state", None)
+        if state != "busy":
+            return self.nudge()
+        km.execution_state = "idle"  # only for the check at the top of nudge(): no await between
+        try:
+            return self.nudge()
+        finally:
+            if km.execution_state == "idle":
+                km.execution_state = state
 
     def _fail_queue(self, reason: str) -> None:
         """Tell every queued execution why it will not run, so no cell hangs."""

@@ -83,9 +83,22 @@ class KernelChannel:
         if v1:
             assert self.conn.getsubprotocol() == V1_PROTOCOL, "the server did not accept the v1 protocol"
 
-    def recv(self) -> dict[str, Any]:
-        """The next message as a dict: channel, msg_type, header, parent_header, content."""
-        raw = self.conn.recv()
+    def recv(self, deadline: float | None = None) -> dict[str, Any]:
+        """The next message as a dict: channel, msg_type, header, parent_header, content.
+
+        Control frames come back to this loop (``control_frame=True``), so the server's pings
+        every 30 s cannot keep one receive waiting past ``deadline`` (``time.monotonic()``).
+        """
+        while True:
+            opcode, raw = self.conn.recv_data(control_frame=True)
+            if opcode in (websocket.ABNF.OPCODE_TEXT, websocket.ABNF.OPCODE_BINARY):
+                break
+            if opcode == websocket.ABNF.OPCODE_CLOSE:
+                raise ConnectionError("the server closed the kernel websocket")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("no message before the deadline (only pings)")
+        if opcode == websocket.ABNF.OPCODE_TEXT and isinstance(raw, bytes):
+            raw = raw.decode("utf-8")
         if not self.v1:
             msg: dict[str, Any] = json.loads(raw)
             return msg
@@ -141,7 +154,7 @@ class KernelChannel:
         idle = False
         while time.monotonic() < deadline and not (reply and idle):
             self.conn.settimeout(max(0.1, deadline - time.monotonic()))
-            msg = self.recv()
+            msg = self.recv(deadline)
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             if msg["channel"] == "iopub":
