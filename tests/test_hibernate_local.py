@@ -144,6 +144,20 @@ def test_cell_numbers_go_on_from_the_kernels_own_count(server: RunningServer) ->
         assert resumed.reply["content"]["execution_count"] == moved_on + 1
 
 
+def test_a_tab_opened_while_hibernated_runs_cells_after_someone_else_resumed(server: RunningServer) -> None:
+    """A notebook opened on the hibernated kernel, then the kernel resumed by the API (the GPUs
+    panel's button, another tab): that notebook's next cell must run, not wait forever."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    server.execute(kernel_id, "x = 5")
+    assert hibernate(server, kernel_id).status == 200
+    with server.channel(kernel_id) as tab:
+        assert tab.request("kernel_info_request", {})["content"]["status"] == "ok"  # answered asleep
+        assert server.request("POST", f"/api/elastic/kernels/{kernel_id}/resume").status == 200
+        result = tab.execute("print(x + 1)", timeout=60)
+        assert result.stdout.strip() == "6", result
+        assert tab.execute("print(x + 2)").stdout.strip() == "7"
+
+
 def test_resume_by_api_and_report_on_first_cell(server: RunningServer) -> None:
     kernel_id = server.start_kernel("python3-gpu-small")
     server.execute(kernel_id, "x = 'kept'")

@@ -399,11 +399,13 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         queue = self._pending()
         hibernating = self.hibernator is not None and self.hibernator.is_going_to_sleep(self.kernel_id)
         if not queue and not hibernating and not self._asleep():
-            if not self._stale():
+            if self.channels and not self._stale():
                 self._note_execute(incoming_msg)
                 super().handle_incoming_message(incoming_msg)
                 return
-            # Awake, but elsewhere (resumed through the API into a new pod): reattach, then deliver.
+            # Awake, but this connection is not attached to the process: it was opened while the
+            # kernel was hibernated (resumed since by the API, the GPUs panel or another tab), or
+            # the kernel resumed into a new pod elsewhere. Attach, then deliver.
             self._hold(incoming_msg)
             if self._waking is None or self._waking.done():
                 self._waking = asyncio.ensure_future(self._wake(self._parse(incoming_msg)[1]))

@@ -90,6 +90,8 @@ class KernelChannel:
         every 30 s cannot keep one receive waiting past ``deadline`` (``time.monotonic()``).
         """
         while True:
+            if deadline is not None:
+                self.conn.settimeout(max(0.1, deadline - time.monotonic()))
             opcode, raw = self.conn.recv_data(control_frame=True)
             if opcode in (websocket.ABNF.OPCODE_TEXT, websocket.ABNF.OPCODE_BINARY):
                 break
@@ -153,7 +155,6 @@ class KernelChannel:
         iopub: list[dict[str, Any]] = []
         idle = False
         while time.monotonic() < deadline and not (reply and idle):
-            self.conn.settimeout(max(0.1, deadline - time.monotonic()))
             msg = self.recv(deadline)
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
