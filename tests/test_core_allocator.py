@@ -398,3 +398,50 @@ def test_messages_stay_short_on_a_big_cluster() -> None:
         CapacityError, match=r"the cluster has no schedulable GPUs \(no node advertises GPUs\)"
     ):
         alloc.allocate("z", HALF)
+
+
+def _two_nodes(*, closed: str = "") -> GpuInventory:
+    devices = [
+        GpuDevice(f"{node}/gpu-{i}", "A100", 40960, index=i, node=node, closed=node == closed)
+        for node in ("n1", "n2")
+        for i in range(2)
+    ]
+    return GpuInventory(devices, source="kubernetes")
+
+
+def test_a_slice_follows_its_pod_to_the_node_the_scheduler_chose() -> None:
+    alloc = SliceAllocator(_two_nodes())
+    half = HALF
+    granted = alloc.allocate("k", half)
+    assert granted.device_uuids == ("n1/gpu-0",)  # the allocator's own choice
+    moved = alloc.move_to_node("k", half, "n2")
+    assert moved is not None and moved.device_uuids == ("n2/gpu-0",)
+    assert alloc.slice_of("k") == moved
+    used = {u.device.uuid: u.used_milli for u in alloc.usage()}
+    assert used == {"n1/gpu-0": 0, "n1/gpu-1": 0, "n2/gpu-0": 500, "n2/gpu-1": 0}  # nothing left behind
+    assert alloc.move_to_node("k", half, "n2") == moved  # already there: unchanged
+
+
+def test_whole_gpus_follow_their_pod_and_a_full_node_keeps_the_booking() -> None:
+    alloc = SliceAllocator(_two_nodes())
+    two = parse_profile("two", {"gpu_fraction": 2})
+    alloc.allocate("a", two)  # n1, both GPUs
+    alloc.allocate("b", two)  # n2, both GPUs
+    assert alloc.move_to_node("a", two, "n2") is None  # n2 is full in this view: keep n1
+    assert alloc.slice_of("a").device_uuids == ("n1/gpu-0", "n1/gpu-1")  # type: ignore[union-attr]
+    assert {u.device.uuid: u.used_milli for u in alloc.usage()} == dict.fromkeys(
+        ("n1/gpu-0", "n1/gpu-1", "n2/gpu-0", "n2/gpu-1"), 1000
+    )
+    alloc.release("b")
+    moved = alloc.move_to_node("a", two, "n2")
+    assert moved is not None and moved.device_uuids == ("n2/gpu-0", "n2/gpu-1")
+    assert alloc.fits(two)  # n1 free again
+
+
+def test_a_pod_on_a_cordoned_node_is_booked_there() -> None:
+    alloc = SliceAllocator(_two_nodes(closed="n2"))
+    half = HALF
+    alloc.allocate("k", half)
+    moved = alloc.move_to_node("k", half, "n2")  # bound before the cordon: the pod runs there
+    assert moved is not None and moved.device_uuids == ("n2/gpu-0",)
+    assert alloc.move_to_node("gone", half, "n2") is None

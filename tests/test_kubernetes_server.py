@@ -361,12 +361,25 @@ def test_gpu_inventory_from_the_cluster_nodes(cluster: PodCluster, tmp_path: Pat
             lambda: len(runner_devices()) == 2 and runner_devices(), 60, "the runner nodes' GPUs"
         )
         assert running.get("/api/elastic/gpus")["source"] == "kubernetes"
-        kernel_id = running.start_kernel(SIZE)
-        assert running.execute(kernel_id, "print(6 * 7)").strip() == "42"
-        # Its slice is booked on the cluster's inventory (on which node's device is the allocator's
-        # bookkeeping; the scheduler places the pod).
+        # The scheduler may only use the last runner (a taint on the others the kernel pod does not
+        # tolerate; the allocator does not read taints), while the allocator's first choice is the
+        # first node by name: they disagree, and the booking must follow the pod.
+        *others, target = sorted(r.node_name for r in cluster.runners)
+        avoid = {"key": "elastic.test/avoid", "value": "true", "effect": "NoSchedule"}
+        for name in others:
+            cluster.core.patch_node(name, {"spec": {"taints": [avoid]}})
+        try:
+            kernel_id = running.start_kernel(SIZE)
+            assert running.execute(kernel_id, "print(6 * 7)").strip() == "42"
+        finally:
+            for name in others:
+                cluster.core.patch_node(name, {"spec": {"taints": []}})
+        assert cluster.running_pod(kernel_id).spec.node_name == target
         everywhere = running.get("/api/elastic/gpus")["devices"]
-        assert [s["kernel_id"] for d in everywhere for s in d["slices"]] == [kernel_id], devices
+        booked = [(d["node"], s["kernel_id"]) for d in everywhere for s in d["slices"]]
+        assert booked == [(target, kernel_id)], (booked, devices)
+        (device,) = running.get(f"/api/elastic/kernels/{kernel_id}")["slice"]["devices"]
+        assert device["uuid"].startswith(f"{target}/"), device
         running.shutdown_kernel(kernel_id)
     finally:
         running.stop()

@@ -236,9 +236,7 @@ class SliceAllocator:
             if self.before_commit is not None:
                 self.before_commit()
             granted = Slice(kernel_id=kernel_id, profile=profile.name, placements=tuple(placements))
-            for p in granted.placements:
-                self._used_milli[p.device_uuid] += p.milli
-                self._used_memory[p.device_uuid] += p.memory_mib
+            self._book_locked(granted, +1)
             self._slices[kernel_id] = granted
             return granted
 
@@ -247,10 +245,35 @@ class SliceAllocator:
         with self._lock:
             granted = self._slices.pop(kernel_id, None)
             if granted is not None:
-                for p in granted.placements:
-                    self._used_milli[p.device_uuid] -= p.milli
-                    self._used_memory[p.device_uuid] -= p.memory_mib
+                self._book_locked(granted, -1)
             return granted
+
+    def move_to_node(self, kernel_id: str, profile: GpuProfile, node: str) -> Slice | None:
+        """Book ``kernel_id``'s slice on devices of ``node``, where its workload actually runs.
+
+        On Kubernetes the allocator picks devices when a kernel starts, but kube-scheduler binds
+        the pod to whichever node fits; once it is bound, the booking follows the pod, so that
+        ``/api/elastic/gpus`` names the right node and the next placement counts that node's
+        GPUs as taken. Closed devices count (a pod can be bound to a node cordoned since). The
+        slice already there is returned as it is; if ``node`` has no room in this allocator's
+        view, the booking is kept and ``None`` returned (the caller logs the disagreement).
+        """
+        with self._lock:
+            held = self._slices.get(kernel_id)
+            if held is None:
+                return None
+            nodes = {d.uuid: d.node for d in self.inventory}
+            if all(nodes.get(uuid) == node for uuid in held.device_uuids):
+                return held
+            self._book_locked(held, -1)
+            placements = self._choose_locked(profile, node=node)
+            if placements is None:
+                self._book_locked(held, +1)
+                return None
+            moved = Slice(kernel_id=kernel_id, profile=held.profile, placements=tuple(placements))
+            self._book_locked(moved, +1)
+            self._slices[kernel_id] = moved
+            return moved
 
     def replace_inventory(self, inventory: GpuInventory) -> InventoryChange:
         """Swap in a new snapshot of the devices and reconcile the slices with it.
@@ -280,6 +303,12 @@ class SliceAllocator:
 
     # -- internals (lock held) -------------------------------------------------------------
 
+    def _book_locked(self, granted: Slice, sign: int) -> None:
+        """Add (``+1``) or take away (``-1``) what ``granted`` holds on each of its devices."""
+        for p in granted.placements:
+            self._used_milli[p.device_uuid] += sign * p.milli
+            self._used_memory[p.device_uuid] += sign * p.memory_mib
+
     def _usage_locked(self, device: GpuDevice) -> DeviceUsage:
         on_device = tuple(s for s in self._slices.values() if device.uuid in s.device_uuids)
         return DeviceUsage(
@@ -289,17 +318,23 @@ class SliceAllocator:
             slices=on_device,
         )
 
-    def _eligible_devices(self, profile: GpuProfile) -> list[GpuDevice]:
-        """The devices ``profile`` may be placed on (its resource asked once, not per device)."""
-        inventory = [d for d in self.inventory if not d.closed]  # one snapshot; closed take nothing new
+    def _eligible_devices(self, profile: GpuProfile, node: str | None = None) -> list[GpuDevice]:
+        """The devices ``profile`` may be placed on (its resource asked once, not per device).
+
+        With ``node``: that node's devices, closed ones included (the workload is there already).
+        """
+        if node is None:
+            inventory = [d for d in self.inventory if not d.closed]  # one snapshot; closed take nothing new
+        else:
+            inventory = [d for d in self.inventory if d.node == node]
         wanted = self.profile_resource(profile) if self.profile_resource is not None else None
         if wanted is None:
             return inventory
         return [d for d in inventory if not d.resource or d.resource == wanted]
 
-    def _choose_locked(self, profile: GpuProfile) -> list[Placement] | None:
+    def _choose_locked(self, profile: GpuProfile, node: str | None = None) -> list[Placement] | None:
         if profile.whole_gpus:
-            return self._choose_whole_locked(profile)
+            return self._choose_whole_locked(profile, node)
         need_memory = profile.memory_mib or 0
 
         def take(d: GpuDevice) -> tuple[int, int]:
@@ -310,7 +345,7 @@ class SliceAllocator:
 
         candidates = [
             d
-            for d in self._eligible_devices(profile)
+            for d in self._eligible_devices(profile, node)
             if d.memory_mib >= need_memory
             and (self._used_milli[d.uuid] == 0 if d.exclusive else True)
             and MILLI - self._used_milli[d.uuid] >= take(d)[0]
@@ -331,10 +366,10 @@ class SliceAllocator:
         milli, memory = take(best)
         return [Placement(device_uuid=best.uuid, milli=milli, memory_mib=memory)]
 
-    def _choose_whole_locked(self, profile: GpuProfile) -> list[Placement] | None:
+    def _choose_whole_locked(self, profile: GpuProfile, node: str | None = None) -> list[Placement] | None:
         empty = [
             d
-            for d in self._eligible_devices(profile)
+            for d in self._eligible_devices(profile, node)
             if self._used_milli[d.uuid] == 0
             and (profile.memory_mib is None or d.memory_mib >= profile.memory_mib)
         ]

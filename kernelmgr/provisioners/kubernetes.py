@@ -690,7 +690,38 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             raise RuntimeError(f"kernel pod {self.namespace}/{self._pod_name} ended: {pod_failure(seen)}")
         self.connection_info["ip"] = seen.status.pod_ip
         self.log.info("Kernel %s runs in pod %s at %s", self.kernel_id, self._pod_name, seen.status.pod_ip)
+        self._follow_pod_node(seen)
         return self.connection_info
+
+    def _follow_pod_node(self, pod: Any) -> None:
+        """Book the slice on the node kube-scheduler bound the pod to (cluster inventory only).
+
+        The allocator chose devices before the pod existed; the scheduler decides where it
+        runs. A declared inventory has no nodes to follow.
+        """
+        runtime = self.runtime
+        node = getattr(getattr(pod, "spec", None), "node_name", None)
+        if self._granted is None or not node or runtime.allocator.inventory.source != "kubernetes":
+            return
+        moved = runtime.allocator.move_to_node(self.kernel_id, runtime.profile(self._granted.profile), node)
+        if moved is None:
+            self.log.warning(
+                "Kernel %s: its pod runs on node %s, where this server counts no room for size %s; "
+                "its slice stays booked on %s",
+                self.kernel_id,
+                node,
+                self._granted.profile,
+                ", ".join(self._granted.device_uuids),
+            )
+            return
+        if moved != self._granted:
+            self.log.info(
+                "Kernel %s: slice booked on %s, where its pod runs (was %s)",
+                self.kernel_id,
+                ", ".join(moved.device_uuids),
+                ", ".join(self._granted.device_uuids),
+            )
+        self._granted = moved
 
     def _events(self) -> list[Any]:
         """The pod's events: read once, only to explain a failed launch."""
@@ -752,6 +783,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             self._record.owner = found.owner
         self.connection_info = found.connection_info  # type: ignore[assignment]
         self._launched = True
+        self._follow_pod_node(self.informer.get(self.kernel_id))
         mark_launched(runtime, self.kernel_id, "adopted after a server restart")
         return self.connection_info
 
