@@ -33,7 +33,12 @@ PROFILES = parse_profiles(
 H = 3600.0
 
 
-def policy(idle_timeout: float = 600, warn_before: float = 60, rules: list[Any] | None = None) -> Policy:
+def policy(
+    idle_timeout: float = 600,
+    warn_before: float = 60,
+    rules: list[Any] | None = None,
+    max_concurrent_hibernations: int = 4,
+) -> Policy:
     return build_policy(
         idle_timeout=idle_timeout,
         interval=60,
@@ -43,6 +48,7 @@ def policy(idle_timeout: float = 600, warn_before: float = 60, rules: list[Any] 
         busy_gpu_idle_warning=0,
         rules=rules or [],
         known_profiles=list(PROFILES),
+        max_concurrent_hibernations=max_concurrent_hibernations,
     )
 
 
@@ -192,6 +198,30 @@ def test_a_resume_that_waits_for_a_slice() -> None:
     s = r["static"]
     assert (s.slice_waits, s.slice_wait_total_s) == (1, pytest.approx(6200))
     assert s.gpu_hours == pytest.approx((7200 + 1000) / H)
+
+
+def test_hibernations_wait_their_turn_and_ask_again_when_it_comes() -> None:
+    # Three kernels idle since 100, warned at 660, due at 720; one checkpoint at a time, each
+    # taking 100 s (fixed cost, no state). a: 720-820. b waits (still running, holding its
+    # slice) and starts at 820 (asked again: still idle), done 920. c starts at 920, done 1020.
+    one_at_a_time = policy(max_concurrent_hibernations=1)
+    slow = DelayModel(1, 100, 100, 100)
+    idle = [{"id": x, "size": "small", "start": 0, "end": 3600, "cells": [[0, 100, 90]]} for x in "abc"]
+    r = run(idle, cull=one_at_a_time, delays=slow)["policy"]
+    assert r.gpu_hours == pytest.approx(0.25 * (820 + 920 + 1020) / H)
+    assert (r.hibernations, r.hibernations_queued, r.hibernations_dropped) == (3, 2, 0)
+    # c runs a cell at 800 while it waits: when its turn comes (920) it is idle only 110 s, so the
+    # hibernation is dropped. Its next idle period (since 810): warned at tick 1380 (570 s idle),
+    # hibernated at 1440 (630 s), a slot being free; done at 1540.
+    idle[2]["cells"].append([800, 810, 90])
+    r = run(idle, cull=one_at_a_time, delays=slow)["policy"]
+    assert r.gpu_hours == pytest.approx(0.25 * (820 + 920 + 1540) / H)
+    assert (r.hibernations, r.hibernations_queued, r.hibernations_dropped) == (3, 2, 1)
+    assert (r.warnings, r.resumes) == (4, 0)
+    # Without the limit (the default of 4) the three checkpoints run together: 820 each.
+    r = run([*idle[:2], dict(idle[2], cells=[[0, 100, 90]])], delays=slow)["policy"]
+    assert r.gpu_hours == pytest.approx(0.25 * 3 * 820 / H)
+    assert (r.hibernations_queued, r.hibernations_dropped) == (0, 0)
 
 
 def test_per_size_rule_applies() -> None:

@@ -16,9 +16,12 @@ The three policies differ only in what the culler tick does with an idle kernel:
   hibernation holds the slice while the checkpoint is written, the next cell resumes it.
 
 Slices come from the real :class:`~kernelmgr.core.allocator.SliceAllocator`, so binpacking,
-memory limits and whole-GPU sizes behave as in the server. What is not modelled: failed or
-slow-queued hibernations (``max_concurrent_hibernations``), GPU sampling delay (GPU activity is
-known exactly), and users who give up while waiting.
+memory limits and whole-GPU sizes behave as in the server. Hibernations run at most
+``CullPolicy.max_concurrent_hibernations`` at once, as the server's culler runs them: the others
+wait their turn with the kernel still running (holding its slice, its cells running as usual),
+and ask the policy again when it comes (a cell run meanwhile drops them). What is not modelled:
+failed hibernations, GPU sampling delay (GPU activity is known exactly), and users who give up
+while waiting.
 """
 
 from __future__ import annotations
@@ -88,6 +91,10 @@ class Result:
     peak_gpus: int = 0
     peak_gpus_held: float = 0.0
     hibernations: int = 0
+    #: Policy hibernations that waited for a free slot (``max_concurrent_hibernations``), and
+    #: those of them dropped when their turn came (the user had run a cell meanwhile).
+    hibernations_queued: int = 0
+    hibernations_dropped: int = 0
     resumes: int = 0
     resumes_per_session_day: float = 0.0
     resume_wait_p50_s: float | None = None
@@ -109,6 +116,8 @@ class Result:
             "peak_gpus": self.peak_gpus,
             "peak_gpus_held": round(self.peak_gpus_held, 6),
             "hibernations": self.hibernations,
+            "hibernations_queued": self.hibernations_queued,
+            "hibernations_dropped": self.hibernations_dropped,
             "resumes": self.resumes,
             "resumes_per_session_day": round(self.resumes_per_session_day, 6),
             "resume_wait_p50_s": _round(self.resume_wait_p50_s),
@@ -240,6 +249,10 @@ class _Replay:
         self.queue: deque[_Run] = deque()
         self.running: dict[int, _Run] = {}
         self.hibernated: dict[int, _Run] = {}
+        #: Checkpoints being written, and the policy hibernations waiting for one to finish.
+        self.checkpointing = 0
+        self.hibernation_queue: deque[_Run] = deque()
+        self.queued_for_hibernation: set[int] = set()
         self.device_holders: dict[str, int] = {}
         self.held_milli = 0
         self.gpu_milli_seconds = 0.0
@@ -412,6 +425,7 @@ class _Replay:
 
     def finish(self, run: _Run, now: float) -> None:
         self.running.pop(id(run), None)
+        self.queued_for_hibernation.discard(id(run))  # its queue entry is skipped: state "done"
         self.hibernated.pop(id(run), None)
         self.give_back(run, now)
         run.state = "done"
@@ -419,6 +433,8 @@ class _Replay:
 
     def hibernation_done(self, run: _Run, now: float) -> None:
         self.give_back(run, now)
+        self.checkpointing -= 1
+        self.next_hibernation(now)
         if run.state != "hibernating":
             return  # the session ended while the checkpoint was written
         run.state = "hibernated"
@@ -447,6 +463,27 @@ class _Replay:
             busy_warned=run.busy_warned,
         )
 
+    def start_hibernation(self, run: _Run, now: float) -> None:
+        """The checkpoint starts: the slice is held until it is written."""
+        del self.running[id(run)]
+        run.state = "hibernating"
+        self.result.hibernations += 1
+        self.checkpointing += 1
+        self.push(now + self.delays.checkpoint(run.session.state_mib), _READY, _HIBERNATED, run)
+
+    def next_hibernation(self, now: float) -> None:
+        """A slot is free: the queued hibernations whose turn it is ask the policy again."""
+        while self.hibernation_queue and self.checkpointing < self.policy.max_concurrent_hibernations:
+            run = self.hibernation_queue.popleft()
+            if id(run) not in self.queued_for_hibernation:
+                continue  # its session ended while it waited
+            self.queued_for_hibernation.discard(id(run))
+            decision = decide(self.policy, self.snapshot(run, now, KernelState.RUNNING), now)
+            if decision.action is Action.HIBERNATE:
+                self.start_hibernation(run, now)
+            else:
+                self.result.hibernations_dropped += 1
+
     def tick(self, now: float) -> None:
         """One culler pass, in the order :meth:`kernelmgr.server.culler.Culler.tick` takes."""
         policy = self.policy
@@ -466,14 +503,18 @@ class _Replay:
                 run.busy_warned = True
                 self.result.busy_warnings += 1
             elif action is Action.HIBERNATE:
-                del self.running[id(run)]
                 if self.mode == "cull_shutdown":
+                    del self.running[id(run)]
                     run.state = "gone"
                     self.give_back(run, now)
+                elif id(run) in self.queued_for_hibernation:
+                    continue  # waiting its turn already (the server never schedules one twice)
+                elif self.checkpointing < policy.max_concurrent_hibernations:
+                    self.start_hibernation(run, now)
                 else:
-                    run.state = "hibernating"
-                    self.result.hibernations += 1
-                    self.push(now + self.delays.checkpoint(run.session.state_mib), _READY, _HIBERNATED, run)
+                    self.queued_for_hibernation.add(id(run))
+                    self.hibernation_queue.append(run)
+                    self.result.hibernations_queued += 1
         for run in list(self.hibernated.values()):
             decision = decide(policy, self.snapshot(run, now, KernelState.HIBERNATED), now)
             if decision.action is Action.REMOVE:
