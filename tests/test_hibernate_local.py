@@ -158,6 +158,37 @@ def test_a_tab_opened_while_hibernated_runs_cells_after_someone_else_resumed(ser
         assert tab.execute("print(x + 2)").stdout.strip() == "7"
 
 
+def stream_texts(chan: KernelChannel, seconds: float) -> list[str]:
+    """The stdout texts ``chan`` receives within ``seconds`` (whoever's cell printed them)."""
+    texts: list[str] = []
+    deadline = time.monotonic() + seconds
+    with contextlib.suppress(TimeoutError, websocket.WebSocketTimeoutException):
+        while time.monotonic() < deadline:
+            msg = chan.recv(deadline)
+            if msg["msg_type"] == "stream":
+                texts.append(msg["content"]["text"])
+    return texts
+
+
+def test_a_tab_opened_while_hibernated_follows_the_kernel_another_tab_resumed(server: RunningServer) -> None:
+    """Without sending anything itself, a notebook opened on the hibernated kernel sees the kernel
+    once another tab's cell resumed it (status and output, as every open notebook of a kernel
+    does), instead of staying detached until its own next message."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    server.execute(kernel_id, "x = 5")
+    assert hibernate(server, kernel_id).status == 200
+    with server.channel(kernel_id) as watching, server.channel(kernel_id) as working:
+        assert watching.request("kernel_info_request", {})["content"]["status"] == "ok"  # answered asleep
+        assert working.execute("print(x + 1)", timeout=120).stdout.strip() == "6"  # the resume
+        seen: list[str] = []
+        for i in range(20):  # the watching tab attaches in the background: give it a few cells
+            assert working.execute(f"print('from the other tab', {i})").error == ""
+            seen += stream_texts(watching, 0.5)
+            if any("from the other tab" in text for text in seen):
+                break
+        assert any("from the other tab" in text for text in seen), seen
+
+
 def test_resume_by_api_and_report_on_first_cell(server: RunningServer) -> None:
     kernel_id = server.start_kernel("python3-gpu-small")
     server.execute(kernel_id, "x = 'kept'")

@@ -138,6 +138,7 @@ class ElasticKernelsExtension(ExtensionApp):
             broadcast=ElasticWebsocketConnection.notify_kernel,
             sample_interval=runtime.gpu_sample_interval,
         )
+        km.hibernator.on_resumed.append(ElasticWebsocketConnection.attach_all)
         km.culler.start()
         if runtime.background_checkpoint_interval > 0:
             self.background = BackgroundCheckpoints(

@@ -339,6 +339,9 @@ class Hibernator:
         #: not, or ``None``. A shared gateway checks its users' GPU quotas here, so a resume
         #: (the API's or the next cell's) cannot exceed what a new start may hold.
         self.admission: Callable[[str, str | None], str | None] | None = None
+        #: Called with the kernel id when a resume has finished (once per resume): the
+        #: websocket layer attaches the notebooks that were opened while it slept.
+        self.on_resumed: list[Callable[[str], Any]] = []
         runtime.kernel_lost = self._kernel_lost
 
     # -- queries -------------------------------------------------------------------------
@@ -608,6 +611,11 @@ class Hibernator:
             duration_seconds=took,
         )
         self.mkm.log.info("Kernel %s resumed (%s) in %.2fs", kernel_id, reason, took)
+        for hook in self.on_resumed:
+            try:
+                hook(kernel_id)
+            except Exception:  # a hook must not turn a finished resume into a failed one
+                self.mkm.log.exception("on_resumed hook failed for kernel %s", kernel_id)
 
     def cancel_resume(self, kernel_id: str) -> bool:
         """Stop waiting for a slice (the user interrupted). True if a wait was cancelled."""

@@ -398,8 +398,9 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     def handle_incoming_message(self, incoming_msg: Any) -> None:
         queue = self._pending()
         hibernating = self.hibernator is not None and self.hibernator.is_going_to_sleep(self.kernel_id)
+        waking = self._waking is not None and not self._waking.done()
         if not queue and not hibernating and not self._asleep():
-            if self.channels and not self._stale():
+            if self.channels and not self._stale() and not waking:
                 self._note_execute(incoming_msg)
                 super().handle_incoming_message(incoming_msg)
                 return
@@ -449,6 +450,40 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         except (HibernationError, asyncio.CancelledError) as exc:
             self._fail_queue(getattr(exc, "message", "resume cancelled"))
             return
+        await self._attach_and_deliver()
+
+    @classmethod
+    def attach_all(cls, kernel_id: str) -> int:
+        """After a resume: attach every open notebook of ``kernel_id`` that is not attached to
+        the new process (opened while the kernel slept, or attached to the pod it left), so it
+        sees the kernel's status and output now, not only after its next message. Returns how
+        many were started. A notebook already waking (its cell started the resume) does its own.
+        """
+        started = 0
+        for connection in list(cls._open_sockets):
+            if not isinstance(connection, ElasticWebsocketConnection) or connection.kernel_id != kernel_id:
+                continue
+            if connection.channels and not connection._stale():
+                continue
+            if connection._waking is not None and not connection._waking.done():
+                continue
+            connection._waking = asyncio.ensure_future(connection._attach_if_awake())
+            started += 1
+        return started
+
+    async def _attach_if_awake(self) -> None:
+        """:meth:`attach_all`'s task: nothing if the kernel went back to sleep meanwhile (a
+        message held since then starts a resume, as a first message would)."""
+        hibernator = self.hibernator
+        if hibernator is not None and (self._asleep() or hibernator.is_going_to_sleep(self.kernel_id)):
+            held = self._pending()
+            if held:
+                self._waking = asyncio.ensure_future(self._wake(self._parse(held[0])[1]))
+            return
+        await self._attach_and_deliver()
+
+    async def _attach_and_deliver(self) -> None:
+        """Attach this connection's channels to the running kernel, then send what it held."""
         try:
             attached = bool(self.channels)
             if self._stale():
