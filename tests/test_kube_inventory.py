@@ -217,6 +217,7 @@ def test_a_node_that_misses_heartbeats_keeps_its_kernels_slices(cluster: Cluster
     set_ready("False")
     cluster.wait(open_gpu(False), "the NotReady node's GPU to close")
     assert alloc.slice_of("k") == granted and not alloc.fits(one)
+    assert alloc.inventory.note.endswith("; 1 more on 1 cordoned or NotReady node(s), closed to new kernels")
 
     set_ready("True")
     cluster.wait(open_gpu(True), "the node's GPU to open again")

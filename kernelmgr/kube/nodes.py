@@ -298,15 +298,24 @@ def _identical_devices(
 def cluster_inventory(
     nodes_devices: Mapping[str, Sequence[GpuDevice]], schedulable_nodes: int
 ) -> GpuInventory:
-    """One snapshot of the devices of all nodes, ordered by node name then device."""
+    """One snapshot of the devices of all nodes, ordered by node name then device.
+
+    Its note counts open and closed devices apart: a cordoned or NotReady node's GPUs are in the
+    inventory (its kernels keep their slices) but take no new kernel.
+    """
     devices = [d for node in sorted(nodes_devices) for d in nodes_devices[node]]
-    gpu_nodes = len([node for node, devices in nodes_devices.items() if devices])
+    open_devices = [d for d in devices if not d.closed]
+    closed = len(devices) - len(open_devices)
+    open_nodes = len({d.node for d in open_devices})
     note = (
-        f"{len(devices)} GPU device(s) on {gpu_nodes} of the cluster's "
+        f"{len(open_devices)} GPU device(s) on {open_nodes} of the cluster's "
         f"{schedulable_nodes} schedulable node(s)"
-        if devices
+        if open_devices
         else f"no schedulable node of the cluster ({schedulable_nodes} schedulable) advertises GPUs"
     )
+    if closed:
+        closed_nodes = len({d.node for d in devices if d.closed})
+        note += f"; {closed} more on {closed_nodes} cordoned or NotReady node(s), closed to new kernels"
     return GpuInventory(devices, source="kubernetes", note=note)
 
 
@@ -316,7 +325,8 @@ LostCallback = Callable[[tuple[Slice, ...]], None]
 
 
 class NodeInventorySync:
-    """Keeps ``allocator``'s inventory equal to the GPUs of the cluster's schedulable nodes.
+    """Keeps ``allocator``'s inventory equal to the GPUs of the cluster's nodes (closed on the
+    cordoned and NotReady ones).
 
     One shared node watch (:class:`~kernelmgr.kube.informer.Informer` over ``list_node``, with
     ``label_selector`` if given, e.g. ``nvidia.com/gpu.present=true``). After the first list and
