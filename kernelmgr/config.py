@@ -76,6 +76,10 @@ class ElasticRuntime:
     warm_pool: dict[str, WarmPoolSettings] = field(default_factory=dict)
     #: The running pools (:class:`kernelmgr.warm.pool.WarmPools`), set by the server extension.
     warm_pools: WarmPools | None = None
+    #: Kubernetes warm pods (:class:`kernelmgr.kube.warm_pods.WarmPods`), set by the server extension
+    #: when ``ElasticKubernetesProvisioner.warm_pods`` asks for some. Typed ``Any``: the runtime
+    #: must not import the Kubernetes adapter.
+    warm_pods: Any = None
 
     @property
     def inventory(self) -> GpuInventory:

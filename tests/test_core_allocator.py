@@ -243,7 +243,27 @@ def test_usage_lists_slices_per_device() -> None:
     doc = alloc.usage()[0].to_dict()
     assert doc["uuid"] == "GPU-0"
     assert doc["used_fraction"] == 0.25 and doc["free_memory_mib"] == 30_000
-    assert doc["slices"] == [{"kernel_id": "a", "profile": "quarter", "fraction": 0.25, "memory_mib": 10_000}]
+    assert doc["slices"] == [
+        {"kernel_id": "a", "profile": "quarter", "warm": False, "fraction": 0.25, "memory_mib": 10_000}
+    ]
+
+
+def test_a_kernel_takes_over_a_warm_slice_on_the_same_devices() -> None:
+    alloc = SliceAllocator(inventory(), "binpack")
+    warm = alloc.allocate("warm:pod-1", QUARTER)
+    assert warm.warm and alloc.usage()[0].to_dict()["slices"][0]["warm"] is True
+    taken = alloc.transfer("warm:pod-1", "kernel-a")
+    assert taken is not None and not taken.warm
+    assert taken.placements == warm.placements  # the GPU the warm pod holds, not a second booking
+    assert alloc.slice_of("warm:pod-1") is None and alloc.slice_of("kernel-a") == taken
+    assert alloc.usage()[0].used_milli == 250
+    assert alloc.transfer("warm:pod-1", "kernel-b") is None  # nothing left to take
+    alloc.allocate("warm:pod-2", QUARTER)
+    with pytest.raises(CapacityError, match="already holds"):
+        alloc.transfer("warm:pod-2", "kernel-a")
+    assert alloc.slice_of("warm:pod-2") is not None  # a refused transfer keeps the warm booking
+    alloc.release("kernel-a")
+    assert alloc.usage()[0].used_milli == 250
 
 
 # -- an inventory that changes at run time (Kubernetes nodes join, leave, are cordoned) -------------

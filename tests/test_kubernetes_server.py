@@ -10,11 +10,8 @@ also uses as its ``checkpoint_root`` (as a server pod mounting the same ReadWrit
 from __future__ import annotations
 
 import getpass
-import os
-import random
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,127 +25,20 @@ from kubernetes import client  # noqa: E402
 
 from tests.support.node_runner import NodeRunner  # noqa: E402
 from tests.support.oracle import SETUP, Reference, check_same, cycle_cell, run_both  # noqa: E402
+from tests.support.pod_cluster import CLAIM, PodCluster, pod_cluster  # noqa: E402
 from tests.support.server import RunningServer, start_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 pytest.importorskip("numpy")
 
 NAMESPACE = "elastic-e2e"
-CLAIM = "checkpoints"
-ON_RUNNER = {"elastic.test/node-runner": "true"}
 SIZE = "python3-gpu-whole"
-FIRST_PORT = random.randrange(20000, 60000, 5)
-
-
-@dataclass
-class PodCluster:
-    plane: ControlPlane
-    core: Any
-    runners: list[NodeRunner]
-    checkpoints: Path
-
-    def pods(self) -> list[Any]:
-        return list(self.core.list_namespaced_pod(NAMESPACE, label_selector="component=kernel").items)
-
-    def secrets(self) -> list[str]:
-        items = self.core.list_namespaced_secret(NAMESPACE, label_selector="component=kernel").items
-        return [s.metadata.name for s in items]
-
-    def pod_of(self, kernel_id: str) -> Any:
-        pods = [p for p in self.pods() if p.metadata.labels.get("kernel_id") == kernel_id]
-        return pods[0] if pods else None
-
-    def running_pod(self, kernel_id: str) -> Any:
-        def running() -> Any:
-            pod = self.pod_of(kernel_id)
-            return pod if pod is not None and pod.status.phase == "Running" else None
-
-        return wait_for(running, 60, f"the pod of kernel {kernel_id} to run")
-
-    def cordon(self, node: str, cordoned: bool = True) -> None:
-        self.core.patch_node(node, {"spec": {"unschedulable": cordoned}})
-
-    def config(self, **provisioner: Any) -> dict[str, Any]:
-        return {
-            "ElasticKernels": {
-                "profiles": {"whole": {"gpu_fraction": 1}},
-                "gpu_inventory": [
-                    {"uuid": "GPU-pod-0000", "name": "Test A100", "memory_mib": 40960},
-                    {"uuid": "GPU-pod-0001", "name": "Test A100", "memory_mib": 40960},
-                ],
-                "reap_interval": 1,
-                "checkpoint_root": str(self.checkpoints),
-                "kernel_provisioner": "elastic-kubernetes-provisioner",
-            },
-            "ElasticKubernetesProvisioner": {
-                "namespace": NAMESPACE,
-                "kubeconfig": str(self.plane.admin_kubeconfig),
-                "image": "python:3.12",
-                "node_selector": ON_RUNNER,
-                "run_as_user": os.getuid() or 1000,
-                "launch_timeout": 60.0,
-                "checkpoint_claim": CLAIM,
-                # Pods get their own loopback IPs, but other test processes on this machine hand out
-                # the same ones: kernel ports of this module's own.
-                "first_port": FIRST_PORT,
-                **provisioner,
-            },
-        }
 
 
 @pytest.fixture(scope="module")
-def cluster(
-    kube_plane: ControlPlane, kube_api: Any, kube_runner: NodeRunner, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[PodCluster]:
-    core = client.CoreV1Api(kube_api)
-    core.create_namespace({"metadata": {"name": NAMESPACE}})
-    wait_for(lambda: core.read_namespaced_service_account("default", NAMESPACE), 60, "default ServiceAccount")
-    # A static PersistentVolume and a claim the controller manager binds to it (no provisioner needed).
-    volume = {
-        "metadata": {"name": f"{NAMESPACE}-{CLAIM}"},
-        "spec": {
-            "capacity": {"storage": "10Gi"},
-            "accessModes": ["ReadWriteMany"],
-            "storageClassName": "",
-            "hostPath": {"path": "/srv/elastic-checkpoints"},
-            "claimRef": {"namespace": NAMESPACE, "name": CLAIM},
-        },
-    }
-    core.create_persistent_volume(volume)
-    core.create_namespaced_persistent_volume_claim(
-        NAMESPACE,
-        {
-            "metadata": {"name": CLAIM},
-            "spec": {
-                "accessModes": ["ReadWriteMany"],
-                "storageClassName": "",
-                "volumeName": volume["metadata"]["name"],
-                "resources": {"requests": {"storage": "10Gi"}},
-            },
-        },
-    )
-    wait_for(
-        lambda: core.read_namespaced_persistent_volume_claim(CLAIM, NAMESPACE).status.phase == "Bound",
-        60,
-        "the checkpoint claim to be bound",
-    )
-    # A second runner node sharing the first one's volume folders: the claim is one folder for both.
-    second = NodeRunner(
-        kube_plane.configuration(user="system:node:runner-1", groups=["system:nodes"]),
-        "runner-1",
-        kube_runner.volumes_root,
-        capacity={"nvidia.com/gpu": "1"},
-        heartbeat_interval=5,
-        admin_configuration=kube_plane.configuration(),
-    ).start()
-    checkpoints = kube_runner.volumes_root / "pvc" / NAMESPACE / CLAIM
-    checkpoints.mkdir(parents=True, exist_ok=True)
-    try:
-        yield PodCluster(kube_plane, core, [kube_runner, second], checkpoints)
-    finally:
-        second.stop()
-        core.delete_namespace(NAMESPACE)
-        core.delete_persistent_volume(volume["metadata"]["name"])
+def cluster(kube_plane: ControlPlane, kube_api: Any, kube_runner: NodeRunner) -> Iterator[PodCluster]:
+    with pod_cluster(kube_plane, kube_api, kube_runner, NAMESPACE) as made:
+        yield made
 
 
 @pytest.fixture

@@ -101,7 +101,7 @@ def test_small_kernel_sees_its_slice_and_frees_it_on_shutdown(server: RunningSer
     )
     assert [k["id"] for k in server.get("/api/elastic/kernels")] == [kernel_id]
     assert slices(server) == [
-        {"kernel_id": kernel_id, "profile": "small", "fraction": 0.25, "memory_mib": 10240}
+        {"kernel_id": kernel_id, "profile": "small", "warm": False, "fraction": 0.25, "memory_mib": 10240}
     ]
 
     server.shutdown_kernel(kernel_id)

@@ -55,9 +55,15 @@ class Placement:
         return self.milli / MILLI
 
 
+#: Holders named ``warm:<name>`` are warm workloads (a Kubernetes warm pod) holding a slice ahead of
+#: any kernel: shown as such, taken over by the kernel that uses one (:meth:`SliceAllocator.transfer`).
+WARM_HOLDER_PREFIX = "warm:"
+
+
 @dataclass(frozen=True)
 class Slice:
-    """What one kernel holds: a GPU size placed on one or more devices."""
+    """What one kernel (or one warm workload waiting for a kernel) holds: a GPU size placed on one or
+    more devices."""
 
     kernel_id: str
     profile: str
@@ -67,10 +73,16 @@ class Slice:
     def device_uuids(self) -> tuple[str, ...]:
         return tuple(p.device_uuid for p in self.placements)
 
+    @property
+    def warm(self) -> bool:
+        """Held by a warm workload, not by a kernel yet."""
+        return self.kernel_id.startswith(WARM_HOLDER_PREFIX)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "kernel_id": self.kernel_id,
             "profile": self.profile,
+            "warm": self.warm,
             "devices": [
                 {"uuid": p.device_uuid, "fraction": p.fraction, "memory_mib": p.memory_mib}
                 for p in self.placements
@@ -125,6 +137,7 @@ class DeviceUsage:
                 {
                     "kernel_id": s.kernel_id,
                     "profile": s.profile,
+                    "warm": s.warm,
                     "fraction": p.fraction,
                     "memory_mib": p.memory_mib,
                 }
@@ -246,6 +259,23 @@ class SliceAllocator:
             granted = self._slices.pop(kernel_id, None)
             if granted is not None:
                 self._book_locked(granted, -1)
+            return granted
+
+    def transfer(self, holder: str, kernel_id: str) -> Slice | None:
+        """Hand what ``holder`` (a warm workload) holds to ``kernel_id``, on the same devices.
+
+        A kernel that takes a warm pod takes the GPU that pod already has: booking a new slice
+        would count the GPU twice. ``None`` when ``holder`` holds nothing (it was released meanwhile);
+        raises :class:`CapacityError` when ``kernel_id`` already holds a slice.
+        """
+        with self._lock:
+            if kernel_id in self._slices:
+                raise CapacityError(f"kernel {kernel_id} already holds a GPU slice; it cannot take another")
+            held = self._slices.pop(holder, None)
+            if held is None:
+                return None
+            granted = Slice(kernel_id=kernel_id, profile=held.profile, placements=held.placements)
+            self._slices[kernel_id] = granted
             return granted
 
     def move_to_node(self, kernel_id: str, profile: GpuProfile, node: str) -> Slice | None:

@@ -16,6 +16,19 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
+
+
+def write_pod_connection_file(info: dict[str, object], environ: Mapping[str, str]) -> str:
+    """Write ``info`` with the pod's own IP to a private file (0600, ``$TMPDIR``); its path.
+
+    Also what a warm pod (:mod:`kernelmgr.kube.warm_pod`) does with the connection it is handed.
+    """
+    info = {**info, "ip": environ.get("POD_IP") or "0.0.0.0"}
+    fd, path = tempfile.mkstemp(prefix="kernel-connection-", suffix=".json")  # 0600
+    with os.fdopen(fd, "w") as target:
+        json.dump(info, target)
+    return path
 
 
 def prepare(argv: list[str], environ: dict[str, str]) -> list[str]:
@@ -24,10 +37,7 @@ def prepare(argv: list[str], environ: dict[str, str]) -> list[str]:
         raise SystemExit("usage: python -m kernelmgr.kube.pod_kernel -f CONNECTION_FILE [ipykernel args...]")
     with open(argv[1]) as source:
         info = json.load(source)
-    info["ip"] = environ.get("POD_IP") or "0.0.0.0"
-    fd, path = tempfile.mkstemp(prefix="kernel-connection-", suffix=".json")  # 0600
-    with os.fdopen(fd, "w") as target:
-        json.dump(info, target)
+    path = write_pod_connection_file(info, environ)
     return [sys.executable, "-m", "ipykernel_launcher", "-f", path, *argv[2:]]
 
 

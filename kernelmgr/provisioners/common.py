@@ -48,12 +48,17 @@ def profile_name_of(kernel_spec: Any) -> str | None:
 
 
 def claim_slice(
-    runtime: ElasticRuntime, kernel_id: str, kernelspec_name: str, profile_name: str | None
+    runtime: ElasticRuntime,
+    kernel_id: str,
+    kernelspec_name: str,
+    profile_name: str | None,
+    take_over: str | None = None,
 ) -> tuple[ManagedKernel, Slice | None]:
     """Register the kernel (or find it, for a resume) and take its slice, before anything starts.
 
     A size that does not fit raises here; a new kernel is then marked dead and forgotten, while a
     resume keeps its record and checkpoint (the hibernator decides what a failed resume means).
+    ``take_over`` names a warm holder whose slice the kernel takes instead of booking a new one.
     """
     owner = requesting_owner.get() or runtime.owner  # a gateway starts kernels for many users
     record = runtime.kernels.register(kernel_id, kernelspec_name, profile_name, owner)
@@ -63,7 +68,9 @@ def claim_slice(
     if profile_name is None:
         return record, None
     try:
-        granted = runtime.allocator.allocate(kernel_id, runtime.profile(profile_name))
+        granted = runtime.allocator.transfer(take_over, kernel_id) if take_over else None
+        if granted is None:
+            granted = runtime.allocator.allocate(kernel_id, runtime.profile(profile_name))
     except Exception as exc:
         if not resuming:
             record.lifecycle.move(KernelState.DEAD, str(exc))

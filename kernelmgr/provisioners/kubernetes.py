@@ -46,6 +46,8 @@ from kernelmgr.kube.access import ExplainedCoreV1Api
 from kernelmgr.kube.informer import KERNEL_ID_LABEL, Informer, PodInformer, without_managed_fields
 from kernelmgr.kube.namespaces import ensure_namespace, namespace_for
 from kernelmgr.kube.node_agents import AGENT_SELECTOR
+from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
+from kernelmgr.kube.warm_pod import ENV_CHECKPOINTS, ENV_TOKEN_FILE
 from kernelmgr.nodeagent import DEFAULT_PORT as NODE_AGENT_PORT
 from kernelmgr.provisioners.common import (
     AGENT_EXTENSION,
@@ -78,6 +80,12 @@ TMP_MOUNT = "/tmp"
 SLICE_ENV_PREFIXES = ("CUDA_", "NVIDIA_")
 #: Set by the provisioner itself.
 RESERVED_ENV = ("POD_IP", "HOME", "TMPDIR")
+#: On a kernel pod that was a warm pod: its checkpoints are in its emptyDir until the server takes them.
+WARM_ANNOTATION = "elastic.jupyter.org/warm-pod"
+#: The key of a warm pod's Secret that holds the token its HTTP server answers.
+WARM_TOKEN_KEY = "warm-token"
+#: The entry point of a warm pod (:mod:`kernelmgr.kube.warm_pod`).
+WARM_POD = "kernelmgr.kube.warm_pod"
 
 
 def slice_env_refusal(names: list[str] | set[str], where: str) -> str | None:
@@ -229,10 +237,16 @@ class FoundKernel:
     running: bool
     #: The Secret's connection file with the pod's IP; ``None`` when the Secret is gone.
     connection_info: dict[str, Any] | None
+    pod_name: str = ""
+    #: The pod was a warm pod (:mod:`kernelmgr.kube.warm_pods`): its checkpoints must be collected.
+    warm: bool = False
 
 
 class ElasticKubernetesProvisioner(KernelProvisionerBase):
     """A kernel in its own pod, holding its GPU slice for the pod's life."""
+
+    #: Set with the warm pod a launch took: ``resume`` or ``start`` (the pool's counters).
+    _warm_use = "start"
 
     namespace = Unicode(
         "default",
@@ -337,6 +351,13 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
     node_agent_port = Integer(
         NODE_AGENT_PORT, config=True, help="Port of the node agents' /activity (their --port)."
     )
+    warm_pods = Dict(
+        config=True,
+        help="""Warm pods per GPU size, e.g. {"gpu-1": {"count": 1, "preload": ["torch"], "starts": false}}:
+        `count` pods that hold a slice of the size and have imported `preload`, taken by resumes (and by
+        new kernels with `starts`). They hold GPUs nobody uses: off by default. Needs checkpoint_claim
+        and one kernel namespace (not namespace_template). See docs/architecture.md#warm-pods.""",
+    )
 
     @validate("extra_env")
     def _check_extra_env(self, proposal: Any) -> dict[str, str]:
@@ -366,6 +387,11 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         self._lost: str | None = None
         #: We asked the pod to go (shutdown, restart, hibernation): its end is no loss.
         self._stopping = False
+        #: The warm pod this launch took (:mod:`kernelmgr.kube.warm_pods`), until it serves.
+        self._warm: Any = None
+        #: The running pod was a warm pod: its checkpoints are collected from it over HTTP.
+        self._warm_origin = False
+        self._warm_client: WarmPodClient | None = None
 
     # ---- plumbing
 
@@ -389,6 +415,11 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         return self._informer
 
     @property
+    def warm_pod_port(self) -> int:
+        """The port of a warm pod's HTTP server: the one after the kernel's five."""
+        return self.first_port + len(PORT_NAMES)
+
+    @property
     def has_process(self) -> bool:
         """A pod was created and not cleaned up yet (ended or not: ``poll()`` says which), as a
         local provisioner's process object outlives the process until ``cleanup()``."""
@@ -399,11 +430,28 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         self._lost = None
         self._stopping = False
+        self._pod_name = f"kernel-{self.kernel_id}"
+        self._warm_origin = False
+        self._warm_client = None
         runtime = self.runtime
         kernelspec_name = getattr(self.parent, "kernel_name", "") or ""
-        self._record, self._granted = claim_slice(
-            runtime, self.kernel_id, kernelspec_name, profile_name_of(self.kernel_spec)
-        )
+        size = profile_name_of(self.kernel_spec)
+        self._warm = self._take_warm_pod(size)
+        try:
+            self._record, self._granted = claim_slice(
+                runtime,
+                self.kernel_id,
+                kernelspec_name,
+                size,
+                take_over=self._warm.holder if self._warm else None,
+            )
+        except BaseException:
+            if self._warm is not None:
+                runtime.allocator.release(self._warm.holder)
+                runtime.warm_pods.give_back(self._warm, "the kernel could not take it")
+                self._warm = None
+            raise
+        self._record.launch_path = "warm" if self._warm is not None else "cold"
         try:
             await self._select_namespace()
             self.informer  # noqa: B018  (start the watch now: the pod's first events must be seen)
@@ -426,6 +474,33 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             raise
         kwargs["cmd"] = self._command()
         return kwargs
+
+    def _take_warm_pod(self, size: str | None) -> Any:
+        """A ready warm pod of ``size`` for this launch, or ``None`` (it starts cold).
+
+        Without one, warm pods that hold the GPU this launch needs give it back first: they never
+        keep a kernel from a GPU.
+        """
+        runtime = self.runtime
+        pool = runtime.warm_pods
+        if pool is None or size is None:
+            return None
+        record = runtime.kernels.get(self.kernel_id)
+        use = "resume" if record is not None and record.state is KernelState.RESUMING else "start"
+        warm = None
+        if pool.serves(size, use):
+            if POD_KERNEL not in self.command:
+                pool.miss(size, "not_poolable")
+            else:
+                warm = pool.take(size, use)
+        if warm is None:
+            profile = runtime.profile(size)
+            given = pool.make_room(lambda: runtime.allocator.fits(profile))
+            if given:
+                self.log.info("kernel %s: %d warm pod(s) gave their GPU back for it", self.kernel_id, given)
+        else:
+            self._warm_use = use
+        return warm
 
     def _session_key(self) -> bytes:
         key = getattr(getattr(self.parent, "session", None), "key", None)
@@ -481,12 +556,6 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         store.kernel_dir(record.owner, self.kernel_id)  # refuses unsafe owner names and kernel ids
         agent_env["ELASTIC_CHECKPOINT_DIR"] = f"{CHECKPOINT_MOUNT}/{self.kernel_id}"
         agent_env[ENV_KEY_MOUNTED] = "1"
-        env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-        env += [{"name": k, "value": v} for k, v in self.extra_env.items()]
-        # The root filesystem is read-only: HOME (IPython's profile, Jupyter's runtime files) and
-        # /tmp are emptyDirs.
-        env += [{"name": "HOME", "value": self.kernel_home}, {"name": "TMPDIR", "value": TMP_MOUNT}]
-        env += [{"name": k, "value": v} for k, v in agent_env.items()]
         labels = {**self.extra_labels, **APP_LABELS, KERNEL_ID_LABEL: self.kernel_id}
         annotations = {
             **self.extra_annotations,
@@ -495,6 +564,39 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         }
         if self._granted is not None:
             annotations[SIZE_ANNOTATION] = self._granted.profile
+        return self._pod(
+            self._pod_name,
+            cmd,
+            agent_env,
+            labels,
+            annotations,
+            self._checkpoint_volume(),
+            self._checkpoint_sub_path(),
+            self._granted.profile if self._granted is not None else None,
+            self.kernel_id,
+        )
+
+    def _pod(
+        self,
+        name: str,
+        cmd: list[str],
+        own_env: dict[str, str],
+        labels: dict[str, str],
+        annotations: dict[str, str],
+        checkpoint_volume: dict[str, Any],
+        checkpoint_sub_path: dict[str, str],
+        size: str | None,
+        fragment_id: str,
+    ) -> dict[str, Any]:
+        """What a kernel pod and a warm pod share: security, the environment every kernel sees
+        (so a warm kernel's is a cold one's), volumes, ports, placement and the size's resources."""
+        runtime = self.runtime
+        env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+        env += [{"name": k, "value": v} for k, v in self.extra_env.items()]
+        # The root filesystem is read-only: HOME (IPython's profile, Jupyter's runtime files) and
+        # /tmp are emptyDirs.
+        env += [{"name": "HOME", "value": self.kernel_home}, {"name": "TMPDIR", "value": TMP_MOUNT}]
+        env += [{"name": k, "value": v} for k, v in own_env.items()]
         spec: dict[str, Any] = {
             "restartPolicy": "Never",
             "automountServiceAccountToken": bool(self.service_account),
@@ -523,7 +625,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
                     },
                     "volumeMounts": [
                         {"name": "connection", "mountPath": SECRET_MOUNT, "readOnly": True},
-                        {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT, **self._checkpoint_sub_path()},
+                        {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT, **checkpoint_sub_path},
                         {"name": "home", "mountPath": self.kernel_home},
                         {"name": "tmp", "mountPath": TMP_MOUNT},
                     ],
@@ -531,8 +633,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             ],
             "volumes": [
                 # 0440 with fsGroup: the kernel's group reads it, nobody else (the agent checks).
-                {"name": "connection", "secret": {"secretName": self._pod_name, "defaultMode": 0o440}},
-                self._checkpoint_volume(),
+                {"name": "connection", "secret": {"secretName": name, "defaultMode": 0o440}},
+                checkpoint_volume,
                 {"name": "home", "emptyDir": {}},
                 {"name": "tmp", "emptyDir": {}},
             ],
@@ -545,16 +647,16 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         pod: dict[str, Any] = {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": self._pod_name, "labels": labels, "annotations": annotations},
+            "metadata": {"name": name, "labels": labels, "annotations": annotations},
             "spec": spec,
         }
         slice_env: set[str] = set()
-        if self._granted is not None:
-            fragment = render_pod_fragment(runtime.profile(self._granted.profile), self.kernel_id)
+        if size is not None:
+            fragment = render_pod_fragment(runtime.profile(size), fragment_id)
             pod = fragment.apply_to(pod)
             slice_env = set(fragment.env)  # the slice backend's own limits (MPS) may set CUDA_*
         named = {e["name"] for c in pod["spec"]["containers"] for e in c.get("env") or []}
-        refusal = slice_env_refusal(named - slice_env, f"the kernel pod {self._pod_name}")
+        refusal = slice_env_refusal(named - slice_env, f"the pod {name}")
         if refusal is not None:
             raise ConfigError(refusal)
         return pod
@@ -650,6 +752,28 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             _ensured_side_objects.add(key)
 
     async def _launch(self, cmd: list[str]) -> KernelConnectionInfo:
+        if self._warm is not None:
+            warm, self._warm = self._warm, None
+            pool = self.runtime.warm_pods
+            try:
+                info = await self._launch_warm(warm, cmd)
+            except (WarmPodError, client.ApiException, TimeoutError, RuntimeError) as exc:
+                pool.miss(warm.size, "handoff_failed")
+                self.log.warning(
+                    "kernel %s could not take warm pod %s (%s); it starts cold",
+                    self.kernel_id,
+                    warm.name,
+                    exc,
+                )
+                with contextlib.suppress(client.ApiException, TimeoutError):
+                    await self._delete_pod(grace=0, wait=True)
+                self._record.launch_path = "cold"
+                self._pod_name = f"kernel-{self.kernel_id}"
+                self._launched = self._stopping = self._warm_origin = False
+                self._warm_client = None
+            else:
+                pool.hit(warm.size, self._warm_use)
+                return info
         core = self.core
         await self._ensure_side_objects()
         # Secret, pod, then the Secret's owner: the pod must find its Secret at once (a kubelet
@@ -692,6 +816,172 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         self.log.info("Kernel %s runs in pod %s at %s", self.kernel_id, self._pod_name, seen.status.pod_ip)
         self._follow_pod_node(seen)
         return self.connection_info
+
+    async def _launch_warm(self, warm: Any, cmd: list[str]) -> KernelConnectionInfo:
+        """Make ``warm`` this kernel's pod: relabelled as such, handed the checkpoint to restore, then
+        its connection, its owner's key and the agent's variables (:mod:`kernelmgr.kube.warm_pod`)."""
+        core, record, store = self.core, self._record, self.runtime.checkpoints
+        self._pod_name = warm.name
+        self._launched = True  # the pod is this kernel's now: a failure below deletes it
+        self._warm_origin = True
+        annotations = {
+            **self.extra_annotations,
+            OWNER_ANNOTATION: record.owner,
+            KERNELSPEC_ANNOTATION: record.kernelspec,
+            SIZE_ANNOTATION: warm.size,
+            WARM_ANNOTATION: "true",
+        }
+        labels = {**APP_LABELS, KERNEL_ID_LABEL: self.kernel_id}
+        await asyncio.to_thread(
+            core.patch_namespaced_pod,
+            warm.name,
+            self.namespace,
+            {"metadata": {"labels": labels, "annotations": annotations}},
+        )
+        seen: Any = await self.informer.wait_for(
+            self.kernel_id,
+            lambda pod: pod is not None and (_running(pod) or _finished(pod)),
+            self.launch_timeout,
+        )
+        if not _running(seen) or not seen.status.pod_ip:
+            raise RuntimeError(f"warm pod {warm.name} ended: {pod_failure(seen)}")
+        pod_client = WarmPodClient(seen.status.pod_ip, self.warm_pod_port, warm.token)
+        kernel_dir = store.kernel_dir(record.owner, self.kernel_id)
+        if record.restore_on_start and record.restore_checkpoint:
+            sent = await asyncio.to_thread(
+                pod_client.push_checkpoint, self.kernel_id, kernel_dir, record.restore_checkpoint
+            )
+            self.log.info(
+                "kernel %s: checkpoint (%d bytes) sent to warm pod %s", self.kernel_id, sent, warm.name
+            )
+        agent_env = store.agent_env(
+            record.owner,
+            self.kernel_id,
+            key_file="(written by the warm pod)",
+            restore=record.restore_on_start,
+            restore_checkpoint=record.restore_checkpoint,
+        )
+        for name in ("ELASTIC_CHECKPOINT_DIR", "ELASTIC_CHECKPOINT_KEY_FILE"):
+            agent_env.pop(name)  # paths inside the pod: the pod sets them
+        connection = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in self.connection_info.items()}
+        connection.pop("ip", None)
+        handoff = {
+            "kernel_id": self.kernel_id,
+            "connection": connection,
+            "key": store.key_for(record.owner).hex(),
+            "env": agent_env,
+            "args": cmd[cmd.index(POD_KERNEL) + 3 :],
+        }
+        await asyncio.to_thread(pod_client.handoff, handoff)
+        # A restarted server adopts the kernel from its pod and Secret, as a cold kernel's.
+        await asyncio.to_thread(
+            core.patch_namespaced_secret,
+            warm.name,
+            self.namespace,
+            {
+                "metadata": {"labels": labels},
+                "stringData": {CONNECTION_FILE: json.dumps({**connection, "ip": "0.0.0.0"})},
+            },
+        )
+        self._warm_client = pod_client
+        self.connection_info["ip"] = seen.status.pod_ip
+        self.log.info("Kernel %s took warm pod %s at %s", self.kernel_id, warm.name, seen.status.pod_ip)
+        self._follow_pod_node(seen)
+        return self.connection_info
+
+    async def _warm_pod_client(self) -> WarmPodClient | None:
+        """The HTTP client of this kernel's pod if it was a warm pod (read back after an adoption)."""
+        if not self._warm_origin or not self._launched:
+            return None
+        if self._warm_client is None:
+            secret = await asyncio.to_thread(self.core.read_namespaced_secret, self._pod_name, self.namespace)
+            token = base64.b64decode((secret.data or {}).get(WARM_TOKEN_KEY, "")).decode()
+            pod = self.informer.get(self.kernel_id)
+            if not token or pod is None or not pod.status.pod_ip:
+                raise RuntimeError(
+                    f"warm pod {self._pod_name} has no token or no IP: its checkpoint cannot be read"
+                )
+            self._warm_client = WarmPodClient(pod.status.pod_ip, self.warm_pod_port, token)
+        return self._warm_client
+
+    async def collect_checkpoint(self) -> None:
+        """Commit in the server's store the checkpoint the agent just wrote, when it is in a warm pod's
+        emptyDir (a cold pod writes to the shared claim itself). The hibernator calls it before it
+        stops the pod: the pod is never deleted before its checkpoint is committed here."""
+        pod_client = await self._warm_pod_client()
+        if pod_client is None:
+            return
+        store, owner = self.runtime.checkpoints, self._record.owner
+        try:
+            committed = await asyncio.to_thread(
+                pod_client.pull_checkpoint, self.kernel_id, store.kernel_dir(owner, self.kernel_id)
+            )
+        except WarmPodError as exc:
+            raise RuntimeError(
+                f"the checkpoint could not be taken from warm pod {self._pod_name}: {exc}"
+            ) from None
+        store.forget_cached(owner, self.kernel_id)
+        self.log.info(
+            "kernel %s: checkpoint %s collected from warm pod %s", self.kernel_id, committed, self._pod_name
+        )
+
+    async def collect_restore_report(self) -> None:
+        """Copy the agent's restore report from a warm pod into the store (REST and CLI read it there)."""
+        pod_client = await self._warm_pod_client()
+        if pod_client is not None:
+            store, owner = self.runtime.checkpoints, self._record.owner
+            await asyncio.to_thread(
+                pod_client.pull_restore_report, self.kernel_id, store.kernel_dir(owner, self.kernel_id)
+            )
+
+    # ---- warm pods (the pool in kernelmgr.kube.warm_pods creates them through the configured provisioner)
+
+    def warm_pod_manifest(self, name: str, size: str, preload: tuple[str, ...]) -> dict[str, Any]:
+        """A warm pod of ``size``: the size's resources and a kernel pod's environment, but no owner,
+        no key and no checkpoint claim (an emptyDir for the one kernel it will serve)."""
+        own_env = {ENV_TOKEN_FILE: f"{SECRET_MOUNT}/{WARM_TOKEN_KEY}", ENV_CHECKPOINTS: CHECKPOINT_MOUNT}
+        labels = {**self.extra_labels, **APP_LABELS, "component": "warm-kernel"}
+        annotations = {**self.extra_annotations, SIZE_ANNOTATION: size}
+        cmd = ["python", "-m", WARM_POD, "--port", str(self.warm_pod_port), *preload]
+        pod = self._pod(
+            name, cmd, own_env, labels, annotations, {"name": "checkpoints", "emptyDir": {}}, {}, size, name
+        )
+        pod["spec"]["containers"][0]["ports"].append({"name": "warm", "containerPort": self.warm_pod_port})
+        return pod
+
+    async def create_warm_pod(self, name: str, settings: Any, token: str) -> None:
+        core = self.core
+        secret = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": name, "labels": {**APP_LABELS, "component": "warm-kernel"}},
+            "type": "Opaque",
+            "stringData": {WARM_TOKEN_KEY: token},
+        }
+        await asyncio.to_thread(core.create_namespaced_secret, self.namespace, secret)
+        try:
+            pod = await asyncio.to_thread(
+                core.create_namespaced_pod,
+                self.namespace,
+                self.warm_pod_manifest(name, settings.size, settings.preload),
+            )
+        except BaseException:
+            with contextlib.suppress(client.ApiException):
+                await asyncio.to_thread(core.delete_namespaced_secret, name, self.namespace)
+            raise
+        owner = {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": pod.metadata.uid}
+        await asyncio.to_thread(
+            core.patch_namespaced_secret, name, self.namespace, {"metadata": {"ownerReferences": [owner]}}
+        )
+
+    async def delete_warm_pod(self, name: str) -> None:
+        """Delete a warm pod and its Secret (gone already: nothing to do)."""
+        for delete in (self.core.delete_namespaced_pod, self.core.delete_namespaced_secret):
+            try:
+                await asyncio.to_thread(delete, name, self.namespace, grace_period_seconds=0)
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
 
     def _follow_pod_node(self, pod: Any) -> None:
         """Book the slice on the node kube-scheduler bound the pod to (cluster inventory only).
@@ -769,6 +1059,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
                     size=annotations.get(SIZE_ANNOTATION),
                     running=running,
                     connection_info=info,
+                    pod_name=pod.metadata.name,
+                    warm=annotations.get(WARM_ANNOTATION) == "true",
                 )
             )
         return found
@@ -783,6 +1075,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             self._record.owner = found.owner
         self.connection_info = found.connection_info  # type: ignore[assignment]
         self._launched = True
+        self._pod_name = found.pod_name or self._pod_name
+        self._warm_origin = found.warm
         self._follow_pod_node(self.informer.get(self.kernel_id))
         mark_launched(runtime, self.kernel_id, "adopted after a server restart")
         return self.connection_info
@@ -923,10 +1217,14 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
 
     async def get_provisioner_info(self) -> dict[str, Any]:
         info: dict[str, Any] = await super().get_provisioner_info()
-        info.update(pod_name=self._pod_name, launched=self._launched, namespace=self.namespace)
+        info.update(
+            pod_name=self._pod_name, launched=self._launched, namespace=self.namespace, warm=self._warm_origin
+        )
         return info
 
     async def load_provisioner_info(self, provisioner_info: dict[str, Any]) -> None:
         await super().load_provisioner_info(provisioner_info)
         self._launched = bool(provisioner_info.get("launched"))
         self.namespace = provisioner_info.get("namespace") or self.namespace
+        self._pod_name = provisioner_info.get("pod_name") or self._pod_name
+        self._warm_origin = bool(provisioner_info.get("warm"))

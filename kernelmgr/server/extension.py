@@ -165,17 +165,37 @@ class ElasticKernelsExtension(ExtensionApp):
         self._start_warm_pools(runtime)
 
     def _start_warm_pools(self, runtime: ElasticRuntime) -> None:
-        """Local warm processes (``ElasticKernels.warm_pool``), filled once the loop runs."""
+        """Local warm processes (``ElasticKernels.warm_pool``), or Kubernetes warm pods
+        (``ElasticKubernetesProvisioner.warm_pods``), filled once the loop runs."""
+        if runtime.provisioner_name == KUBERNETES_PROVISIONER:
+            self._start_warm_pods(runtime)
         if not runtime.warm_pool:
             return
         if runtime.provisioner_name == KUBERNETES_PROVISIONER:
             self.log.warning(
-                "ElasticKernels.warm_pool is for local kernels; it is ignored with the Kubernetes provisioner"
+                "ElasticKernels.warm_pool is for local kernels; with the Kubernetes provisioner set "
+                "ElasticKubernetesProvisioner.warm_pods"
             )
             return
         scrubbed = (*MANAGED_VARIABLES, *HANDED_OVER)
         runtime.warm_pools = WarmPools(runtime.warm_pool, scrubbed=scrubbed, log=self.log)
         ioloop.IOLoop.current().add_callback(runtime.warm_pools.schedule_fill)
+
+    def _start_warm_pods(self, runtime: ElasticRuntime) -> None:
+        from kernelmgr.kube.warm_pods import build_warm_pods
+        from kernelmgr.server.adoption import configured_provisioner
+
+        assert self.serverapp is not None
+        km = self.serverapp.kernel_manager
+        assert isinstance(km, ElasticMappingKernelManager)
+        try:
+            pool = build_warm_pods(configured_provisioner(km, "warm-pods"), runtime, self.log)
+        except ConfigError as exc:
+            self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", exc.message)
+            sys.exit(CONFIG_ERROR_EXIT)
+        if pool is not None:
+            runtime.warm_pods = pool
+            ioloop.IOLoop.current().add_callback(pool.start)
 
     def initialize_handlers(self) -> None:
         if self.kernels_at_gateway:
@@ -201,3 +221,5 @@ class ElasticKernelsExtension(ExtensionApp):
             await asyncio.to_thread(self.node_sync.stop)
         if self.runtime is not None and self.runtime.warm_pools is not None:
             self.runtime.warm_pools.close()
+        if self.runtime is not None and self.runtime.warm_pods is not None:
+            await self.runtime.warm_pods.close()

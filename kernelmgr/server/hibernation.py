@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import time
@@ -183,6 +184,16 @@ class JupyterKernelPlatform:
             if _disk_full(exc.message):
                 raise LifecycleError(exc.message, 507) from None
             raise
+        collect = getattr(km.provisioner, "collect_checkpoint", None)
+        if collect is not None:  # a Kubernetes warm pod keeps it in its emptyDir until taken
+            try:
+                await collect()
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise LifecycleError(f"the server's checkpoint volume is full: {exc}", 507) from None
+                raise LifecycleError(f"the checkpoint could not be stored: {exc}", 500) from None
+            except RuntimeError as exc:
+                raise LifecycleError(str(exc), 500) from None
         manifest = await asyncio.to_thread(self.h.runtime.checkpoints.latest, record.owner, kernel_id)
         if manifest is None:
             raise LifecycleError("the agent reported success but no checkpoint was committed", 500)
@@ -263,6 +274,12 @@ class JupyterKernelPlatform:
             record.restore_on_start = False
             record.restore_checkpoint = None
         await self._wait_ready(km, kernel_id if restore else None, max(1.0, deadline - time.monotonic()))
+        collect = getattr(km.provisioner, "collect_restore_report", None)
+        if restore is not None and collect is not None:
+            try:
+                await collect()
+            except Exception as exc:
+                self.h.mkm.log.warning("kernel %s: restore report not collected: %s", kernel_id, exc)
 
     async def _wait_ready(self, km: Any, continue_count_of: str | None, timeout: float) -> None:
         client = km.client()

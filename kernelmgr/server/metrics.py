@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -146,32 +146,47 @@ class RuntimeCollector(Collector):
 
 
 def warm_pool_metrics(runtime: ElasticRuntime | None) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-    """Warm pools at scrape time: processes by state, hand-offs, and cold starts by reason."""
-    processes = GaugeMetricFamily(
+    """Warm pools at scrape time: local warm processes (per base kernelspec) and Kubernetes warm pods
+    (per GPU size, each holding a slice), by state; hand-offs; and cold starts by reason."""
+    yield from _pool_metrics(
         "elastic_warm_pool_processes",
+        "elastic_warm_pool",
         "Warm processes (no slice, not kernels) per base kernelspec, ready or still importing.",
-        labels=["kernel", "state"],
+        "warm process",
+        "kernel",
+        runtime.warm_pools if runtime is not None else None,
     )
+    yield from _pool_metrics(
+        "elastic_warm_pods",
+        "elastic_warm_pod",
+        "Kubernetes warm pods (each holding a slice of its size, not kernels), ready or still starting.",
+        "warm pod",
+        "size",
+        runtime.warm_pods if runtime is not None else None,
+    )
+
+
+def _pool_metrics(
+    gauge: str, counters: str, help_text: str, what: str, key: str, pools: Any
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    members = GaugeMetricFamily(gauge, help_text, labels=[key, "state"])
     hits = CounterMetricFamily(
-        "elastic_warm_pool_hits",
-        "Launches that took a warm process, by use (resume, start).",
-        labels=["kernel", "use"],
+        f"{counters}_hits", f"Launches that took a {what}, by use (resume, start).", labels=[key, "use"]
     )
     misses = CounterMetricFamily(
-        "elastic_warm_pool_misses",
-        "Launches a warm pool serves that started cold, by reason.",
-        labels=["kernel", "reason"],
+        f"{counters}_misses",
+        f"Launches a {what} would serve that started cold, by reason.",
+        labels=[key, "reason"],
     )
-    pools = runtime.warm_pools if runtime is not None else None
     if pools is not None:
-        for base, counts in pools.counts().items():
+        for name, counts in pools.counts().items():
             for state, count in counts.items():
-                processes.add_metric([base, state], count)
-        for (base, use), count in pools.hits.items():
-            hits.add_metric([base, use], count)
-        for (base, reason), count in pools.misses.items():
-            misses.add_metric([base, reason], count)
-    yield processes
+                members.add_metric([name, state], count)
+        for (name, use), count in pools.hits.items():
+            hits.add_metric([name, use], count)
+        for (name, reason), count in pools.misses.items():
+            misses.add_metric([name, reason], count)
+    yield members
     yield hits
     yield misses
 

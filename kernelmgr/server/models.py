@@ -139,6 +139,8 @@ def gpus_model(runtime: ElasticRuntime) -> dict[str, Any]:
         "message": _gpu_message(runtime),
         "strategy": runtime.allocator.strategy,
         "devices": [usage.to_dict() for usage in runtime.allocator.usage()],
+        # Kubernetes warm pods per size (each holds one of the slices above, marked "warm").
+        "warm_pods": runtime.warm_pods.counts() if runtime.warm_pods is not None else {},
     }
 
 

@@ -1,0 +1,132 @@
+"""Kubernetes warm pods end to end: the real control plane, two runner nodes, a real jupyter_server.
+
+A warm pod holds a slice of its size before any kernel does, shown as warm and never as a kernel; a
+kernel takes it (start or resume) and must be indistinguishable from one in a cold pod: cells, cell
+numbers, variables through hibernation cycles (the namespace oracle), the restore report, and
+nothing of the warm pod's own in its environment. The checkpoints a warm-origin kernel writes stay
+in its pod's emptyDir until the server commits them in its store, before the pod goes.
+"""
+
+from __future__ import annotations
+
+import getpass
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.kube import ControlPlane, require_envtest, wait_for
+
+require_envtest(module_level=True)
+
+from tests.support.node_runner import NodeRunner  # noqa: E402
+from tests.support.oracle import SETUP, Reference, check_same, cycle_cell, run_both  # noqa: E402
+from tests.support.pod_cluster import PodCluster, pod_cluster  # noqa: E402
+from tests.support.server import RunningServer, start_server  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+pytest.importorskip("numpy")
+
+NAMESPACE = "elastic-warm"
+SIZE = "python3-gpu-whole"  # the kernelspec of the size "whole"
+
+
+@pytest.fixture(scope="module")
+def cluster(kube_plane: ControlPlane, kube_api: Any, kube_runner: NodeRunner) -> Iterator[PodCluster]:
+    with pod_cluster(kube_plane, kube_api, kube_runner, NAMESPACE) as made:
+        yield made
+
+
+def warm_config(cluster: PodCluster, count: int = 1, starts: bool = True) -> dict[str, Any]:
+    return cluster.config(warm_pods={"whole": {"count": count, "preload": ["numpy"], "starts": starts}})
+
+
+def gpus(server: RunningServer) -> dict[str, Any]:
+    return dict(server.get("/api/elastic/gpus"))
+
+
+def warm_ready(server: RunningServer, count: int) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        doc = gpus(server)
+        return doc if doc["warm_pods"].get("whole", {}).get("ready") == count else None
+
+    return dict(wait_for(ready, 120, f"{count} warm pod(s) to be ready"))
+
+
+def holders(doc: dict[str, Any]) -> list[tuple[str, bool]]:
+    return sorted((s["kernel_id"], s["warm"]) for d in doc["devices"] for s in d["slices"])
+
+
+def metric(server: RunningServer, name: str) -> float:
+    """The sum of ``name`` over its labels."""
+    text = server.text("/metrics")
+    lines = [line for line in text.splitlines() if line.startswith((name + "{", name + " "))]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def hibernate(server: RunningServer, cluster: PodCluster, kernel_id: str) -> None:
+    reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+    assert reply.status == 200, reply.body
+    assert cluster.pod_of(kernel_id) is None  # gone before the answer: its GPU is free
+
+
+def test_kernels_take_warm_pods_and_keep_their_state_through_cycles(
+    cluster: PodCluster, tmp_path: Path, reference: Reference
+) -> None:
+    server = start_server(tmp_path, warm_config(cluster))
+    try:
+        doc = warm_ready(server, 1)
+        # The warm pod holds a slice, shown as warm; it is no kernel.
+        assert [warm for _, warm in holders(doc)] == [True], doc
+        assert server.get("/api/kernels") == []
+        (warm_pod,) = cluster.pods("warm-kernel")
+        # Made before its user is known: no checkpoint claim, no owner's key, only its token.
+        assert all(v.persistent_volume_claim is None for v in warm_pod.spec.volumes)
+        secret = cluster.core.read_namespaced_secret(warm_pod.metadata.name, NAMESPACE)
+        assert sorted(secret.data) == ["warm-token"]
+
+        kernel_id = server.start_kernel(SIZE)
+        pod = cluster.running_pod(kernel_id)
+        assert pod.metadata.name == warm_pod.metadata.name  # the kernel took the warm pod
+        assert pod.metadata.annotations["elastic.jupyter.org/warm-pod"] == "true"
+        run_both(server, kernel_id, reference, SETUP)
+        check_same(server, kernel_id, reference)
+        # (Binding no name: the oracle compares the namespaces.)
+        probe = (
+            "print(sorted(k for k in __import__('os').environ if k.startswith('ELASTIC_WARM')), "
+            "'numpy' in __import__('sys').modules, "
+            f"__import__('os').environ['ELASTIC_KERNEL_ID'] == {kernel_id!r})"
+        )
+        assert server.execute(kernel_id, probe).strip() == "[] True True"
+        # The slice the warm pod held is the kernel's now; the pool refills on the other GPU.
+        doc = warm_ready(server, 1)
+        assert holders(doc)[0] == (kernel_id, False) and holders(doc)[1][1] is True, doc
+        assert metric(server, "elastic_warm_pod_hits_total") == 1
+
+        with server.channel(kernel_id, timeout=120) as tab:
+            numbers = [tab.execute("pass").reply["content"]["execution_count"]]
+            for n in range(1, 4):
+                hibernate(server, cluster, kernel_id)
+                # Committed in the server's store before the pod went.
+                assert (cluster.checkpoints / getpass.getuser() / kernel_id / "current").exists()
+                code = cycle_cell(n)
+                result = tab.execute(code, timeout=120)
+                assert result.error == "", result.error
+                numbers.append(result.reply["content"]["execution_count"])
+                reference.run(code)
+                pod = cluster.running_pod(kernel_id)
+                assert pod.metadata.name.startswith("warm-"), pod.metadata.name  # resumed warm
+                check_same(server, kernel_id, reference)
+                report = server.get(f"/api/elastic/kernels/{kernel_id}/report")["restore_report"]
+                assert report["refused"] is None and "a" in report["restored"], report
+                warm_ready(server, 1)
+        # The notebook's cell numbers went on through the resumes (a fresh kernel would say 1).
+        assert numbers == sorted(set(numbers)) and numbers[0] > 1, numbers
+        assert metric(server, "elastic_warm_pod_hits_total") == 4
+        server.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+    finally:
+        server.stop()
+    # A stopped server leaves no warm pod (and no slice) behind.
+    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
