@@ -266,6 +266,24 @@ def test_a_kernel_takes_over_a_warm_slice_on_the_same_devices() -> None:
     assert alloc.usage()[0].used_milli == 250
 
 
+def test_warm_slices_never_turn_a_kernel_away() -> None:
+    alloc = SliceAllocator(inventory(), "binpack")
+    whole = parse_profile("whole", {"gpu_fraction": 1})
+    alloc.allocate("warm:pod-1", whole)
+    alloc.allocate("warm:pod-2", whole)
+    alloc.check(whole)  # a launch may start: the warm workloads give their GPUs back
+    assert alloc.fits(whole, warm_gives_way=True)
+    assert not alloc.fits(whole)  # ... but until they have, nothing is free to allocate
+    with pytest.raises(CapacityError):
+        alloc.allocate("kernel-a", whole)
+    alloc.release("warm:pod-1")
+    alloc.allocate("kernel-a", whole)
+    alloc.release("warm:pod-2")
+    alloc.allocate("kernel-b", whole)
+    with pytest.raises(CapacityError, match="does not fit right now"):
+        alloc.check(whole)  # kernels do not give way
+
+
 # -- an inventory that changes at run time (Kubernetes nodes join, leave, are cordoned) -------------
 
 

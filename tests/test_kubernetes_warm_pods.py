@@ -10,6 +10,7 @@ in its pod's emptyDir until the server commits them in its store, before the pod
 from __future__ import annotations
 
 import getpass
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -130,3 +131,75 @@ def test_kernels_take_warm_pods_and_keep_their_state_through_cycles(
         server.stop()
     # A stopped server leaves no warm pod (and no slice) behind.
     wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
+
+
+def test_warm_pods_give_their_gpu_to_a_kernel_that_needs_it_and_refill_when_it_sleeps(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    # Both GPUs held by warm pods that new kernels do not take (``starts`` off): a new kernel must
+    # still get one.
+    server = start_server(tmp_path, warm_config(cluster, count=2, starts=False))
+    try:
+        warm_ready(server, 2)
+        kernel_id = server.start_kernel(SIZE)
+        pod = cluster.running_pod(kernel_id)
+        assert pod.metadata.name == f"kernel-{kernel_id}"  # a cold pod: starts are not served warm
+        assert server.execute(kernel_id, "x = 41; print(x)").strip() == "41"
+        doc = warm_ready(server, 1)
+        assert [warm for _, warm in holders(doc)] == [False, True], doc
+        assert metric(server, "elastic_warm_pod_misses_total") == 0  # a start the pool does not serve
+        hibernate(server, cluster, kernel_id)
+        warm_ready(server, 2)  # the GPU the kernel gave back holds a warm pod again
+        assert server.execute(kernel_id, "print(x + 1)", timeout=120).strip() == "42"
+        assert cluster.running_pod(kernel_id).metadata.name.startswith("warm-")  # the resume took one
+        server.shutdown_kernel(kernel_id)
+    finally:
+        server.stop()
+    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
+
+
+def test_a_restarted_server_adopts_a_kernel_in_a_warm_pod_and_still_collects_its_checkpoints(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    server = start_server(tmp_path, warm_config(cluster))
+    warm_ready(server, 1)
+    kernel_id = server.start_kernel(SIZE)
+    assert server.execute(kernel_id, "x = 41; import os; print(os.getpid())").strip()
+    pod_name = cluster.running_pod(kernel_id).metadata.name
+    assert pod_name.startswith("warm-")
+    warm_ready(server, 1)
+    (leftover,) = [p.metadata.name for p in cluster.pods("warm-kernel")]
+    server.process.send_signal(signal.SIGKILL)  # the server dies; the pods do not
+    server.process.wait()
+
+    restarted = start_server(tmp_path, warm_config(cluster))
+    try:
+        wait_for(
+            lambda: restarted.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running", 60, "adoption"
+        )
+        assert restarted.execute(kernel_id, "print(x + 1)").strip() == "42"  # the same process
+        # The untaken warm pod of the dead server is gone, a new one stands in.
+        wait_for(
+            lambda: leftover not in [p.metadata.name for p in cluster.pods("warm-kernel")], 60, "cleanup"
+        )
+        warm_ready(restarted, 1)
+        hibernate(restarted, cluster, kernel_id)  # the token is read back from the pod's Secret
+        assert restarted.execute(kernel_id, "print(x + 2)", timeout=120).strip() == "43"
+        restarted.shutdown_kernel(kernel_id)
+    finally:
+        restarted.stop()
+    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
+
+
+def test_warm_pods_refuse_a_configuration_they_cannot_serve(cluster: PodCluster, tmp_path: Path) -> None:
+    for extra, says in (
+        ({"namespace_template": "jupyter-{owner}"}, "needs one kernel namespace"),
+        ({"checkpoint_claim": ""}, "needs ElasticKubernetesProvisioner.checkpoint_claim"),
+        ({"warm_pods": {"huge": {"count": 1}}}, "'huge' is not a GPU size"),
+        ({"warm_pods": {"whole": {"count": -1}}}, "count must be an integer from 0 to 64"),
+    ):
+        config = warm_config(cluster)
+        config["ElasticKubernetesProvisioner"].update(extra)
+        with pytest.raises(RuntimeError, match="exited") as failed:
+            start_server(tmp_path, config)
+        assert says in str(failed.value), str(failed.value)[-2000:]

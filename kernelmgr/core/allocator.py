@@ -21,9 +21,10 @@ A device that comes back later starts empty.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -204,16 +205,23 @@ class SliceAllocator:
         with self._lock:
             return [self._usage_locked(d) for d in self.inventory]
 
-    def fits(self, profile: GpuProfile) -> bool:
-        """Whether ``profile`` could be placed right now."""
-        with self._lock:
+    def fits(self, profile: GpuProfile, *, warm_gives_way: bool = False) -> bool:
+        """Whether ``profile`` could be placed right now (with ``warm_gives_way``: once the warm
+        slices are given back, as they are for any kernel that needs their GPU)."""
+        with self._lock, self._warm_given_back_locked(warm_gives_way):
             return self._choose_locked(profile) is not None
 
     def check(self, profile: GpuProfile) -> None:
-        """Raise :class:`CapacityError` saying why, if ``profile`` does not fit right now."""
+        """Raise :class:`CapacityError` saying why, if ``profile`` cannot start now.
+
+        Warm slices count as free: a launch takes one of its size or has warm workloads give
+        theirs back (:mod:`kernelmgr.kube.warm_pods`), so they never turn a user away.
+        """
         with self._lock:
-            if self._choose_locked(profile) is None:
-                raise CapacityError(self._no_fit_message_locked(profile))
+            with self._warm_given_back_locked(True):
+                if self._choose_locked(profile) is not None:
+                    return
+            raise CapacityError(self._no_fit_message_locked(profile))
 
     def ever_fits(self, profile: GpuProfile) -> bool:
         """Whether ``profile`` could be placed on the current devices if they were empty."""
@@ -338,6 +346,18 @@ class SliceAllocator:
         for p in granted.placements:
             self._used_milli[p.device_uuid] += sign * p.milli
             self._used_memory[p.device_uuid] += sign * p.memory_mib
+
+    @contextlib.contextmanager
+    def _warm_given_back_locked(self, given_back: bool) -> Iterator[None]:
+        """While inside, the warm slices' bookings are taken away (when ``given_back``)."""
+        warm = [s for s in self._slices.values() if s.warm] if given_back else []
+        for granted in warm:
+            self._book_locked(granted, -1)
+        try:
+            yield
+        finally:
+            for granted in warm:
+                self._book_locked(granted, +1)
 
     def _usage_locked(self, device: GpuDevice) -> DeviceUsage:
         on_device = tuple(s for s in self._slices.values() if device.uuid in s.device_uuids)

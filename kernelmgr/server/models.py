@@ -121,7 +121,7 @@ def profiles_model(runtime: ElasticRuntime, kernelspecs: dict[str, str]) -> dict
     for profile in runtime.profiles.values():
         entry = profile.to_dict()
         entry["kernelspecs"] = sorted(by_profile.get(profile.name, []))
-        entry["fits_now"] = runtime.gpus_available and runtime.allocator.fits(profile)
+        entry["fits_now"] = runtime.gpus_available and runtime.allocator.fits(profile, warm_gives_way=True)
         entry["fits_ever"] = runtime.gpus_available and runtime.allocator.ever_fits(profile)
         entry["isolation"] = isolation_of(profile, local=local, use_mps=runtime.use_mps).to_dict()
         profiles.append(entry)
