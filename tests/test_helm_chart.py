@@ -278,7 +278,7 @@ def test_network_policy_admits_only_the_gateway(tmp_path: Path) -> None:
     gateway_labels = only(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
     policy = only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernels")["spec"]
     assert policy["podSelector"]["matchExpressions"] == [
-        {"key": "component", "operator": "In", "values": ["kernel"]}
+        {"key": "component", "operator": "In", "values": ["kernel", "warm-kernel"]}
     ]
     (source,) = policy["ingress"][0]["from"]
     assert source["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "jupyter"}
@@ -722,3 +722,17 @@ def test_per_user_namespace_made_by_the_gateway_with_the_charts_rights(
             except client.ApiException as exc:
                 if exc.status != 404:
                     raise
+
+
+def test_warm_pods_reach_the_provisioner_and_the_schema_checks_them(tmp_path: Path) -> None:
+    from kernelmgr.kube.warm_pods import parse_warm_pods
+
+    warm = {"whole": {"count": 2, "preload": ["torch"], "starts": True}}
+    config = server_config(render({"kernels": {"warmPods": warm}}, tmp_path))
+    assert config["ElasticKubernetesProvisioner"]["warm_pods"] == warm
+    settings = parse_warm_pods(warm, list(config["ElasticKernels"]["profiles"]))
+    assert settings["whole"].count == 2 and settings["whole"].preload == ("torch",)
+    assert server_config(render({}, tmp_path))["ElasticKubernetesProvisioner"]["warm_pods"] == {}
+    bad = values_args({"kernels": {"warmPods": {"whole": {"size": 1}}}}, tmp_path)
+    refused = helm("template", "jupyter-elastic-kernels", str(CHART), *bad, check=False)
+    assert refused.returncode != 0 and "size" in refused.stderr, refused.stderr

@@ -323,18 +323,24 @@ def test_the_server_runs_with_only_the_shipped_rbac(cluster: PodCluster, tmp_pat
     del config["ElasticKernels"]["gpu_inventory"]
     config["ElasticKernels"]["gpu_inventory_source"] = "kubernetes"
     config["ElasticKernels"]["background_checkpoint_interval"] = 1
+    # A warm pod, which the resume takes (relabelling it, reading its checkpoint back after adoption).
+    config["ElasticKubernetesProvisioner"]["warm_pods"] = {"whole": {"count": 1}}
     running = start_server(tmp_path, config)
     try:
         kernel_id = running.start_kernel(SIZE)
         assert running.execute(kernel_id, "x = 41; print(x)").strip() == "41"
         wait_for(lambda: model(running, kernel_id)["checkpoint"], 60, "a background checkpoint")
+        wait_for(lambda: running.get("/api/elastic/gpus")["warm_pods"]["whole"]["ready"], 60, "a warm pod")
         hibernate(running, cluster, kernel_id)
         assert running.execute(kernel_id, "print(x + 1)", timeout=120).strip() == "42"
+        assert cluster.running_pod(kernel_id).metadata.name.startswith("warm-")
         running.process.send_signal(signal.SIGKILL)
         running.process.wait()
         running = start_server(tmp_path, config)
         wait_for(lambda: model(running, kernel_id)["state"] == "running", 60, "the pod to be adopted")
         assert running.execute(kernel_id, "print(x * 2)").strip() == "82"
+        hibernate(running, cluster, kernel_id)
+        assert running.execute(kernel_id, "print(x * 3)", timeout=120).strip() == "123"
         running.shutdown_kernel(kernel_id)
         wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
         assert "forbidden" not in running.log().lower(), running.log()[-3000:]

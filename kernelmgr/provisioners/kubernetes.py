@@ -894,8 +894,12 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         if not self._warm_origin or not self._launched:
             return None
         if self._warm_client is None:
-            secret = await asyncio.to_thread(self.core.read_namespaced_secret, self._pod_name, self.namespace)
-            token = base64.b64decode((secret.data or {}).get(WARM_TOKEN_KEY, "")).decode()
+            only_this = f"metadata.name={self._pod_name}"  # list, not get: the Role has no get on Secrets
+            listed = await asyncio.to_thread(
+                self.core.list_namespaced_secret, self.namespace, field_selector=only_this
+            )
+            data = listed.items[0].data or {} if listed.items else {}
+            token = base64.b64decode(data.get(WARM_TOKEN_KEY, "")).decode()
             pod = self.informer.get(self.kernel_id)
             if not token or pod is None or not pod.status.pod_ip:
                 raise RuntimeError(

@@ -54,7 +54,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "launch_timeout" $v.kernels.launchTimeout
   "first_port" $v.kernels.firstPort
   "checkpoint_claim" (include "jek.claimName" .)
-  "node_agent_port" $v.nodeAgent.port -}}
+  "node_agent_port" $v.nodeAgent.port
+  "warm_pods" $v.kernels.warmPods -}}
 {{- if $v.kernels.namespaceTemplate }}
 {{- $_ := set $provisioner "namespace_template" $v.kernels.namespaceTemplate -}}
 {{- $_ := set $provisioner "create_namespace" $v.kernels.createNamespaces -}}
