@@ -13,7 +13,7 @@ interface Device {
   name: string;
   memory_mib?: number;
   used_fraction?: number;
-  slices?: { kernel_id: string; profile?: string; fraction?: number }[];
+  slices?: { kernel_id: string; profile?: string; fraction?: number; warm?: boolean }[];
 }
 
 export class GpusPanel extends Widget {
@@ -134,7 +134,9 @@ export class GpusPanel extends Widget {
       for (const device of this.devices) {
         const p = document.createElement('div');
         p.className = 'jp-ElasticPanel-device';
-        const slices = (device.slices ?? []).map(s => `${s.profile ?? '?'} (${s.kernel_id.slice(0, 8)})`);
+        const slices = (device.slices ?? []).map(s =>
+          s.warm ? `${s.profile ?? '?'} (warm pod)` : `${s.profile ?? '?'} (${s.kernel_id.slice(0, 8)})`
+        );
         p.textContent = `${device.name} ${device.uuid}: ${Math.round((device.used_fraction ?? 0) * 100)}% allocated; ${
           slices.length ? slices.join(', ') : 'no slices'
         }`;
