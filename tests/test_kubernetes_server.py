@@ -333,7 +333,9 @@ def test_the_server_runs_with_only_the_shipped_rbac(cluster: PodCluster, tmp_pat
         wait_for(lambda: running.get("/api/elastic/gpus")["warm_pods"]["whole"]["ready"], 60, "a warm pod")
         hibernate(running, cluster, kernel_id)
         assert running.execute(kernel_id, "print(x + 1)", timeout=120).strip() == "42"
-        assert cluster.running_pod(kernel_id).metadata.name.startswith("warm-")
+        assert cluster.running_pod(kernel_id).metadata.name.startswith("warm-"), "\n".join(
+            line[:300] for line in running.log().splitlines() if "warm" in line
+        )
         running.process.send_signal(signal.SIGKILL)
         running.process.wait()
         running = start_server(tmp_path, config)

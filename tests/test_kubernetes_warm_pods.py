@@ -203,3 +203,27 @@ def test_warm_pods_refuse_a_configuration_they_cannot_serve(cluster: PodCluster,
         with pytest.raises(RuntimeError, match="exited") as failed:
             start_server(tmp_path, config)
         assert says in str(failed.value), str(failed.value)[-2000:]
+
+
+def test_a_warm_pods_slice_follows_it_to_the_node_it_runs_on(cluster: PodCluster, tmp_path: Path) -> None:
+    config = warm_config(cluster)
+    del config["ElasticKernels"]["gpu_inventory"]
+    config["ElasticKernels"]["gpu_inventory_source"] = "kubernetes"
+    # The scheduler may only use the last runner (a taint the pods do not tolerate, which the
+    # allocator does not read), while the allocator's first choice is the first node by name.
+    *others, target = sorted(r.node_name for r in cluster.runners)
+    avoid = {"key": "elastic.test/avoid", "value": "true", "effect": "NoSchedule"}
+    for name in others:
+        cluster.core.patch_node(name, {"spec": {"taints": [avoid]}})
+    server = start_server(tmp_path, config)
+    try:
+        doc = warm_ready(server, 1)
+        (warm_pod,) = cluster.pods("warm-kernel")
+        assert warm_pod.spec.node_name == target
+        booked = [(d["node"], s["warm"]) for d in doc["devices"] for s in d["slices"]]
+        assert booked == [(target, True)], booked
+    finally:
+        for name in others:
+            cluster.core.patch_node(name, {"spec": {"taints": []}})
+        server.stop()
+    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")

@@ -456,3 +456,33 @@ class NodeInventorySync:
                     return False
                 self._cond.wait(remaining)
             return True
+
+
+def follow_pod_node(runtime: Any, holder: str, granted: Any, pod: Any, log: Any) -> Any:
+    """Book ``holder``'s slice on the node kube-scheduler bound ``pod`` to; the slice now held.
+
+    The allocator chose devices before the pod existed; the scheduler decides where it runs (a
+    kernel's pod, or a warm pod). A declared inventory has no nodes to follow.
+    """
+    node = getattr(getattr(pod, "spec", None), "node_name", None)
+    if granted is None or not node or runtime.allocator.inventory.source != "kubernetes":
+        return granted
+    moved = runtime.allocator.move_to_node(holder, runtime.profile(granted.profile), node)
+    if moved is None:
+        log.warning(
+            "%s: its pod runs on node %s, where this server counts no room for size %s; "
+            "its slice stays booked on %s",
+            holder,
+            node,
+            granted.profile,
+            ", ".join(granted.device_uuids),
+        )
+        return granted
+    if moved != granted:
+        log.info(
+            "%s: slice booked on %s, where its pod runs (was %s)",
+            holder,
+            ", ".join(moved.device_uuids),
+            ", ".join(granted.device_uuids),
+        )
+    return moved

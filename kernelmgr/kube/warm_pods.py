@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from kernelmgr.core.allocator import WARM_HOLDER_PREFIX
 from kernelmgr.core.errors import CapacityError, ConfigError
+from kernelmgr.kube.nodes import follow_pod_node
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
 
 if TYPE_CHECKING:
@@ -275,6 +276,9 @@ class WarmPods:
             return
         if pod.ready or seen.status.phase != "Running" or not seen.status.pod_ip:
             return
+        if pod.ip is None:  # first seen running: its slice follows it to its node
+            granted = self.runtime.allocator.slice_of(pod.holder)
+            follow_pod_node(self.runtime, pod.holder, granted, seen, self.log)
         pod.ip = seen.status.pod_ip
         try:
             status = await asyncio.to_thread(self.client(pod).status)

@@ -46,6 +46,7 @@ from kernelmgr.kube.access import ExplainedCoreV1Api
 from kernelmgr.kube.informer import KERNEL_ID_LABEL, Informer, PodInformer, without_managed_fields
 from kernelmgr.kube.namespaces import ensure_namespace, namespace_for
 from kernelmgr.kube.node_agents import AGENT_SELECTOR
+from kernelmgr.kube.nodes import follow_pod_node
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
 from kernelmgr.kube.warm_pod import ENV_CHECKPOINTS, ENV_TOKEN_FILE
 from kernelmgr.nodeagent import DEFAULT_PORT as NODE_AGENT_PORT
@@ -988,34 +989,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
                     raise
 
     def _follow_pod_node(self, pod: Any) -> None:
-        """Book the slice on the node kube-scheduler bound the pod to (cluster inventory only).
-
-        The allocator chose devices before the pod existed; the scheduler decides where it
-        runs. A declared inventory has no nodes to follow.
-        """
-        runtime = self.runtime
-        node = getattr(getattr(pod, "spec", None), "node_name", None)
-        if self._granted is None or not node or runtime.allocator.inventory.source != "kubernetes":
-            return
-        moved = runtime.allocator.move_to_node(self.kernel_id, runtime.profile(self._granted.profile), node)
-        if moved is None:
-            self.log.warning(
-                "Kernel %s: its pod runs on node %s, where this server counts no room for size %s; "
-                "its slice stays booked on %s",
-                self.kernel_id,
-                node,
-                self._granted.profile,
-                ", ".join(self._granted.device_uuids),
-            )
-            return
-        if moved != self._granted:
-            self.log.info(
-                "Kernel %s: slice booked on %s, where its pod runs (was %s)",
-                self.kernel_id,
-                ", ".join(moved.device_uuids),
-                ", ".join(self._granted.device_uuids),
-            )
-        self._granted = moved
+        """Book the slice on the node kube-scheduler bound the pod to (cluster inventory only)."""
+        self._granted = follow_pod_node(self.runtime, self.kernel_id, self._granted, pod, self.log)
 
     def _events(self) -> list[Any]:
         """The pod's events: read once, only to explain a failed launch."""
