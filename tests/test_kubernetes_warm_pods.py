@@ -227,3 +227,51 @@ def test_a_warm_pods_slice_follows_it_to_the_node_it_runs_on(cluster: PodCluster
             cluster.core.patch_node(name, {"spec": {"taints": []}})
         server.stop()
     wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
+
+
+def test_faults_a_lost_warm_kernel_pod_a_warm_pod_deleted_under_a_take_a_failing_preload(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    config = warm_config(cluster)
+    config["ElasticKernels"]["background_checkpoint_interval"] = 1
+    server = start_server(tmp_path / "one", config)
+    try:
+        warm_ready(server, 1)
+        kernel_id = server.start_kernel(SIZE)
+        assert server.execute(kernel_id, "x = 41; print(x)").strip() == "41"
+        pod = cluster.running_pod(kernel_id)
+        assert pod.metadata.name.startswith("warm-")
+        # A background checkpoint collected from the warm pod into the store...
+        wait_for(lambda: server.get(f"/api/elastic/kernels/{kernel_id}")["checkpoint"], 60, "a checkpoint")
+        # ... is what the kernel comes back to when its pod is lost (an admin, a drain, an eviction).
+        cluster.core.delete_namespaced_pod(pod.metadata.name, NAMESPACE)
+        state = lambda: server.get(f"/api/elastic/kernels/{kernel_id}")["state"]  # noqa: E731
+        wait_for(lambda: state() == "hibernated", 60, "the lost kernel to be hibernated from its checkpoint")
+        assert server.execute(kernel_id, "print(x + 1)", timeout=120).strip() == "42"
+
+        # A ready warm pod deleted just before a kernel takes it: the kernel starts anyway.
+        (warm,) = [p for p in cluster.pods("warm-kernel") if p.metadata.deletion_timestamp is None]
+        cluster.core.delete_namespaced_pod(warm.metadata.name, NAMESPACE)
+        second = server.start_kernel(SIZE)
+        assert server.execute(second, "print('second')").strip() == "second"
+        for kid in (kernel_id, second):
+            server.shutdown_kernel(kid)
+    finally:
+        server.stop()
+
+    # A preload that fails disables the pool (one error line), kernels start cold.
+    failing = warm_config(cluster)
+    failing["ElasticKubernetesProvisioner"]["warm_pods"]["whole"]["preload"] = ["no_such_module_here"]
+    server = start_server(tmp_path / "two", failing)
+    try:
+        wait_for(lambda: "warm pods of whole disabled" in server.log(), 120, "the pool to be disabled")
+        assert "no_such_module_here" in server.log()
+        kernel_id = server.start_kernel(SIZE)
+        assert cluster.running_pod(kernel_id).metadata.name == f"kernel-{kernel_id}"
+        assert server.execute(kernel_id, "print('cold')").strip() == "cold"
+        assert 'reason="preload_failed"' in server.text("/metrics")
+        assert gpus(server)["warm_pods"]["whole"] == {"ready": 0, "starting": 0}
+        server.shutdown_kernel(kernel_id)
+    finally:
+        server.stop()
+    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
