@@ -275,3 +275,30 @@ def test_faults_a_lost_warm_kernel_pod_a_warm_pod_deleted_under_a_take_a_failing
     finally:
         server.stop()
     wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
+
+
+def test_a_kernel_in_a_warm_pod_restarts_into_a_fresh_pod_on_its_slice(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    server = start_server(tmp_path, warm_config(cluster))
+    try:
+        warm_ready(server, 1)
+        kernel_id = server.start_kernel(SIZE)
+        assert server.execute(kernel_id, "x = 41; print(x)").strip() == "41"
+        before = cluster.running_pod(kernel_id).metadata.name
+        assert before.startswith("warm-")
+        devices = server.get(f"/api/elastic/kernels/{kernel_id}")["slice"]["devices"]
+        warm_ready(server, 1)  # a warm pod the restart must neither take nor push out
+        reply = server.request("POST", f"/api/kernels/{kernel_id}/restart")
+        assert reply.status == 200, reply.body
+        after = cluster.running_pod(kernel_id)
+        assert after.metadata.name == f"kernel-{kernel_id}", after.metadata.name  # fresh and cold
+        assert server.execute(kernel_id, "print('x' in globals())").strip() == "False"
+        assert server.get(f"/api/elastic/kernels/{kernel_id}")["slice"]["devices"] == devices
+        doc = warm_ready(server, 1)
+        assert sorted(warm for _, warm in holders(doc)) == [False, True], doc  # nothing leaked
+        server.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+    finally:
+        server.stop()
+    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")

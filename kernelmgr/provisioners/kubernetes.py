@@ -471,6 +471,9 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             self.connection_info = info  # type: ignore[assignment]
             kwargs = await super().pre_launch(**kwargs)
         except BaseException:
+            if self._warm is not None:  # its slice is the kernel's now, released just below
+                runtime.warm_pods.give_back(self._warm, "the launch that took it failed")
+                self._warm = None
             release_slice(runtime, self.kernel_id, "launch preparation failed", self.log)
             raise
         kwargs["cmd"] = self._command()
@@ -484,8 +487,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         """
         runtime = self.runtime
         pool = runtime.warm_pods
-        if pool is None or size is None:
-            return None
+        if pool is None or size is None or runtime.allocator.slice_of(self.kernel_id) is not None:
+            return None  # (a restarting kernel keeps the slice it holds, and starts in a new cold pod)
         record = runtime.kernels.get(self.kernel_id)
         use = "resume" if record is not None and record.state is KernelState.RESUMING else "start"
         warm = None
