@@ -35,6 +35,7 @@ from kernelmgr.core.allocator import WARM_HOLDER_PREFIX
 from kernelmgr.core.errors import CapacityError, ConfigError
 from kernelmgr.kube.nodes import follow_pod_node
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
+from kernelmgr.warm.settings import check_entry, read_count, read_preload, read_starts
 
 if TYPE_CHECKING:
     from kernelmgr.config import ElasticRuntime
@@ -71,23 +72,10 @@ def parse_warm_pods(raw: Any, sizes: list[str]) -> dict[str, WarmPodSettings]:
         where = f"{KEY}[{size!r}]"
         if size not in sizes:
             raise WarmPodsConfigError(f"{where}: {size!r} is not a GPU size ({', '.join(sizes) or 'none'})")
-        if not isinstance(entry, dict):
-            raise WarmPodsConfigError(f"{where} must be a dict with keys {', '.join(FIELDS)}")
-        unknown = sorted(set(entry) - set(FIELDS))
-        if unknown:
-            raise WarmPodsConfigError(f"{where}: unknown key {unknown[0]!r}; known: {', '.join(FIELDS)}")
-        count = entry.get("count", 1)
-        if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= 64:
-            raise WarmPodsConfigError(f"{where}.count must be an integer from 0 to 64, got {count!r}")
-        preload = entry.get("preload", [])
-        if not isinstance(preload, list) or not all(
-            isinstance(m, str) and m and all(p.isidentifier() for p in m.split(".")) for m in preload
-        ):
-            raise WarmPodsConfigError(f'{where}.preload must be a list of module names, e.g. ["torch"]')
-        starts = entry.get("starts", False)
-        if not isinstance(starts, bool):
-            raise WarmPodsConfigError(f"{where}.starts must be true or false, got {starts!r}")
-        pools[size] = WarmPodSettings(size, count, tuple(preload), starts)
+        entry = check_entry(entry, where, FIELDS, WarmPodsConfigError)
+        count = read_count(entry, "count", where, WarmPodsConfigError)
+        preload = read_preload(entry, where, WarmPodsConfigError)
+        pools[size] = WarmPodSettings(size, count, preload, read_starts(entry, where, WarmPodsConfigError))
     return pools
 
 
