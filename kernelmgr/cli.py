@@ -200,6 +200,11 @@ def render_profiles(doc: dict[str, Any]) -> str:
 
 
 def render_gpus(doc: dict[str, Any]) -> str:
+    def holders(slices: list[dict[str, Any]]) -> str:
+        warm = sum(1 for s in slices if s.get("warm"))
+        kernels = str(len(slices) - warm)
+        return f"{kernels} (+{warm} warm)" if warm else kernels
+
     rows = [
         [
             d["index"],
@@ -208,12 +213,19 @@ def render_gpus(doc: dict[str, Any]) -> str:
             _gib(d["memory_mib"]),
             _fraction(d["used_fraction"]) if d["used_fraction"] else "0%",
             _gib(d["free_memory_mib"]),
-            len(d["slices"]),
+            holders(d["slices"]),
         ]
         for d in doc.get("devices", [])
     ]
     head = f"{doc.get('message', '')} (placement: {doc.get('strategy', '-')})"
-    return head + "\n" + table(["#", "UUID", "NAME", "MEMORY", "USED", "FREE MEMORY", "KERNELS"], rows)
+    out = head + "\n" + table(["#", "UUID", "NAME", "MEMORY", "USED", "FREE MEMORY", "KERNELS"], rows)
+    pools = doc.get("warm_pods") or {}
+    if pools:
+        each = ", ".join(
+            f"{size}: {c['ready']} ready, {c['starting']} starting" for size, c in sorted(pools.items())
+        )
+        out += f"\n\nWarm pods (each holds a slice, given up to any kernel that needs it): {each}"
+    return out
 
 
 def _duration(seconds: Any) -> str:

@@ -225,3 +225,26 @@ def test_poll_outcome_tells_failure_from_not_started(
     """What a poll concludes, given the reading taken before the request (state since t=10)."""
     before = {"id": "k", "state": "running" if action == "hibernate" else "hibernated", "state_since": 10.0}
     assert _outcome(action, model, before) == expected
+
+
+def test_gpus_view_counts_warm_pod_slices_apart() -> None:
+    from kernelmgr.cli import render_gpus
+
+    device = {"index": 0, "uuid": "GPU-0", "name": "A100", "memory_mib": 40960, "free_memory_mib": 0}
+    slices = [{"kernel_id": "k1", "warm": False}, {"kernel_id": "warm:warm-whole-1", "warm": True}]
+    doc = {
+        "message": "2 GPUs",
+        "strategy": "binpack",
+        "devices": [{**device, "used_fraction": 1.0, "slices": slices}],
+        "warm_pods": {"whole": {"ready": 1, "starting": 0}},
+    }
+    out = render_gpus(doc)
+    assert "1 (+1 warm)" in out
+    assert (
+        "Warm pods (each holds a slice, given up to any kernel that needs it): whole: 1 ready, 0 starting"
+        in out
+    )
+    plain = render_gpus(
+        {**doc, "devices": [{**device, "used_fraction": 0.5, "slices": slices[:1]}], "warm_pods": {}}
+    )
+    assert "warm" not in plain.lower()
