@@ -210,7 +210,10 @@ def test_dra_size_creates_its_claim_template_and_explains_an_unschedulable_claim
     }
     elastic = ElasticKernels(profiles=profiles, gpu_inventory=INVENTORY, checkpoint_root=str(tmp_path / "ck"))
     runtime = elastic.build()
-    km = kernel_manager(tmp_path, kube_plane, kube_namespace, runtime, "dra-half", launch_timeout=6.0)
+    # Long enough for the controller manager to make the pod's claim from the template under load:
+    # its informer may not have seen the template created a moment before the pod, and then it
+    # retries with back-off (a CI run saw "template not found" still at 6 s).
+    km = kernel_manager(tmp_path, kube_plane, kube_namespace, runtime, "dra-half", launch_timeout=20.0)
 
     async def scenario() -> None:
         with pytest.raises(RuntimeError) as failed:
