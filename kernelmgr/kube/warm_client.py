@@ -45,7 +45,10 @@ class WarmPodClient:
         self.timeout = timeout
 
     def _connection(self, timeout: float | None = None) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(self.address, self.port, timeout=timeout or self.timeout)
+        # 8 MiB blocks for a file body (http.client sends 8 KiB at a time by default).
+        return http.client.HTTPConnection(
+            self.address, self.port, timeout=timeout or self.timeout, blocksize=_CHUNK
+        )
 
     def _request(
         self, method: str, path: str, body: Any = None, length: int | None = None
