@@ -302,3 +302,25 @@ def test_a_kernel_in_a_warm_pod_restarts_into_a_fresh_pod_on_its_slice(
     finally:
         server.stop()
     wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
+
+
+def test_a_warm_pod_that_never_gets_ready_gives_its_gpu_back_and_the_pool_tries_later(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    config = warm_config(cluster)
+    config["ElasticKubernetesProvisioner"]["launch_timeout"] = 3.0
+    avoid = {"key": "elastic.test/avoid", "value": "true", "effect": "NoSchedule"}
+    for runner in cluster.runners:  # nowhere to run: the warm pod stays Pending
+        cluster.core.patch_node(runner.node_name, {"spec": {"taints": [avoid]}})
+    server = start_server(tmp_path, config)
+    try:
+        wait_for(lambda: "not ready after" in server.log(), 60, "the pending warm pod to be given up")
+        for runner in cluster.runners:
+            cluster.core.patch_node(runner.node_name, {"spec": {"taints": []}})
+        warm_ready(server, 1)  # after the back-off, a new one
+        assert "did not become ready in time" in server.log()
+    finally:
+        for runner in cluster.runners:
+            cluster.core.patch_node(runner.node_name, {"spec": {"taints": []}})
+        server.stop()
+    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")

@@ -28,6 +28,7 @@ import contextlib
 import logging
 import re
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +126,7 @@ class WarmPod:
     ready: bool = False
     failures: int = 0
     detail: dict[str, Any] = field(default_factory=dict)
+    created: float = field(default_factory=time.monotonic)
 
     @property
     def holder(self) -> str:
@@ -156,6 +158,8 @@ class WarmPods:
         self._closed = False
         self._deleting: set[asyncio.Task[None]] = set()
         self._capacity_logged: set[str] = set()
+        #: Until when a size makes no new warm pod (its last one never became ready).
+        self._backoff: dict[str, float] = {}
 
     # -- what the server and the provisioner ask -----------------------------------------------
 
@@ -244,6 +248,8 @@ class WarmPods:
             for pod in list(pods):
                 await self._check(size, pod, seen.get(pod.name))
         for size, settings in self.settings.items():
+            if self._backoff.get(size, 0.0) > time.monotonic():
+                continue
             while not self._closed and size not in self.broken and len(self.pods[size]) < settings.count:
                 if not await self._create(settings):
                     break
@@ -262,7 +268,24 @@ class WarmPods:
             else:
                 pod.failures += 1  # a pod just created may not be listed yet
             return
-        if pod.ready or seen.status.phase != "Running" or not seen.status.pod_ip:
+        if pod.ready:
+            return
+        waited = time.monotonic() - pod.created
+        if waited > self.template.launch_timeout:
+            # Unschedulable (the cluster has no room the allocator knows of), an image that does not
+            # pull, a preload that hangs: give the GPU back and wait as long before the next try.
+            self._backoff[size] = time.monotonic() + self.template.launch_timeout
+            self.log.warning(
+                "warm pod %s (%s) not ready after %.0f s (phase %s); dropped, the next in %.0f s",
+                pod.name,
+                size,
+                waited,
+                seen.status.phase,
+                self.template.launch_timeout,
+            )
+            self._drop(pod, "it did not become ready in time")
+            return
+        if seen.status.phase != "Running" or not seen.status.pod_ip:
             return
         if pod.ip is None:  # first seen running: its slice follows it to its node
             granted = self.runtime.allocator.slice_of(pod.holder)
