@@ -12,6 +12,7 @@ from __future__ import annotations
 import getpass
 import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -322,5 +323,44 @@ def test_a_warm_pod_that_never_gets_ready_gives_its_gpu_back_and_the_pool_tries_
     finally:
         for runner in cluster.runners:
             cluster.core.patch_node(runner.node_name, {"spec": {"taints": []}})
+        server.stop()
+    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
+
+
+def test_deleting_a_kernel_while_it_resumes_in_a_warm_pod_frees_everything(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    server = start_server(tmp_path, warm_config(cluster))
+    try:
+        warm_ready(server, 1)
+        kernel_id = server.start_kernel(SIZE)
+        # Loading this variable takes 3 s (unpickling calls time.sleep): a resume we can cut into.
+        server.execute(
+            kernel_id,
+            "class SlowToLoad:\n"
+            "    def __reduce__(self):\n"
+            "        import time\n"
+            "        return (time.sleep, (3,))\n"
+            "slow = SlowToLoad()",
+        )
+        hibernate(server, cluster, kernel_id)
+        warm_ready(server, 1)
+        with ThreadPoolExecutor(1) as background:
+            resuming = background.submit(server.request, "POST", f"/api/elastic/kernels/{kernel_id}/resume")
+            state = lambda: server.get(f"/api/elastic/kernels/{kernel_id}")["state"]  # noqa: E731
+            wait_for(lambda: state() == "resuming", 30, "the resume to begin", interval=0.05)
+            wait_for(
+                lambda: cluster.pod_of(kernel_id) is not None, 30, "the warm pod to be taken", interval=0.05
+            )
+            deleted = server.request("DELETE", f"/api/kernels/{kernel_id}")
+            assert deleted.status == 204, deleted
+            answer = resuming.result(timeout=120)
+        assert answer.status in (404, 409) and answer.body["message"], answer  # never a 5xx
+        wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the taken warm pod to be deleted")
+        assert kernel_id not in [k["id"] for k in server.get("/api/kernels")]
+        doc = warm_ready(server, 1)
+        assert [warm for _, warm in holders(doc)] == [True], doc  # only the refilled warm pod holds a GPU
+        assert cluster.secrets() == []
+    finally:
         server.stop()
     wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
