@@ -505,7 +505,7 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
 
         rule = only(render({"metrics": {"prometheusRule": {"enabled": True}}}, tmp_path), "PrometheusRule")
         exprs = [r["expr"] for group in rule["spec"]["groups"] for r in group["rules"]]
-        names = {name for expr in exprs for name in re.findall(r"\belastic_[a-z_]+(?=\[)", expr)}
+        names = {name for expr in exprs for name in re.findall(r"\belastic_[a-z_]+(?=[\[{])", expr)}
         # What a query can name: a counter's samples end in _total (the TYPE line may omit it).
         types = re.findall(r"^# TYPE (\S+) (\S+)$", gateway.text("/metrics"), re.MULTILINE)
         exported = {
