@@ -13,6 +13,7 @@ import getpass
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from tests.support.kube import ControlPlane, require_envtest, wait_for
 
 require_envtest(module_level=True)
 
+from tests.support.gate import SLOW_TO_LOAD_CELL  # noqa: E402
 from tests.support.node_runner import NodeRunner  # noqa: E402
 from tests.support.oracle import SETUP, Reference, check_same, cycle_cell, run_both  # noqa: E402
 from tests.support.pod_cluster import PodCluster, pod_cluster  # noqa: E402
@@ -42,6 +44,17 @@ def cluster(kube_plane: ControlPlane, kube_api: Any, kube_runner: NodeRunner) ->
 
 def warm_config(cluster: PodCluster, count: int = 1, starts: bool = True) -> dict[str, Any]:
     return cluster.config(warm_pods={"whole": {"count": count, "preload": ["numpy"], "starts": starts}})
+
+
+@contextmanager
+def serving(cluster: PodCluster, home: Path, config: dict[str, Any]) -> Iterator[RunningServer]:
+    """A server for one test; once it has stopped, it has left no warm pod behind."""
+    server = start_server(home, config)
+    try:
+        yield server
+    finally:
+        server.stop()
+    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
 
 
 def gpus(server: RunningServer) -> dict[str, Any]:
@@ -76,8 +89,7 @@ def hibernate(server: RunningServer, cluster: PodCluster, kernel_id: str) -> Non
 def test_kernels_take_warm_pods_and_keep_their_state_through_cycles(
     cluster: PodCluster, tmp_path: Path, reference: Reference
 ) -> None:
-    server = start_server(tmp_path, warm_config(cluster))
-    try:
+    with serving(cluster, tmp_path, warm_config(cluster)) as server:
         doc = warm_ready(server, 1)
         # The warm pod holds a slice, shown as warm; it is no kernel.
         assert [warm for _, warm in holders(doc)] == [True], doc
@@ -128,10 +140,6 @@ def test_kernels_take_warm_pods_and_keep_their_state_through_cycles(
         assert metric(server, "elastic_warm_pod_hits_total") == 4
         server.shutdown_kernel(kernel_id)
         wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
-    finally:
-        server.stop()
-    # A stopped server leaves no warm pod (and no slice) behind.
-    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
 
 
 def test_warm_pods_give_their_gpu_to_a_kernel_that_needs_it_and_refill_when_it_sleeps(
@@ -139,8 +147,7 @@ def test_warm_pods_give_their_gpu_to_a_kernel_that_needs_it_and_refill_when_it_s
 ) -> None:
     # Both GPUs held by warm pods that new kernels do not take (``starts`` off): a new kernel must
     # still get one.
-    server = start_server(tmp_path, warm_config(cluster, count=2, starts=False))
-    try:
+    with serving(cluster, tmp_path, warm_config(cluster, count=2, starts=False)) as server:
         warm_ready(server, 2)
         kernel_id = server.start_kernel(SIZE)
         pod = cluster.running_pod(kernel_id)
@@ -154,9 +161,6 @@ def test_warm_pods_give_their_gpu_to_a_kernel_that_needs_it_and_refill_when_it_s
         assert server.execute(kernel_id, "print(x + 1)", timeout=120).strip() == "42"
         assert cluster.running_pod(kernel_id).metadata.name.startswith("warm-")  # the resume took one
         server.shutdown_kernel(kernel_id)
-    finally:
-        server.stop()
-    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
 
 
 def test_a_restarted_server_adopts_a_kernel_in_a_warm_pod_and_still_collects_its_checkpoints(
@@ -173,8 +177,7 @@ def test_a_restarted_server_adopts_a_kernel_in_a_warm_pod_and_still_collects_its
     server.process.send_signal(signal.SIGKILL)  # the server dies; the pods do not
     server.process.wait()
 
-    restarted = start_server(tmp_path, warm_config(cluster))
-    try:
+    with serving(cluster, tmp_path, warm_config(cluster)) as restarted:
         wait_for(
             lambda: restarted.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running", 60, "adoption"
         )
@@ -187,9 +190,28 @@ def test_a_restarted_server_adopts_a_kernel_in_a_warm_pod_and_still_collects_its
         hibernate(restarted, cluster, kernel_id)  # the token is read back from the pod's Secret
         assert restarted.execute(kernel_id, "print(x + 2)", timeout=120).strip() == "43"
         restarted.shutdown_kernel(kernel_id)
-    finally:
-        restarted.stop()
-    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
+
+
+def test_a_restarted_server_deletes_a_warm_kernel_pod_it_cannot_adopt(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    server = start_server(tmp_path, warm_config(cluster))
+    warm_ready(server, 1)
+    kernel_id = server.start_kernel(SIZE)
+    assert server.execute(kernel_id, "print('up')").strip() == "up"
+    pod_name = cluster.running_pod(kernel_id).metadata.name
+    assert pod_name.startswith("warm-")
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+    # Its connection file gone (as if the server died between the hand-off and writing it): the
+    # pod cannot be adopted and must be deleted under its own name, not the cold pods' kernel-<id>.
+    cluster.core.patch_namespaced_secret(pod_name, NAMESPACE, {"data": {"connection.json": None}})
+
+    def pod_names() -> list[str]:
+        return [p.metadata.name for p in cluster.core.list_namespaced_pod(NAMESPACE).items]
+
+    with serving(cluster, tmp_path, warm_config(cluster)):
+        wait_for(lambda: pod_name not in pod_names(), 60, "the pod nobody can adopt to be deleted")
 
 
 def test_warm_pods_refuse_a_configuration_they_cannot_serve(cluster: PodCluster, tmp_path: Path) -> None:
@@ -235,8 +257,7 @@ def test_faults_a_lost_warm_kernel_pod_a_warm_pod_deleted_under_a_take_a_failing
 ) -> None:
     config = warm_config(cluster)
     config["ElasticKernels"]["background_checkpoint_interval"] = 1
-    server = start_server(tmp_path / "one", config)
-    try:
+    with serving(cluster, tmp_path / "one", config) as server:
         warm_ready(server, 1)
         kernel_id = server.start_kernel(SIZE)
         assert server.execute(kernel_id, "x = 41; print(x)").strip() == "41"
@@ -257,14 +278,11 @@ def test_faults_a_lost_warm_kernel_pod_a_warm_pod_deleted_under_a_take_a_failing
         assert server.execute(second, "print('second')").strip() == "second"
         for kid in (kernel_id, second):
             server.shutdown_kernel(kid)
-    finally:
-        server.stop()
 
     # A preload that fails disables the pool (one error line), kernels start cold.
     failing = warm_config(cluster)
     failing["ElasticKubernetesProvisioner"]["warm_pods"]["whole"]["preload"] = ["no_such_module_here"]
-    server = start_server(tmp_path / "two", failing)
-    try:
+    with serving(cluster, tmp_path / "two", failing) as server:
         wait_for(lambda: "warm pods of whole disabled" in server.log(), 120, "the pool to be disabled")
         assert "no_such_module_here" in server.log()
         kernel_id = server.start_kernel(SIZE)
@@ -273,16 +291,12 @@ def test_faults_a_lost_warm_kernel_pod_a_warm_pod_deleted_under_a_take_a_failing
         assert 'reason="preload_failed"' in server.text("/metrics")
         assert gpus(server)["warm_pods"]["whole"] == {"ready": 0, "starting": 0}
         server.shutdown_kernel(kernel_id)
-    finally:
-        server.stop()
-    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
 
 
 def test_a_kernel_in_a_warm_pod_restarts_into_a_fresh_pod_on_its_slice(
     cluster: PodCluster, tmp_path: Path
 ) -> None:
-    server = start_server(tmp_path, warm_config(cluster))
-    try:
+    with serving(cluster, tmp_path, warm_config(cluster)) as server:
         warm_ready(server, 1)
         kernel_id = server.start_kernel(SIZE)
         assert server.execute(kernel_id, "x = 41; print(x)").strip() == "41"
@@ -300,9 +314,6 @@ def test_a_kernel_in_a_warm_pod_restarts_into_a_fresh_pod_on_its_slice(
         assert sorted(warm for _, warm in holders(doc)) == [False, True], doc  # nothing leaked
         server.shutdown_kernel(kernel_id)
         wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
-    finally:
-        server.stop()
-    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")
 
 
 def test_a_warm_pod_that_never_gets_ready_gives_its_gpu_back_and_the_pool_tries_later(
@@ -330,19 +341,10 @@ def test_a_warm_pod_that_never_gets_ready_gives_its_gpu_back_and_the_pool_tries_
 def test_deleting_a_kernel_while_it_resumes_in_a_warm_pod_frees_everything(
     cluster: PodCluster, tmp_path: Path
 ) -> None:
-    server = start_server(tmp_path, warm_config(cluster))
-    try:
+    with serving(cluster, tmp_path, warm_config(cluster)) as server:
         warm_ready(server, 1)
         kernel_id = server.start_kernel(SIZE)
-        # Loading this variable takes 3 s (unpickling calls time.sleep): a resume we can cut into.
-        server.execute(
-            kernel_id,
-            "class SlowToLoad:\n"
-            "    def __reduce__(self):\n"
-            "        import time\n"
-            "        return (time.sleep, (3,))\n"
-            "slow = SlowToLoad()",
-        )
+        server.execute(kernel_id, SLOW_TO_LOAD_CELL)  # its resume takes 3 s: one to cut into
         hibernate(server, cluster, kernel_id)
         warm_ready(server, 1)
         with ThreadPoolExecutor(1) as background:
@@ -361,6 +363,3 @@ def test_deleting_a_kernel_while_it_resumes_in_a_warm_pod_frees_everything(
         doc = warm_ready(server, 1)
         assert [warm for _, warm in holders(doc)] == [True], doc  # only the refilled warm pod holds a GPU
         assert cluster.secrets() == []
-    finally:
-        server.stop()
-    wait_for(lambda: cluster.pods("warm-kernel") == [], 60, "the warm pods to be deleted")

@@ -29,6 +29,7 @@ import logging
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -124,8 +125,8 @@ class WarmPod:
     token: str
     ip: str | None = None
     ready: bool = False
-    failures: int = 0
-    detail: dict[str, Any] = field(default_factory=dict)
+    #: Seen in a list of the warm pods (one just created may not be, once).
+    listed: bool = False
     created: float = field(default_factory=time.monotonic)
 
     @property
@@ -198,7 +199,7 @@ class WarmPods:
         """A launch the pool serves started cold (``reason``: one of :data:`MISS_REASONS`)."""
         self.misses[(size, reason)] = self.misses.get((size, reason), 0) + 1
 
-    def make_room(self, fits: Any) -> int:
+    def make_room(self, fits: Callable[[], bool]) -> int:
         """Give back warm slices (starting pods first) until ``fits()`` says the launch fits; how
         many were given back. Their pods are deleted in the background."""
         given = 0
@@ -238,12 +239,17 @@ class WarmPods:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), STARTING_INTERVAL if starting else LOOK_INTERVAL)
 
+    async def _list(self) -> list[Any]:
+        """The warm pods in the namespace (not yet taken), one API call."""
+        selector = f"app.kubernetes.io/name=jupyter-elastic-kernels,component={WARM_COMPONENT}"
+        listed = await asyncio.to_thread(
+            self.template.core.list_namespaced_pod, self.namespace, label_selector=selector
+        )
+        return list(listed.items)
+
     async def look(self) -> None:
         """One round: forget pods that are gone, mark the ones that became ready, create what is missing."""
-        listed = await asyncio.to_thread(
-            self.template.core.list_namespaced_pod, self.namespace, label_selector=self._selector()
-        )
-        seen = {pod.metadata.name: pod for pod in listed.items}
+        seen = {pod.metadata.name: pod for pod in await self._list()}
         for size, pods in self.pods.items():
             for pod in list(pods):
                 await self._check(size, pod, seen.get(pod.name))
@@ -254,19 +260,14 @@ class WarmPods:
                 if not await self._create(settings):
                     break
 
-    def _selector(self) -> str:
-        return f"app.kubernetes.io/name=jupyter-elastic-kernels,component={WARM_COMPONENT}"
-
     async def _check(self, size: str, pod: WarmPod, seen: Any) -> None:
-        if (
-            seen is None
-            or seen.metadata.deletion_timestamp is not None
-            or seen.status.phase in ("Succeeded", "Failed")
-        ):
-            if seen is not None or pod.ready or pod.failures:
-                self._drop(pod, "its pod ended")
-            else:
-                pod.failures += 1  # a pod just created may not be listed yet
+        if seen is None:  # gone (deleted by someone), unless only just created and not listed yet
+            if pod.listed or time.monotonic() - pod.created > self.template.launch_timeout:
+                self._drop(pod, "its pod is gone")
+            return
+        pod.listed = True
+        if seen.metadata.deletion_timestamp is not None or seen.status.phase in ("Succeeded", "Failed"):
+            self._drop(pod, "its pod ended")
             return
         if pod.ready:
             return
@@ -297,7 +298,6 @@ class WarmPods:
             return  # its HTTP server is not up yet
         if status.get("state") == "ready":
             pod.ready = True
-            pod.detail = status
             self.log.info(
                 "warm pod %s (%s) ready: preloaded in %.2f s", pod.name, size, status.get("seconds", 0)
             )
@@ -353,10 +353,7 @@ class WarmPods:
         task.add_done_callback(self._deleting.discard)
 
     async def _remove_leftovers(self) -> None:
-        listed = await asyncio.to_thread(
-            self.template.core.list_namespaced_pod, self.namespace, label_selector=self._selector()
-        )
-        for pod in listed.items:
+        for pod in await self._list():
             self.log.info("warm pods: deleting %s, left by an earlier server", pod.metadata.name)
             await self.template.delete_warm_pod(pod.metadata.name)
 

@@ -1063,8 +1063,11 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         mark_launched(runtime, self.kernel_id, "adopted after a server restart")
         return self.connection_info
 
-    async def remove_leftover(self) -> None:
-        """Delete a kernel pod and Secret nobody serves any more (ended, or never started)."""
+    async def remove_leftover(self, found: FoundKernel) -> None:
+        """Delete a kernel pod and Secret nobody serves any more (ended, or never started), under
+        the name the pod has (a warm pod a kernel took keeps its own)."""
+        self.namespace = found.namespace
+        self._pod_name = found.pod_name or self._pod_name
         self._launched = True
         with contextlib.suppress(client.ApiException, TimeoutError):
             await self._delete_pod(grace=0, wait=True)

@@ -91,9 +91,7 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
             else "its Secret is gone"
         )
         mkm.log.info("Deleting the pod of kernel %s left by the previous server (%s)", pod.kernel_id, why)
-        leftover = configured_provisioner(mkm, pod.kernel_id)
-        leftover.namespace = pod.namespace
-        await leftover.remove_leftover()
+        await configured_provisioner(mkm, pod.kernel_id).remove_leftover(pod)
     for kernel_id, record in list(hibernator.deferred.items()):
         hibernator.deferred.pop(kernel_id)
         hibernator.recover_lost(record, "its pod ended while the server was down")

@@ -49,3 +49,15 @@ class Gate:
     def cell(self, limit: float = 120) -> str:
         """Source of a cell that runs until the test opens the gate."""
         return "def __gated_cell():\n" + self._wait_source(limit) + "__gated_cell()\n"
+
+
+#: A cell binding ``slow``, a variable whose loading takes 3 s (unpickling calls ``time.sleep``):
+#: a resume a test can cut into (delete the kernel while it restores) without a gate, since the
+#: restoring process is a new one the test cannot reach.
+SLOW_TO_LOAD_CELL = (
+    "class SlowToLoad:\n"
+    "    def __reduce__(self):\n"
+    "        import time\n"
+    "        return (time.sleep, (3,))\n"
+    "slow = SlowToLoad()"
+)
