@@ -19,6 +19,7 @@ import pytest
 
 from tests.conftest import elastic_config as config
 from tests.support.disk import small_disk
+from tests.support.gate import slow_to_load_cell
 from tests.support.server import Reply, RunningServer, start_server, wait_for
 
 pytest.importorskip("numpy")
@@ -57,16 +58,6 @@ def hibernate(server: RunningServer, kernel_id: str) -> Reply:
 
 
 #: A variable whose *restore* takes ``n`` seconds: unpickling calls ``time.sleep(n)``.
-def slow_restore(seconds: int) -> str:
-    return (
-        "import time\n"
-        "class SlowRestore:\n"
-        "    def __reduce__(self):\n"
-        f"        return (time.sleep, ({seconds},))\n"
-        "slow = SlowRestore()\n"
-    )
-
-
 def test_disk_full_answers_507_keeps_running_and_hibernates_once_space_is_freed(tmp_path: Path) -> None:
     with small_disk(tmp_path, "8m") as disk:
         running = start_server(tmp_path, config(disk))
@@ -101,7 +92,7 @@ def test_delete_while_resuming_stops_the_process_frees_the_slice_and_leaves_no_f
     running = start_server(tmp_path, config(checkpoints))
     try:
         kernel_id = running.start_kernel("python3-gpu-small")
-        running.execute(kernel_id, slow_restore(6) + "x = 1")
+        running.execute(kernel_id, slow_to_load_cell(6) + "x = 1")
         assert hibernate(running, kernel_id).status == 200
         kernel_dir = next(checkpoints.glob(f"*/{kernel_id}"))
 
@@ -131,7 +122,7 @@ def test_resume_that_times_out_stops_its_process_and_stays_hibernated(tmp_path: 
     running = start_server(tmp_path, config(tmp_path / "checkpoints", resume_timeout=2))
     try:
         kernel_id = running.start_kernel("python3-gpu-small")
-        running.execute(kernel_id, slow_restore(30))
+        running.execute(kernel_id, slow_to_load_cell(30))
         assert hibernate(running, kernel_id).status == 200
 
         reply = running.request("POST", f"/api/elastic/kernels/{kernel_id}/resume")

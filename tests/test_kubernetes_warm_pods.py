@@ -23,7 +23,7 @@ from tests.support.kube import ControlPlane, require_envtest, wait_for
 
 require_envtest(module_level=True)
 
-from tests.support.gate import SLOW_TO_LOAD_CELL  # noqa: E402
+from tests.support.gate import slow_to_load_cell  # noqa: E402
 from tests.support.node_runner import NodeRunner  # noqa: E402
 from tests.support.oracle import SETUP, Reference, check_same, cycle_cell, run_both  # noqa: E402
 from tests.support.pod_cluster import PodCluster, pod_cluster  # noqa: E402
@@ -344,7 +344,7 @@ def test_deleting_a_kernel_while_it_resumes_in_a_warm_pod_frees_everything(
     with serving(cluster, tmp_path, warm_config(cluster)) as server:
         warm_ready(server, 1)
         kernel_id = server.start_kernel(SIZE)
-        server.execute(kernel_id, SLOW_TO_LOAD_CELL)  # its resume takes 3 s: one to cut into
+        server.execute(kernel_id, slow_to_load_cell(15))  # its resume takes 15 s: one to cut into
         hibernate(server, cluster, kernel_id)
         warm_ready(server, 1)
         with ThreadPoolExecutor(1) as background:

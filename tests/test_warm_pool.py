@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import elastic_config
-from tests.support.gate import SLOW_TO_LOAD_CELL
+from tests.support.gate import slow_to_load_cell
 from tests.support.server import RunningServer, launch, process_alive, start_server, wait_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -368,7 +368,7 @@ def test_deleting_a_kernel_while_it_resumes_warm_frees_everything(server: Runnin
     """The user deletes the kernel while its resume runs in the warm process: no kernel, slice or
     process is left behind, and the pool refills."""
     kernel_id = server.start_kernel("python3-gpu-small")
-    server.execute(kernel_id, SLOW_TO_LOAD_CELL)  # its resume takes 3 s: one to cut into
+    server.execute(kernel_id, slow_to_load_cell(10))  # its resume takes 10 s: one to cut into
     hibernate(server, kernel_id)
     wait_for(lambda: ready(server) == 1, timeout=60, what="the pool to refill")
     pool = warm_pids(server)

@@ -51,13 +51,15 @@ class Gate:
         return "def __gated_cell():\n" + self._wait_source(limit) + "__gated_cell()\n"
 
 
-#: A cell binding ``slow``, a variable whose loading takes 3 s (unpickling calls ``time.sleep``):
-#: a resume a test can cut into (delete the kernel while it restores) without a gate, since the
-#: restoring process is a new one the test cannot reach.
-SLOW_TO_LOAD_CELL = (
-    "class SlowToLoad:\n"
-    "    def __reduce__(self):\n"
-    "        import time\n"
-    "        return (time.sleep, (3,))\n"
-    "slow = SlowToLoad()"
-)
+def slow_to_load_cell(seconds: float) -> str:
+    """A cell binding ``slow``, a variable whose loading takes ``seconds`` (unpickling calls
+    ``time.sleep``): a resume a test can cut into (delete the kernel while it restores, let it run
+    past a timeout) without a gate, since the restoring process is a new one the test cannot reach.
+    Make it long enough that a loaded CI machine still cuts in before the restore ends."""
+    return (
+        "class SlowToLoad:\n"
+        "    def __reduce__(self):\n"
+        "        import time\n"
+        f"        return (time.sleep, ({seconds},))\n"
+        "slow = SlowToLoad()\n"
+    )
