@@ -786,7 +786,8 @@ def example_manifest() -> Manifest:
         groups=[GroupRecord(0, ["x"], 0, 10, [(64, 80)])],
         totals={"bytes": 144, "saved": 1, "skipped": 1},
         timings={"total": 0.25},
-        data_sha256="00" * 32,
+        data_digest="00" * 32,
+        digest_algorithm="blake3",
         hmac="ab" * 32,
     )
 
@@ -794,6 +795,7 @@ def example_manifest() -> Manifest:
 def test_manifest_json_round_trip_and_summary() -> None:
     manifest = example_manifest()
     assert Manifest.from_json(manifest.to_json()) == manifest
+    assert '"digest_algorithm": "blake3"' in manifest.to_json()
     assert manifest.summary() == {
         "id": "ckpt-20250101T000000000000-0123abcd",
         "created": "2025-01-01T00:00:00Z",
@@ -900,16 +902,17 @@ def test_pickle_streams_hold_no_big_buffers(kdir: Path) -> None:
     assert pickle.loads(stream, buffers=buffers)["a"].shape == (1 << 20,)
 
 
-def test_data_digest_does_not_depend_on_how_the_bytes_arrive() -> None:
+@pytest.mark.parametrize("algorithm", ["blake3", "sha256"])
+def test_data_digest_does_not_depend_on_how_the_bytes_arrive(algorithm: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from kernelmgr.checkpoint.integrity import DIGEST_CHUNK, DataDigest
 
     blob = os.urandom(DIGEST_CHUNK * 2 + 12345)
-    whole = DataDigest()
+    whole = DataDigest(algorithm=algorithm)
     whole.update(blob)
     with ThreadPoolExecutor(2) as pool:
-        pieces = DataDigest(pool)
+        pieces = DataDigest(pool, algorithm)
         pieces.update(blob[:100])
         mark = pieces.mark()
         pieces.update(b"junk that a failed group wrote" * 1000)
@@ -917,6 +920,61 @@ def test_data_digest_does_not_depend_on_how_the_bytes_arrive() -> None:
         for start in range(100, len(blob), 7_000_001):
             pieces.update(memoryview(blob)[start : start + 7_000_001])
         assert pieces.hexdigest() == whole.hexdigest()
-    other = DataDigest()
+    other = DataDigest(algorithm=algorithm)
     other.update(blob[:-1] + b"\x00" if blob[-1] else blob[:-1] + b"\x01")
     assert other.hexdigest() != whole.hexdigest()
+    assert DataDigest(algorithm="sha256" if algorithm == "blake3" else "blake3").hexdigest() != (
+        DataDigest(algorithm=algorithm).hexdigest()
+    )
+
+
+# --- the data digest's algorithm -------------------------------------------------------
+
+
+def test_new_checkpoints_use_blake3_and_legacy_sha256_ones_still_restore_and_are_checked(
+    kdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel without blake3 writes SHA-256 in the manifest's original shape (what every
+    checkpoint before BLAKE3 is); it restores, and a flipped byte is still refused."""
+    assert save(kdir, {"a": bytearray(b"new" * 1000)}).digest_algorithm == "blake3"
+    assert load(kdir)[0]["a"] == bytearray(b"new" * 1000)
+    monkeypatch.setattr(writer, "default_digest_algorithm", lambda: "sha256")
+    manifest = save(kdir, {"a": bytearray(b"old" * 1000)})
+    assert manifest.digest_algorithm == "sha256"
+    raw = json.loads((kdir / manifest.checkpoint_id / layout.MANIFEST_FILE).read_text())
+    assert "data_sha256" in raw and "data_digest" not in raw and "digest_algorithm" not in raw
+    assert load(kdir)[0]["a"] == bytearray(b"old" * 1000)
+    data = kdir / manifest.checkpoint_id / layout.DATA_FILE
+    blob = bytearray(data.read_bytes())
+    blob[-1] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    with pytest.raises(CheckpointRefused, match="digest"):
+        load(kdir)
+
+
+def test_a_blake3_checkpoint_where_blake3_is_missing_is_refused_and_kept(
+    kdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = save(kdir, {"a": 1})
+    monkeypatch.setitem(sys.modules, "blake3", None)  # import blake3 now raises ImportError
+    with pytest.raises(CheckpointRefused, match="blake3 package is not installed") as refused:
+        load(kdir)
+    assert refused.value.quarantined is None
+    monkeypatch.delitem(sys.modules, "blake3")
+    assert (kdir / manifest.checkpoint_id / layout.DATA_FILE).exists()
+    assert load(kdir)[0]["a"] == 1  # the same checkpoint, once blake3 is back
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"digest_algorithm": "md5"}, "unknown data digest algorithm 'md5'"),
+        ({"digest_algorithm": "sha256"}, "unknown data digest algorithm 'sha256'"),
+        ({"data_sha256": "00" * 32}, "both data_sha256 and data_digest"),
+    ],
+)
+def test_manifest_digest_fields_are_checked(change: dict[str, Any], message: str) -> None:
+    raw = json.loads(example_manifest().to_json())
+    raw.update(change)
+    with pytest.raises(ManifestError, match=message):
+        Manifest.from_dict(raw)

@@ -42,7 +42,13 @@ from typing import Any
 
 from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.fidelity import compare, fingerprint
-from kernelmgr.checkpoint.integrity import DIGEST_CHUNK, DataDigest, digest_workers, digests_match
+from kernelmgr.checkpoint.integrity import (
+    DIGEST_CHUNK,
+    DataDigest,
+    DigestUnavailable,
+    digest_workers,
+    digests_match,
+)
 from kernelmgr.checkpoint.layout import DATA_FILE
 from kernelmgr.checkpoint.serialize import RestoreContext, restoring
 from kernelmgr.checkpoint.verify import Untrusted, check_layout, load_verified_manifest, refuse
@@ -128,7 +134,7 @@ def read_payload(
     except FileNotFoundError:
         raise Untrusted(f"{DATA_FILE} is missing") from None
     with file, digest_workers() as workers:
-        digest = DataDigest(workers)
+        digest = DataDigest(workers, manifest.digest_algorithm)
         check_layout(manifest, os.fstat(file.fileno()).st_size)
         position = 0
         for offset, length, group_id, slot in [*slots, (manifest.data_bytes, 0, -1, -2)]:
@@ -150,7 +156,7 @@ def read_payload(
         if file.read(1):
             raise Untrusted(f"{DATA_FILE} is longer than the manifest says")
         actual = digest.hexdigest()
-    if not digests_match(manifest.data_sha256, actual):
+    if not digests_match(manifest.data_digest, actual):
         raise Untrusted(f"{DATA_FILE} does not match the manifest's digest: it was modified or corrupted")
     return payload
 
@@ -272,6 +278,8 @@ def restore_checkpoint(
         )
     except Untrusted as exc:
         raise refuse(directory, manifest.checkpoint_id, str(exc)) from None
+    except DigestUnavailable as exc:
+        raise CheckpointRefused(str(exc)) from None  # kept in place: the checkpoint is not at fault
     finally:
         read_done = time.perf_counter()
         if prewarm is not None:

@@ -47,6 +47,7 @@ from kernelmgr.checkpoint.integrity import (
     DIGEST_CHUNK,
     DataDigest,
     DigestMark,
+    default_digest_algorithm,
     digest_workers,
     fsync_dir,
     sign,
@@ -306,7 +307,8 @@ class _DataResult:
     records: dict[str, VariableRecord]
     groups: list[GroupRecord]
     size: int
-    sha256: str
+    digest: str
+    digest_algorithm: str
     timings: dict[str, float]
 
 
@@ -325,6 +327,7 @@ def _write_data(ns: dict[str, Any], groups: list[VariableGroup], data: _DataFile
         group_records,
         data.offset,
         digest,
+        data.digest.algorithm,
         {
             "serialize": serialize,
             "write": data.write_seconds,
@@ -400,7 +403,7 @@ def write_checkpoint(
         fd = _create(partial / DATA_FILE)
         try:
             with digest_workers() as workers:
-                data = _DataFile(fd, write_fn, DataDigest(workers))
+                data = _DataFile(fd, write_fn, DataDigest(workers, default_digest_algorithm()))
                 result = _write_data(ns, groups, data)
         finally:
             os.close(fd)
@@ -421,7 +424,8 @@ def write_checkpoint(
                 "buffers": sum(len(g.buffers) for g in result.groups),
                 "bytes": result.size,
             },
-            data_sha256=result.sha256,
+            data_digest=result.digest,
+            digest_algorithm=result.digest_algorithm,
             cells=[dict(cell) for cell in cells or ()],
         )
         timings = {"grouping": grouping, **result.timings, "total": time.perf_counter() - started}

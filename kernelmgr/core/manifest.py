@@ -200,6 +200,29 @@ def iso_utc(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, tz=timezone.utc).isoformat().replace("+00:00", "Z")
 
 
+#: The data digest of checkpoints written before the algorithm was recorded.
+LEGACY_DIGEST = "sha256"
+#: Algorithms a manifest may name for its data digest.
+DIGEST_ALGORITHMS = ("sha256", "blake3")
+
+
+def _digest_from(raw: Mapping[str, Any]) -> dict[str, str]:
+    """``data_digest`` and ``digest_algorithm`` from either JSON shape (see :class:`Manifest`)."""
+    if "data_sha256" in raw:
+        if "data_digest" in raw or "digest_algorithm" in raw:
+            raise ManifestError("manifest: both data_sha256 and data_digest are set; not written by us")
+        legacy = _check_str("data_sha256", raw["data_sha256"])
+        return {"data_digest": legacy, "digest_algorithm": LEGACY_DIGEST}
+    _require("the manifest", raw, ("data_digest", "digest_algorithm"))
+    algorithm = _check_str("digest_algorithm", raw["digest_algorithm"])
+    if algorithm not in DIGEST_ALGORITHMS or algorithm == LEGACY_DIGEST:
+        raise ManifestError(
+            f"manifest: unknown data digest algorithm {algorithm!r} (this reader knows "
+            f"{', '.join(a for a in DIGEST_ALGORITHMS if a != LEGACY_DIGEST)}, or data_sha256)"
+        )
+    return {"data_digest": _check_str("data_digest", raw["data_digest"]), "digest_algorithm": algorithm}
+
+
 _FIELDS = (
     "format",
     "checkpoint_id",
@@ -208,7 +231,6 @@ _FIELDS = (
     "created",
     "python",
     "libraries",
-    "data_sha256",
     "variables",
     "groups",
     "totals",
@@ -221,8 +243,11 @@ _FIELDS = (
 class Manifest:
     """Everything known about one checkpoint.
 
-    ``data_sha256`` is the digest of ``data.bin`` (SHA-256 over the SHA-256 of each 16 MiB
-    chunk, see ``kernelmgr.checkpoint.integrity.DataDigest``); the ``hmac`` covers every field,
+    ``data_digest`` is the digest of ``data.bin`` (the hash of each 16 MiB chunk's hash, with
+    ``digest_algorithm``: ``blake3``, or ``sha256`` for checkpoints written before BLAKE3 or
+    where it is not installed; see ``kernelmgr.checkpoint.integrity.DataDigest``). A SHA-256
+    manifest keeps its original JSON shape (one ``data_sha256`` field) so the HMAC of
+    checkpoints written before the choice existed still verifies. The ``hmac`` covers every field,
     so it covers the data too while letting the server verify a manifest without reading
     gigabytes of data (the agent checks the data digest itself, before unpickling).
     ``totals`` holds counts and ``bytes`` (the size of ``data.bin``); ``timings`` holds
@@ -239,7 +264,8 @@ class Manifest:
     groups: list[GroupRecord] = field(default_factory=list)
     totals: dict[str, int] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    data_sha256: str = ""
+    data_digest: str = ""
+    digest_algorithm: str = LEGACY_DIGEST
     hmac: str = ""
     format: str = FORMAT
     #: The cell record (``kernelmgr.checkpoint.cells``): one JSON object per executed cell,
@@ -267,7 +293,7 @@ class Manifest:
             "created": self.created,
             "python": self.python,
             "libraries": dict(self.libraries),
-            "data_sha256": self.data_sha256,
+            **self._digest_fields(),
             "variables": [v.to_dict() for v in self.variables],
             "groups": [g.to_dict() for g in self.groups],
             "totals": dict(self.totals),
@@ -278,6 +304,11 @@ class Manifest:
         if with_hmac:
             out["hmac"] = self.hmac
         return out
+
+    def _digest_fields(self) -> dict[str, str]:
+        if self.digest_algorithm == LEGACY_DIGEST:
+            return {"data_sha256": self.data_digest}
+        return {"data_digest": self.data_digest, "digest_algorithm": self.digest_algorithm}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -324,7 +355,7 @@ class Manifest:
             created=_check_number("created", raw["created"]),
             python=_check_str("python", raw["python"]),
             libraries=libraries,
-            data_sha256=_check_str("data_sha256", raw["data_sha256"]),
+            **_digest_from(raw),
             variables=variables,
             groups=groups,
             totals=totals,
