@@ -134,6 +134,12 @@ def one_round(server: RunningServer, size_mib: int, scratch: Path, cold: bool) -
         before = rss_kib(pid, "VmRSS")
         with open(f"/proc/{pid}/clear_refs", "w") as clear:
             clear.write("5")  # reset VmHWM so it measures the checkpoint's own peak
+        # The floor is written here, in the memory state the checkpoint meets: on a VM that
+        # hands free memory back to its host (virtio-balloon free page reporting, as on the
+        # machine of docs/benchmarks.md), new pages cost from 0.1 s per GiB (memory freed
+        # milliseconds before) to over 1.5 s (memory idle for seconds). After the kernel's
+        # shutdown, where it was measured before, it got the pages the shutdown had just freed.
+        write_floor = raw_write(scratch, nbytes)
         watcher = PeakWatcher(pid)
         watcher.start()
         start = time.perf_counter()
@@ -152,7 +158,6 @@ def one_round(server: RunningServer, size_mib: int, scratch: Path, cold: bool) -
         assert not result.error, result.error
     server.shutdown_kernel(kernel_id)
 
-    write_floor = raw_write(scratch, nbytes)
     if cold:
         drop_caches()  # the floor's kernel start and read are as cold as the resume's
     start = time.perf_counter()

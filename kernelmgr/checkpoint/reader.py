@@ -70,19 +70,22 @@ def _allocate(length: int) -> Buffer:
 
     Big regions get a *private* anonymous mapping (never ``MAP_SHARED``: a forked child's
     writes would show up in the parent): the kernel hands out zeroed pages on first touch,
-    so nothing is written twice, and transparent huge pages are asked for where the kernel
-    has them (fewer page faults). The mapping is unmapped when the last object using it
+    so nothing is written twice. The mapping is unmapped when the last object using it
     (the memoryview under a restored array) goes away, like a bytearray is freed.
+
+    Transparent huge pages are left to the system's policy (``always`` gives them, the
+    common default ``madvise`` does not), not asked for: a huge page is a 2 MiB allocation,
+    cheap where such blocks were just freed, slow where memory is fragmented or a VM has
+    handed its free memory back to the host in 2 MiB blocks (virtio-balloon free page
+    reporting), which is the state a kernel resumed after a long idle meets. Measured on the
+    2-core VM of docs/benchmarks.md, resuming 1 GiB with ``MADV_HUGEPAGE``: 0.79 s right
+    after the hibernation freed the memory (1.05 s without), 3.1 s with the page cache
+    dropped (1.36 s without): the loss was much larger than the gain.
     """
     private = getattr(mmap, "MAP_PRIVATE", None)
     if length < MAPPED_MIN or private is None:
         return bytearray(length)
-    region = mmap.mmap(-1, length, flags=private | getattr(mmap, "MAP_ANONYMOUS", 0))
-    huge = getattr(mmap, "MADV_HUGEPAGE", None)
-    if huge is not None:
-        with contextlib.suppress(OSError):  # no THP here: plain pages, same result
-            region.madvise(huge)
-    return region
+    return mmap.mmap(-1, length, flags=private | getattr(mmap, "MAP_ANONYMOUS", 0))
 
 
 def _readinto_fully(
