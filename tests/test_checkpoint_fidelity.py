@@ -275,6 +275,50 @@ def test_fingerprint_describes_structure_not_contents() -> None:
     }
 
 
+def test_small_arrays_are_compared_by_value(kdir: Path) -> None:
+    np = require("numpy")
+    ns = notebook(
+        """
+        import numpy as np
+
+        class Transform:
+            # Like astropy's WCS: rebuilt from a rewritten matrix, same shape and dtype.
+            def __init__(self, matrix):
+                self.matrix = np.asarray(matrix, dtype=float)
+
+            def __reduce__(self):
+                return (Transform, (np.round(self.matrix, 1),))
+
+        class Kept:
+            def __init__(self, matrix):
+                self.matrix = np.asarray(matrix, dtype=float)
+
+        rewritten = Transform([[0.123, 0.0], [0.0, 1.0]])
+        kept = Kept([[0.123, 0.0], [0.0, 1.0]])
+        table = np.linspace(0, 1, 256)
+        """
+    )
+    restored, report = round_trip(kdir, ns)
+    assert report["differs"] == {"rewritten": ".matrix: values differ"}
+    assert np.array_equal(restored["kept"].matrix, ns["kept"].matrix)
+    saved = fidelity.fingerprint(ns["rewritten"])
+    assert saved[".matrix#values"].startswith("values ")
+    # A checkpoint written before values were digested compares as before.
+    older = {path: text for path, text in saved.items() if not path.endswith(fidelity.VALUES_SUFFIX)}
+    assert fidelity.compare(older, fidelity.fingerprint(restored["rewritten"])) is None
+    # Only small arrays of plain values: bigger ones and object arrays are never read.
+    limit = fidelity.SMALL_ARRAY_BYTES
+    assert "#values" in fidelity.fingerprint(np.zeros(limit, dtype=np.uint8))
+    assert "#values" not in fidelity.fingerprint(np.zeros(limit + 1, dtype=np.uint8))
+    assert "#values" not in fidelity.fingerprint(np.array([object(), object()]))
+    # A changed shape is named once, not again as changed values.
+    before = {"": "T", ".m": "numpy.ndarray shape=(2,) dtype=int64", ".m#values": "values 1"}
+    after = {"": "T", ".m": "numpy.ndarray shape=(3,) dtype=int64", ".m#values": "values 2"}
+    assert fidelity.compare(before, after) == (
+        ".m: numpy.ndarray shape=(2,) dtype=int64 -> numpy.ndarray shape=(3,) dtype=int64"
+    )
+
+
 def test_the_report_text_names_what_differs() -> None:
     report = {
         "restored": ["a", "b"],

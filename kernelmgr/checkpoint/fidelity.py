@@ -16,8 +16,14 @@ graph, breadth first and bounded (:data:`MAX_ENTRIES` entries, :data:`MAX_DEPTH`
   small atoms (``bool``, ``int``, ``float``, ``None``, short ``str``) and whether a callable
   attribute is set at all.
 
-It never reads array contents (a GPU tensor is never touched), so it costs the same for a
-kilobyte and a gigabyte. What it deliberately ignores, because it changes on every restore
+It reads array contents only for small NumPy arrays (:data:`SMALL_ARRAY_BYTES` or less, no
+Python objects inside): their bytes are digested into a separate ``"<path>#values"`` entry,
+so a matrix a library's reducer rebuilt with other numbers (a WCS transform, a colour map's
+table) is reported, not only one whose shape changed. Bigger arrays and every tensor are
+described by metadata alone (a GPU tensor is never touched), so a fingerprint costs about the
+same for a kilobyte and a gigabyte. The ``#values`` entry is separate so that a checkpoint
+written before it existed compares as before (paths only the restored value has are not
+differences). What it deliberately ignores, because it changes on every restore
 without anything being lost: attributes whose name says *cache*, *lock*, *stale* (a
 "needs redrawing" flag) or *in_process* (waiting for a frontend), private attributes
 below the variable's own, the identity of objects (``id``, addresses in ``repr``) and a
@@ -32,6 +38,7 @@ are gone, or whose description changed, are.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import sys
 from collections import deque
@@ -51,6 +58,9 @@ SHORT_STR = 24
 _DESCRIPTION_LIMIT = 80
 #: Differences named in one reason.
 MAX_REASONS = 3
+#: NumPy arrays up to this size get their values digested (``"<path>#values"``).
+SMALL_ARRAY_BYTES = 4096
+VALUES_SUFFIX = "#values"
 
 #: Attribute names that hold derived or process-local state (ignored).
 _VOLATILE_NAME = re.compile(r"cache|lock|_id$|^_?id_|mutex|thread|(^|_)stale$|in_process", re.IGNORECASE)
@@ -104,6 +114,21 @@ def _tensor_like(obj: Any) -> str | None:
     if numpy is not None and isinstance(obj, numpy.ndarray):
         return f"shape={obj.shape} dtype={obj.dtype}"
     return None
+
+
+def small_array_digest(obj: Any) -> str | None:
+    """A digest of a small NumPy array's values (dtype and shape included), else ``None``.
+
+    Arrays holding Python objects are left out: their bytes are addresses.
+    """
+    numpy = sys.modules.get("numpy")
+    if numpy is None or not isinstance(obj, numpy.ndarray):
+        return None
+    if obj.nbytes > SMALL_ARRAY_BYTES or obj.dtype.hasobject:
+        return None
+    digest = hashlib.blake2b(f"{obj.dtype.str}{obj.shape}".encode(), digest_size=8)
+    digest.update(obj.tobytes())
+    return f"values {digest.hexdigest()}"
 
 
 def describe(obj: Any) -> str:
@@ -188,9 +213,12 @@ def fingerprint(obj: Any) -> dict[str, str]:
             continue
         try:
             out[path] = describe(value)
+            values = small_array_digest(value)
         except Exception:
             out[path] = "?"
             continue
+        if values is not None and len(out) < MAX_ENTRIES:
+            out[path + VALUES_SUFFIX] = values
         if depth >= MAX_DEPTH or id(value) in seen:
             continue
         seen.add(id(value))
@@ -253,8 +281,14 @@ def compare(saved: Mapping[str, str], restored: Mapping[str, str]) -> str | None
         after = restored.get(path)
         if after == before or (after is None and _depth(path) > reached):
             continue
-        if any(path.startswith(parent) and path[len(parent)] in ".[" for parent in reported):
+        if any(path.startswith(parent) and path[len(parent)] in ".[#" for parent in reported):
             continue  # below a path already named: its own difference says it
+        if path.endswith(VALUES_SUFFIX):
+            if after is None:
+                continue  # nothing to compare with: what changed about the array says it
+            reported.append(path)
+            reasons.append(f"{path.removesuffix(VALUES_SUFFIX) or 'the value'}: values differ")
+            continue
         reported.append(path)
         where = path or "the value"
         if after is None:
