@@ -67,3 +67,21 @@ def test_the_rule_catches_a_violation(tmp_path: Path) -> None:
     fake.mkdir()
     (fake / "bad.py").write_text("from tornado import web\n")
     assert violations(fake, FORBIDDEN_IN_CORE) == ["core/bad.py imports tornado"]
+
+
+def test_core_public_names_resolve_lazily_and_agree() -> None:
+    # kernelmgr.core lists its public names three times (type-checking imports, _HOMES,
+    # __all__) so static tools see them; they must agree and each must resolve to its home.
+    import importlib
+    import subprocess
+    import sys
+
+    import kernelmgr.core as core
+
+    assert sorted(core.__all__) == sorted(core._HOMES)
+    for name, home in core._HOMES.items():
+        assert getattr(core, name) is getattr(importlib.import_module(f"kernelmgr.core.{home}"), name)
+    # What the in-kernel agent imports must not pull in the allocator and the rest.
+    probe = "import sys, kernelmgr.core.errors; print('kernelmgr.core.allocator' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
