@@ -127,6 +127,42 @@ def test_two_cycles_in_a_row(server: RunningServer) -> None:
     )
 
 
+HOLDS_A_FILE = """
+class Holder:
+    def __init__(self, path, marker):
+        self.me = self  # a reference cycle: only the garbage collector frees it
+        self.marker = marker
+        self.file = open(path, "w")  # buffered: nothing written has reached the disk yet
+        self.file.write("kept " * 100)
+    def __del__(self):
+        open(self.marker, "w").write("finalized")
+held = Holder({data!r}, {marker!r})
+"""
+
+
+def test_the_kernel_exit_after_the_checkpoint_flushes_open_files(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    """The hibernated kernel exits without the last garbage collections (quick_exit), yet a file
+    the notebook left open, held by an object in a cycle, is on disk when hibernate returns.
+    A kernel shut down with unsaved changes exits the ordinary way: its cycle is finalized."""
+    hibernated = server.start_kernel("python3-gpu-small")
+    server.execute(
+        hibernated, HOLDS_A_FILE.format(data=str(tmp_path / "a.txt"), marker=str(tmp_path / "a.del"))
+    )
+    assert hibernate(server, hibernated).status == 200
+    assert (tmp_path / "a.txt").read_text() == "kept " * 100
+    assert not (tmp_path / "a.del").exists()
+
+    shut_down = server.start_kernel("python3-gpu-small")
+    server.execute(
+        shut_down, HOLDS_A_FILE.format(data=str(tmp_path / "b.txt"), marker=str(tmp_path / "b.del"))
+    )
+    server.shutdown_kernel(shut_down)
+    wait_for(lambda: (tmp_path / "b.del").exists(), what="the ordinary exit to finalize the cycle")
+    assert (tmp_path / "b.txt").read_text() == "kept " * 100
+
+
 def test_cell_numbers_go_on_from_the_kernels_own_count(server: RunningServer) -> None:
     """The number comes from the kernel, not from the server's IOPub watcher.
 

@@ -47,6 +47,7 @@ agent prints nothing else: everything else goes to the kernel's log.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -66,6 +67,7 @@ from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_key_file
 from kernelmgr.checkpoint.layout import RESTORE_REPORT, write_file_atomic
 from kernelmgr.checkpoint.namespace import UserNamespace
 from kernelmgr.checkpoint.progress import ProgressFile
+from kernelmgr.checkpoint.quick_exit import install as install_quick_exit
 from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
 from kernelmgr.checkpoint.recompute import DEFAULT_LIMIT, replay
 from kernelmgr.checkpoint.verify import load_verified_manifest
@@ -228,6 +230,15 @@ class _Agent:
         self._started_at = 0.0
         shell.events.register("pre_run_cell", self._cell_started)
         shell.events.register("post_run_cell", self._cell_finished)
+        # The exit after a hibernation's checkpoint skips the interpreter's final collections.
+        self._exit_hook = install_quick_exit(shell, self._saved_and_idle, self.log)
+
+    def namespace_is_saved(self) -> bool:
+        """True when a checkpoint committed and no user cell has finished since."""
+        return self.saved_at_cell is not None and self.saved_at_cell == self.cells_run
+
+    def _saved_and_idle(self) -> bool:
+        return self.namespace_is_saved() and not self.busy
 
     def _ids(self) -> dict[str, int]:
         """``id()`` of every value in the namespace: one dict pass, twice per cell; which names
@@ -301,7 +312,7 @@ class _Agent:
         first; if that one committed, the state is saved and nothing more is written.
         """
         with self._writing:
-            if self.saved_at_cell is not None and self.saved_at_cell == self.cells_run:
+            if self.namespace_is_saved():
                 self.log.info("the namespace is unchanged since the last checkpoint; nothing to write")
                 return None
             return self._checkpoint_locked()
@@ -483,6 +494,7 @@ class _Agent:
 
     def unload(self) -> None:
         self.unregister()
+        atexit.unregister(self._exit_hook)
         for event, hook in (
             ("pre_run_cell", self._cell_started),
             ("post_run_cell", self._cell_finished),
