@@ -43,13 +43,17 @@ def store(tmp_path: Path) -> CheckpointStore:
 
 @pytest.fixture(autouse=True)
 def isolate(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Shells replace ``sys.modules['__main__']``; put pytest's back afterwards."""
+    """Shells replace ``sys.modules['__main__']``; put pytest's back afterwards. The agent a test
+    loaded is unloaded with it: its exit hook (``quick_exit``) belongs to a kernel's exit, not
+    to pytest's."""
     main = sys.modules["__main__"]
     names = (agent.ENV_DIR, ENV_KEY_FILE, agent.ENV_KERNEL_ID, agent.ENV_OWNER, agent.ENV_RESTORE)
     for name in (*names, agent.ENV_RESTORE_CHECKPOINT, agent.ENV_KEY_REMOVED, agent.ENV_SERVER_PID):
         monkeypatch.delenv(name, raising=False)
     yield
     sys.modules["__main__"] = main
+    if agent._AGENT is not None:
+        agent.unload_ipython_extension(agent._AGENT.shell)
     agent._AGENT = None
 
 

@@ -85,10 +85,10 @@ NOTEBOOK = {
             "outputs": [],
             "source": "import os, socket\nx = 41\nbig = bytearray(400 * 2**20)\n"
             "sock = socket.socket()\n"
-            "class SlowToLoad:  # loads back in 3 s, as a large model's state would\n"
+            "class SlowToLoad:  # loads back in 6 s, as a large model's state would\n"
             "    def __reduce__(self):\n"
             "        import time\n"
-            "        return (time.sleep, (3,))\n"
+            "        return (time.sleep, (6,))\n"
             "slow = SlowToLoad()\n"
             "os.getpid()",
         },
@@ -264,7 +264,8 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     shots("jupyterlab-resume-waiting")
     server.shutdown_kernel(holders[0])
     # Reading the 400 MiB back takes under a second here, less than one poll; loading the
-    # variables (``slow`` takes 3 s) follows the read, and the status shows how much was read.
+    # variables (``slow`` takes 6 s: six polls, room for a loaded machine) follows the read, and
+    # the status shows how much was read.
     # The phase's figures while the read is under way: tests/test_lab_api.py.
     expect(status).to_have_text(
         re.compile(r"^GPU small · resuming: restoring 40\d of 40\d MiB$"), timeout=30_000

@@ -44,7 +44,9 @@ def open_files() -> list[Any]:
     Found through the garbage collector's list of tracked objects, which holds every file
     object (they are containers), reachable or not, except those already frozen.
     """
-    files: list[Any] = [obj for obj in gc.get_objects() if isinstance(obj, BUFFERED_FILES)]
+    # ``type()``, not ``isinstance``: the latter reads ``__class__``, which proxies and
+    # deprecated module attributes answer with warnings (or work).
+    files: list[Any] = [obj for obj in gc.get_objects() if issubclass(type(obj), BUFFERED_FILES)]
     files.sort(key=lambda obj: not isinstance(obj, io.TextIOWrapper))
     return files
 
