@@ -209,10 +209,12 @@ class JupyterKernelPlatform:
         client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
         pid = self.h._pid(km)
         try:
+            # Both requests at once: the kernel answers its shell requests in order, so the
+            # checkpoint does not wait a round trip for the kernel_info reply.
             info_id = client.kernel_info()
-            info = await self.h._reply(client, info_id, 30, km, pid)
             msg_id = client.execute(CHECKPOINT_CODE, silent=True, store_history=False, allow_stdin=False)
             self.h.activity.internal(msg_id)  # the server's own request is not the user's activity
+            info = await self.h._reply(client, info_id, 30, km, pid)
             reply = await self.h._reply(client, msg_id, self.h.checkpoint_timeout, km, pid)
         finally:
             client.stop_channels()
