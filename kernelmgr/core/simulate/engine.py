@@ -67,7 +67,10 @@ class DelayModel:
     page-cache-dropped table (the usual case after hours idle): resume to first reply of a
     0 MiB kernel 0.986 s (``start_s``); 1024 MiB 1.606 s, so the extra 1024 MiB read at about
     1024 / 0.620 = 1650 MiB/s (``read_mib_s``). Hibernation: a fixed 0.27 s (0 MiB row) plus the
-    checkpoint, 1.06 s per 1024 MiB, about 965 MiB/s (``write_mib_s``, warm table).
+    checkpoint, 1.06 s per 1024 MiB, about 965 MiB/s (``write_mib_s``, warm table). That run
+    has since been superseded there (later runs: ~0.08 s fixed, 0.5-0.6 s per GiB written, resume
+    0.5-0.7 s at 0 MiB), so these defaults overstate the delays somewhat; they are kept so that
+    simulations, and the tables in docs/benchmarks.md made with them, stay comparable.
     """
 
     start_s: float = 0.99
