@@ -163,6 +163,22 @@ def test_the_kernel_exit_after_the_checkpoint_flushes_open_files(
     assert (tmp_path / "b.txt").read_text() == "kept " * 100
 
 
+def test_files_left_open_reach_the_disk_at_every_hibernation(server: RunningServer, tmp_path: Path) -> None:
+    """Cycle after cycle (each resume is a new process, whose agent starts counting afresh), the
+    kernel's exit after the checkpoint flushes what the notebook wrote and never closed."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    log = tmp_path / "cycles.log"
+    with server.channel(kernel_id) as chan:
+        for cycle in range(1, 4):
+            # Unclosed, and buffered: nothing reaches the disk until a flush.
+            result = chan.execute(
+                f"log = open({str(log)!r}, 'a'); log.write('cycle {cycle}\\n')", timeout=120
+            )
+            assert not result.error, result.error
+            assert hibernate(server, kernel_id).status == 200
+            assert log.read_text().splitlines() == [f"cycle {n}" for n in range(1, cycle + 1)]
+
+
 def test_cell_numbers_go_on_from_the_kernels_own_count(server: RunningServer) -> None:
     """The number comes from the kernel, not from the server's IOPub watcher.
 
