@@ -458,6 +458,9 @@ config.HistoryManager.hist_file = ":memory:"
 shell = InteractiveShell(config=config)
 shell.extension_manager.load_extension("kernelmgr.checkpoint.agent")
 shell.run_cell("x = 1", store_history=True).raise_error()
+# Left open, its bytes still in the buffer: the exit must not drop them.
+cell = f"notes = open({sys.argv[1]!r}, 'w'); notes.write('unsaved work');"
+shell.run_cell(cell, store_history=True).raise_error()
 print("ready", flush=True)
 shell.run_cell("import time; time.sleep(1.5); y = 2", store_history=True).raise_error()
 time.sleep(30)
@@ -465,7 +468,9 @@ print("the watchdog did not fire", flush=True)
 """
 
 
-def test_a_kernel_checkpoints_itself_and_exits_when_its_server_dies(store: CheckpointStore) -> None:
+def test_a_kernel_checkpoints_itself_and_exits_when_its_server_dies(
+    store: CheckpointStore, tmp_path: Path
+) -> None:
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     env = {
         **os.environ,
@@ -474,7 +479,7 @@ def test_a_kernel_checkpoints_itself_and_exits_when_its_server_dies(store: Check
         "PYTHONPATH": str(ROOT),
     }
     kernel = subprocess.Popen(
-        [sys.executable, "-c", KERNEL_THAT_OUTLIVES_ITS_SERVER],
+        [sys.executable, "-c", KERNEL_THAT_OUTLIVES_ITS_SERVER, str(tmp_path / "notes.txt")],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -495,3 +500,4 @@ def test_a_kernel_checkpoints_itself_and_exits_when_its_server_dies(store: Check
     assert "did not fire" not in out
     summary = store.summary(OWNER, KERNEL)
     assert summary is not None and summary["saved"] == ["x", "time", "y"]  # waited for the running cell
+    assert (tmp_path / "notes.txt").read_text() == "unsaved work"  # flushed before the exit

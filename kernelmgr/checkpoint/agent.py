@@ -67,6 +67,7 @@ from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_key_file
 from kernelmgr.checkpoint.layout import RESTORE_REPORT, write_file_atomic
 from kernelmgr.checkpoint.namespace import UserNamespace
 from kernelmgr.checkpoint.progress import ProgressFile
+from kernelmgr.checkpoint.quick_exit import flush, open_files
 from kernelmgr.checkpoint.quick_exit import install as install_quick_exit
 from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
 from kernelmgr.checkpoint.recompute import DEFAULT_LIMIT, replay
@@ -523,7 +524,9 @@ class _Agent:
             agent = _AGENT if _AGENT is not None else self
             return agent.busy
 
-        _WATCHDOG = ServerWatchdog(pid, on_server_gone=checkpoint_and_report, is_busy=busy)
+        _WATCHDOG = ServerWatchdog(
+            pid, on_server_gone=checkpoint_and_report, is_busy=busy, before_exit=lambda: flush(open_files())
+        )
         _WATCHDOG.start()
         self.log.info("watching the server (pid %d): checkpoint and exit when it is gone", pid)
 

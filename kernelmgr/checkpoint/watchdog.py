@@ -2,9 +2,10 @@
 
 Elastic kernels are launched without ipykernel's parent poller (which calls ``os._exit`` the
 moment the server's process disappears, mid-checkpoint or not). Instead this watchdog notices
-the server is gone, waits until no cell is running, checkpoints the namespace and exits. The
-next server start finds the committed checkpoint and lists the kernel as hibernated, so a
-crashed or killed server costs the user nothing but a resume.
+the server is gone, waits until no cell is running, checkpoints the namespace, flushes the files
+the notebook left open (the exit is ``os._exit``, from this thread: the main thread sits in the
+kernel's event loop) and exits. The next server start finds the committed checkpoint and lists
+the kernel as hibernated, so a crashed or killed server costs the user nothing but a resume.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class ServerWatchdog:
         is_busy: Callable[[], bool],
         interval: float = 1.0,
         exit_process: Callable[[int], None] = os._exit,
+        before_exit: Callable[[], object] | None = None,
     ) -> None:
         self.server_pid = server_pid
         self.original_ppid = os.getppid()
@@ -52,6 +54,10 @@ class ServerWatchdog:
         self.is_busy = is_busy
         self.interval = interval
         self.exit_process = exit_process
+        #: Runs just before the exit, whether the checkpoint committed or not: ``os._exit`` skips
+        #: the interpreter's shutdown, so whatever must reach the disk (the files the notebook
+        #: left open) is flushed here.
+        self.before_exit = before_exit
         self._thread = threading.Thread(target=self._run, name="elastic-server-watchdog", daemon=True)
 
     def start(self) -> None:
@@ -69,4 +75,9 @@ class ServerWatchdog:
         except Exception:
             log.exception("checkpoint after the server died failed; the previous checkpoint is kept")
             code = 1
+        if self.before_exit is not None:
+            try:
+                self.before_exit()
+            except Exception:
+                log.exception("could not flush before exiting")
         self.exit_process(code)
