@@ -387,6 +387,96 @@ def test_big_buffers_are_read_into_private_mappings_and_small_ones_into_bytearra
         assert big[:4] == b"abcd", "a child's writes must not reach the parent (MAP_PRIVATE)"
 
 
+def mapped_file(address: int) -> str | None:
+    """The file mapped at ``address`` in this process (``/proc/self/maps``), if any."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        low, high = (int(part, 16) for part in fields[0].split("-"))
+        if low <= address < high:
+            return fields[5] if len(fields) == 6 and fields[5].startswith("/") else None
+    return None
+
+
+def test_mapped_restore_gives_writable_copy_on_write_arrays_and_never_writes_the_file(kdir: Path) -> None:
+    """``map_buffers``: big buffers are views of ``data.bin`` mapped privately. Several arrays,
+    so that most start off a page boundary; writes reach the arrays, never the file (a second
+    restore still verifies and sees the saved values); small ones are read as before."""
+    np = pytest.importorskip("numpy")
+    ns = {
+        "a": np.arange(300_000, dtype=np.float64),  # 2.3 MiB
+        "b": np.full((700, 500), 3, dtype=np.int32),  # 1.3 MiB
+        "c": np.arange(1000, dtype=np.int16),  # small: read into a bytearray
+        "d": np.linspace(0, 1, 200_001),
+    }
+    manifest = save(kdir, ns)
+    offsets = [offset for group in manifest.groups for offset, length in group.buffers if length >= 1 << 20]
+    assert len(offsets) == 3 and any(offset % mmap.ALLOCATIONGRANULARITY for offset in offsets)
+    data = kdir / manifest.checkpoint_id / "data.bin"
+    before = data.read_bytes()
+    r, report = load(kdir, map_buffers=True)
+    assert report["restored"] == ["a", "b", "c", "d"]
+    for name, value in ns.items():
+        assert r[name].dtype == value.dtype and r[name].shape == value.shape, name
+        assert np.array_equal(r[name], value), name
+    for name in ("a", "b", "d"):
+        assert mapped_file(r[name].ctypes.data) == str(data), name  # not read into new memory
+        assert r[name].flags.writeable and r[name].ctypes.data % ALIGN == 0, name
+    assert mapped_file(r["c"].ctypes.data) is None
+    r["a"][:] = -1
+    r["b"][0, 0] = 99
+    r["d"][-1] = 7.5
+    assert data.read_bytes() == before
+    again, _ = load(kdir, map_buffers=True)
+    assert np.array_equal(again["a"], ns["a"]) and again["b"][0, 0] == 3 and again["d"][-1] == 1.0
+
+
+def test_mapped_arrays_outlive_their_pruned_checkpoint(kdir: Path) -> None:
+    """The next checkpoint commits and the old one is pruned while its arrays are still mapped."""
+    np = pytest.importorskip("numpy")
+    first = save(kdir, {"x": np.arange(400_000, dtype=np.float64)})
+    r, _ = load(kdir, map_buffers=True)
+    second = save(kdir, {"x": r["x"] * 2})
+    layout.remove_stale(kdir, keep=second.checkpoint_id)
+    assert not (kdir / first.checkpoint_id).exists() and (kdir / second.checkpoint_id).exists()
+    assert r["x"][-1] == 399_999 and float(r["x"].sum()) == float(np.arange(400_000).sum())
+    r2, _ = load(kdir, map_buffers=True)
+    assert r2["x"][-1] == 799_998
+
+
+def test_a_tampered_array_is_refused_when_mapped_too(kdir: Path) -> None:
+    np = pytest.importorskip("numpy")
+    manifest = save(kdir, {"x": np.zeros(300_000)})
+    data = kdir / manifest.checkpoint_id / "data.bin"
+    offset, length = manifest.groups[0].buffers[0]
+    with open(data, "r+b") as handle:
+        handle.seek(offset + length // 2)
+        handle.write(b"\x01")
+    with pytest.raises(CheckpointRefused, match="digest"):
+        load(kdir, map_buffers=True)
+
+
+def test_a_file_that_cannot_be_mapped_is_read(kdir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    np = pytest.importorskip("numpy")
+    from kernelmgr.checkpoint import reader
+
+    save(kdir, {"x": np.arange(300_000, dtype=np.float64)})
+
+    def no_mapping(fileno: int, *args: Any, **kwargs: Any) -> mmap.mmap:
+        if fileno != -1:
+            raise OSError(errno.ENODEV, "No such device")  # what a file system without mmap says
+        return real_mmap(fileno, *args, **kwargs)
+
+    real_mmap = mmap.mmap
+    monkeypatch.setattr(reader.mmap, "mmap", no_mapping)
+    r, _ = load(kdir, map_buffers=True)
+    base: Any = r["x"]
+    while isinstance(base, np.ndarray):
+        base = base.base
+    assert isinstance(base, memoryview) and isinstance(base.obj, real_mmap)
+    assert mapped_file(r["x"].ctypes.data) is None  # anonymous memory, read into
+    assert np.array_equal(r["x"], np.arange(300_000, dtype=np.float64))
+
+
 def fake_sync_file_range(code: int, calls: list[tuple[int, int, int]]) -> Callable[[], Any]:
     """Stands in for libc's ``sync_file_range``: fails every call with ``code`` (0: succeeds)."""
     import ctypes

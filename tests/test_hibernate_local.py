@@ -179,6 +179,32 @@ def test_files_left_open_reach_the_disk_at_every_hibernation(server: RunningServ
             assert log.read_text().splitlines() == [f"cycle {n}" for n in range(1, cycle + 1)]
 
 
+WHERE_IS_BIG = """
+def mapped_file(address):
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        low, high = (int(part, 16) for part in fields[0].split("-"))
+        if low <= address < high:
+            return fields[5].strip() if len(fields) == 6 else "anonymous"
+print(mapped_file(big.ctypes.data).rsplit("/", 1)[-1], big[:3].tolist(), big.sum())
+"""
+
+
+def test_a_resumed_local_kernel_maps_its_big_arrays_from_the_checkpoint(server: RunningServer) -> None:
+    """Local kernels restore big arrays as private mappings of data.bin (no read into new memory);
+    what the notebook then writes into them is its own, and the next cycle saves it."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id) as chan:
+        assert not chan.execute("import numpy as np; big = np.arange(500_000.0)").error
+        assert hibernate(server, kernel_id).status == 200
+        where = chan.execute(WHERE_IS_BIG, timeout=120).stdout.split(maxsplit=1)
+        assert where == ["data.bin", "[0.0, 1.0, 2.0] 124999750000.0\n"]
+        assert not chan.execute("big[:3] = -1").error
+        assert hibernate(server, kernel_id).status == 200
+        where = chan.execute(WHERE_IS_BIG, timeout=120).stdout.split(maxsplit=1)
+        assert where == ["data.bin", "[-1.0, -1.0, -1.0] 124999749994.0\n"]
+
+
 def test_cell_numbers_go_on_from_the_kernels_own_count(server: RunningServer) -> None:
     """The number comes from the kernel, not from the server's IOPub watcher.
 

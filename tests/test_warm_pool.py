@@ -42,7 +42,7 @@ print(_j.dumps({
 del _j, _o, _s
 """
 #: Variables that differ between a first start and a resume on the cold path too.
-RESUME_ONLY = {"ELASTIC_RESTORE", "ELASTIC_RESTORE_CHECKPOINT"}
+RESUME_ONLY = {"ELASTIC_RESTORE", "ELASTIC_RESTORE_CHECKPOINT", "ELASTIC_RESTORE_MAPPED"}
 
 
 def warm_config(checkpoints: Path, **pool: Any) -> dict[str, Any]:

@@ -16,6 +16,9 @@ environment variables when it starts the kernel:
 ``ELASTIC_RESTORE_CHECKPOINT``  with ``ELASTIC_RESTORE=1``: the id of the checkpoint the server
                             verified; any other committed checkpoint is refused (an older one
                             put back in place verifies under the same key)
+``ELASTIC_RESTORE_MAPPED``  optional: ``1`` maps big arrays from the checkpoint file instead of
+                            reading them (copy-on-write; set by the local provisioner, where only
+                            the server's own user can rewrite that file)
 ``ELASTIC_RECOMPUTE_SECONDS``  optional: the time limit (seconds) for re-running cells on
                             resume to rebuild unsaved variables (default 30; ``0`` disables it)
 ``ELASTIC_SERVER_PID``      optional: the server's pid. Kernels are launched independent of the
@@ -81,6 +84,7 @@ ENV_KERNEL_ID = "ELASTIC_KERNEL_ID"
 ENV_OWNER = "ELASTIC_OWNER"
 ENV_RESTORE = "ELASTIC_RESTORE"
 ENV_RESTORE_CHECKPOINT = "ELASTIC_RESTORE_CHECKPOINT"
+ENV_RESTORE_MAPPED = "ELASTIC_RESTORE_MAPPED"
 ENV_SERVER_PID = "ELASTIC_SERVER_PID"
 ENV_RECOMPUTE_SECONDS = "ELASTIC_RECOMPUTE_SECONDS"
 
@@ -101,6 +105,8 @@ class AgentConfig:
     restore: bool = False
     #: The checkpoint the server verified and expects to be restored (with ``restore``).
     restore_checkpoint: str | None = None
+    #: Map big arrays from ``data.bin`` instead of reading them (``reader._map_region``).
+    restore_mapped: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> AgentConfig | None:
@@ -132,6 +138,7 @@ class AgentConfig:
             owner=env[ENV_OWNER],
             restore=env.get(ENV_RESTORE, "") == "1",
             restore_checkpoint=env.get(ENV_RESTORE_CHECKPOINT) or None,
+            restore_mapped=env.get(ENV_RESTORE_MAPPED, "") == "1",
         )
 
 
@@ -361,6 +368,7 @@ class _Agent:
                 kernel_id=self.config.kernel_id,
                 expected_checkpoint=self.expected_checkpoint(),
                 on_read=ProgressFile(Path(directory)),
+                map_buffers=self.config.restore_mapped,
             )
             if report is None:
                 report = refused_report(

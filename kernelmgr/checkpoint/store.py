@@ -81,13 +81,16 @@ class CheckpointStore:
         key_file: str | os.PathLike[str],
         restore: bool,
         restore_checkpoint: str | None = None,
+        restore_mapped: bool = False,
     ) -> dict[str, str]:
         """The environment variables the agent reads (see :mod:`kernelmgr.checkpoint.agent`).
 
         ``key_file`` is where the caller put (or will mount) this owner's key; the key itself
         is not in the environment. With ``restore``, ``restore_checkpoint`` is the id of the
         checkpoint the server verified when the kernel hibernated: the agent refuses any other
-        (an older checkpoint put back in place must not be restored silently).
+        (an older checkpoint put back in place must not be restored silently). ``restore_mapped``:
+        the agent may map big arrays from the checkpoint file (only where no one but the
+        server's own user can rewrite it: see ``reader._map_region``).
         """
         env = {
             "ELASTIC_CHECKPOINT_DIR": str(self.kernel_dir(owner, kernel_id)),
@@ -98,6 +101,8 @@ class CheckpointStore:
         }
         if restore and restore_checkpoint:
             env["ELASTIC_RESTORE_CHECKPOINT"] = restore_checkpoint
+        if restore and restore_mapped:
+            env["ELASTIC_RESTORE_MAPPED"] = "1"
         return env
 
     def latest(self, owner: str, kernel_id: str) -> Manifest | None:

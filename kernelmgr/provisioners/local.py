@@ -80,6 +80,9 @@ def agent_environment(runtime: ElasticRuntime, record: ManagedKernel, key_file: 
         key_file=key_file,
         restore=record.restore_on_start,
         restore_checkpoint=record.restore_checkpoint,
+        # The checkpoint root belongs to the server's OS user, as the kernels do: mapping the
+        # arrays gives no one else a way in (kernel pods share volumes, so they read).
+        restore_mapped=True,
     )
     env["ELASTIC_SERVER_PID"] = str(os.getpid())
     return env
