@@ -430,6 +430,21 @@ def test_mapped_restore_gives_writable_copy_on_write_arrays_and_never_writes_the
     assert np.array_equal(again["a"], ns["a"]) and again["b"][0, 0] == 3 and again["d"][-1] == 1.0
 
 
+def test_torch_tensors_restore_from_mapped_buffers(kdir: Path) -> None:
+    """A tensor's storage is rebuilt over the mapped region (``torch.frombuffer``), writable, and
+    the module's parameters come back equal."""
+    torch = pytest.importorskip("torch")
+    ns = {"t": torch.arange(400_000, dtype=torch.float32), "layer": torch.nn.Linear(600, 600)}
+    manifest = save(kdir, ns)
+    data = kdir / manifest.checkpoint_id / "data.bin"
+    r, report = load(kdir, map_buffers=True)
+    assert report["restored"] == ["t", "layer"] and not report["not_restored"]
+    assert torch.equal(r["t"], ns["t"]) and torch.equal(r["layer"].weight, ns["layer"].weight)
+    assert mapped_file(r["t"].data_ptr()) == str(data)
+    r["t"][0] = 5
+    assert r["t"][0] == 5 and torch.equal(load(kdir, map_buffers=True)[0]["t"], ns["t"])
+
+
 def test_mapped_arrays_outlive_their_pruned_checkpoint(kdir: Path) -> None:
     """The next checkpoint commits and the old one is pruned while its arrays are still mapped."""
     np = pytest.importorskip("numpy")
