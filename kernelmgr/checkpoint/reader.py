@@ -124,10 +124,22 @@ def _map_region(file: io.RawIOBase, offset: int, length: int) -> memoryview | No
     return memoryview(mapping)[offset - start : offset - start + length]
 
 
-def _digest_mapped(view: memoryview, digest: DataDigest, on_piece: Callable[[int], None] | None) -> None:
-    """Feed a mapped region to the digest piece by piece (the pages are read as it hashes)."""
-    for start in range(0, len(view), DIGEST_CHUNK):
-        piece = view[start : start + DIGEST_CHUNK]
+def _digest_pieces(
+    target: memoryview,
+    digest: DataDigest,
+    on_piece: Callable[[int], None] | None = None,
+    fill: Callable[[memoryview], None] | None = None,
+) -> None:
+    """Feed ``target`` to the digest piece by piece, filling each piece first with ``fill``
+    (a read) unless its bytes are there already (a mapped region, read as it is hashed), so
+    hashing overlaps reading.
+
+    ``on_piece(bytes of target done)`` after each piece: progress within one large buffer.
+    """
+    for start in range(0, len(target), DIGEST_CHUNK):
+        piece = target[start : start + DIGEST_CHUNK]
+        if fill is not None:
+            fill(piece)
         digest.update(piece)
         if on_piece is not None:
             on_piece(start + len(piece))
@@ -140,21 +152,17 @@ def _readinto_fully(
     digest: DataDigest,
     on_piece: Callable[[int], None] | None = None,
 ) -> None:
-    """Fill ``target``, feeding the digest piece by piece so hashing overlaps reading.
+    """Fill ``target`` from ``file``, digesting it as it arrives (:func:`_digest_pieces`)."""
 
-    ``on_piece(bytes of target filled)`` after each piece: progress within one large buffer.
-    """
-    for start in range(0, len(target), DIGEST_CHUNK):
-        piece = target[start : start + DIGEST_CHUNK]
+    def fill(piece: memoryview) -> None:
         rest = piece
         while rest:
             count = file.readinto(rest)
             if not count:
                 raise Untrusted(f"{DATA_FILE} ended early while reading {what}")
             rest = rest[count:]
-        digest.update(piece)
-        if on_piece is not None:
-            on_piece(start + len(piece))
+
+    _digest_pieces(target, digest, on_piece, fill)
 
 
 def _report_read(on_read: Callable[[int, int], None], base: int, total: int, done: int) -> None:
@@ -204,7 +212,7 @@ def read_payload(
                 mapped = _map_region(file, offset, length)
             if mapped is not None:
                 buffer: Buffer = mapped
-                _digest_mapped(mapped, digest, piece_read)
+                _digest_pieces(mapped, digest, piece_read)
                 file.seek(offset + length)
             else:
                 buffer = _allocate(length)
