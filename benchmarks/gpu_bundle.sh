@@ -18,7 +18,11 @@
 #   python3 benchmarks/bench_gpu_resume.py --sizes 1,4 --repeat 2
 set -euo pipefail
 
-dir=${1:?usage: benchmarks/gpu_bundle.sh DIR [HAVE]}
+if [[ $# -lt 1 || $# -gt 2 || ( $# -eq 2 && ! -r "$2" ) ]]; then
+    echo "usage: benchmarks/gpu_bundle.sh DIR [HAVE]  (HAVE: a readable file naming the packages to leave out)" >&2
+    exit 2
+fi
+dir=$1
 have=${2:-}
 root=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
