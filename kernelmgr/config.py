@@ -64,9 +64,11 @@ class ElasticRuntime:
     background_checkpoint_interval: float = 0.0
     kernels: KernelRegistry = field(default_factory=KernelRegistry)
     #: Set by the server: a provisioner calls it when a running kernel vanished without being asked
-    #: (its pod deleted, evicted, lost with its node) with the reason; ``True`` means the server
-    #: takes the kernel over (hibernated from its last checkpoint), ``False`` that it has none.
-    kernel_lost: Callable[[str, str], bool] | None = None
+    #: (its pod deleted, evicted, lost with its node) with the reason and, when known, the time
+    #: (epoch seconds) Kubernetes began stopping it (a checkpoint committed after that is one the
+    #: kernel wrote at SIGTERM); ``True`` means the server takes the kernel over (hibernated from
+    #: its last checkpoint), ``False`` that it has none.
+    kernel_lost: Callable[[str, str, float | None], bool] | None = None
 
     #: Where devices come from at run time: "declared", "nvml", or "kubernetes" (the cluster's
     #: nodes, kept current by :class:`kernelmgr.kube.nodes.NodeInventorySync`, which the server

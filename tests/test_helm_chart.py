@@ -125,6 +125,7 @@ def test_lint_strict() -> None:
         ({"gateway": {"replicas": 2}}, "replicas"),
         ({"kernels": {"namespce": "x"}}, "namespce"),
         ({"kernels": {"namespaceTemplate": "jupyter-{username}"}}, "namespaceTemplate"),
+        ({"kernels": {"stopGraceSeconds": 0}}, "stopGraceSeconds"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(values: dict[str, Any], named: str, tmp_path: Path) -> None:
@@ -208,6 +209,13 @@ def test_template_renders_valid_objects_and_an_accepted_config(name: str, tmp_pa
     assert config["ElasticKernels"]["checkpoint_root"] in {
         m["mountPath"] for m in pod["containers"][0]["volumeMounts"]
     }
+
+
+def test_kernel_pods_get_the_grace_period_to_checkpoint_at_sigterm(tmp_path: Path) -> None:
+    provisioner = server_config(render({}, tmp_path))["ElasticKubernetesProvisioner"]
+    assert provisioner["stop_grace_seconds"] == 60
+    longer = render({"kernels": {"stopGraceSeconds": 300}}, tmp_path)
+    assert server_config(longer)["ElasticKubernetesProvisioner"]["stop_grace_seconds"] == 300
 
 
 def test_existing_claim_is_used_and_no_claim_is_made(tmp_path: Path) -> None:

@@ -60,7 +60,10 @@ def test_kernel_pod_executes_interrupts_and_shuts_down(
         assert labels["component"] == "kernel" and labels["kernel_id"] == kernel_id
         assert pod.metadata.annotations[kprov.SIZE_ANNOTATION] == "one"
         assert pod.spec.restart_policy == "Never"
+        assert pod.spec.termination_grace_period_seconds == 60  # time to checkpoint at SIGTERM
         container = pod.spec.containers[0]
+        env = {e.name: e.value for e in container.env}
+        assert env["ELASTIC_CHECKPOINT_ON_SIGTERM"] == "1"
         assert container.resources.limits == {"nvidia.com/gpu": "1"}
         assert container.security_context.allow_privilege_escalation is False
         assert container.security_context.capabilities.drop == ["ALL"]

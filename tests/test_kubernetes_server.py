@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import getpass
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.gate import Gate
 from tests.support.kube import ControlPlane, require_envtest, wait_for
 
 require_envtest(module_level=True)
@@ -119,31 +121,48 @@ def test_pod_without_checkpoint_claim_refuses_to_hibernate(cluster: PodCluster, 
         running.stop()
 
 
-def test_pod_deleted_externally_hibernates_from_the_last_checkpoint(
-    cluster: PodCluster, server: RunningServer
+def test_an_evicted_pod_checkpoints_its_kernel_before_it_goes(
+    cluster: PodCluster, server: RunningServer, tmp_path: Path
 ) -> None:
+    """A drain or an eviction: Kubernetes sends SIGTERM and waits the pod's grace period. The kernel
+    checkpoints what changed since its last checkpoint; the server waits for the pod to end, then
+    hibernates the kernel from that checkpoint. The next cell resumes it with nothing lost."""
+    gate = Gate(tmp_path / "gates")
     kernel_id = server.start_kernel(SIZE)
     assert server.execute(kernel_id, "x = 41; print(x)").strip() == "41"
     hibernate(server, cluster, kernel_id)
     with server.channel(kernel_id, timeout=120) as tab:
-        assert tab.execute("y = 'after the checkpoint'; print(x)").stdout.strip() == "41"
+        # ``gated`` holds the SIGTERM checkpoint at the gate: one slower than the server's polls.
+        code = f"{gate.pickled_object()}gated = Gated()\ny = 'after the checkpoint'; print(x)"
+        assert tab.execute(code).stdout.strip() == "41"
         pod = cluster.running_pod(kernel_id)
-        cluster.core.delete_namespaced_pod(pod.metadata.name, NAMESPACE)  # an admin, a drain, an eviction
+        eviction = client.V1Eviction(
+            metadata=client.V1ObjectMeta(name=pod.metadata.name, namespace=NAMESPACE)
+        )
+        cluster.core.create_namespaced_pod_eviction(pod.metadata.name, NAMESPACE, eviction)
+        wait_for(gate.is_reached, 60, "the kernel to checkpoint at SIGTERM")
+        deadline = time.monotonic() + 6  # two of the restarter's polls: the server must keep waiting
+        while time.monotonic() < deadline:
+            assert model(server, kernel_id)["state"] == "running"
+            assert cluster.pod_of(kernel_id) is not None
+            time.sleep(0.5)
+        gate.open()
 
         def lost() -> dict[str, Any] | None:
             current = model(server, kernel_id)
             return current if current["state"] == "hibernated" else None
 
-        current = wait_for(lost, 60, "the lost kernel to be hibernated from its checkpoint")
+        current = wait_for(lost, 60, "the evicted kernel to be hibernated from its own checkpoint")
         assert "lost: its pod was deleted" in current["state_reason"], current
+        assert "y" in current["checkpoint"]["saved"], current  # written at SIGTERM
         devices = server.get("/api/elastic/gpus")["devices"]
         assert all(d["slices"] == [] for d in devices), devices  # the slice went with the pod
         assert cluster.pod_of(kernel_id) is None and cluster.secrets() == []
-        result = tab.execute("print(x + 1, 'y' in globals())", timeout=120)
-    assert result.stdout.split() == ["42", "False"], result
-    assert "was lost (its pod was deleted" in result.stderr, result.stderr
+        result = tab.execute("print(x + 1, y)", timeout=120)
+    assert result.stdout.split() == ["42", "after", "the", "checkpoint"], result
+    assert "The kernel checkpointed itself first" in result.stderr, result.stderr
     assert model(server, kernel_id)["state"] == "running"
-    assert "lost" not in server.execute(kernel_id, "print('again')")  # told once
+    assert "stopped" not in server.execute(kernel_id, "print('again')")  # told once
     server.shutdown_kernel(kernel_id)
     wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
 
@@ -172,7 +191,7 @@ def test_restarted_server_adopts_running_pods_and_recovers_lost_ones(
         assert model(restarted, lost)["state"] == "hibernated"
         with restarted.channel(lost, timeout=120) as tab:
             result = tab.execute("print(z, 'w' in globals())", timeout=120)
-        assert result.stdout.split() == ["checkpointed", "False"], result
+        assert result.stdout.split() == ["checkpointed", "True"], result
         assert "its pod ended while the server was down" in result.stderr
         # Both hold their slices again, and one more kernel does not fit (two GPUs).
         devices = restarted.get("/api/elastic/gpus")["devices"]

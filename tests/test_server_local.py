@@ -285,3 +285,26 @@ def test_no_gpus_means_cpu_kernels_only(tmp_path: Path) -> None:
         assert "only CPU kernels are offered" in running.log()
     finally:
         running.stop()
+
+
+def test_kernels_stopped_with_their_server_by_sigterm_lose_nothing(tmp_path: Path) -> None:
+    """systemd stopping the server's unit sends SIGTERM to every process in it at once: the server
+    and its kernels (which run in process groups of their own). Each kernel checkpoints what
+    changed before it exits; the restarted server lists it hibernated, and the next cell has it all."""
+    running = start_server(tmp_path, CONFIG)
+    try:
+        kernel_id = running.start_kernel("python3-gpu-small")
+        pid = kernel_pid(running, kernel_id)
+        running.execute(kernel_id, "x = 41")
+        os.kill(pid, signal.SIGTERM)
+        running.process.send_signal(signal.SIGTERM)
+        running.process.wait(timeout=60)
+        wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), timeout=30, what="kernel exit")
+    finally:
+        running.stop()
+    restarted = start_server(tmp_path, CONFIG)
+    try:
+        assert restarted.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernated"
+        assert restarted.execute(kernel_id, "print(x + 1)").split()[-1] == "42"
+    finally:
+        restarted.stop()

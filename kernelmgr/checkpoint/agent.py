@@ -26,6 +26,9 @@ environment variables when it starts the kernel:
                             a :class:`~kernelmgr.checkpoint.watchdog.ServerWatchdog` then
                             checkpoints the kernel and exits it once the server is gone and no
                             cell is running, so a crashed server loses no variables
+``ELASTIC_CHECKPOINT_ON_SIGTERM``  optional: ``1`` makes SIGTERM (a pod evicted, a node drained,
+                            systemd stopping the kernels) checkpoint what changed once no cell
+                            is running, then exit (:mod:`kernelmgr.checkpoint.termination`)
 
 Restoring at load time means it happens before the kernel serves its first request, so
 the user's first cell (the one that woke the kernel) already sees the variables.
@@ -59,7 +62,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +77,7 @@ from kernelmgr.checkpoint.quick_exit import flush, open_files
 from kernelmgr.checkpoint.quick_exit import install as install_quick_exit
 from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
 from kernelmgr.checkpoint.recompute import DEFAULT_LIMIT, replay
+from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
 from kernelmgr.checkpoint.verify import load_verified_manifest
 from kernelmgr.checkpoint.writer import describe_error, write_checkpoint
 
@@ -267,6 +271,8 @@ class _Agent:
     def _cell_finished(self, result: Any = None) -> None:
         self.cells_run += 1
         self.busy = False
+        if _GUARD is not None:
+            _GUARD.cell_finished()  # a SIGTERM that came during the cell is handled now
         before, self._before = self._before, None
         info = getattr(result, "info", None)
         if before is None or info is None:
@@ -538,11 +544,60 @@ class _Agent:
         _WATCHDOG.start()
         self.log.info("watching the server (pid %d): checkpoint and exit when it is gone", pid)
 
+    def guard_termination(self) -> None:
+        """Answer SIGTERM with a checkpoint and an exit (once per process; see
+        :mod:`kernelmgr.checkpoint.termination`)."""
+        global _GUARD
+        if _GUARD is not None or self.config is None:
+            return
+        from kernelmgr.checkpoint.quick_exit import finish_saved_exit
+        from kernelmgr.checkpoint.termination import TerminationGuard, install, kernel_loop, watch_shutdown
+
+        loop = kernel_loop(self.shell)
+        if loop is None:
+            self.log.info("no kernel event loop: SIGTERM keeps its default")
+            return
+
+        def current() -> _Agent:
+            return _AGENT if _AGENT is not None else self
+
+        def checkpoint() -> None:
+            current().checkpoint_if_changed()
+
+        def before_exit() -> None:
+            agent = current()
+            if agent.namespace_is_saved():
+                finish_saved_exit(agent.shell, agent.log)  # IPython's exit work too, files flushed
+            else:
+                flush(open_files())
+
+        undo: list[Callable[[], None]] = []
+
+        def stop_guarding() -> None:  # on the control thread: the loop does it, before it stops
+            loop.add_callback(lambda: [step() for step in undo])
+
+        guard = TerminationGuard(
+            checkpoint=checkpoint,
+            is_busy=lambda: current().busy,
+            shutdown_requested=watch_shutdown(self.shell, on_request=stop_guarding),
+            schedule=loop.add_callback,
+            before_exit=before_exit,
+            log=self.log,
+        )
+        try:
+            undo.append(install(guard, loop))
+        except (ValueError, RuntimeError) as exc:
+            self.log.error("SIGTERM cannot be handled here (%s); a stopped kernel loses what changed", exc)
+            return
+        _GUARD = guard
+        self.log.info("SIGTERM checkpoints what changed, then exits")
+
 
 _AGENT: _Agent | None = None
 # ``%reload_ext`` re-runs this module in the same namespace (``importlib.reload``): what must
 # outlive that is taken over from the previous run.
 _WATCHDOG: Any = globals().get("_WATCHDOG")
+_GUARD: Any = globals().get("_GUARD")
 #: The configuration read at the first load, per shell: the key file is gone after that, so a
 #: reload (``%reload_ext``, which unloads first) reuses it.
 _CONFIGS: weakref.WeakKeyDictionary[Any, AgentConfig] = (
@@ -601,6 +656,8 @@ def load_ipython_extension(ipython: Any) -> None:
     server_pid = os.environ.get(ENV_SERVER_PID, "")
     if server_pid:
         _AGENT.watch_server(server_pid)
+    if os.environ.get(ENV_CHECKPOINT_ON_SIGTERM, "") == "1":
+        _AGENT.guard_termination()
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -85,6 +85,32 @@ def finish_saved_exit(shell: Any, log: logging.Logger = _log) -> None:
     log.info("exit after a committed checkpoint: %d open files flushed, last collections skipped", flushed)
 
 
+def checkpoint_and_exit(
+    checkpoint: Callable[[], object],
+    before_exit: Callable[[], object] | None,
+    exit_process: Callable[[int], None],
+    log: logging.Logger,
+    when: str,
+) -> None:
+    """Checkpoint, run ``before_exit`` (the flush) whatever happened, exit: 0 when the checkpoint
+    committed (or none was needed), 1 when it failed (the previous checkpoint stays committed).
+
+    The end of the kernel's own exits: its server gone (``watchdog``), SIGTERM (``termination``).
+    """
+    try:
+        checkpoint()
+        code = 0
+    except Exception:
+        log.exception("the checkpoint %s failed; the previous checkpoint is kept", when)
+        code = 1
+    if before_exit is not None:
+        try:
+            before_exit()
+        except Exception:
+            log.exception("could not flush before exiting")
+    exit_process(code)
+
+
 def install(
     shell: Any, namespace_is_saved: Callable[[], bool], log: logging.Logger = _log
 ) -> Callable[[], None]:
@@ -106,4 +132,4 @@ def install(
     return at_exit
 
 
-__all__ = ["BUFFERED_FILES", "finish_saved_exit", "flush", "install", "open_files"]
+__all__ = ["BUFFERED_FILES", "checkpoint_and_exit", "finish_saved_exit", "flush", "install", "open_files"]

@@ -23,6 +23,7 @@ from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, owner_key
 from kernelmgr.checkpoint.layout import CURRENT, RESTORE_REPORT, read_current, remove_stale
 from kernelmgr.checkpoint.progress import read_progress
+from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
 from kernelmgr.checkpoint.verify import load_verified_manifest
 from kernelmgr.core.manifest import Manifest
 
@@ -82,6 +83,7 @@ class CheckpointStore:
         restore: bool,
         restore_checkpoint: str | None = None,
         restore_mapped: bool = False,
+        checkpoint_on_sigterm: bool = False,
     ) -> dict[str, str]:
         """The environment variables the agent reads (see :mod:`kernelmgr.checkpoint.agent`).
 
@@ -90,7 +92,9 @@ class CheckpointStore:
         checkpoint the server verified when the kernel hibernated: the agent refuses any other
         (an older checkpoint put back in place must not be restored silently). ``restore_mapped``:
         the agent may map big arrays from the checkpoint file (only where no one but the
-        server's own user can rewrite it: see ``reader._map_region``).
+        server's own user can rewrite it: see ``reader._map_region``). ``checkpoint_on_sigterm``:
+        SIGTERM checkpoints what changed before the kernel exits (where the checkpoint outlives
+        the process: see :mod:`kernelmgr.checkpoint.termination`).
         """
         env = {
             "ELASTIC_CHECKPOINT_DIR": str(self.kernel_dir(owner, kernel_id)),
@@ -103,6 +107,8 @@ class CheckpointStore:
             env["ELASTIC_RESTORE_CHECKPOINT"] = restore_checkpoint
         if restore and restore_mapped:
             env["ELASTIC_RESTORE_MAPPED"] = "1"
+        if checkpoint_on_sigterm:
+            env[ENV_CHECKPOINT_ON_SIGTERM] = "1"
         return env
 
     def latest(self, owner: str, kernel_id: str) -> Manifest | None:

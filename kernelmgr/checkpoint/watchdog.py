@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from kernelmgr.checkpoint.quick_exit import checkpoint_and_exit
+
 log = logging.getLogger(__name__)
 
 
@@ -69,15 +71,6 @@ class ServerWatchdog:
         log.warning("the Jupyter server (pid %s) is gone; checkpointing before exit", self.server_pid)
         while self.is_busy():
             time.sleep(self.interval)
-        try:
-            self.on_server_gone()
-            code = 0
-        except Exception:
-            log.exception("checkpoint after the server died failed; the previous checkpoint is kept")
-            code = 1
-        if self.before_exit is not None:
-            try:
-                self.before_exit()
-            except Exception:
-                log.exception("could not flush before exiting")
-        self.exit_process(code)
+        checkpoint_and_exit(
+            self.on_server_gone, self.before_exit, self.exit_process, log, "after the server died"
+        )

@@ -82,6 +82,9 @@ class Informer:
         #: Why the watch cannot run (the API server refused it), ``None`` while it can.
         self.failure: KubeRefused | None = None
         self._items: dict[str, Any] = {}
+        #: The last object deleted under each key, until a new one appears there: what a reader
+        #: that finds nothing can still learn of how it ended (its deletion time and grace).
+        self._deleted: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._listeners: list[Listener] = []
         self._waiters: dict[str, set[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = {}
@@ -194,9 +197,11 @@ class Informer:
                     if current is None or current.metadata.uid != item.metadata.uid:
                         continue  # an older object under the same key: the cache already moved on
                     del self._items[k]
+                    self._deleted[k] = item
                     now = None
                 else:
                     self._items[k] = now = item
+                    self._deleted.pop(k, None)
             self._changed({k: now})
         return version
 
@@ -235,6 +240,11 @@ class Informer:
         """The newest object under ``key`` the watch has seen (``None``: there is none)."""
         with self._lock:
             return self._items.get(key)
+
+    def last_deleted(self, key: str) -> Any | None:
+        """The object the watch last saw deleted under ``key`` (``None`` once a new one appeared)."""
+        with self._lock:
+            return self._deleted.get(key)
 
     def items(self) -> dict[str, Any]:
         """A snapshot of the cache."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import datetime as dt
 import json
 import os
 import secrets
@@ -204,6 +205,39 @@ def _evicted(pod: Any) -> bool:
     return pod is not None and pod.metadata.deletion_timestamp is not None
 
 
+#: How long past a stopping pod's deadline (``deletionTimestamp``: the end of its grace period) the
+#: server still waits for it to end before it takes the kernel over from its newest checkpoint.
+STOP_DEADLINE_MARGIN = dt.timedelta(seconds=5)
+
+
+def _not_ready(pod: Any) -> bool:
+    """The pod's ``Ready`` condition is ``False``: the node controller says so of every pod on a node
+    that stopped answering (nothing there will end the pod or write a checkpoint)."""
+    conditions = (pod.status.conditions if pod.status is not None else None) or []
+    return any(c.type == "Ready" and c.status == "False" for c in conditions)
+
+
+def _stopping_gracefully(pod: Any, now: dt.datetime) -> bool:
+    """Deleted or evicted by someone else, its grace period not over, on a node that answers.
+
+    Its kernel got SIGTERM and may be checkpointing what changed
+    (:mod:`kernelmgr.checkpoint.termination`): the server waits for the pod to end before it
+    reads the newest checkpoint, rather than killing it (``grace=0``) and losing that work.
+    """
+    deadline = pod.metadata.deletion_timestamp if pod is not None else None
+    if deadline is None or _finished(pod) or _not_ready(pod):
+        return False
+    return now < deadline + STOP_DEADLINE_MARGIN
+
+
+def _stop_began(pod: Any) -> float | None:
+    """When Kubernetes started stopping ``pod`` (its deadline less its grace period), epoch seconds."""
+    deadline = pod.metadata.deletion_timestamp if pod is not None else None
+    if deadline is None:
+        return None
+    return float(deadline.timestamp() - (pod.metadata.deletion_grace_period_seconds or 0))
+
+
 def _loss(pod: Any) -> str:
     """Why a running kernel's pod vanished, in a user's words."""
     if pod is None:
@@ -305,6 +339,15 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         unreachable) before Kubernetes evicts it; the server then hibernates the kernel from its
         last checkpoint and the next cell resumes it on a healthy node. Kubernetes' default is 300.""",
     )
+    stop_grace_seconds = Integer(
+        60,
+        min=1,
+        config=True,
+        help="""spec.terminationGracePeriodSeconds of the pods: how long a kernel whose pod Kubernetes
+        stops unasked (an eviction, a drain, a preemption) has to let its running cell finish and
+        checkpoint what changed before it is killed. Size it for the largest state a kernel holds
+        (its checkpoint time: see docs/benchmarks.md); Kubernetes' default is 30.""",
+    )
     extra_labels = Dict(config=True, help="Labels added to the pods.")
     extra_annotations = Dict(config=True, help="Annotations added to the pods.")
     run_as_user = Integer(1000, config=True, help="Non-root user the kernel runs as.")
@@ -388,6 +431,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         self._lost: str | None = None
         #: We asked the pod to go (shutdown, restart, hibernation): its end is no loss.
         self._stopping = False
+        #: When Kubernetes began stopping the running pod unasked (epoch seconds), once seen.
+        self._stop_began: float | None = None
         #: The warm pod this launch took (:mod:`kernelmgr.kube.warm_pods`), until it serves.
         self._warm: Any = None
         #: The running pod was a warm pod: its checkpoints are collected from it over HTTP.
@@ -431,6 +476,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         self._lost = None
         self._stopping = False
+        self._stop_began = None
         self._pod_name = f"kernel-{self.kernel_id}"
         self._warm_origin = False
         self._warm_client = None
@@ -556,6 +602,9 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             key_file=f"{SECRET_MOUNT}/{KEY_FILE}",
             restore=record.restore_on_start,
             restore_checkpoint=record.restore_checkpoint,
+            # A pod evicted, preempted or drained gets SIGTERM and its grace period: the kernel
+            # checkpoints what changed onto the volume, and the server resumes it from there.
+            checkpoint_on_sigterm=True,
         )
         store.kernel_dir(record.owner, self.kernel_id)  # refuses unsafe owner names and kernel ids
         agent_env["ELASTIC_CHECKPOINT_DIR"] = f"{CHECKPOINT_MOUNT}/{self.kernel_id}"
@@ -603,6 +652,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         env += [{"name": k, "value": v} for k, v in own_env.items()]
         spec: dict[str, Any] = {
             "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": self.stop_grace_seconds,
             "automountServiceAccountToken": bool(self.service_account),
             "securityContext": {
                 "runAsNonRoot": True,
@@ -1084,6 +1134,12 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         pod = self.informer.get(self.kernel_id)
         if not _finished(pod) and not _evicted(pod):
             return None
+        if self._stop_began is None:  # a pod deleted between two polls: its last state tells
+            self._stop_began = _stop_began(
+                pod if pod is not None else self.informer.last_deleted(self.kernel_id)
+            )
+        if not self._stopping and _stopping_gracefully(pod, dt.datetime.now(dt.timezone.utc)):
+            return None  # stopped by Kubernetes: the kernel checkpoints itself within its grace period
         if not self._restarting:
             if await self._taken_over_as_lost(pod):
                 return None
@@ -1104,7 +1160,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         if record is None or record.state is not KernelState.RUNNING:
             return False
         why = _loss(pod)
-        if not runtime.kernel_lost(self.kernel_id, why):
+        if not runtime.kernel_lost(self.kernel_id, why, self._stop_began):
             return False
         self._lost = why
         self.log.warning("Kernel %s lost its pod %s: %s", self.kernel_id, self._pod_name, why)

@@ -83,6 +83,9 @@ def agent_environment(runtime: ElasticRuntime, record: ManagedKernel, key_file: 
         # The checkpoint root belongs to the server's OS user, as the kernels do: mapping the
         # arrays gives no one else a way in (kernel pods share volumes, so they read).
         restore_mapped=True,
+        # A SIGTERM (systemd stopping the server's unit, a shutdown) checkpoints what changed; the
+        # next server start lists the kernel as hibernated from it.
+        checkpoint_on_sigterm=True,
     )
     env["ELASTIC_SERVER_PID"] = str(os.getpid())
     return env

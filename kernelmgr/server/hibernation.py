@@ -37,6 +37,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jupyter_core.utils import ensure_async
@@ -73,6 +74,12 @@ STARTING_PROBE_SECONDS = 5.0
 
 #: The names the rest of the server (handlers, culler, websocket) catches.
 HibernationError = LifecycleError
+
+
+class KernelDied(LifecycleError):
+    """The kernel process ended while the server waited for its reply."""
+
+
 ResumeCancelled = WaitCancelled
 
 __all__ = ["HibernationError", "Hibernator", "JupyterKernelPlatform", "ResumeCancelled"]
@@ -83,13 +90,35 @@ def committed_of(manifest: Any) -> Committed:
     return Committed(manifest.checkpoint_id, manifest.created, int(manifest.summary().get("bytes") or 0))
 
 
-def lost_note(why: str, committed: Committed) -> str:
-    """What the notebook is told when a lost kernel resumes: why, and from when its state is."""
+def lost_note(why: str, committed: Committed, stop_began: float | None = None) -> str:
+    """What the notebook is told when a lost kernel resumes: why, and from when its state is.
+
+    ``stop_began``: when Kubernetes began stopping the pod, if it did (not a node that vanished).
+    A checkpoint committed since is the one the kernel wrote at SIGTERM, after its last cell
+    finished, so nothing that ran is missing. (The two times come from different clocks, the
+    API server's and the kernel's; a skew of more than the time between a kernel's last
+    checkpoint and its pod's deletion would misname one, which synchronised clocks do not have.)
+    """
     taken = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(committed.created))
+    if stop_began is not None and committed.created >= stop_began:
+        return (
+            f"This kernel's pod was stopped ({why}). The kernel checkpointed itself first ({taken}) "
+            "and was restored from that checkpoint: every cell that had finished is in it."
+        )
     return (
         f"This kernel was lost ({why}). It was restored from its checkpoint of {taken}; "
         "whatever ran after that is not in it."
     )
+
+
+@dataclass
+class LostKernel:
+    """A kernel hibernated because its pod vanished: why, from which checkpoint, and when
+    Kubernetes began stopping it (``None`` when it did not: a node that vanished)."""
+
+    why: str
+    committed: Committed
+    stop_began: float | None = None
 
 
 def _disk_full(message: str) -> bool:
@@ -180,6 +209,17 @@ class JupyterKernelPlatform:
         self.h._remember(kernel_id, pid=self.h._pid(km))
         try:
             self.kernel_info[kernel_id], self.execution_counts[kernel_id] = await self._run_checkpoint(km)
+        except KernelDied:
+            committed = await self._committed_by_the_kernel(record.owner, kernel_id)
+            if committed is None:
+                raise
+            self.h.mkm.log.warning(
+                "Kernel %s exited during its checkpoint after committing checkpoint %s itself "
+                "(at SIGTERM, or its server watchdog's); taking that one",
+                kernel_id,
+                committed.checkpoint_id,
+            )
+            return committed
         except LifecycleError as exc:
             if _disk_full(exc.message):
                 raise LifecycleError(exc.message, 507) from None
@@ -197,6 +237,28 @@ class JupyterKernelPlatform:
         manifest = await asyncio.to_thread(self.h.runtime.checkpoints.latest, record.owner, kernel_id)
         if manifest is None:
             raise LifecycleError("the agent reported success but no checkpoint was committed", 500)
+        return committed_of(manifest)
+
+    async def _committed_by_the_kernel(self, owner: str, kernel_id: str) -> Committed | None:
+        """A checkpoint the kernel committed on its own before it exited, newer than any the server
+        knew of; ``None`` if there is none.
+
+        A kernel commits one on its own only when no cell is running (at SIGTERM, or when its
+        watchdog thinks the server died) and exits right after, so that checkpoint holds every
+        cell the kernel finished: the state a hibernation would have saved.
+        """
+        try:
+            manifest = await asyncio.to_thread(self.h.runtime.checkpoints.latest, owner, kernel_id)
+        except Exception as exc:  # refused or unreadable: no better than none
+            self.h.mkm.log.warning("Kernel %s: its newest checkpoint is not usable: %s", kernel_id, exc)
+            return None
+        if manifest is None:
+            return None
+        known = self.h.controller.committed.get(kernel_id)
+        if known is not None and (
+            manifest.checkpoint_id == known.checkpoint_id or manifest.created <= known.created
+        ):
+            return None
         return committed_of(manifest)
 
     async def _run_checkpoint(self, km: Any) -> tuple[dict[str, Any], int]:
@@ -350,8 +412,8 @@ class Hibernator:
         self.controller = LifecycleController(
             runtime.kernels, runtime.allocator, runtime.profile, self.platform, start_timeout=start_timeout
         )
-        #: Kernels lost with their pod -> what the notebook is told when they resume.
-        self.lost_notes: dict[str, str] = {}
+        #: Kernels lost with their pod -> why and when (told to the notebook when they resume).
+        self.lost_kernels: dict[str, LostKernel] = {}
         #: Kernels that ran in pods when the previous server stopped, until adoption decides.
         self.deferred: dict[str, KernelRecord] = {}
         #: Asked before a hibernated kernel takes a GPU slice again: (owner, GPU size) -> why
@@ -474,7 +536,7 @@ class Hibernator:
                 msg: dict[str, Any] = await client.get_shell_msg(timeout=min(1.0, remaining))
             except Exception:  # queue.Empty from jupyter_client: no message this second
                 if self._pid(km) != pid or not await ensure_async(km.is_alive()):
-                    raise HibernationError(
+                    raise KernelDied(
                         "the kernel process died while writing its checkpoint; the previous checkpoint "
                         "(if any) is unchanged",
                         500,
@@ -515,7 +577,7 @@ class Hibernator:
 
     # -- lost ----------------------------------------------------------------------------
 
-    def _kernel_lost(self, kernel_id: str, why: str) -> bool:
+    def _kernel_lost(self, kernel_id: str, why: str, stop_began: float | None = None) -> bool:
         """A provisioner saw a running kernel vanish: take it over if a checkpoint can bring it back.
 
         Without one (it never hibernated or checkpointed), ``False``: it ends as a crashed kernel
@@ -527,12 +589,12 @@ class Hibernator:
         km: Any = self.mkm.get_kernel(kernel_id) if kernel_id in self.mkm else None
         if km is not None:
             km.stop_restarter()  # now, before the restarter polls again: a restart would start it empty
-        task = asyncio.ensure_future(self.lost(kernel_id, why))
+        task = asyncio.ensure_future(self.lost(kernel_id, why, stop_began))
         self._pruning.add(task)  # a strong reference until done (drained at exit like the prunes)
         task.add_done_callback(self._pruning.discard)
         return True
 
-    async def lost(self, kernel_id: str, why: str) -> None:
+    async def lost(self, kernel_id: str, why: str, stop_began: float | None = None) -> None:
         """Hibernate a vanished kernel from its last checkpoint; the next cell resumes it, told so."""
         record = self.runtime.kernels.get(kernel_id)
         km: Any = self.mkm.get_kernel(kernel_id) if kernel_id in self.mkm else None
@@ -557,7 +619,7 @@ class Hibernator:
             self.mkm.log.error("Kernel %s was lost and could not be hibernated: %s", kernel_id, exc.message)
             return
         km.execution_state = "hibernated"
-        self.lost_notes[kernel_id] = lost_note(why, committed)
+        self.lost_kernels[kernel_id] = LostKernel(why, committed, stop_began)
         self._remember(kernel_id, pid=None, hibernated_at=time.time(), checkpoint_id=committed.checkpoint_id)
         self.platform.released.pop(kernel_id, None)
         size = size_label(record.profile)
@@ -568,6 +630,32 @@ class Hibernator:
         self.mkm.log.warning(
             "Kernel %s was lost (%s); hibernated from checkpoint %s", kernel_id, why, committed.checkpoint_id
         )
+
+    async def _take_newer_checkpoint(self, kernel_id: str, record: Any, lost: LostKernel) -> None:
+        """A lost kernel may have committed a checkpoint after the server read its newest one: a
+        pod deleted with no grace period is gone from the API while its kernel still answers the
+        SIGTERM. A newer committed checkpoint of that kernel (verified like any) is what it resumes
+        from; an older one put back in place is never taken (``created`` must be later)."""
+        try:
+            manifest = await asyncio.to_thread(self.runtime.checkpoints.latest, record.owner, kernel_id)
+        except Exception as exc:
+            self.mkm.log.warning(
+                "Kernel %s: newest checkpoint not readable (%s); resuming the known one", kernel_id, exc
+            )
+            return
+        if manifest is None or manifest.checkpoint_id == lost.committed.checkpoint_id:
+            return
+        if manifest.created <= lost.committed.created:
+            return
+        committed = committed_of(manifest)
+        self.mkm.log.info(
+            "Kernel %s committed checkpoint %s after it was lost; resuming from it",
+            kernel_id,
+            committed.checkpoint_id,
+        )
+        self.controller.committed[kernel_id] = committed
+        lost.committed = committed
+        self._remember(kernel_id, checkpoint_id=committed.checkpoint_id)
 
     # -- resume --------------------------------------------------------------------------
 
@@ -594,7 +682,9 @@ class Hibernator:
                 raise HibernationError(refused, status=403)
         km: Any = self.mkm.get_kernel(kernel_id) if kernel_id in self.mkm else None
         began = time.time()
-        lost_note = self.lost_notes.get(kernel_id)
+        lost = self.lost_kernels.get(kernel_id)
+        if lost is not None and restore and record is not None:
+            await self._take_newer_checkpoint(kernel_id, record, lost)
         try:
             await self.controller.resume(kernel_id, reason, notify, restore)
         except LifecycleError:
@@ -605,8 +695,8 @@ class Hibernator:
             return
         if km.execution_state == "hibernated":
             km.execution_state = "idle"
-        if lost_note is not None and self.lost_notes.pop(kernel_id, None) is not None and notify is not None:
-            told = notify(lost_note)
+        if lost is not None and self.lost_kernels.pop(kernel_id, None) is not None and notify is not None:
+            told = notify(lost_note(lost.why, lost.committed, lost.stop_began))
             if told is not None:
                 await told
         if self.records.get(kernel_id) is not None and self.records[kernel_id].hibernated_at is None:
@@ -733,7 +823,7 @@ class Hibernator:
         self.records[kernel_id] = record
         committed = committed_of(manifest)
         self.controller.committed[kernel_id] = committed
-        self.lost_notes[kernel_id] = lost_note(why, committed)
+        self.lost_kernels[kernel_id] = LostKernel(why, committed)
         self._remember(kernel_id, pid=None, hibernated_at=time.time())
         return True
 
@@ -821,7 +911,7 @@ class Hibernator:
         self.controller.forget(kernel_id)
         self.platform.kernel_info.pop(kernel_id, None)
         self.platform.released.pop(kernel_id, None)
-        self.lost_notes.pop(kernel_id, None)
+        self.lost_kernels.pop(kernel_id, None)
         orphan = self.platform.orphans.pop(kernel_id, None)
         if orphan is not None:
             _kill_pid(orphan)

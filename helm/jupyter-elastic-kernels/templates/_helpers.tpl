@@ -53,6 +53,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "tolerations" $v.kernels.tolerations
   "launch_timeout" $v.kernels.launchTimeout
   "first_port" $v.kernels.firstPort
+  "stop_grace_seconds" $v.kernels.stopGraceSeconds
   "checkpoint_claim" (include "jek.claimName" .)
   "node_agent_port" $v.nodeAgent.port
   "warm_pods" $v.kernels.warmPods -}}

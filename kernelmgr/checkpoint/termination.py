@@ -1,0 +1,161 @@
+"""The kernel's answer to SIGTERM: let the running cell finish, checkpoint what changed, exit.
+
+Why: Kubernetes stops a pod with SIGTERM and kills it after the pod's grace period (30 s unless
+the pod says otherwise): a node drained for maintenance, a pod evicted or preempted by one of
+higher priority, a spot node reclaimed; systemd stops a local server's kernels the same way.
+ipykernel leaves SIGTERM to the operating system's default, which ends the process at once:
+every variable since the last checkpoint was lost, and so were the bytes still buffered in the
+files the notebook left open. With this guard the kernel
+
+1. lets a running cell finish (a namespace cannot be checkpointed half-way through a cell);
+2. writes and commits a checkpoint if a cell ran since the last committed one;
+3. flushes the open files (and runs IPython's exit work when the namespace is saved);
+4. exits, with status 0 when the checkpoint committed (or none was needed), 1 when it failed.
+
+The server waits for a stopping kernel pod to end (within its grace period) before it
+hibernates the kernel from its newest checkpoint, so the next cell resumes it with nothing lost.
+
+What it does not do:
+
+- A SIGTERM after the server asked the kernel to shut down (a user deleting or restarting it)
+  keeps the default, immediate end: a deleted kernel must not leave a checkpoint behind.
+- A cell still running when the grace period ends is killed with the process, SIGKILL cannot
+  be caught; the newest committed checkpoint stays the one the kernel resumes from (a commit is
+  atomic, so it is never half-written).
+
+The work is done on the kernel's event loop (``loop.add_signal_handler``): that is the one place
+where no cell and no message handler is half-way through, so the checkpoint sees a namespace no
+cell is changing and no message is left half-sent. It also wakes an idle kernel: a plain Python
+signal handler runs only when the main thread runs bytecode, and an idle kernel's main thread
+sleeps in ``epoll`` while the signal may be delivered to any of its other threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kernelmgr.checkpoint.quick_exit import checkpoint_and_exit
+
+_log = logging.getLogger(__name__)
+
+#: Turns the guard on in a kernel; set by the provisioners whose checkpoints outlive the process
+#: (a local kernel, a kernel pod with its checkpoint volume), not by a warm pod, whose
+#: checkpoints stay in the pod until the server collects them.
+ENV_CHECKPOINT_ON_SIGTERM = "ELASTIC_CHECKPOINT_ON_SIGTERM"
+
+
+class TerminationGuard:
+    """Handles SIGTERM once: checkpoint when idle, then exit (see the module's docstring)."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint: Callable[[], object],
+        is_busy: Callable[[], bool],
+        shutdown_requested: Callable[[], bool],
+        schedule: Callable[[Callable[[], None]], None],
+        before_exit: Callable[[], object] | None = None,
+        exit_process: Callable[[int], None] = os._exit,
+        end_now: Callable[[], None] | None = None,
+        log: logging.Logger = _log,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.is_busy = is_busy
+        self.shutdown_requested = shutdown_requested
+        #: Runs a callback on the kernel's event loop, after what it is doing now.
+        self.schedule = schedule
+        self.before_exit = before_exit
+        self.exit_process = exit_process
+        #: The default SIGTERM: the process ends at once, as without the guard.
+        self.end_now = end_now or _default_sigterm
+        self.log = log
+        self.signalled = False
+        self._waiting_for_cell = False
+
+    def on_sigterm(self) -> None:
+        """The loop's SIGTERM callback."""
+        if self.signalled:
+            return  # a second SIGTERM changes nothing: the first one's work is under way
+        self.signalled = True
+        self._when_idle()
+
+    def cell_finished(self) -> None:
+        """Called after every cell: a SIGTERM that came during it is handled now."""
+        if self._waiting_for_cell:
+            self._waiting_for_cell = False
+            self.schedule(self._when_idle)
+
+    def _when_idle(self) -> None:
+        if self.shutdown_requested():
+            self.log.info("SIGTERM after a shutdown request: ending now, no checkpoint")
+            self.end_now()
+            return
+        if self.is_busy():  # an async cell awaiting: the loop runs, the cell is not done
+            self.log.warning("SIGTERM: checkpointing once the running cell has finished")
+            self._waiting_for_cell = True
+            return
+        self.log.warning("SIGTERM: checkpointing before exit")
+        checkpoint_and_exit(self.checkpoint, self.before_exit, self.exit_process, self.log, "at SIGTERM")
+
+
+def _default_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def kernel_loop(shell: Any) -> Any:
+    """The tornado loop ``shell``'s kernel will run on the main thread (``None`` without a kernel).
+
+    The extension loads before ipykernel starts its loop; ``IOLoop.current()`` is what ipykernel
+    itself asks for then, so both get the main thread's asyncio loop.
+    """
+    if getattr(shell, "kernel", None) is None:
+        return None
+    from tornado.ioloop import IOLoop
+
+    return IOLoop.current()
+
+
+def install(guard: TerminationGuard, loop: Any) -> Callable[[], None]:
+    """Make ``guard`` the SIGTERM handler of ``loop`` (a tornado loop over asyncio); return how to undo it.
+
+    Raises ``ValueError``/``RuntimeError`` off the main thread (asyncio's rule for signals).
+    """
+    asyncio_loop = loop.asyncio_loop
+    asyncio_loop.add_signal_handler(signal.SIGTERM, guard.on_sigterm)
+    return lambda: asyncio_loop.remove_signal_handler(signal.SIGTERM)
+
+
+def watch_shutdown(shell: Any, on_request: Callable[[], object] | None = None) -> Callable[[], bool]:
+    """Whether the server asked ``shell``'s kernel to shut down (or restart) since now.
+
+    ipykernel answers a ``shutdown_request`` by calling ``do_shutdown`` on its control thread;
+    the instance's method is wrapped to note it first and call ``on_request`` (the agent gives
+    SIGTERM back to its default there: once ipykernel stops its loop, a handler on that loop
+    would never run, and a SIGTERM during the exit would be ignored).
+    """
+    asked = threading.Event()
+    kernel = getattr(shell, "kernel", None)
+    original = getattr(kernel, "do_shutdown", None)
+    if kernel is None or original is None:
+        return asked.is_set
+    if getattr(original, "_elastic_shutdown_watch", None) is not None:
+        return original._elastic_shutdown_watch
+
+    def do_shutdown(*args: Any, **kwargs: Any) -> Any:
+        asked.set()
+        if on_request is not None:
+            on_request()
+        return original(*args, **kwargs)
+
+    do_shutdown._elastic_shutdown_watch = asked.is_set  # type: ignore[attr-defined]
+    kernel.do_shutdown = do_shutdown
+    return asked.is_set
+
+
+__all__ = ["ENV_CHECKPOINT_ON_SIGTERM", "TerminationGuard", "install", "kernel_loop", "watch_shutdown"]
