@@ -164,3 +164,34 @@ def test_restart_during_a_long_cell_keeps_the_cells_result(tmp_path: Path) -> No
         assert second.execute(kernel_id, "print(before + made_by_long_cell)", timeout=120).strip() == "43"
     finally:
         second.stop()
+
+
+def test_a_server_stopped_during_a_long_cell_leaves_the_kernel_to_finish_and_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """A graceful stop (SIGTERM to the server) while a cell runs: the kernel cannot hibernate now,
+    and shutting it down would lose its variables and its checkpoints. It is left running; it
+    finishes the cell, checkpoints and exits, and the next start brings back the cell's result."""
+    checkpoints = tmp_path / "checkpoints"
+    first = start_server(tmp_path, config(checkpoints))
+    kernel_id = first.start_kernel("python3-gpu-small")
+    with first.channel(kernel_id) as chan:
+        chan.execute("before = 1")
+        chan.send(
+            "execute_request",
+            {"code": "import time; time.sleep(6); made_by_long_cell = 42", "silent": False},
+        )
+        wait_for(lambda: first.get(f"/api/kernels/{kernel_id}")["execution_state"] == "busy", what="busy")
+    first.stop()
+    assert first.process.returncode == 0
+    assert (
+        f"Kernel {kernel_id} could not hibernate at shutdown (a cell is running): left running" in first.log()
+    )
+    second = start_server(tmp_path, config(checkpoints))
+    try:
+        wait_for(
+            lambda: state(second, kernel_id) == "hibernated", timeout=60, what="the kernel's own checkpoint"
+        )
+        assert second.execute(kernel_id, "print(before + made_by_long_cell)", timeout=120).strip() == "43"
+    finally:
+        second.stop()

@@ -196,6 +196,9 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         hibernator = self.hibernator
         if hibernator is not None and runtime is not None and runtime.hibernate_on_shutdown and not now:
             await hibernate_on_shutdown(self)  # several at once, bounded
+            for record in runtime.kernels.all():
+                if record.state is KernelState.RUNNING and record.kernel_id in self:
+                    self._leave_running(record.kernel_id)
         self._exiting = True
         await super()._async_shutdown_all(now=now)
         if hibernator is not None:
@@ -207,6 +210,27 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             await asyncio.to_thread(stop_shared_informers)
 
     shutdown_all = _async_shutdown_all  # type: ignore[assignment]
+
+    def _leave_running(self, kernel_id: str) -> None:
+        """At a server stop, leave an elastic kernel that could not hibernate (a cell running) to
+        itself instead of shutting it down, which would lose its variables and its checkpoints.
+
+        A local kernel's watchdog sees the server gone, lets the cell finish, checkpoints and
+        exits; the next start lists it ``hibernating``, then ``hibernated`` (as after a crash). A
+        kernel pod keeps running and the next server adopts it as it is.
+        """
+        km = self.get_kernel(kernel_id)
+        km.stop_restarter()
+        self.stop_watching_activity(kernel_id)
+        self.stop_buffering(kernel_id)
+        self.remove_kernel(kernel_id)
+        self._kernel_connections.pop(kernel_id, None)
+        self._kernel_ports.pop(kernel_id, None)
+        self.log.warning(
+            "Kernel %s could not hibernate at shutdown (a cell is running): left running; it checkpoints "
+            "itself when its cell ends and the next start lists it",
+            kernel_id,
+        )
 
     async def interrupt_kernel(self, kernel_id: str, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         if self.hibernator is not None and (
