@@ -86,6 +86,13 @@ def test_after_a_shutdown_request_sigterm_ends_the_kernel_without_a_checkpoint()
     recorder = Recorder(shutdown=True)
     recorder.guard().on_sigterm()
     assert recorder.events == ["default end"] and recorder.scheduled == []
+    # The Python-level handler (it runs mid-cell too) ends the kernel only after a shutdown request.
+    asked = Recorder(shutdown=True)
+    asked.guard().on_signal(signal.SIGTERM, None)
+    assert asked.events == ["default end"]
+    not_asked = Recorder()
+    not_asked.guard().on_signal(signal.SIGTERM, None)
+    assert not_asked.events == [] and not_asked.scheduled == []
     # Asked while the SIGTERM waited for the loop: still no checkpoint.
     late = Recorder(busy=True)
     guard = late.guard()
@@ -261,4 +268,21 @@ def test_a_kernel_shut_down_by_its_server_leaves_no_checkpoint(
     assert reply["msg_type"] == "shutdown_reply"
     time.sleep(0.5)
     assert terminate(km) == -signal.SIGTERM
+    assert store.summary(OWNER, KERNEL) is None
+
+
+def test_a_busy_kernel_its_server_shuts_down_ends_at_sigterm_without_waiting_for_the_cell(
+    store: CheckpointStore, start_kernel: Callable[[bool], tuple[Any, Any]]
+) -> None:
+    """A user deleting a kernel busy in a long cell: the shutdown request cannot stop the cell, so
+    jupyter_client sends SIGTERM, which must end the kernel then, not after the cell."""
+    km, kc = start_kernel(True)
+    run(kc, "x = 1")
+    kc.execute("import time\ntime.sleep(60)")
+    time.sleep(1)  # in the cell
+    kc.shutdown()
+    assert kc.get_control_msg(timeout=10)["msg_type"] == "shutdown_reply"
+    process = km.provisioner.process
+    os.kill(process.pid, signal.SIGTERM)
+    assert process.wait(10) == -signal.SIGTERM
     assert store.summary(OWNER, KERNEL) is None

@@ -62,7 +62,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -571,21 +571,16 @@ class _Agent:
             else:
                 flush(open_files())
 
-        undo: list[Callable[[], None]] = []
-
-        def stop_guarding() -> None:  # on the control thread: the loop does it, before it stops
-            loop.add_callback(lambda: [step() for step in undo])
-
         guard = TerminationGuard(
             checkpoint=checkpoint,
             is_busy=lambda: current().busy,
-            shutdown_requested=watch_shutdown(self.shell, on_request=stop_guarding),
+            shutdown_requested=watch_shutdown(self.shell),
             schedule=loop.add_callback,
             before_exit=before_exit,
             log=self.log,
         )
         try:
-            undo.append(install(guard, loop))
+            install(guard, loop)
         except (ValueError, RuntimeError) as exc:
             self.log.error("SIGTERM cannot be handled here (%s); a stopped kernel loses what changed", exc)
             return

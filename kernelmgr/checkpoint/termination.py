@@ -18,7 +18,8 @@ hibernates the kernel from its newest checkpoint, so the next cell resumes it wi
 What it does not do:
 
 - A SIGTERM after the server asked the kernel to shut down (a user deleting or restarting it)
-  keeps the default, immediate end: a deleted kernel must not leave a checkpoint behind.
+  keeps the default, immediate end, a running cell or not (a Python-level handler, which runs
+  mid-cell, sees to that): a deleted kernel must not leave a checkpoint behind.
 - A cell still running when the grace period ends is killed with the process, SIGKILL cannot
   be caught; the newest committed checkpoint stays the one the kernel resumes from (a commit is
   atomic, so it is never half-written).
@@ -77,6 +78,13 @@ class TerminationGuard:
         self.signalled = False
         self._waiting_for_cell = False
 
+    def on_signal(self, signum: int, frame: Any) -> None:
+        """The Python-level handler: runs on the main thread at its next bytecode, a running cell
+        included. After a shutdown request the kernel ends at once, as without the guard (a user
+        deleting a kernel busy in a long cell); anything else waits for the loop's callback."""
+        if self.shutdown_requested():
+            self.end_now()
+
     def on_sigterm(self) -> None:
         """The loop's SIGTERM callback."""
         if self.signalled:
@@ -127,17 +135,18 @@ def install(guard: TerminationGuard, loop: Any) -> Callable[[], None]:
     Raises ``ValueError``/``RuntimeError`` off the main thread (asyncio's rule for signals).
     """
     asyncio_loop = loop.asyncio_loop
+    # asyncio wakes the loop through its wakeup fd and runs ``on_sigterm`` there; the Python-level
+    # handler it leaves does nothing, so it is replaced by the guard's (which the loop does not need).
     asyncio_loop.add_signal_handler(signal.SIGTERM, guard.on_sigterm)
+    signal.signal(signal.SIGTERM, guard.on_signal)
     return lambda: asyncio_loop.remove_signal_handler(signal.SIGTERM)
 
 
-def watch_shutdown(shell: Any, on_request: Callable[[], object] | None = None) -> Callable[[], bool]:
+def watch_shutdown(shell: Any) -> Callable[[], bool]:
     """Whether the server asked ``shell``'s kernel to shut down (or restart) since now.
 
     ipykernel answers a ``shutdown_request`` by calling ``do_shutdown`` on its control thread;
-    the instance's method is wrapped to note it first and call ``on_request`` (the agent gives
-    SIGTERM back to its default there: once ipykernel stops its loop, a handler on that loop
-    would never run, and a SIGTERM during the exit would be ignored).
+    the instance's method is wrapped to note it first.
     """
     asked = threading.Event()
     kernel = getattr(shell, "kernel", None)
@@ -149,8 +158,6 @@ def watch_shutdown(shell: Any, on_request: Callable[[], object] | None = None) -
 
     def do_shutdown(*args: Any, **kwargs: Any) -> Any:
         asked.set()
-        if on_request is not None:
-            on_request()
         return original(*args, **kwargs)
 
     do_shutdown._elastic_shutdown_watch = asked.is_set  # type: ignore[attr-defined]
