@@ -308,3 +308,28 @@ def test_kernels_stopped_with_their_server_by_sigterm_lose_nothing(tmp_path: Pat
         assert restarted.execute(kernel_id, "print(x + 1)").split()[-1] == "42"
     finally:
         restarted.stop()
+
+
+def test_a_kernel_sent_sigterm_alone_resumes_from_the_checkpoint_it_wrote(tmp_path: Path) -> None:
+    """SIGTERM to a kernel while its server runs (an admin's ``kill``, a process supervisor): it
+    checkpoints what changed and exits; the server hibernates it from that checkpoint instead of
+    restarting it empty, and the next cell has everything, told what happened."""
+    running = start_server(tmp_path, CONFIG)
+    try:
+        kernel_id = running.start_kernel("python3-gpu-small")
+        pid = kernel_pid(running, kernel_id)
+        running.execute(kernel_id, "x = 41")
+        os.kill(pid, signal.SIGTERM)
+        wait_for(
+            lambda: running.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernated",
+            timeout=30,
+            what="the kernel to be hibernated from its own checkpoint",
+        )
+        assert slices(running) == []  # its GPU slice went with the process
+        with running.channel(kernel_id) as tab:
+            result = tab.execute("print(x + 1)", timeout=60)
+        assert result.stdout.strip() == "42", result
+        assert "sent SIGTERM and checkpointed itself" in result.stderr, result.stderr
+        assert kernel_pid(running, kernel_id) != pid
+    finally:
+        running.stop()

@@ -20,7 +20,12 @@ from kernelmgr.checkpoint.agent import CHECKPOINT_CODE
 from kernelmgr.checkpoint.keys import key_file_path, private_key_dir, write_key_file
 from kernelmgr.checkpoint.layout import read_current
 from kernelmgr.checkpoint.store import CheckpointStore
-from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM, TerminationGuard, install
+from kernelmgr.checkpoint.termination import (
+    ENV_CHECKPOINT_ON_SIGTERM,
+    EXIT_AFTER_SIGTERM,
+    TerminationGuard,
+    install,
+)
 
 SECRET = b"t" * 32
 OWNER = "alice"
@@ -66,7 +71,7 @@ def test_an_idle_kernel_checkpoints_on_its_loop_then_exits() -> None:
     recorder = Recorder()
     guard = recorder.guard()
     guard.on_sigterm()
-    assert recorder.events == ["checkpoint", "flush", "exit 0"]
+    assert recorder.events == ["checkpoint", "flush", "exit 143"]
 
 
 def test_a_running_cell_finishes_before_the_checkpoint() -> None:
@@ -77,7 +82,7 @@ def test_a_running_cell_finishes_before_the_checkpoint() -> None:
     recorder.busy = False
     guard.cell_finished()
     recorder.run_scheduled()
-    assert recorder.events == ["checkpoint", "flush", "exit 0"]
+    assert recorder.events == ["checkpoint", "flush", "exit 143"]
     guard.cell_finished()
     assert recorder.scheduled == []  # handled once
 
@@ -206,7 +211,7 @@ def test_sigterm_checkpoints_an_idle_kernel_and_flushes_its_files(
     notes = tmp_path / "notes.txt"
     km, kc = start_kernel(True)
     run(kc, f"x = 41\nnotes = open({str(notes)!r}, 'w'); notes.write('unsaved work')")
-    assert terminate(km) == 0
+    assert terminate(km) == EXIT_AFTER_SIGTERM
     summary = store.summary(OWNER, KERNEL)
     assert summary is not None and "x" in summary["saved"], summary
     assert notes.read_text() == "unsaved work"
@@ -237,7 +242,7 @@ def test_sigterm_during_an_awaiting_cell_waits_for_it_and_its_reply(
     os.kill(process.pid, signal.SIGTERM)
     reply = kc.get_shell_msg(timeout=30)
     assert reply["parent_header"]["msg_id"] == msg_id and reply["content"]["status"] == "ok"
-    assert process.wait(30) == 0
+    assert process.wait(30) == EXIT_AFTER_SIGTERM
     summary = store.summary(OWNER, KERNEL)
     assert summary is not None and {"x", "y"} <= set(summary["saved"]), summary
 
@@ -250,7 +255,7 @@ def test_sigterm_after_a_committed_checkpoint_writes_nothing_new(
     reply = kc.execute_interactive(CHECKPOINT_CODE, silent=True, timeout=30)
     assert reply["content"]["status"] == "ok"
     committed = read_current(store.kernel_dir(OWNER, KERNEL))
-    assert terminate(km) == 0
+    assert terminate(km) == EXIT_AFTER_SIGTERM
     assert read_current(store.kernel_dir(OWNER, KERNEL)) == committed
     assert len([p for p in store.kernel_dir(OWNER, KERNEL).iterdir() if p.is_dir()]) == 1
 

@@ -91,15 +91,17 @@ def checkpoint_and_exit(
     exit_process: Callable[[int], None],
     log: logging.Logger,
     when: str,
+    committed_status: int = 0,
 ) -> None:
-    """Checkpoint, run ``before_exit`` (the flush) whatever happened, exit: 0 when the checkpoint
-    committed (or none was needed), 1 when it failed (the previous checkpoint stays committed).
+    """Checkpoint, run ``before_exit`` (the flush) whatever happened, exit: ``committed_status``
+    when the checkpoint committed (or none was needed), 1 when it failed (the previous checkpoint
+    stays committed).
 
     The end of the kernel's own exits: its server gone (``watchdog``), SIGTERM (``termination``).
     """
     try:
         checkpoint()
-        code = 0
+        code = committed_status
     except Exception:
         log.exception("the checkpoint %s failed; the previous checkpoint is kept", when)
         code = 1

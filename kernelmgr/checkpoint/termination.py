@@ -10,7 +10,8 @@ files the notebook left open. With this guard the kernel
 1. lets a running cell finish (a namespace cannot be checkpointed half-way through a cell);
 2. writes and commits a checkpoint if a cell ran since the last committed one;
 3. flushes the open files (and runs IPython's exit work when the namespace is saved);
-4. exits, with status 0 when the checkpoint committed (or none was needed), 1 when it failed.
+4. exits, with status 143 (:data:`EXIT_AFTER_SIGTERM`) when the checkpoint committed (or none
+   was needed), 1 when it failed.
 
 The server waits for a stopping kernel pod to end (within its grace period) before it
 hibernates the kernel from its newest checkpoint, so the next cell resumes it with nothing lost.
@@ -48,6 +49,11 @@ _log = logging.getLogger(__name__)
 #: (a local kernel, a kernel pod with its checkpoint volume), not by a warm pod, whose
 #: checkpoints stay in the pod until the server collects them.
 ENV_CHECKPOINT_ON_SIGTERM = "ELASTIC_CHECKPOINT_ON_SIGTERM"
+
+#: The exit status of a kernel that committed its checkpoint at SIGTERM (128 + SIGTERM, what a shell
+#: reports for a process SIGTERM ended): the local provisioner resumes such a kernel from that
+#: checkpoint instead of restarting it empty.
+EXIT_AFTER_SIGTERM = 128 + signal.SIGTERM
 
 
 class TerminationGuard:
@@ -108,7 +114,9 @@ class TerminationGuard:
             self._waiting_for_cell = True
             return
         self.log.warning("SIGTERM: checkpointing before exit")
-        checkpoint_and_exit(self.checkpoint, self.before_exit, self.exit_process, self.log, "at SIGTERM")
+        checkpoint_and_exit(
+            self.checkpoint, self.before_exit, self.exit_process, self.log, "at SIGTERM", EXIT_AFTER_SIGTERM
+        )
 
 
 def _default_sigterm() -> None:
@@ -165,4 +173,11 @@ def watch_shutdown(shell: Any) -> Callable[[], bool]:
     return asked.is_set
 
 
-__all__ = ["ENV_CHECKPOINT_ON_SIGTERM", "TerminationGuard", "install", "kernel_loop", "watch_shutdown"]
+__all__ = [
+    "ENV_CHECKPOINT_ON_SIGTERM",
+    "EXIT_AFTER_SIGTERM",
+    "TerminationGuard",
+    "install",
+    "kernel_loop",
+    "watch_shutdown",
+]

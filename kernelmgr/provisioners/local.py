@@ -37,6 +37,7 @@ from kernelmgr.checkpoint.keys import (
     remove_key_file,
     write_key_file,
 )
+from kernelmgr.checkpoint.termination import EXIT_AFTER_SIGTERM
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.kernels import ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
@@ -99,6 +100,10 @@ class ElasticLocalProvisioner(LocalProvisioner):
     _restarting = False
     #: Set by ``pre_launch``: ``resume`` or ``start``, what a warm process would be used for.
     _warm_use = "start"
+    #: Why the process ended on its own after checkpointing itself at SIGTERM, once the server
+    #: took the kernel over (hibernated from that checkpoint): until the next launch ``poll()``
+    #: must not report an exit (the restarter would start the kernel again, empty).
+    _lost: str | None = None
 
     @property
     def runtime(self) -> ElasticRuntime:
@@ -118,6 +123,7 @@ class ElasticLocalProvisioner(LocalProvisioner):
         return profile_name_of(self.kernel_spec)
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        self._lost = None
         runtime = self.runtime
         kernelspec_name = getattr(self.parent, "kernel_name", "") or ""
         record, granted = claim_slice(runtime, self.kernel_id, kernelspec_name, self.profile_name)
@@ -193,11 +199,33 @@ class ElasticLocalProvisioner(LocalProvisioner):
         return self.connection_info
 
     async def poll(self) -> int | None:
+        if self._lost is not None:
+            return None  # hibernated from its own checkpoint; the next cell resumes it
         status = await super().poll()
         if status is not None and self.process is not None and not self._restarting:
+            if status == EXIT_AFTER_SIGTERM and self._taken_over_as_lost():
+                return None
             # The process is gone without a shutdown: a crash or an external kill -9.
             self._release(f"kernel process exited with status {status}")
         return status
+
+    def _taken_over_as_lost(self) -> bool:
+        """The kernel was sent SIGTERM (not by us: we ask with ``shutdown_request``) and exited
+        after committing a checkpoint: offer it to the server, which hibernates it from that
+        checkpoint, rather than let the restarter start it empty. A crash (a signal, another
+        status) restarts it empty, as in plain Jupyter."""
+        runtime = self.runtime
+        record = runtime.kernels.get(self.kernel_id)
+        if runtime.kernel_lost is None or record is None or record.state is not KernelState.RUNNING:
+            return False
+        why = "its process was sent SIGTERM and checkpointed itself before it exited"
+        if not runtime.kernel_lost(self.kernel_id, why, None):
+            return False
+        self._lost = why
+        self.process = None  # exited and reaped: nothing left for the server's stop to wait for
+        self._remove_key_file()
+        self.log.warning("Kernel %s: %s; hibernated from that checkpoint", self.kernel_id, why)
+        return True
 
     async def shutdown_requested(self, restart: bool = False) -> None:
         self._restarting = restart
