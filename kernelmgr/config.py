@@ -189,7 +189,9 @@ class ElasticKernels(LoggingConfigurable):
         True,
         config=True,
         help="""When the server stops, hibernate idle elastic kernels instead of shutting them down,
-        so the next server start lists them and the next cell resumes them with their variables.""",
+        so the next server start lists them and the next cell resumes them with their variables. A
+        kernel running a cell then is left running: it checkpoints itself once the cell ends (a
+        kernel pod is adopted by the next server).""",
     )
 
     nvml_class = Type(

@@ -121,6 +121,19 @@ def test_pod_without_checkpoint_claim_refuses_to_hibernate(cluster: PodCluster, 
         running.stop()
 
 
+def hibernated_model(server: RunningServer, kernel_id: str) -> dict[str, Any] | None:
+    """The kernel's model once it is hibernated (a ``wait_for`` predicate)."""
+    current = model(server, kernel_id)
+    return current if current["state"] == "hibernated" else None
+
+
+def evict(cluster: PodCluster, kernel_id: str) -> None:
+    """Evict the kernel's pod through the Eviction API, as ``kubectl drain`` does."""
+    pod = cluster.running_pod(kernel_id)
+    eviction = client.V1Eviction(metadata=client.V1ObjectMeta(name=pod.metadata.name, namespace=NAMESPACE))
+    cluster.core.create_namespaced_pod_eviction(pod.metadata.name, NAMESPACE, eviction)
+
+
 def test_an_evicted_pod_checkpoints_its_kernel_before_it_goes(
     cluster: PodCluster, server: RunningServer, tmp_path: Path
 ) -> None:
@@ -135,11 +148,7 @@ def test_an_evicted_pod_checkpoints_its_kernel_before_it_goes(
         # ``gated`` holds the SIGTERM checkpoint at the gate: one slower than the server's polls.
         code = f"{gate.pickled_object()}gated = Gated()\ny = 'after the checkpoint'; print(x)"
         assert tab.execute(code).stdout.strip() == "41"
-        pod = cluster.running_pod(kernel_id)
-        eviction = client.V1Eviction(
-            metadata=client.V1ObjectMeta(name=pod.metadata.name, namespace=NAMESPACE)
-        )
-        cluster.core.create_namespaced_pod_eviction(pod.metadata.name, NAMESPACE, eviction)
+        evict(cluster, kernel_id)
         wait_for(gate.is_reached, 60, "the kernel to checkpoint at SIGTERM")
         deadline = time.monotonic() + 6  # two of the restarter's polls: the server must keep waiting
         while time.monotonic() < deadline:
@@ -148,11 +157,11 @@ def test_an_evicted_pod_checkpoints_its_kernel_before_it_goes(
             time.sleep(0.5)
         gate.open()
 
-        def lost() -> dict[str, Any] | None:
-            current = model(server, kernel_id)
-            return current if current["state"] == "hibernated" else None
-
-        current = wait_for(lost, 60, "the evicted kernel to be hibernated from its own checkpoint")
+        current = wait_for(
+            lambda: hibernated_model(server, kernel_id),
+            60,
+            "the evicted kernel to be hibernated from its checkpoint",
+        )
         assert "lost: its pod was deleted" in current["state_reason"], current
         assert "y" in current["checkpoint"]["saved"], current  # written at SIGTERM
         devices = server.get("/api/elastic/gpus")["devices"]
@@ -163,6 +172,40 @@ def test_an_evicted_pod_checkpoints_its_kernel_before_it_goes(
     assert "The kernel checkpointed itself first" in result.stderr, result.stderr
     assert model(server, kernel_id)["state"] == "running"
     assert "stopped" not in server.execute(kernel_id, "print('again')")  # told once
+    server.shutdown_kernel(kernel_id)
+    wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+
+
+def test_a_pod_evicted_during_a_cell_lets_it_finish_and_keeps_what_it_made(
+    cluster: PodCluster, server: RunningServer, tmp_path: Path
+) -> None:
+    """A drain while a long cell runs (a training step): the cell finishes within the grace period,
+    its output reaches the notebook, and what it made is in the checkpoint the kernel writes next.
+    The kernel never hibernated before: the SIGTERM checkpoint is its first."""
+    gate = Gate(tmp_path / "cell-gate")
+    kernel_id = server.start_kernel(SIZE)
+    with server.channel(kernel_id, timeout=120) as tab:
+        code = gate.cell() + "made = 'by the running cell'\nprint('cell done')"
+        msg_id = tab.send("execute_request", {"code": code, "silent": False, "store_history": True})
+        wait_for(gate.is_reached, 60, "the cell to be running")
+        evict(cluster, kernel_id)
+        wait_for(
+            lambda: (pod := cluster.pod_of(kernel_id)) is not None and pod.metadata.deletion_timestamp,
+            30,
+            "the pod to be stopping",
+        )
+        time.sleep(1)  # the node runner's SIGTERM reaches the kernel mid-cell
+        gate.open()
+        reply, iopub = tab.collect(msg_id, 60)
+        assert reply["content"]["status"] == "ok", reply
+        printed = "".join(m["content"].get("text", "") for m in iopub if m["msg_type"] == "stream")
+        assert "cell done" in printed
+        current = wait_for(
+            lambda: hibernated_model(server, kernel_id), 60, "the evicted kernel to be hibernated"
+        )
+        assert "made" in current["checkpoint"]["saved"], current
+        result = tab.execute("print(made)", timeout=120)
+    assert result.stdout.strip() == "by the running cell", result
     server.shutdown_kernel(kernel_id)
     wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
 
