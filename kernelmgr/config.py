@@ -66,7 +66,8 @@ class ElasticRuntime:
     #: Set by the server: a provisioner calls it when a running kernel vanished without being asked
     #: (its pod deleted, evicted, lost with its node) with the reason and, when known, the time
     #: (epoch seconds) Kubernetes began stopping it (a checkpoint committed after that is one the
-    #: kernel wrote at SIGTERM); ``True`` means the server takes the kernel over (hibernated from
+    #: kernel wrote at SIGTERM; ``0.0``: the newest checkpoint was written at SIGTERM, as a local
+    #: kernel's exit status says); ``True`` means the server takes the kernel over (hibernated from
     #: its last checkpoint), ``False`` that it has none.
     kernel_lost: Callable[[str, str, float | None], bool] | None = None
 

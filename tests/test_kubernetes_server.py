@@ -10,6 +10,7 @@ also uses as its ``checkpoint_root`` (as a server pod mounting the same ReadWrit
 from __future__ import annotations
 
 import getpass
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -170,6 +171,9 @@ def test_an_evicted_pod_checkpoints_its_kernel_before_it_goes(
         result = tab.execute("print(x + 1, y)", timeout=120)
     assert result.stdout.split() == ["42", "after", "the", "checkpoint"], result
     assert "The kernel checkpointed itself first" in result.stderr, result.stderr
+    assert re.search(
+        r'^elastic_kernels_saved_at_stop_total\{size="[^"]+"\} 1\.0$', server.text("/metrics"), re.M
+    )
     assert model(server, kernel_id)["state"] == "running"
     assert "stopped" not in server.execute(kernel_id, "print('again')")  # told once
     server.shutdown_kernel(kernel_id)
@@ -291,6 +295,9 @@ def test_background_checkpoint_brings_back_a_never_hibernated_kernel_whose_node_
             result = tab.execute("print(x + 1)", timeout=120)
         assert result.stdout.strip() == "42", result
         assert "was lost" in result.stderr
+        metrics = running.text("/metrics")
+        assert re.search(r'^elastic_kernels_lost_total\{size="[^"]+"\} 1\.0$', metrics, re.M)
+        assert "elastic_kernels_saved_at_stop_total{" not in metrics  # nothing saved at a power cut
         assert cluster.running_pod(kernel_id).spec.node_name in {r.node_name for r in cluster.runners}
         running.shutdown_kernel(kernel_id)
     finally:

@@ -329,7 +329,10 @@ def test_a_kernel_sent_sigterm_alone_resumes_from_the_checkpoint_it_wrote(tmp_pa
         with running.channel(kernel_id) as tab:
             result = tab.execute("print(x + 1)", timeout=60)
         assert result.stdout.strip() == "42", result
-        assert "sent SIGTERM and checkpointed itself" in result.stderr, result.stderr
+        assert "stopped (its process was sent SIGTERM). The kernel checkpointed itself first" in result.stderr
         assert kernel_pid(running, kernel_id) != pid
+        metrics = running.text("/metrics")
+        assert 'elastic_kernels_saved_at_stop_total{size="small"} 1.0' in metrics
+        assert 'elastic_kernels_lost_total{size="small"} 1.0' in metrics
     finally:
         running.stop()

@@ -218,8 +218,9 @@ class ElasticLocalProvisioner(LocalProvisioner):
         record = runtime.kernels.get(self.kernel_id)
         if runtime.kernel_lost is None or record is None or record.state is not KernelState.RUNNING:
             return False
-        why = "its process was sent SIGTERM and checkpointed itself before it exited"
-        if not runtime.kernel_lost(self.kernel_id, why, None):
+        why = "its process was sent SIGTERM"
+        # 0.0 as the stop's start: the exit status says the newest checkpoint was written at it.
+        if not runtime.kernel_lost(self.kernel_id, why, 0.0):
             return False
         self._lost = why
         self.process = None  # exited and reaped: nothing left for the server's stop to wait for

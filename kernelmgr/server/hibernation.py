@@ -90,19 +90,25 @@ def committed_of(manifest: Any) -> Committed:
     return Committed(manifest.checkpoint_id, manifest.created, int(manifest.summary().get("bytes") or 0))
 
 
+def saved_at_stop(committed: Committed, stop_began: float | None) -> bool:
+    """Whether ``committed`` was written after the kernel was told to stop (at its SIGTERM)."""
+    return stop_began is not None and committed.created >= stop_began
+
+
 def lost_note(why: str, committed: Committed, stop_began: float | None = None) -> str:
     """What the notebook is told when a lost kernel resumes: why, and from when its state is.
 
-    ``stop_began``: when Kubernetes began stopping the pod, if it did (not a node that vanished).
+    ``stop_began``: when Kubernetes began stopping the pod, if it did (not a node that vanished);
+    ``0.0`` from the local provisioner, whose kernel's exit status says it checkpointed at SIGTERM.
     A checkpoint committed since is the one the kernel wrote at SIGTERM, after its last cell
     finished, so nothing that ran is missing. (The two times come from different clocks, the
     API server's and the kernel's; a skew of more than the time between a kernel's last
     checkpoint and its pod's deletion would misname one, which synchronised clocks do not have.)
     """
     taken = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(committed.created))
-    if stop_began is not None and committed.created >= stop_began:
+    if saved_at_stop(committed, stop_began):
         return (
-            f"This kernel's pod was stopped ({why}). The kernel checkpointed itself first ({taken}) "
+            f"This kernel was stopped ({why}). The kernel checkpointed itself first ({taken}) "
             "and was restored from that checkpoint: every cell that had finished is in it."
         )
     return (
@@ -624,6 +630,8 @@ class Hibernator:
         self.platform.released.pop(kernel_id, None)
         size = size_label(record.profile)
         metrics.KERNELS_LOST.labels(size).inc()
+        if saved_at_stop(committed, stop_began):
+            metrics.KERNELS_SAVED_AT_STOP.labels(size).inc()
         self.events.emit(
             "lost", kernel_id, f"kernel lost ({why}); hibernated from its last checkpoint", size=size
         )

@@ -45,6 +45,12 @@ KERNELS_LOST = Counter(
     "checkpoint.",
     ["size"],
 )
+KERNELS_SAVED_AT_STOP = Counter(
+    "elastic_kernels_saved_at_stop_total",
+    "Of the lost kernels, those stopped by SIGTERM (evicted, drained, preempted, killed politely) that "
+    "checkpointed themselves before they went: hibernated with every finished cell.",
+    ["size"],
+)
 RESUMES = Counter("elastic_resumes_total", "Kernels resumed, by what woke them.", ["trigger", "size"])
 WARNINGS = Counter("elastic_hibernation_warnings_total", "Idle warnings sent to notebooks.", ["kind", "size"])
 REMOVALS = Counter(
