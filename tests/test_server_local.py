@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CONFIG, PROFILES
+from tests.conftest import CONFIG, PROFILES, elastic_config
 from tests.support.server import RunningServer, launch, start_server, wait_for
 
 
@@ -334,5 +334,42 @@ def test_a_kernel_sent_sigterm_alone_resumes_from_the_checkpoint_it_wrote(tmp_pa
         metrics = running.text("/metrics")
         assert 'elastic_kernels_saved_at_stop_total{size="small"} 1.0' in metrics
         assert 'elastic_kernels_lost_total{size="small"} 1.0' in metrics
+    finally:
+        running.stop()
+
+
+def test_a_lost_kernel_resumes_from_a_checkpoint_committed_after_the_server_read_its_newest(
+    tmp_path: Path,
+) -> None:
+    """The race a force-deleted pod leaves: the server reads a lost kernel's newest checkpoint, then
+    the kernel, still answering its SIGTERM, commits another. The resume takes the newer one (the
+    kernel would refuse the one the server named, now superseded), never an older one."""
+    from kernelmgr.checkpoint.integrity import load_or_create_secret
+    from kernelmgr.checkpoint.store import CheckpointStore
+    from kernelmgr.checkpoint.writer import write_checkpoint
+
+    checkpoints = tmp_path / "checkpoints"
+    running = start_server(tmp_path, elastic_config(checkpoints))
+    try:
+        kernel_id = running.start_kernel("python3-gpu-small")
+        running.execute(kernel_id, "x = 41")
+        os.kill(kernel_pid(running, kernel_id), signal.SIGTERM)
+        wait_for(
+            lambda: running.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernated",
+            timeout=30,
+            what="the kernel to be hibernated from its own checkpoint",
+        )
+        # What the kernel would have committed next (its key derives from the server's secret).
+        (owner_dir,) = [p for p in checkpoints.iterdir() if (p / kernel_id).is_dir()]
+        store = CheckpointStore(checkpoints, load_or_create_secret(str(checkpoints / ".secret")))
+        write_checkpoint(
+            store.kernel_dir(owner_dir.name, kernel_id),
+            {"x": 41, "later": "committed after the server looked"},
+            key=store.key_for(owner_dir.name),
+            owner=owner_dir.name,
+            kernel_id=kernel_id,
+        )
+        printed = running.execute(kernel_id, "print(x + 1, later)")
+        assert printed.strip().endswith("42 committed after the server looked"), printed
     finally:
         running.stop()
