@@ -70,6 +70,10 @@ class ElasticRuntime:
     #: kernel's exit status says); ``True`` means the server takes the kernel over (hibernated from
     #: its last checkpoint), ``False`` that it has none.
     kernel_lost: Callable[[str, str, float | None], bool] | None = None
+    #: Set by the server: a provisioner calls it when Kubernetes began stopping a running kernel's
+    #: pod unasked and the kernel is checkpointing itself (SIGTERM): until the kernel is taken over
+    #: (``kernel_lost``) or gone, the notebook's messages are held, not sent to a process about to end.
+    kernel_stopping: Callable[[str], None] | None = None
 
     #: Where devices come from at run time: "declared", "nvml", or "kubernetes" (the cluster's
     #: nodes, kept current by :class:`kernelmgr.kube.nodes.NodeInventorySync`, which the server

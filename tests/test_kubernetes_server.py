@@ -180,6 +180,35 @@ def test_an_evicted_pod_checkpoints_its_kernel_before_it_goes(
     wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
 
 
+def test_a_cell_sent_while_the_pod_stops_waits_for_the_resume(
+    cluster: PodCluster, server: RunningServer, tmp_path: Path
+) -> None:
+    """While an evicted kernel checkpoints itself, a cell the notebook sends would reach a process
+    about to end and get no answer. The server holds it, takes the kernel over, resumes it, and
+    then delivers it: the cell runs, with every variable, and its notebook is told why."""
+    gate = Gate(tmp_path / "gates")
+    kernel_id = server.start_kernel(SIZE)
+    with server.channel(kernel_id, timeout=120) as tab:
+        code = f"{gate.pickled_object()}gated = Gated()\nx = 41; print(x)"
+        assert tab.execute(code).stdout.strip() == "41"
+        evict(cluster, kernel_id)
+        wait_for(gate.is_reached, 60, "the kernel to checkpoint at SIGTERM")
+        time.sleep(6)  # two of the restarter's polls: the server has seen the pod stopping
+        held = tab.send("execute_request", {"code": "print(x + 1)", "silent": False, "store_history": True})
+        gate.open()
+        reply, iopub = tab.collect(held, 120)
+    assert reply["content"]["status"] == "ok", reply
+    streams = {"stdout": "", "stderr": ""}
+    for msg in iopub:
+        if msg["msg_type"] == "stream":
+            streams[msg["content"]["name"]] += msg["content"]["text"]
+    assert streams["stdout"].strip() == "42", streams
+    assert "The kernel checkpointed itself first" in streams["stderr"], streams
+    assert model(server, kernel_id)["state"] == "running"
+    server.shutdown_kernel(kernel_id)
+    wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+
+
 def test_a_pod_evicted_during_a_cell_lets_it_finish_and_keeps_what_it_made(
     cluster: PodCluster, server: RunningServer, tmp_path: Path
 ) -> None:

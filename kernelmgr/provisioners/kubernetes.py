@@ -1139,7 +1139,11 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
                 pod if pod is not None else self.informer.last_deleted(self.kernel_id)
             )
         if not self._stopping and _stopping_gracefully(pod, dt.datetime.now(dt.timezone.utc)):
-            return None  # stopped by Kubernetes: the kernel checkpoints itself within its grace period
+            # Stopped by Kubernetes: the kernel checkpoints itself within its grace period; the
+            # notebook's messages wait for the resume instead of going to a process about to end.
+            if self.runtime.kernel_stopping is not None:
+                self.runtime.kernel_stopping(self.kernel_id)
+            return None
         if not self._restarting:
             if await self._taken_over_as_lost(pod):
                 return None

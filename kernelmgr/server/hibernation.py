@@ -430,6 +430,10 @@ class Hibernator:
         #: websocket layer attaches the notebooks that were opened while it slept.
         self.on_resumed: list[Callable[[str], Any]] = []
         runtime.kernel_lost = self._kernel_lost
+        runtime.kernel_stopping = self._kernel_stopping
+        #: Kernels whose pod Kubernetes is stopping while they checkpoint themselves -> done when
+        #: they were taken over (or ended): a resume waits for it, messages are held meanwhile.
+        self.stopping: dict[str, asyncio.Future[None]] = {}
 
     # -- queries -------------------------------------------------------------------------
 
@@ -437,8 +441,9 @@ class Hibernator:
         return self.controller.state_of(kernel_id)
 
     def is_going_to_sleep(self, kernel_id: str) -> bool:
-        """Hibernating now: a message sent to the kernel must wait, or the stop would lose it."""
-        return self.state_of(kernel_id) is KernelState.HIBERNATING
+        """Hibernating now, or checkpointing itself while its pod is stopped: a message sent to the
+        kernel must wait, or the stop would lose it."""
+        return self.state_of(kernel_id) is KernelState.HIBERNATING or kernel_id in self.stopping
 
     def is_hibernated(self, kernel_id: str) -> bool:
         return self.state_of(kernel_id) in (KernelState.HIBERNATED, KernelState.RESUMING)
@@ -583,6 +588,23 @@ class Hibernator:
 
     # -- lost ----------------------------------------------------------------------------
 
+    def _kernel_stopping(self, kernel_id: str) -> None:
+        """A provisioner saw Kubernetes begin stopping a running kernel's pod (see
+        ``RuntimeConfig.kernel_stopping``); the kernel is checkpointing itself. Until it is taken
+        over or gone, what a notebook sends is held, and a resume waits."""
+        if kernel_id in self.stopping or self.state_of(kernel_id) is not KernelState.RUNNING:
+            return
+        self.stopping[kernel_id] = asyncio.get_running_loop().create_future()
+        self.mkm.log.info(
+            "Kernel %s: its pod is being stopped; holding its messages until it is back", kernel_id
+        )
+
+    def _stopped(self, kernel_id: str) -> None:
+        """The stopping kernel was taken over, or ended otherwise: held messages may go on."""
+        done = self.stopping.pop(kernel_id, None)
+        if done is not None and not done.done():
+            done.set_result(None)
+
     def _kernel_lost(self, kernel_id: str, why: str, stop_began: float | None = None) -> bool:
         """A provisioner saw a running kernel vanish: take it over if a checkpoint can bring it back.
 
@@ -591,11 +613,13 @@ class Hibernator:
         """
         record = self.runtime.kernels.get(kernel_id)
         if record is None or not self.runtime.checkpoints.has_checkpoint(record.owner, kernel_id):
+            self._stopped(kernel_id)
             return False
         km: Any = self.mkm.get_kernel(kernel_id) if kernel_id in self.mkm else None
         if km is not None:
             km.stop_restarter()  # now, before the restarter polls again: a restart would start it empty
         task = asyncio.ensure_future(self.lost(kernel_id, why, stop_began))
+        task.add_done_callback(lambda _task: self._stopped(kernel_id))
         self._pruning.add(task)  # a strong reference until done (drained at exit like the prunes)
         task.add_done_callback(self._pruning.discard)
         return True
@@ -673,7 +697,16 @@ class Hibernator:
         """Bring a hibernated kernel back; concurrent callers share one resume.
 
         ``restore=False`` starts it empty (a restart of a hibernated kernel) and drops the checkpoint.
+        A kernel whose pod is being stopped is resumed once the server has taken it over.
         """
+        stopping = self.stopping.get(kernel_id)
+        if stopping is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(stopping), self.start_timeout)
+            except TimeoutError:
+                raise HibernationError(
+                    f"kernel {kernel_id}: its pod is still stopping after {self.start_timeout:g}s", 504
+                ) from None
         state = self.state_of(kernel_id)
         if state is KernelState.RUNNING and not self.controller.in_flight(kernel_id):
             return
@@ -920,6 +953,7 @@ class Hibernator:
         self.platform.kernel_info.pop(kernel_id, None)
         self.platform.released.pop(kernel_id, None)
         self.lost_kernels.pop(kernel_id, None)
+        self._stopped(kernel_id)
         orphan = self.platform.orphans.pop(kernel_id, None)
         if orphan is not None:
             _kill_pid(orphan)
