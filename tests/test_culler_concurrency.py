@@ -420,7 +420,7 @@ def test_hibernate_on_shutdown_is_bounded(tmp_path: Path, caplog: pytest.LogCapt
         done = asyncio.run(scenario())
     assert fake.gates.peak == 2
     assert done == ["k0", "k1", "k2", "k3"]
-    assert "Not hibernated at shutdown, shutting down: no space left on device" in caplog.text
+    assert "Not hibernated at shutdown: no space left on device" in caplog.text
 
 
 # -- end to end: helpers ---------------------------------------------------------------------

@@ -137,7 +137,7 @@ async def hibernate_on_shutdown(mkm: ElasticMappingKernelManager) -> list[str]:
     At most ``CullPolicy.max_concurrent_hibernations`` at once, so a server with many idle
     kernels stops in about (kernels / limit) checkpoints instead of the sum of them all, and
     without writing every checkpoint at the same time. A kernel that cannot hibernate (busy,
-    disk full) is logged and left to the normal shutdown, as before.
+    disk full) is logged; the kernel manager then leaves it running (``_leave_running``).
     """
     hibernator, runtime = mkm.hibernator, mkm.elastic_runtime
     if hibernator is None or runtime is None:
@@ -156,7 +156,7 @@ async def hibernate_on_shutdown(mkm: ElasticMappingKernelManager) -> list[str]:
             await hibernator.hibernate(kernel_id, "server shutdown")
             done.append(kernel_id)
         except HibernationError as exc:
-            mkm.log.warning("Not hibernated at shutdown, shutting down: %s", exc.message)
+            mkm.log.warning("Not hibernated at shutdown: %s", exc.message)
 
     await run_bounded(running, one, limit, mkm.log, "hibernation at shutdown")
     return done

@@ -253,19 +253,7 @@ class JupyterKernelPlatform:
         watchdog thinks the server died) and exits right after, so that checkpoint holds every
         cell the kernel finished: the state a hibernation would have saved.
         """
-        try:
-            manifest = await asyncio.to_thread(self.h.runtime.checkpoints.latest, owner, kernel_id)
-        except Exception as exc:  # refused or unreadable: no better than none
-            self.h.mkm.log.warning("Kernel %s: its newest checkpoint is not usable: %s", kernel_id, exc)
-            return None
-        if manifest is None:
-            return None
-        known = self.h.controller.committed.get(kernel_id)
-        if known is not None and (
-            manifest.checkpoint_id == known.checkpoint_id or manifest.created <= known.created
-        ):
-            return None
-        return committed_of(manifest)
+        return await self.h.newer_checkpoint(owner, kernel_id, self.h.controller.committed.get(kernel_id))
 
     async def _run_checkpoint(self, km: Any) -> tuple[dict[str, Any], int]:
         """Run the agent's checkpoint through a private client.
@@ -663,23 +651,32 @@ class Hibernator:
             "Kernel %s was lost (%s); hibernated from checkpoint %s", kernel_id, why, committed.checkpoint_id
         )
 
+    async def newer_checkpoint(self, owner: str, kernel_id: str, known: Committed | None) -> Committed | None:
+        """The kernel's committed checkpoint (verified) when it is newer than ``known``; else ``None``.
+
+        Newer means another id and a later ``created``: an older checkpoint put back in place is
+        never taken. A checkpoint that cannot be read or verified counts as none (logged).
+        """
+        try:
+            manifest = await asyncio.to_thread(self.runtime.checkpoints.latest, owner, kernel_id)
+        except Exception as exc:  # refused or unreadable: no better than none
+            self.mkm.log.warning("Kernel %s: its newest checkpoint is not usable: %s", kernel_id, exc)
+            return None
+        if manifest is None:
+            return None
+        if known is not None and (
+            manifest.checkpoint_id == known.checkpoint_id or manifest.created <= known.created
+        ):
+            return None
+        return committed_of(manifest)
+
     async def _take_newer_checkpoint(self, kernel_id: str, record: Any, lost: LostKernel) -> None:
         """A lost kernel may have committed a checkpoint after the server read its newest one: a
         pod deleted with no grace period is gone from the API while its kernel still answers the
-        SIGTERM. A newer committed checkpoint of that kernel (verified like any) is what it resumes
-        from; an older one put back in place is never taken (``created`` must be later)."""
-        try:
-            manifest = await asyncio.to_thread(self.runtime.checkpoints.latest, record.owner, kernel_id)
-        except Exception as exc:
-            self.mkm.log.warning(
-                "Kernel %s: newest checkpoint not readable (%s); resuming the known one", kernel_id, exc
-            )
+        SIGTERM. That newer checkpoint is what it resumes from."""
+        committed = await self.newer_checkpoint(record.owner, kernel_id, lost.committed)
+        if committed is None:
             return
-        if manifest is None or manifest.checkpoint_id == lost.committed.checkpoint_id:
-            return
-        if manifest.created <= lost.committed.created:
-            return
-        committed = committed_of(manifest)
         self.mkm.log.info(
             "Kernel %s committed checkpoint %s after it was lost; resuming from it",
             kernel_id,

@@ -173,12 +173,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             # No process to stop: unregister it (and, unless the server is exiting, forget it).
             hibernator.cancel_resume(kernel_id)
             self._check_kernel_id(kernel_id)
-            self.stop_watching_activity(kernel_id)
-            self.stop_buffering(kernel_id)
-            km = self.remove_kernel(kernel_id)
-            km.cleanup_connection_file()
-            self._kernel_connections.pop(kernel_id, None)
-            self._kernel_ports.pop(kernel_id, None)
+            self._unregister(kernel_id).cleanup_connection_file()
             if not self._exiting:
                 await hibernator.forget(kernel_id)
             self.log.info(
@@ -219,18 +214,22 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         exits; the next start lists it ``hibernating``, then ``hibernated`` (as after a crash). A
         kernel pod keeps running and the next server adopts it as it is.
         """
-        km = self.get_kernel(kernel_id)
-        km.stop_restarter()
-        self.stop_watching_activity(kernel_id)
-        self.stop_buffering(kernel_id)
-        self.remove_kernel(kernel_id)
-        self._kernel_connections.pop(kernel_id, None)
-        self._kernel_ports.pop(kernel_id, None)
+        self.get_kernel(kernel_id).stop_restarter()
+        self._unregister(kernel_id)
         self.log.warning(
-            "Kernel %s could not hibernate at shutdown (a cell is running): left running; it checkpoints "
-            "itself when its cell ends and the next start lists it",
+            "Kernel %s could not hibernate at shutdown: left running; it checkpoints itself (once a "
+            "running cell ends) and the next start lists it",
             kernel_id,
         )
+
+    def _unregister(self, kernel_id: str) -> Any:
+        """Drop ``kernel_id`` from this manager without stopping any process; return its manager."""
+        self.stop_watching_activity(kernel_id)
+        self.stop_buffering(kernel_id)
+        km = self.remove_kernel(kernel_id)
+        self._kernel_connections.pop(kernel_id, None)
+        self._kernel_ports.pop(kernel_id, None)
+        return km
 
     async def interrupt_kernel(self, kernel_id: str, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         if self.hibernator is not None and (
