@@ -21,8 +21,17 @@ from jupyter_server.serverapp import ServerApp
 from traitlets import default
 
 from gateway.access import GatewayAccess
-from gateway.config import ElasticGateway, ElasticQuota
+from gateway.authorizer import GatewayAuthorizer
+from gateway.config import METRICS_TOKEN_VARIABLE, ElasticGateway, ElasticQuota
 from gateway.identity import HubIdentityProvider
+from gateway.kernel_accounts import install as install_kernel_accounts
+from gateway.kernel_accounts import per_user, start_up_refusal
+from gateway.limits import (
+    DEFAULT_MAX_BODY_SIZE,
+    DEFAULT_MAX_BUFFER_SIZE,
+    WEBSOCKET_MAX_MESSAGE_SIZE,
+    BodyLimit,
+)
 from kernelmgr.config import CullPolicy, ElasticKernels
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.server.ownership import SETTINGS_KEY
@@ -66,6 +75,21 @@ class ElasticGatewayApp(ServerApp):
     def _default_open_browser(self) -> bool:
         return False
 
+    @default("max_body_size")
+    def _default_max_body_size(self) -> int:
+        return DEFAULT_MAX_BODY_SIZE  # kernel requests are small JSON (gateway/limits.py)
+
+    @default("max_buffer_size")
+    def _default_max_buffer_size(self) -> int:
+        # Room for a whole body and a whole websocket message (tornado_settings can raise that).
+        message = int(self.tornado_settings.get("websocket_max_message_size", WEBSOCKET_MAX_MESSAGE_SIZE))
+        return max(DEFAULT_MAX_BUFFER_SIZE, self.max_body_size, message + 1024 * 1024)
+
+    def init_httpserver(self) -> None:
+        """Answer an oversized body with 413 from its headers, before reading (and buffering) it."""
+        super().init_httpserver()
+        self.http_server.request_callback = BodyLimit(self.web_app, self.max_body_size)
+
     def find_server_extensions(self) -> None:
         """Only the extensions configured for the gateway: a headless gateway loads no UI."""
 
@@ -73,7 +97,24 @@ class ElasticGatewayApp(ServerApp):
         self.gateway_settings = ElasticGateway(parent=self)
         if self.gateway_settings.auth == "jupyterhub" and not self.trait_has_value("identity_provider_class"):
             self.identity_provider_class = HubIdentityProvider
+        if self.gateway_settings.auth == "jupyterhub" and not self.trait_has_value("authorizer_class"):
+            self.authorizer_class = GatewayAuthorizer  # shutdown, event posting, status: admins only
+        self.gateway_settings.metrics_token  # noqa: B018 - read now, then out of the environment:
+        os.environ.pop(METRICS_TOKEN_VARIABLE, None)  # no kernel inherits the scrape token
+        self._check_kernel_accounts()
         super().init_configurables()
+
+    def _check_kernel_accounts(self) -> None:
+        """Multi-user local kernels run as their owners' accounts, or the admin said single-tenant."""
+        elastic = ElasticKernels(parent=self)
+        why = start_up_refusal(self.gateway_settings, elastic)
+        if why is not None:
+            self.log.critical("elastic-gateway: %s", why)
+            sys.exit(CONFIG_ERROR_EXIT)
+        if per_user(self.gateway_settings, elastic):
+            # Kernelspecs that name no provisioner (python3) start through the one that drops
+            # privileges too, never as the gateway's root.
+            self.config.KernelProvisionerFactory.default_provisioner_name = "elastic-local-provisioner"
 
     def initialize(self, argv: Any = None, *args: Any, **kwargs: Any) -> None:
         super().initialize(argv, *args, **kwargs)
@@ -97,6 +138,17 @@ class ElasticGatewayApp(ServerApp):
             self.log.critical("elastic-gateway: invalid configuration: %s", exc.message)
             sys.exit(CONFIG_ERROR_EXIT)
         _keep_hub_token_from_kernels(identity)
+        if per_user(self.gateway_settings, ElasticKernels(parent=self)):
+            try:
+                accounts = install_kernel_accounts(self.gateway_settings, runtime, self.kernel_spec_manager)
+            except ConfigError as exc:
+                self.log.critical("elastic-gateway: %s", exc.message)
+                sys.exit(CONFIG_ERROR_EXIT)
+            self.log.info(
+                "elastic-gateway: kernels run as their owners' accounts (%s), files under %s",
+                accounts.template,
+                accounts.runtime_root,
+            )
         access = GatewayAccess(
             km,
             runtime,
@@ -107,7 +159,7 @@ class ElasticGatewayApp(ServerApp):
         )
         self.web_app.settings[SETTINGS_KEY] = access
         if km.hibernator is not None:
-            km.hibernator.admission = access.resume_refusal
+            km.hibernator.admission = access.reserve_resume  # quota held until the resume ends
         self.log.info("elastic-gateway: JupyterHub users own their kernels; quotas %s", quotas)
 
 

@@ -6,10 +6,15 @@ ConfigMap) holds the gateway's settings beside ``ElasticKernels`` and ``CullPoli
 
 from __future__ import annotations
 
-from traitlets import Dict, Enum, List, Unicode
+import os
+
+from traitlets import Bool, Dict, Enum, List, Unicode, default
 from traitlets.config import Configurable
 
 from gateway.quota import QuotaTable, parse_limits
+
+#: Where the Prometheus scrape token may come from (a Kubernetes Secret as an env variable).
+METRICS_TOKEN_VARIABLE = "ELASTIC_METRICS_TOKEN"
 
 
 class ElasticGateway(Configurable):
@@ -33,6 +38,52 @@ class ElasticGateway(Configurable):
         Unicode(),
         help="Hub groups whose members see and act on every user's kernels.",
     ).tag(config=True)
+
+    kernel_accounts = Enum(
+        ["per-user", "shared"],
+        default_value="per-user",
+        help="""Which OS account runs local kernels (ElasticKernels.kernel_provisioner =
+        elastic-local-provisioner) when auth is 'jupyterhub'. 'per-user': each kernel runs as its
+        owner's system account (ElasticGateway.kernel_account), with its connection file, key file
+        and checkpoint folder readable by that account only and none of the gateway's secrets in
+        its environment; the gateway must run as root (it starts kernels the way JupyterHub's
+        LocalProcessSpawner starts servers) and refuses to start otherwise. 'shared': every
+        kernel runs as the gateway's own account, so any user's cell can read every other user's
+        kernel (connection files), checkpoints, the checkpoint secret and the gateway's Hub token:
+        accepted only with ElasticGateway.single_tenant = True; otherwise the gateway refuses to
+        start. ElasticKernels.warm_pool is refused with 'per-user' (a warm process has no owner).""",
+    ).tag(config=True)
+
+    single_tenant = Bool(
+        False,
+        help="""Say that one person (or one trust domain) uses this gateway, so kernels may share the
+        gateway's OS account (ElasticGateway.kernel_accounts = 'shared'). Nothing then separates
+        one Hub user's kernels from another's.""",
+    ).tag(config=True)
+
+    kernel_account = Unicode(
+        "{username}",
+        help="""The system account a Hub user's kernels run as with kernel_accounts = 'per-user': a
+        template with {username}, e.g. '{username}' (the same name) or 'jupyter-{username}'. The
+        account must exist (useradd) and must not be root; a user without one cannot start kernels.""",
+    ).tag(config=True)
+
+    kernel_runtime_dir = Unicode(
+        "/run/jupyter-elastic-kernels",
+        help="""With kernel_accounts = 'per-user': the root-owned folder (0711) holding one folder per
+        account for its kernels' connection and key files. Every folder above it must be enterable
+        by other users (o+x).""",
+    ).tag(config=True)
+
+    metrics_token = Unicode(
+        help="""A token Prometheus sends to scrape /metrics (Authorization: Bearer <token>); without
+        it /metrics is for the gateway's admins only. Default: the ELASTIC_METRICS_TOKEN
+        environment variable (taken out of the environment at start, so kernels never see it).""",
+    ).tag(config=True)
+
+    @default("metrics_token")
+    def _default_metrics_token(self) -> str:
+        return os.environ.get(METRICS_TOKEN_VARIABLE, "")
 
 
 class ElasticQuota(Configurable):

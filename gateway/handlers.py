@@ -4,15 +4,22 @@ The gateway serves jupyter_server's own kernel and kernelspec handlers (what ``G
 speaks), each behind the same rule: a kernel id of another user answers 404, lists hold only the
 user's kernels and the GPU sizes offered to them, and a start over quota answers 403 saying
 which limit and what is held. Loaded as an ``extra_services`` module in place of the
-``kernels`` and ``kernelspecs`` services.
+``kernels`` and ``kernelspecs`` services; it also replaces jupyter_server's shutdown (JSON
+errors), event subscription (each user's own kernels' events) and ``/metrics`` (admins and the
+Prometheus scrape token) handlers.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 from typing import Any
 
+import prometheus_client
+from jupyter_server.auth.decorator import allow_unauthenticated
+from jupyter_server.base.handlers import APIHandler, JupyterHandler
 from jupyter_server.kernelspecs.handlers import KernelSpecResourceHandler
+from jupyter_server.services import shutdown
 from jupyter_server.services.kernels import handlers as kernel_handlers
 from jupyter_server.services.kernels.websocket import KernelWebsocketHandler
 from jupyter_server.services.kernelspecs import handlers as spec_handlers
@@ -22,6 +29,7 @@ from tornado import web
 from gateway.access import GatewayAccess
 from kernelmgr.core.kernels import requesting_owner
 from kernelmgr.server.errors import http_error, no_such_kernel
+from kernelmgr.server.events import OwnEventsWebsocket
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.ownership import SETTINGS_KEY, access_of
 
@@ -80,8 +88,10 @@ class MainKernelHandler(kernel_handlers.MainKernelHandler):
             owner = self.current_user.username
             token = requesting_owner.set(owner)
             try:
-                with access.reserve_start(owner, _profile_of(self, name)):
-                    kernel_id = await km.start_kernel(kernel_name=name)
+                # The id is chosen first, so the quota counts this start exactly once while it runs.
+                kernel_id = km.new_kernel_id()
+                with access.reserve_start(owner, _profile_of(self, name), kernel_id):
+                    kernel_id = await km.start_kernel(kernel_name=name, kernel_id=kernel_id)
                     if access.runtime.kernels.get(kernel_id) is None:
                         access.started_by[kernel_id] = owner  # a kernel without a GPU size
             finally:
@@ -151,6 +161,48 @@ def _spec_profile(spec: dict[str, Any]) -> str | None:
     return str(profile) if profile else None
 
 
+class ShutdownHandler(APIHandler, shutdown.ShutdownHandler):
+    """jupyter_server's ``POST /api/shutdown`` (admins only: the authorizer), with JSON errors."""
+
+    auth_resource = shutdown.AUTH_RESOURCE
+
+
+class MetricsHandler(JupyterHandler):
+    """``/metrics``: for the gateway's admins, and for Prometheus with the scrape token.
+
+    The series are gateway-wide (kernels by state and size, slices, request timings): not for
+    every user. Prometheus sends ``Authorization: Bearer <ElasticGateway.metrics_token>``;
+    ``ServerApp.authenticate_prometheus = False`` opens it to anyone who reaches the port.
+    """
+
+    @allow_unauthenticated
+    def get(self) -> None:
+        why = self._refusal()
+        if why is not None:
+            self.set_status(403)
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps({"message": why}))
+            return
+        self.set_header("Content-Type", prometheus_client.CONTENT_TYPE_LATEST)
+        self.finish(prometheus_client.generate_latest(prometheus_client.REGISTRY))
+
+    def _refusal(self) -> str | None:
+        if not self.settings.get("authenticate_prometheus", True):
+            return None
+        token = str(getattr(getattr(self.serverapp, "gateway_settings", None), "metrics_token", "") or "")
+        given = self.request.headers.get("Authorization", "")
+        if token and hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return None
+        user = self.current_user
+        access = _access(self)
+        if user is not None and (access is None or access.is_admin(user.username)):
+            return None
+        return (
+            "/metrics is for the gateway's admins and for Prometheus with the scrape token "
+            "(Authorization: Bearer <ElasticGateway.metrics_token>)"
+        )
+
+
 _KERNEL = kernel_handlers._kernel_id_regex
 _ACTION = kernel_handlers._kernel_action_regex
 
@@ -162,4 +214,8 @@ default_handlers = [
     (r"/api/kernelspecs", MainKernelSpecHandler),
     (rf"/api/kernelspecs/{spec_handlers.kernel_name_regex}", KernelSpecHandler),
     (rf"/kernelspecs/{spec_handlers.kernel_name_regex}/(?P<path>.*)", KernelSpecResourceHandler),
+    # In place of jupyter_server's own (extra services match first):
+    (r"/api/shutdown", ShutdownHandler),
+    (r"/api/events/subscribe", OwnEventsWebsocket),
+    (r"/metrics", MetricsHandler),
 ]

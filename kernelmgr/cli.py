@@ -200,9 +200,11 @@ def render_profiles(doc: dict[str, Any]) -> str:
 
 
 def render_gpus(doc: dict[str, Any]) -> str:
-    def holders(slices: list[dict[str, Any]]) -> str:
+    def holders(slices: list[dict[str, Any]], others: dict[str, Any] | None) -> str:
         warm = sum(1 for s in slices if s.get("warm"))
         kernels = str(len(slices) - warm)
+        if others and others.get("slices"):  # a gateway user: other users' slices, counted only
+            kernels += f" (+{others['slices']} of other users)"
         return f"{kernels} (+{warm} warm)" if warm else kernels
 
     rows = [
@@ -213,7 +215,7 @@ def render_gpus(doc: dict[str, Any]) -> str:
             _gib(d["memory_mib"]),
             _fraction(d["used_fraction"]) if d["used_fraction"] else "0%",
             _gib(d["free_memory_mib"]),
-            holders(d["slices"]),
+            holders(d["slices"], d.get("other_users")),
         ]
         for d in doc.get("devices", [])
     ]
@@ -300,6 +302,8 @@ def render_report(doc: dict[str, Any]) -> str:
     kernel = doc.get("id")
     if not report:
         return f"kernel {kernel} has not been resumed from a checkpoint yet"
+    if report.get("error"):  # the server did not read it (too large, or a link)
+        return f"kernel {kernel}: {report['error']}"
     if report.get("refused"):
         return f"kernel {kernel} resumed without its variables: {report['refused']}"
     lines = [
@@ -482,6 +486,17 @@ def _add_node_agent(sub: Any) -> None:
         "--node-name", default=None, help="node name reported (default: $NODE_NAME, else the host name)"
     )
     agent.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="file holding the token /activity and /metrics require as 'Authorization: Bearer' (a Secret "
+        "shared with the server: ElasticKubernetesProvisioner.node_agent_token_file); or --no-token",
+    )
+    agent.add_argument(
+        "--no-token",
+        action="store_true",
+        help="answer /activity and /metrics without a token (anyone who reaches the port sees PIDs and pods)",
+    )
+    agent.add_argument(
         "--nvml-class",
         default=DEFAULT_NVML_CLASS,
         metavar="DOTTED.NAME",
@@ -511,12 +526,33 @@ def run_node_agent(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     prog = f"{parser.prog} {NODE_AGENT}"
     if not os.path.isdir(args.proc_root):
         parser.error(f"{NODE_AGENT}: --proc-root {args.proc_root!r} is not a directory")
+    token = ""
+    if args.token_file and args.no_token:
+        parser.error(f"{NODE_AGENT}: --token-file and --no-token exclude each other")
+    if args.token_file:
+        try:
+            with open(args.token_file, encoding="utf-8") as file:
+                token = file.read().strip()
+        except OSError as err:
+            parser.error(f"{NODE_AGENT}: --token-file {args.token_file!r}: {err.strerror or err}")
+        if not token:
+            parser.error(f"{NODE_AGENT}: --token-file {args.token_file!r} is empty")
+    elif not args.no_token:
+        parser.error(
+            f"{NODE_AGENT}: --token-file is required (the token the server sends, a Secret shared with it); "
+            "--no-token serves anyone who reaches the port"
+        )
     try:
         nvml = _import_class(args.nvml_class)()
     except ValueError as err:
         parser.error(f"{NODE_AGENT}: {err}")
     options = AgentOptions(
-        ip=args.ip, port=args.port, proc_root=args.proc_root, interval=args.interval, node=args.node_name
+        ip=args.ip,
+        port=args.port,
+        proc_root=args.proc_root,
+        interval=args.interval,
+        node=args.node_name,
+        token=token,
     )
     try:
         run(nvml, options)

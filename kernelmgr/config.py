@@ -10,6 +10,7 @@ registry that the provisioner, the server extension and (later) the gateway shar
 from __future__ import annotations
 
 import getpass
+import hmac
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from traitlets.config import LoggingConfigurable
 
 from kernelmgr.activity.nvml import Nvml, PynvmlNvml, discover_inventory
 from kernelmgr.backends.kubernetes import profile_resource, validate_backend_options
-from kernelmgr.checkpoint.integrity import load_or_create_secret
+from kernelmgr.checkpoint.integrity import load_or_create_secret, migrate_secret
 from kernelmgr.checkpoint.store import CheckpointStore
 from kernelmgr.core.allocator import STRATEGIES, InventoryChange, SliceAllocator
 from kernelmgr.core.errors import ConfigError, UnknownProfileError
@@ -29,6 +30,7 @@ from kernelmgr.core.inventory import GpuInventory
 from kernelmgr.core.kernels import KernelRegistry
 from kernelmgr.core.policy import Policy, build_policy
 from kernelmgr.core.profiles import GpuProfile, parse_profiles
+from kernelmgr.provisioners.accounts import KernelAccounts
 from kernelmgr.warm.pool import WarmPools
 from kernelmgr.warm.settings import WarmPoolConfigError, WarmPoolSettings, parse_warm_pool
 
@@ -87,6 +89,9 @@ class ElasticRuntime:
     #: when ``ElasticKubernetesProvisioner.warm_pods`` asks for some. Typed ``Any``: the runtime
     #: must not import the Kubernetes adapter.
     warm_pods: Any = None
+    #: Set by a multi-user gateway (``ElasticGateway.kernel_accounts = "per-user"``): local kernels
+    #: then run as their owner's OS account (:mod:`kernelmgr.provisioners.accounts`).
+    kernel_accounts: KernelAccounts | None = None
 
     @property
     def inventory(self) -> GpuInventory:
@@ -174,8 +179,12 @@ class ElasticKernels(LoggingConfigurable):
         "",
         config=True,
         help="""File holding the secret that checkpoint HMAC keys are derived from (one key per
-        owner). Created (0600) if missing. Default: <checkpoint_root>/.secret. Every server that
-        reads the same checkpoints (e.g. after a move) needs the same secret.""",
+        owner). Created (0600, in a 0700 folder) if missing. Default:
+        <jupyter data dir>/elastic-secret/checkpoint-secret, readable by the server's account
+        only. Never inside checkpoint_root (kernels write there; refused at start-up); a secret
+        left at <checkpoint_root>/.secret by an older version is moved here at start-up, so
+        existing checkpoints stay valid. On Kubernetes: a mounted Secret's file. Every server
+        that reads the same checkpoints (e.g. after a move) needs the same secret.""",
     )
     checkpoint_timeout = Float(
         600.0,
@@ -239,6 +248,12 @@ class ElasticKernels(LoggingConfigurable):
             '{"size": 2, "preload": ["torch"], "memory_mib": 8192, "starts": false}}. Off when empty.'
         ),
     )
+
+    def secret_file(self) -> str:
+        """``checkpoint_secret_file`` as an absolute path, its default filled in."""
+        if self.checkpoint_secret_file:
+            return os.path.abspath(os.path.expanduser(self.checkpoint_secret_file))
+        return os.path.join(jupyter_data_dir(), "elastic-secret", "checkpoint-secret")
 
     def checkpoint_directory(self) -> str:
         """``checkpoint_root`` as an absolute path (``~`` expanded)."""
@@ -338,15 +353,67 @@ class ElasticKernels(LoggingConfigurable):
 
     def _checkpoint_store(self) -> CheckpointStore:
         root = self.checkpoint_directory()
+        secret_file = self.secret_file()
+        real_root, real_secret = os.path.realpath(root), os.path.realpath(secret_file)
+        if os.path.commonpath([real_root, real_secret]) == real_root:
+            raise ConfigError(
+                f"ElasticKernels.checkpoint_secret_file {secret_file!r} is inside "
+                f"ElasticKernels.checkpoint_root {root!r}, where kernels write: put it in a folder "
+                "only the server's account can read (or leave it unset for the default)"
+            )
         try:
             os.makedirs(root, mode=0o700, exist_ok=True)
-            secret = load_or_create_secret(self.checkpoint_secret_file or os.path.join(root, ".secret"))
         except OSError as exc:
             raise ConfigError(
                 f"ElasticKernels.checkpoint_root {root!r} is not usable ({exc.strerror or exc}); "
                 "point it at a writable directory"
             ) from None
+        old_secret = os.path.join(root, ".secret")
+        try:
+            migrate_secret(old_secret, secret_file)
+            secret = load_or_create_secret(secret_file)
+        except OSError as exc:
+            raise ConfigError(
+                f"ElasticKernels.checkpoint_secret_file {secret_file!r} is not usable "
+                f"({exc.strerror or exc}): point it at a file in a folder the server can write, "
+                "or at an existing secret"
+            ) from None
+        if not self.checkpoint_secret_file and self.kernel_provisioner == "elastic-kubernetes-provisioner":
+            self.log.warning(
+                "the checkpoint secret is %s, in this server's own filesystem (a pod's is lost with it, "
+                "and its checkpoints with it): set ElasticKernels.checkpoint_secret_file to a mounted "
+                "Secret's file",
+                secret_file,
+            )
+        if os.path.lexists(old_secret):
+            self._retire_old_secret(old_secret, secret_file, secret)
         return CheckpointStore(root, secret)
+
+    def _retire_old_secret(self, old_secret: str, secret_file: str, secret: bytes) -> None:
+        """An older version's ``<checkpoint_root>/.secret`` beside the configured secret file.
+
+        The same bytes: the old copy (on the volume kernels write to) is deleted. Other bytes: the
+        checkpoints written before would no longer verify (their kernels would resume empty), so
+        the server refuses to start and says how to carry the old secret over.
+        """
+        try:
+            with open(old_secret, "rb") as old:
+                same = hmac.compare_digest(old.read(4096), secret)
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot read the old checkpoint secret {old_secret!r} ({exc.strerror or exc})"
+            ) from None
+        if same:
+            os.unlink(old_secret)
+            self.log.warning("deleted %s: the same secret is now %s", old_secret, secret_file)
+            return
+        raise ConfigError(
+            f"{old_secret} (the checkpoint secret of an older version, on the checkpoint volume) differs "
+            f"from ElasticKernels.checkpoint_secret_file {secret_file}: checkpoints written before verify "
+            f"only with the old one. Put its bytes in {secret_file} (on Kubernetes: kubectl create secret "
+            "generic <name> --from-file=secret=<its copy> and set the chart's "
+            f"checkpointSecret.existingSecret), or delete {old_secret} to give those checkpoints up"
+        )
 
 
 class CullPolicy(LoggingConfigurable):

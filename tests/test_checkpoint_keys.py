@@ -151,9 +151,13 @@ def test_private_key_dir(tmp_path: Path) -> None:
 
 
 def test_the_provisioner_writes_only_the_owners_key_to_a_private_file(tmp_path: Path) -> None:
-    runtime = ElasticKernels(
-        profiles=PROFILES, gpu_inventory=INVENTORY, checkpoint_root=str(tmp_path / "checkpoints")
-    ).build()
+    settings = ElasticKernels(
+        profiles=PROFILES,
+        gpu_inventory=INVENTORY,
+        checkpoint_root=str(tmp_path / "checkpoints"),
+        checkpoint_secret_file=str(tmp_path / "secret" / "checkpoint-secret"),
+    )
+    runtime = settings.build()
     record = ManagedKernel(kernel_id=KERNEL, kernelspec="python3-gpu-small", profile="small", owner=OWNER)
     record.restore_on_start, record.restore_checkpoint = True, "ckpt-20240101T000000000000-00000000"
     key_file = key_file_path(private_key_dir(tmp_path / "runtime"), KERNEL)
@@ -161,7 +165,7 @@ def test_the_provisioner_writes_only_the_owners_key_to_a_private_file(tmp_path: 
     assert env[ENV_KEY_FILE] == str(key_file)
     assert env["ELASTIC_RESTORE"] == "1" and env["ELASTIC_RESTORE_CHECKPOINT"] == record.restore_checkpoint
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
-    secret = (tmp_path / "checkpoints" / ".secret").read_bytes()
+    secret = (tmp_path / "secret" / "checkpoint-secret").read_bytes()
     assert read_key_file(key_file) == owner_key(secret, OWNER)
     everything = json.dumps(env)
     assert owner_key(secret, OWNER).hex() not in everything and secret.hex() not in everything
@@ -242,8 +246,13 @@ del _found
 """
 
 
+def server_secret(server: RunningServer) -> bytes:
+    """The server's checkpoint secret, at its default place (the server's data dir, not the volume)."""
+    return (server.home / "data" / "elastic-secret" / "checkpoint-secret").read_bytes()
+
+
 def owner_key_of(server: RunningServer) -> bytes:
-    secret = (server.home / "checkpoints" / ".secret").read_bytes()
+    secret = server_secret(server)
     owner = server.get("/api/elastic/kernels")[0]["owner"]
     return owner_key(secret, owner)
 
@@ -259,7 +268,7 @@ def assert_no_key_in_reach(server: RunningServer, kernel_id: str, key: bytes) ->
     assert ENV_KEY_FILE not in found["environ"], found["names"]
     for text in (json.dumps(found["environ"]), found["proc_environ"]):
         assert key.hex() not in text and key.hex().upper() not in text
-        secret = (server.home / "checkpoints" / ".secret").read_bytes()
+        secret = server_secret(server)
         assert secret.hex() not in text
     # The file the key came in is gone (it was named in the process's initial environment).
     handed = [

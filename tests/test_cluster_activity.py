@@ -38,6 +38,7 @@ require_envtest(module_level=True)
 from kubernetes import client  # noqa: E402
 
 from kernelmgr.activity.gpu import GpuActivity  # noqa: E402
+from kernelmgr.kube.node_agents import NodeAgentClient  # noqa: E402
 from kernelmgr.provisioners import kubernetes as kprov  # noqa: E402
 from kernelmgr.server.cluster_activity import ClusterGpuSampler  # noqa: E402
 from tests.support import rbac  # noqa: E402
@@ -54,6 +55,8 @@ CID = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 AGENT_PORT = random.randrange(20000, 30000)
 FIRST_KERNEL_PORT = random.randrange(30000, 40000, 5)
 ON_RUNNER = {"kubernetes.io/hostname": "runner-0"}
+#: The agents' shared token, in the Secret the shipped DaemonSet mounts.
+AGENT_TOKEN = "agent-token-for-this-test"
 
 
 class Host:
@@ -89,6 +92,18 @@ class Host:
         tmp = self.script.with_suffix(".tmp")
         tmp.write_text(json.dumps(script))
         tmp.replace(self.script)
+
+
+def agent_token_secret(core: Any, namespace: str) -> None:
+    """The Secret the shipped DaemonSet mounts its --token-file from (as an admin or the chart makes it)."""
+    (daemonset,) = rbac.read(rbac.NODE_AGENT)
+    volume = next(v for v in daemonset["spec"]["template"]["spec"]["volumes"] if "secret" in v)
+    secret = {"metadata": {"name": volume["secret"]["secretName"]}, "stringData": {"token": AGENT_TOKEN}}
+    try:
+        core.create_namespaced_secret(namespace, secret)
+    except client.ApiException as exc:
+        if exc.status != 409:
+            raise
 
 
 def agent_pod(name: str, host: Host) -> dict[str, Any]:
@@ -207,6 +222,7 @@ def test_sampler_reads_the_agent_pod_through_the_watch_busy_idle_then_not_measur
     kernel_id = "k-agentwire-1"
     pod = core.create_namespaced_pod(namespace, kernel_pod(kernel_id))
     host.add_pod_process(KERNEL_PID, pod.metadata.uid)
+    agent_token_secret(core, namespace)
     core.create_namespaced_pod(namespace, agent_pod("agent", host))
     running(core, namespace, "agent")
     running(core, namespace, pod.metadata.name)
@@ -217,7 +233,13 @@ def test_sampler_reads_the_agent_pod_through_the_watch_busy_idle_then_not_measur
     assert kernels.wait_synced(60) and agents.wait_synced(60)
     clock = Clock()
     sampler = ClusterGpuSampler(
-        agents, kprov.kernel_pods, AGENT_PORT, busy_threshold=5.0, clock=clock, namespace=namespace
+        agents,
+        kprov.kernel_pods,
+        AGENT_PORT,
+        busy_threshold=5.0,
+        client=NodeAgentClient(token=AGENT_TOKEN),
+        clock=clock,
+        namespace=namespace,
     )
 
     # Busy: the agent on the kernel pod's node sees its process at 60 % SM.
@@ -274,6 +296,8 @@ def test_sampler_reads_the_agent_pod_through_the_watch_busy_idle_then_not_measur
 
 
 def server_config(plane: ControlPlane, namespace: str, checkpoints: Path) -> dict[str, Any]:
+    token_file = checkpoints.parent / "agent-token"
+    token_file.write_text(AGENT_TOKEN)
     return {
         "ElasticKernels": {
             "profiles": {"whole": {"gpu_fraction": 1}},
@@ -293,6 +317,7 @@ def server_config(plane: ControlPlane, namespace: str, checkpoints: Path) -> dic
             "launch_timeout": 60.0,
             "first_port": FIRST_KERNEL_PORT,
             "node_agent_port": AGENT_PORT,
+            "node_agent_token_file": str(token_file),
         },
     }
 
@@ -306,6 +331,7 @@ def test_server_shows_the_agents_numbers_per_kernel_and_not_measured_without_the
     namespace = kube_namespace
     host = Host(kube_runner, namespace)
     host.gpu(60)
+    agent_token_secret(core, namespace)
     core.create_namespaced_pod(namespace, agent_pod("agent", host))
     running(core, namespace, "agent")
     server = start_server(tmp_path / "server", server_config(kube_plane, namespace, tmp_path / "ck"))

@@ -66,10 +66,10 @@ def test_disk_full_answers_507_keeps_running_and_hibernates_once_space_is_freed(
             running.execute(kernel_id, "import numpy as np; kept = 41; big = np.ones(3_000_000)")
             # Fill what is left, so that not even the small registry file fits.
             filler = disk / "filler"
-            with open(filler, "wb") as handle, contextlib.suppress(OSError):
+            # Unbuffered: a buffered file would fail again at close, flushing a part-written block.
+            with open(filler, "wb", buffering=0) as handle, contextlib.suppress(OSError):
                 while True:
                     handle.write(b"\0" * 65536)
-                    handle.flush()
             for _attempt in range(2):  # and again: never stuck "hibernating" (it used to answer 409)
                 reply = hibernate(running, kernel_id)
                 assert reply.status == 507, reply

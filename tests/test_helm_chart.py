@@ -20,6 +20,7 @@ The helm binary comes from ``scripts/helm.sh build``; without it these tests ski
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -126,6 +127,9 @@ def test_lint_strict() -> None:
         ({"kernels": {"namespce": "x"}}, "namespce"),
         ({"kernels": {"namespaceTemplate": "jupyter-{username}"}}, "namespaceTemplate"),
         ({"kernels": {"stopGraceSeconds": 0}}, "stopGraceSeconds"),
+        ({"kernels": {"cpuResources": {"limits": {"nvidia.com/gpu": 1}}}}, "nvidia.com/gpu"),
+        ({"kernels": {"resources": {"requests": {"memory": "lots"}}}}, "memory"),
+        ({"networkPolicy": {"kernels": {"egressAllowRules": {"metadata": True}}}}, "metadata"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(values: dict[str, Any], named: str, tmp_path: Path) -> None:
@@ -294,6 +298,222 @@ def test_network_policy_admits_only_the_gateway(tmp_path: Path) -> None:
     assert source["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "gateway"
 
 
+def _egress_allows(policy: dict[str, Any], ip: str, port: int, protocol: str = "TCP") -> bool:
+    """Does one of ``policy``'s egress rules let its pods reach ``ip``:``port`` (by an ipBlock; the
+    pod and namespace peers are pods, never the metadata service or a private host)?"""
+    import ipaddress
+
+    address = ipaddress.ip_address(ip)
+    for rule in policy["spec"].get("egress") or []:
+        ports = rule.get("ports")
+        if ports and not any(p.get("port") == port and p.get("protocol", "TCP") == protocol for p in ports):
+            continue
+        peers = rule.get("to")
+        if not peers:
+            return True
+        for peer in peers:
+            block = peer.get("ipBlock")
+            if block is None or address.version != ipaddress.ip_network(block["cidr"]).version:
+                continue
+            inside = address in ipaddress.ip_network(block["cidr"])
+            excepted = any(
+                address in ipaddress.ip_network(e)
+                for e in block.get("except", [])
+                if ipaddress.ip_network(e).version == address.version
+            )
+            if inside and not excepted:
+                return True
+    return False
+
+
+def _kernel_egress(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernels-egress")
+
+
+def test_kernel_egress_is_denied_but_for_dns_the_gateway_and_the_allow_list(tmp_path: Path) -> None:
+    """As z2jh's singleuser egressAllowRules: no cloud metadata, no private ranges unless allowed."""
+    docs = render({}, tmp_path)
+    policy = _kernel_egress(docs)
+    ingress = only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernels")
+    assert policy["spec"]["policyTypes"] == ["Egress"]
+    assert policy["spec"]["podSelector"] == ingress["spec"]["podSelector"]  # every kernel and warm pod
+    metadata, private, public = "169.254.169.254", "10.20.30.40", "151.101.0.223"
+    for port in (80, 443, 53):
+        for protocol in ("TCP", "UDP"):
+            assert not _egress_allows(policy, metadata, port, protocol)
+    assert not _egress_allows(policy, private, 5432) and not _egress_allows(policy, "192.168.1.10", 2049)
+    assert not _egress_allows(policy, "172.16.0.1", 10250)  # a kubelet
+    assert _egress_allows(policy, private, 53, "UDP") and _egress_allows(policy, "169.254.20.10", 53, "UDP")
+    assert _egress_allows(policy, public, 443) and _egress_allows(policy, "2606:4700::1111", 443)
+    assert not _egress_allows(policy, "fd00:ec2::254", 80)  # AWS's IPv6 metadata address
+    gateway_labels = only(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    peers = [peer for rule in policy["spec"]["egress"] for peer in rule.get("to", [])]
+    dns = next(p for p in peers if "namespaceSelector" in p and "podSelector" not in p)
+    assert dns["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kube-system"}
+    gateway = next(p for p in peers if "podSelector" in p)
+    assert gateway["podSelector"]["matchLabels"].items() <= gateway_labels.items()
+
+    # The allow-list opens what the admin names, nothing else.
+    extra = {"to": [{"ipBlock": {"cidr": "10.1.2.3/32"}}], "ports": [{"port": 9000, "protocol": "TCP"}]}
+    opened = _kernel_egress(render({"networkPolicy": {"kernels": {"egress": [extra]}}}, tmp_path))
+    assert _egress_allows(opened, "10.1.2.3", 9000) and not _egress_allows(opened, "10.1.2.4", 9000)
+    allow = {"privateIPs": True, "cloudMetadataServer": True, "nonPrivateIPs": False}
+    loose = _kernel_egress(render({"networkPolicy": {"kernels": {"egressAllowRules": allow}}}, tmp_path))
+    assert _egress_allows(loose, private, 5432) and _egress_allows(loose, metadata, 80)
+    assert not _egress_allows(loose, public, 443)
+    # The gateway gets the same kernel policies for the namespaces it creates.
+    config = server_config(docs)["ElasticKubernetesProvisioner"]
+    rendered = [d for d in docs if d["kind"] == "NetworkPolicy" and "node-agent" not in d["metadata"]["name"]]
+    assert [(p["metadata"]["name"], p["spec"]) for p in config["namespace_network_policies"]] == [
+        (d["metadata"]["name"], d["spec"]) for d in rendered
+    ]
+
+
+def test_master_secret_is_a_secret_mounted_only_into_the_gateway(tmp_path: Path) -> None:
+    docs = render(VALUE_SETS["monitoring-prepuller-hub"], tmp_path)
+    secret = only(docs, "Secret", "jupyter-elastic-kernels-checkpoint-secret")
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    import base64
+
+    assert len(base64.b64decode(secret["data"]["secret"])) >= 32
+    config = server_config(docs)
+    gateway = only(docs, "Deployment")["spec"]["template"]["spec"]
+    volume = next(
+        v for v in gateway["volumes"] if v.get("secret", {}).get("secretName") == secret["metadata"]["name"]
+    )
+    assert volume["secret"]["defaultMode"] == 0o400
+    (mount,) = [m for m in gateway["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True
+    secret_file = config["ElasticKernels"]["checkpoint_secret_file"]
+    assert secret_file == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
+    # Not on the checkpoint claim (which kernel pods mount, each at its owner's sub-path).
+    assert not secret_file.startswith(config["ElasticKernels"]["checkpoint_root"].rstrip("/") + "/")
+    # No other pod (node agents, pre-puller) mounts it; kernel pods are made from the provisioner's
+    # settings, which do not name it.
+    for doc in docs:
+        if doc["kind"] in ("DaemonSet",):
+            assert secret["metadata"]["name"] not in json.dumps(doc["spec"]["template"]["spec"])
+    provisioner = json.dumps(config["ElasticKubernetesProvisioner"])
+    assert secret["metadata"]["name"] not in provisioner and mount["mountPath"] not in provisioner
+    # An admin's own Secret instead: mounted the same way, none made.
+    own = render({"checkpointSecret": {"existingSecret": "my-master", "key": "master"}}, tmp_path)
+    assert not [d for d in own if d["kind"] == "Secret" and "checkpoint" in d["metadata"]["name"]]
+    own_gateway = only(own, "Deployment")["spec"]["template"]["spec"]
+    (own_volume,) = [
+        v for v in own_gateway["volumes"] if v.get("secret", {}).get("secretName") == "my-master"
+    ]
+    assert server_config(own)["ElasticKernels"]["checkpoint_secret_file"].endswith("/master")
+    assert own_volume["secret"]["items"] == [{"key": "master", "path": "master"}]
+
+
+def _metrics_scrape(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ServiceMonitor's one endpoint, and the gateway container's scrape-token env entry."""
+    from gateway.config import METRICS_TOKEN_VARIABLE
+
+    (endpoint,) = only(docs, "ServiceMonitor")["spec"]["endpoints"]
+    (container,) = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    (env,) = [e for e in container["env"] if e["name"] == METRICS_TOKEN_VARIABLE]
+    return endpoint, env
+
+
+def test_service_monitor_scrapes_the_gateways_metrics_with_its_token(tmp_path: Path) -> None:
+    """Prometheus asks the gateway's port, at /metrics under its base_url, with the token it reads."""
+    docs = render(VALUE_SETS["monitoring-prepuller-hub"], tmp_path)
+    monitor = only(docs, "ServiceMonitor")
+    endpoint, env = _metrics_scrape(docs)
+    # The token: the Secret and key the gateway's ELASTIC_METRICS_TOKEN reads.
+    assert endpoint["bearerTokenSecret"] == env["valueFrom"]["secretKeyRef"]
+    assert endpoint["bearerTokenSecret"] == {"name": "jupyter-elastic-kernels-metrics-token", "key": "token"}
+    secret = only(docs, "Secret", "jupyter-elastic-kernels-metrics-token")
+    assert secret["metadata"]["namespace"] == monitor["metadata"]["namespace"]
+    token = base64.b64decode(secret["data"]["token"])
+    assert len(token) >= 32
+    assert token.decode() not in json.dumps(server_config(docs))  # never in the ConfigMap
+    # The path: the gateway's /metrics under the base_url it is served at as a Hub service.
+    base_url = server_config(docs)["ServerApp"]["base_url"]
+    assert base_url == "/services/elastic-gateway/"
+    assert endpoint["path"] == base_url + "metrics"
+    # The port: the Service's that the ServiceMonitor selects, forwarding to the container's.
+    service = only(docs, "Service")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    (container,) = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert port["targetPort"] in {p["name"] for p in container["ports"]}
+    # Token mode serves at the root; a base_url of extraConfig moves the path with it.
+    token_mode = {"gateway": {"auth": "token"}, "metrics": {"serviceMonitor": {"enabled": True}}}
+    assert _metrics_scrape(render(token_mode, tmp_path))[0]["path"] == "/metrics"
+    moved = {**token_mode, "extraConfig": {"ServerApp": {"base_url": "/gw/"}}}
+    assert _metrics_scrape(render(moved, tmp_path))[0]["path"] == "/gw/metrics"
+    # An admin's own Secret: named by both, none made.
+    own = render({"metrics": {"tokenSecret": "my-scrape", "serviceMonitor": {"enabled": True}}}, tmp_path)
+    endpoint, env = _metrics_scrape(own)
+    assert endpoint["bearerTokenSecret"] == env["valueFrom"]["secretKeyRef"]
+    assert endpoint["bearerTokenSecret"] == {"name": "my-scrape", "key": "token"}
+    assert not [d for d in own if d["kind"] == "Secret" and "metrics" in d["metadata"]["name"]]
+
+
+def test_node_agents_are_found_by_the_charts_labels_and_answer_only_its_token(tmp_path: Path) -> None:
+    from kernelmgr.kube.node_agents import agent_labels
+
+    docs = render(VALUE_SETS["extra-namespaces"], tmp_path)
+    config = server_config(docs)["ElasticKubernetesProvisioner"]
+    assert config["node_agent_instance"] == "jupyter-elastic-kernels"
+    agent = only(docs, "DaemonSet", "jupyter-elastic-kernels-node-agent")
+    assert (
+        agent_labels(config["node_agent_instance"]).items()
+        <= agent["spec"]["template"]["metadata"]["labels"].items()
+    )
+    spec = agent["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    token_volume = next(v for v in spec["volumes"] if "secret" in v)
+    mount = next(m for m in container["volumeMounts"] if m["name"] == token_volume["name"])
+    assert f"--token-file={mount['mountPath']}/token" in container["args"] and mount["readOnly"]
+    gateway = only(docs, "Deployment")["spec"]["template"]["spec"]
+    gateway_volume = next(
+        v
+        for v in gateway["volumes"]
+        if v.get("secret", {}).get("secretName") == token_volume["secret"]["secretName"]
+    )
+    gateway_mount = next(
+        m for m in gateway["containers"][0]["volumeMounts"] if m["name"] == gateway_volume["name"]
+    )
+    assert config["node_agent_token_file"] == f"{gateway_mount['mountPath']}/token"
+    # The token's Secret is in the agents' namespace and the gateway's, with one value.
+    tokens = [
+        d
+        for d in docs
+        if d["kind"] == "Secret" and d["metadata"]["name"] == token_volume["secret"]["secretName"]
+    ]
+    assert sorted(d["metadata"]["namespace"] for d in tokens) == ["jupyter", "kernels"]
+    assert len({d["data"]["token"] for d in tokens}) == 1
+    # The agents' NetworkPolicy selects the chart's agents by the same labels.
+    policy = only(
+        [d for d in docs if d["metadata"].get("namespace") == "kernels"],
+        "NetworkPolicy",
+        "jupyter-elastic-kernels-node-agent",
+    )
+    assert policy["spec"]["podSelector"]["matchLabels"] == agent["spec"]["selector"]["matchLabels"]
+
+
+def test_kernel_pod_resources_reach_the_provisioner(tmp_path: Path) -> None:
+    from kernelmgr.provisioners.kubernetes import pod_resources_refusal
+
+    config = server_config(render({}, tmp_path))["ElasticKubernetesProvisioner"]
+    assert config["cpu_kernel_resources"] == {
+        "requests": {"cpu": "250m", "memory": "1Gi"},
+        "limits": {"cpu": "2", "memory": "4Gi"},
+    }
+    sized = {"whole": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "64Gi"}}}
+    config = server_config(render({"kernels": {"sizeResources": sized}}, tmp_path))[
+        "ElasticKubernetesProvisioner"
+    ]
+    assert config["size_resources"] == sized
+    # The provisioner accepts what the chart renders.
+    assert pod_resources_refusal(config["cpu_kernel_resources"], "cpu") is None
+    assert pod_resources_refusal(config["resources"], "gpu") is None
+    assert pod_resources_refusal(config["size_resources"]["whole"], "whole") is None
+
+
 def test_values_reach_the_server_config(tmp_path: Path) -> None:
     values = {
         "cull": {
@@ -440,6 +660,23 @@ def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any],
         plane, api, namespace, RELEASE, home / "sa.kubeconfig"
     )
     rbac.wait_allowed(plane, token, "create", "pods", namespace)
+    # In the pod the chart's Secrets are mounted (the master checkpoint secret, the agents' token):
+    # here, files with their values as the API server holds them.
+    import base64
+
+    core = client.CoreV1Api(api)
+    config = json.loads(stored.data["jupyter_server_config.json"])
+    mounted = []
+    for setting, secret, key in (
+        ("ElasticKernels.checkpoint_secret_file", f"{RELEASE}-checkpoint-secret", "secret"),
+        ("ElasticKubernetesProvisioner.node_agent_token_file", f"{RELEASE}-node-agent-token", "token"),
+    ):
+        section, _, name = setting.partition(".")
+        if name in config[section]:
+            path = home / f"{secret}-{key}"
+            path.write_bytes(base64.b64decode(core.read_namespaced_secret(secret, namespace).data[key]))
+            path.chmod(0o400)
+            mounted.append(f"--{setting}={path}")
     port = free_port()
     command = [
         str(Path(sys.executable).parent / "jupyter-elastic-gateway"),
@@ -450,9 +687,20 @@ def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any],
         "--ip=127.0.0.1",
         "--allow-root",
         f"--IdentityProvider.token={TOKEN}",
+        *mounted,
     ]
     log_path = home / "gateway.log"
     env = isolated_env(home)
+    # The environment the Deployment gives the gateway container (the metrics token from its Secret).
+    deployment = client.AppsV1Api(api).read_namespaced_deployment(RELEASE, namespace)
+    for entry in deployment.spec.template.spec.containers[0].env or []:
+        if entry.value_from is None:
+            env[entry.name] = entry.value or ""
+        elif entry.value_from.secret_key_ref is not None:
+            ref = entry.value_from.secret_key_ref
+            env[entry.name] = base64.b64decode(
+                core.read_namespaced_secret(ref.name, namespace).data[ref.key]
+            ).decode()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=home)
     gateway = RunningServer(
@@ -469,6 +717,19 @@ def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any],
 
     wait_for(answers, 60, what="the gateway to answer")
     return gateway
+
+
+def _get(url: str, authorization: str) -> tuple[int, str]:
+    """GET with only this Authorization header (no Jupyter token): status and body."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, headers={"Authorization": authorization})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
 
 
 def kernel_pods(release: dict[str, Any], kernel_id: str) -> list[Any]:
@@ -520,6 +781,21 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
             name if kind != "counter" or name.endswith("_total") else f"{name}_total" for name, kind in types
         }
         assert names and names <= exported, (names, sorted(n for n in exported if n.startswith("elastic")))
+        # Prometheus, as the chart's ServiceMonitor has it scrape: its path, the token of its Secret.
+        scrape = {**release["values"], "metrics": {"serviceMonitor": {"enabled": True}}}
+        (endpoint,) = only(render(scrape, tmp_path, namespace), "ServiceMonitor")["spec"]["endpoints"]
+        ref = endpoint["bearerTokenSecret"]
+        metrics_token = release["core"].read_namespaced_secret(ref["name"], namespace).data[ref["key"]]
+        bearer = base64.b64decode(metrics_token).decode()
+        status, body = _get(gateway.url + endpoint["path"], f"Bearer {bearer}")
+        assert status == 200 and "# TYPE elastic_" in body, (status, body[:500])
+        status, body = _get(gateway.url + endpoint["path"], "Bearer not-the-token")
+        assert status == 403 and "metrics_token" in json.loads(body)["message"], body
+        # The gateway runs no kernel in its own pod: python3 is not offered, python3-cpu (a pod) is.
+        specs = gateway.get("/api/kernelspecs")
+        assert "python3" not in specs["kernelspecs"] and specs["default"] == "python3-cpu"
+        refused = gateway.request("POST", "/api/kernels", {"name": "python3"})
+        assert refused.status == 404 and "python3-cpu" in refused.body["message"], refused
         kernel_id = gateway.start_kernel(SIZE)
         with gateway.channel(kernel_id, timeout=120) as tab:
             assert tab.execute("x = 41; print('ok')", timeout=120).stdout.strip() == "ok"
@@ -554,6 +830,8 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
     )
     after = apps.read_namespaced_deployment(RELEASE, namespace).spec.template.metadata.annotations
     assert after["checksum/config"] != before["checksum/config"]
+    # The scrape token (random at install, made by the template) is the same after the upgrade.
+    assert release["core"].read_namespaced_secret(ref["name"], namespace).data[ref["key"]] == metrics_token
     assert (
         release["core"].read_namespaced_persistent_volume_claim(release["claim"], namespace).metadata.uid
         == claim_uid
@@ -712,6 +990,28 @@ def test_per_user_namespace_made_by_the_gateway_with_the_charts_rights(
         ]
         pods = core.list_namespaced_pod(user_namespace, label_selector=f"kernel_id={kernel_id}").items
         assert len(pods) == 1
+        # The namespace the gateway made holds the chart's kernel NetworkPolicies (ingress from the
+        # gateway only, default-deny egress with the allow-list), made before the kernel's pod.
+        networking = client.NetworkingV1Api(kube_api)
+        made = {
+            p.metadata.name: kube_api.sanitize_for_serialization(p)
+            for p in networking.list_namespaced_network_policy(user_namespace).items
+        }
+        assert set(made) == {f"{RELEASE}-kernels", f"{RELEASE}-kernels-egress"}
+        for name, policy in made.items():
+            assert (
+                policy["metadata"]["creationTimestamp"]
+                <= kube_api.sanitize_for_serialization(pods[0])["metadata"]["creationTimestamp"]
+            ), name
+        egress = made[f"{RELEASE}-kernels-egress"]
+        assert egress["spec"]["policyTypes"] == ["Egress"]
+        assert not _egress_allows(egress, "169.254.169.254", 80)
+        assert not _egress_allows(egress, "10.20.30.40", 5432)
+        assert _egress_allows(egress, "151.101.0.223", 443)
+        ingress_from = made[f"{RELEASE}-kernels"]["spec"]["ingress"][0]["from"]
+        assert ingress_from[0]["namespaceSelector"]["matchLabels"] == {
+            "kubernetes.io/metadata.name": release["namespace"]
+        }
         assert gateway.execute(kernel_id, "y = 'kept'; print(y)", timeout=120).strip() == "kept"
         reply = gateway.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
         assert reply.status == 200, (reply, gateway.log()[-3000:])

@@ -283,8 +283,9 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     shots("jupyterlab-restore-report-details")
     dialog.get_by_role("button", name="Close").click()
     released = page.locator(".jp-ElasticPanel-released")
-    expect(released).to_contain_text("GPU-hours released by hibernation: 0.000")
-    assert float(released.inner_text().rsplit(":", 1)[1]) > 0  # a quarter GPU, hibernated for seconds
+    expect(released).to_contain_text("GPU-hours released by hibernation: ")
+    # A quarter GPU, hibernated for as long as this (possibly loaded) machine took: more than 0.
+    assert float(released.inner_text().rsplit(":", 1)[1]) > 0
     expect(cells.nth(1).locator('.jp-OutputArea-output[data-mime-type="text/plain"]')).to_have_text(
         "42", timeout=30_000
     )

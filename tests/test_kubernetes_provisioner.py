@@ -64,7 +64,9 @@ def test_kernel_pod_executes_interrupts_and_shuts_down(
         container = pod.spec.containers[0]
         env = {e.name: e.value for e in container.env}
         assert env["ELASTIC_CHECKPOINT_ON_SIGTERM"] == "1"
-        assert container.resources.limits == {"nvidia.com/gpu": "1"}
+        # The GPU kernels' default cpu/memory (ElasticKubernetesProvisioner.resources) beside the slice.
+        assert container.resources.limits == {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"}
+        assert container.resources.requests == {"cpu": "1", "memory": "4Gi", "nvidia.com/gpu": "1"}
         assert container.security_context.allow_privilege_escalation is False
         assert container.security_context.capabilities.drop == ["ALL"]
         assert pod.spec.security_context.run_as_non_root is True

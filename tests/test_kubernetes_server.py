@@ -107,6 +107,74 @@ def test_pod_kernel_hibernates_and_resumes_on_another_node_five_times(
     assert not (cluster.checkpoints / getpass.getuser() / kernel_id).exists()
 
 
+def test_only_pod_kernelspecs_are_offered_and_a_cpu_kernel_is_a_pod_with_resources(
+    cluster: PodCluster, server: RunningServer
+) -> None:
+    """The server runs no kernel itself: python3 is not offered (404 naming python3-cpu), python3-cpu
+    is a pod of its own through the same provisioner, with cpu/memory requests and limits."""
+    specs = server.get("/api/kernelspecs")
+    assert set(specs["kernelspecs"]) == {"python3-cpu", SIZE}, specs["kernelspecs"].keys()
+    assert specs["default"] == "python3-cpu"
+    cpu = specs["kernelspecs"]["python3-cpu"]["spec"]
+    assert cpu["metadata"]["kernel_provisioner"] == {"provisioner_name": "elastic-kubernetes-provisioner"}
+    assert cpu["metadata"]["elastic"]["profile"] is None and cpu["display_name"] == "Python 3 · CPU"
+    reply = server.request("POST", "/api/kernels", {"name": "python3"})
+    assert reply.status == 404, reply.body
+    assert "not offered here" in reply.body["message"] and "python3-cpu" in reply.body["message"]
+    assert server.request("GET", "/api/kernelspecs/python3").status == 404
+    assert server.get("/api/kernels") == []  # nothing started for the refused requests
+
+    kernel_id = server.start_kernel("python3-cpu")
+    pod = cluster.running_pod(kernel_id)
+    assert pod.metadata.annotations["elastic.jupyter.org/kernelspec"] == "python3-cpu"
+    assert "elastic.jupyter.org/size" not in pod.metadata.annotations  # no GPU slice
+    (container,) = pod.spec.containers
+    assert container.resources.requests == {"cpu": "250m", "memory": "1Gi"}
+    assert container.resources.limits == {"cpu": "2", "memory": "4Gi"}
+    # The kernel's process is the pod's (the runner's child), not the server's.
+    ppid = int(server.execute(kernel_id, "import os; print(os.getppid())").strip())
+    assert ppid != server.process.pid
+    assert model(server, kernel_id)["profile"] is None
+    # An elastic kernel like the GPU ones: it hibernates (its pod gone) and resumes with its variables.
+    assert server.execute(kernel_id, "kept = 41 + 1; print(kept)").strip() == "42"
+    hibernate(server, cluster, kernel_id)
+    assert server.execute(kernel_id, "print(kept)", timeout=120).strip() == "42"
+    # A GPU size's pod gets the GPU kernels' defaults beside its slice.
+    gpu_id = server.start_kernel(SIZE)
+    resources = cluster.running_pod(gpu_id).spec.containers[0].resources
+    assert resources.requests == {"cpu": "1", "memory": "4Gi", "nvidia.com/gpu": "1"}
+    assert resources.limits == {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"}
+    for kid in (kernel_id, gpu_id):
+        server.shutdown_kernel(kid)
+        wait_for(lambda kid=kid: cluster.pod_of(kid) is None, 60, "the kernel pod to be deleted")
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        (
+            {"cpu_kernel_resources": {"limits": {"nvidia.com/gpu": 1}}},
+            "cpu_kernel_resources.limits.nvidia.com/gpu",
+        ),
+        ({"resources": {"requests": {"memory": "8Gi"}, "limits": {"memory": "4Gi"}}}, "memory request (8Gi)"),
+        ({"size_resources": {"tiny": {"limits": {"cpu": "1"}}}}, "unknown GPU sizes ['tiny']"),
+    ],
+)
+def test_bad_pod_resources_stop_the_server_at_start_with_one_line(
+    cluster: PodCluster, tmp_path: Path, setting: dict[str, Any], named: str
+) -> None:
+    from tests.support.server import launch
+
+    process, log_path, _url, _env = launch(tmp_path, cluster.config(**setting), None, None, "jupyter_server")
+    try:
+        assert process.wait(timeout=120) == 2
+    finally:
+        if process.poll() is None:
+            process.kill()
+    critical = [line for line in log_path.read_text().splitlines() if "invalid configuration" in line]
+    assert len(critical) == 1 and named in critical[0], critical
+
+
 def test_pod_without_checkpoint_claim_refuses_to_hibernate(cluster: PodCluster, tmp_path: Path) -> None:
     running = start_server(tmp_path, cluster.config(checkpoint_claim=""))
     try:

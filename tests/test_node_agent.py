@@ -37,7 +37,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from kernelmgr.activity.nvml_double import NvmlDouble
 from kernelmgr.checkpoint.store import CheckpointStore
 from kernelmgr.core.inventory import GpuDevice
-from kernelmgr.kube.node_agents import AGENT_COMPONENT_LABEL, NodeAgentClient, agent_urls
+from kernelmgr.kube.node_agents import (
+    AGENT_COMPONENT_LABEL,
+    AGENT_INSTANCE_LABEL,
+    NodeAgentClient,
+    agent_labels,
+    agent_urls,
+)
 from kernelmgr.nodeagent.cgroups import pod_uid_from_cgroup, read_pod_uid
 from kernelmgr.nodeagent.environ import environ_value, read_kernel_id
 from kernelmgr.nodeagent.sampler import NodeSampler
@@ -130,6 +136,9 @@ def write_script(
 
 # ---- the agent as a subprocess
 
+#: The token the agents under test require (as the chart's shared Secret holds it).
+TOKEN = "node-agent-test-token"
+
 
 @dataclass
 class Agent:
@@ -137,9 +146,11 @@ class Agent:
     url: str
     log: Path
 
-    def get(self, path: str) -> tuple[int, str, str]:
+    def get(self, path: str, token: str | None = TOKEN) -> tuple[int, str, str]:
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        request = urllib.request.Request(f"{self.url}{path}", headers=headers)
         try:
-            with urllib.request.urlopen(f"{self.url}{path}", timeout=30) as response:
+            with urllib.request.urlopen(request, timeout=30) as response:
                 return response.status, response.headers.get("Content-Type", ""), response.read().decode()
         except urllib.error.HTTPError as err:
             return err.code, err.headers.get("Content-Type", ""), err.read().decode()
@@ -174,11 +185,14 @@ def agent_env(script: Path | None = None) -> dict[str, str]:
 def start_agent(tmp: Path, proc_root: Path, script: Path, node: str, interval: float = 0.2) -> Agent:
     """Start ``node-agent`` on a free port (``--port 0``) and read the URL from its first line."""
     log = tmp / f"agent-{node}.log"
+    token_file = tmp / "agent-token"
+    token_file.write_text(TOKEN + "\n")
     with open(log, "w") as stderr:
         process = subprocess.Popen(
             agent_command(
                 "--ip", "127.0.0.1", "--port", "0", "--proc-root", str(proc_root),
-                "--interval", str(interval), "--node-name", node, "--nvml-class", NVML_DOUBLE,
+                "--token-file", str(token_file), "--interval", str(interval), "--node-name", node,
+                "--nvml-class", NVML_DOUBLE,
             ),
             stdout=subprocess.PIPE, stderr=stderr, text=True, env=agent_env(script),
         )  # fmt: skip
@@ -390,6 +404,21 @@ def test_metrics_and_health(node1: Agent) -> None:
     assert status == 200 and json.loads(body)["status"] == "ok"
 
 
+def test_activity_and_metrics_refuse_a_request_without_the_token(node1: Agent) -> None:
+    """The agent lists every GPU pod and PID of its node: only the server, holding the token, may read it."""
+    for path in ("/activity", "/metrics"):
+        status, content_type, body = node1.get(path, token=None)
+        assert status == 401 and content_type.startswith("application/json"), body
+        assert "token" in json.loads(body)["message"]
+        status, _, body = node1.get(path, token="not-the-token")
+        assert status == 403 and "wrong token" in json.loads(body)["message"]
+        assert node1.get(path)[0] == 200
+    assert node1.get("/healthz", token=None)[0] == 200  # the kubelet's probe carries no token
+    # The server's reader without the token gets the refusal as an error, no data.
+    result = asyncio.run(NodeAgentClient(timeout=10).collect([node1.url]))
+    assert result.kernels == {} and "HTTP 401" in result.errors[node1.url]
+
+
 def test_agent_samples_again_on_its_interval(node1: Agent, tmp_path: Path) -> None:
     """kernel-a stops computing and pod B's process exits: the next samples say so."""
     processes = [dict(p, sm_percent=0) if p["pid"] in (101, 102) else p for p in NODE_PROCESSES]
@@ -424,9 +453,11 @@ def test_nvml_unavailable_is_reported_not_fatal(tmp_path: Path) -> None:
         (["--port", "70000"], "argument --port: must be a port number (0-65535), got 70000"),
         (["--interval", "0"], "argument --interval: must be > 0 seconds"),
         (["--proc-root", "/no/such/dir"], "--proc-root '/no/such/dir' is not a directory"),
-        (["--nvml-class", "no.such.Module"], "--nvml-class 'no.such.Module' cannot be imported"),
-        (["--nvml-class", "json.dumps"], "--nvml-class 'json.dumps' is not a class"),
+        (["--no-token", "--nvml-class", "no.such"], "--nvml-class 'no.such' cannot be imported"),
+        (["--no-token", "--nvml-class", "json.dumps"], "--nvml-class 'json.dumps' is not a class"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate"),
+        ([], "--token-file is required"),
+        (["--token-file", "/no/such/token"], "--token-file '/no/such/token': No such file or directory"),
     ],
 )
 def test_bad_usage_is_exit_2_and_one_line(args: list[str], fragment: str) -> None:
@@ -460,7 +491,7 @@ def test_port_in_use_is_exit_1_and_one_line(tmp_path: Path) -> None:
         port = taken.getsockname()[1]
         result = subprocess.run(
             agent_command("--ip", "127.0.0.1", "--port", str(port), "--proc-root", str(tmp_path),
-                          "--nvml-class", NVML_DOUBLE),
+                          "--nvml-class", NVML_DOUBLE, "--no-token"),
             capture_output=True, text=True, timeout=60, env=agent_env(tmp_path / "none.json"),
         )  # fmt: skip
     assert result.returncode == 1
@@ -505,7 +536,7 @@ def node2(tmp_path: Path) -> Iterator[Agent]:
 
 def test_reader_merges_agents_and_records_a_dead_one(node1: Agent, node2: Agent) -> None:
     down = dead_url()
-    client = NodeAgentClient(timeout=10)
+    client = NodeAgentClient(timeout=10, token=TOKEN)
     result = asyncio.run(client.collect([node1.url, node2.url, down, node2.url + "/"]))
     assert set(result.errors) == {down}
     assert "cannot reach" in result.errors[down] or "no answer" in result.errors[down]
@@ -528,7 +559,7 @@ def test_reader_merges_agents_and_records_a_dead_one(node1: Agent, node2: Agent)
 
 def test_reader_trusts_the_pod_watch_over_the_environment(node1: Agent) -> None:
     mapping = {UID_A: "kernel-a", UID_B: "kernel-b", UID_C: "kernel-z"}
-    result = asyncio.run(NodeAgentClient(timeout=10).collect([node1.url], uid_to_kernel=mapping))
+    result = asyncio.run(NodeAgentClient(timeout=10, token=TOKEN).collect([node1.url], uid_to_kernel=mapping))
     assert set(result.kernels) == {"kernel-a", "kernel-b", "kernel-z"}
     assert result.kernels["kernel-b"].source == "pod-watch"
     assert set(result.unmapped) == {UID_D}  # not a pod the server knows, whatever it claims
@@ -580,7 +611,7 @@ def test_agent_urls_from_pod_objects() -> None:
 
     def pod(name: str, ip: str | None, phase: str = "Running", component: str = "node-agent") -> Any:
         return SimpleNamespace(
-            metadata=SimpleNamespace(name=name, labels={AGENT_COMPONENT_LABEL: component}),
+            metadata=SimpleNamespace(name=name, labels={**agent_labels(), AGENT_COMPONENT_LABEL: component}),
             status=SimpleNamespace(phase=phase, pod_ip=ip),
         )
 
@@ -592,8 +623,17 @@ def test_agent_urls_from_pod_objects() -> None:
         pod("kernel", "10.0.0.7", component="kernel"),
         pod("v6", "fd00::5"),
         {
-            "metadata": {"labels": {AGENT_COMPONENT_LABEL: "node-agent"}},
+            "metadata": {"labels": agent_labels()},
             "status": {"phase": "Running", "podIP": "10.0.0.3"},
+        },
+        # The generic component label alone, or another release's agent: not trusted (never sent the token).
+        {
+            "metadata": {"labels": {AGENT_COMPONENT_LABEL: "node-agent"}},
+            "status": {"phase": "Running", "podIP": "10.0.0.5"},
+        },
+        {
+            "metadata": {"labels": {**agent_labels(), AGENT_INSTANCE_LABEL: "another-release"}},
+            "status": {"phase": "Running", "podIP": "10.0.0.6"},
         },
         {"metadata": {}, "status": {"phase": "Running", "podIP": "10.0.0.4"}},
     ]  # fmt: skip
@@ -604,3 +644,4 @@ def test_agent_urls_from_pod_objects() -> None:
         "http://[fd00::5]:9401",
     ]
     assert agent_urls(pods[:1], port=9999) == ["http://10.0.0.2:9999"]
+    assert agent_urls(pods, instance="another-release") == ["http://10.0.0.6:9401"]

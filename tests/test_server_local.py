@@ -361,7 +361,8 @@ def test_a_lost_kernel_resumes_from_a_checkpoint_committed_after_the_server_read
         )
         # What the kernel would have committed next (its key derives from the server's secret).
         (owner_dir,) = [p for p in checkpoints.iterdir() if (p / kernel_id).is_dir()]
-        store = CheckpointStore(checkpoints, load_or_create_secret(str(checkpoints / ".secret")))
+        secret = load_or_create_secret(str(running.home / "data" / "elastic-secret" / "checkpoint-secret"))
+        store = CheckpointStore(checkpoints, secret)
         write_checkpoint(
             store.kernel_dir(owner_dir.name, kernel_id),
             {"x": 41, "later": "committed after the server looked"},

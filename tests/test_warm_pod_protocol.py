@@ -26,6 +26,7 @@ from jupyter_client import BlockingKernelClient
 from kernelmgr.checkpoint.agent import CHECKPOINT_CODE
 from kernelmgr.checkpoint.keys import owner_key
 from kernelmgr.checkpoint.layout import read_current
+from kernelmgr.checkpoint.store import CheckpointStore
 from kernelmgr.checkpoint.verify import load_verified_manifest
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
 from tests.support.kernel_pods import free_port_block
@@ -191,7 +192,8 @@ def test_a_warm_pod_answers_its_token_only_and_keeps_to_its_kernel_directory(
 def test_a_checkpoint_goes_from_one_warm_pod_through_the_store_into_another(
     tmp_path: Path, pods: list[LocalWarmPod]
 ) -> None:
-    store = tmp_path / "store" / OWNER / "k1"
+    checkpoints = CheckpointStore(tmp_path / "store", SECRET)
+    store = checkpoints.kernel_dir(OWNER, "k1")
     key = owner_key(SECRET, OWNER)
     first = LocalWarmPod(tmp_path, "first")
     pods.append(first)
@@ -201,27 +203,27 @@ def test_a_checkpoint_goes_from_one_warm_pod_through_the_store_into_another(
         run(kernel, CHECKPOINT_CODE)
     finally:
         kernel.stop_channels()
-    committed = first.client.pull_checkpoint("k1", store)
+    committed = first.client.pull_checkpoint("k1", checkpoints, OWNER)
     assert committed is not None and read_current(store) == committed
     manifest = load_verified_manifest(store, key, OWNER, "k1")  # signed with the owner's key, whole
     assert manifest is not None and {"x", "y"} <= {v.name for v in manifest.variables}
-    assert first.client.pull_checkpoint("k1", store) == committed  # a second pull moves nothing
+    assert first.client.pull_checkpoint("k1", checkpoints, OWNER) == committed  # a second pull moves nothing
 
     # A pod that is gone mid-hibernation: the pull fails, the store keeps its commit, nothing torn.
     first.stop()
     with pytest.raises(WarmPodError, match="did not answer"):
-        first.client.pull_checkpoint("k1", store)
+        first.client.pull_checkpoint("k1", checkpoints, OWNER)
     assert read_current(store) == committed
     assert [p.name for p in store.iterdir() if p.name.startswith(".partial")] == []
 
     second = LocalWarmPod(tmp_path, "second")
     pods.append(second)
-    assert second.client.push_checkpoint("k1", store, committed) > 0
+    assert second.client.push_checkpoint("k1", checkpoints, OWNER, committed) > 0
     kernel = second.handoff("k1", restore=committed)
     try:
         assert run(kernel, "print(x['n'] + 1, y[-1])").strip() == "42 4"
     finally:
         kernel.stop_channels()
-    assert second.client.pull_restore_report("k1", store)
+    assert second.client.pull_restore_report("k1", checkpoints, OWNER)
     report = json.loads((store / "restore-report.json").read_text())
     assert report["checkpoint"] == committed and report["refused"] is None

@@ -11,9 +11,10 @@ agent removes once read, never in the environment). Code in a notebook can still
 own key in memory (it runs in the same process as the agent), so a user can forge
 checkpoints for themselves, which gains them nothing: they can already run any code in
 their own kernel. Without the secret they cannot produce a checkpoint that verifies under
-another user's key. In local mode the kernel runs as the server's OS user and *can* read
-the secret file, so this separation holds only where kernels cannot reach the secret (the
-gateway / Kubernetes design, see docs/architecture.md "Checkpoint keys").
+another user's key. The secret is a file only the server's account can read, never on the
+checkpoint volume (kernels write there); a kernel running as the server's own OS user (a
+single-user server) could still read it, which is why a multi-user gateway runs each kernel
+as its owner's account (:mod:`kernelmgr.provisioners.accounts`) or in its own pod.
 
 What is covered: the HMAC is computed over the canonical JSON of the manifest without its
 ``hmac`` field. The manifest carries the digest and the size of ``data.bin``, so the MAC
@@ -63,6 +64,55 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def migrate_secret(old: str | os.PathLike[str], new: str | os.PathLike[str]) -> bool:
+    """Move a secret from where older versions kept it (``<checkpoint_root>/.secret``, on the
+    data volume kernels write to) to ``new``, keeping its bytes so existing checkpoints still
+    verify; ``True`` if it moved. Nothing happens when ``new`` exists already or ``old`` does not.
+
+    ``new`` is written like :func:`load_or_create_secret` writes (0600, fsynced, linked into
+    place, so a concurrent start cannot end with two secrets); ``old`` is removed after.
+    """
+    source, target = Path(old), Path(new)
+    if target.exists() or not source.exists():
+        return False
+    data = _read_secret(source)
+    _make_private_dir(target.parent)
+    _link_new_secret(target, data)
+    source.unlink(missing_ok=True)
+    fsync_dir(source.parent)
+    log.warning(
+        "moved the checkpoint secret from %s (on the checkpoint volume, where kernels write) to %s",
+        source,
+        target,
+    )
+    return True
+
+
+def _make_private_dir(directory: Path) -> None:
+    """``directory`` and its missing parents; a directory made here is 0700 (the secret's)."""
+    if directory.is_dir():
+        return
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+
+
+def _link_new_secret(target: Path, data: bytes) -> None:
+    tmp = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(target.parent)
+
+
 def load_or_create_secret(path: str | os.PathLike[str]) -> bytes:
     """The server's checkpoint secret: read from ``path``, or created there (mode 0600).
 
@@ -76,20 +126,8 @@ def load_or_create_secret(path: str | os.PathLike[str]) -> bytes:
         return _read_secret(target)
     except FileNotFoundError:
         pass
-    target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = target.parent / f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, secrets.token_bytes(SECRET_BYTES))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        with contextlib.suppress(FileExistsError):
-            os.link(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(target.parent)
+    _make_private_dir(target.parent)
+    _link_new_secret(target, secrets.token_bytes(SECRET_BYTES))
     return _read_secret(target)
 
 
@@ -101,8 +139,9 @@ def _read_secret(path: Path) -> bytes:
             "delete it to have a new one created (existing checkpoints will then be refused)"
         )
     mode = path.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("checkpoint secret %s is readable by group or others (mode %o): chmod 600 it", path, mode)
+    # Group read is allowed: a Kubernetes Secret mounted with the pod's fsGroup reads 0440.
+    if mode & (stat.S_IWGRP | stat.S_IRWXO):
+        log.warning("checkpoint secret %s is open to others (mode %o): chmod 600 it", path, mode)
     return data
 
 

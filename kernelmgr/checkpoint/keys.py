@@ -1,6 +1,7 @@
 """Checkpoint keys: derived on the server, handed to one kernel, never put in its environment.
 
-The server holds one secret (``<checkpoint_root>/.secret``). A kernel gets only its owner's
+The server holds one secret (``ElasticKernels.checkpoint_secret_file``: a file only the server's
+account can read, never on the checkpoint volume). A kernel gets only its owner's
 key, ``owner_key(secret, owner)``, and gets it in a *file*, not an environment variable:
 an environment variable is readable by every later cell (``os.environ``), is inherited by
 every child process (``!pip``, ``subprocess``) and shows up in ``/proc/<pid>/environ`` for
@@ -111,8 +112,12 @@ def key_file_path(directory: str | os.PathLike[str], kernel_id: str) -> Path:
     return Path(directory) / f"kernel-{kernel_id}.key"
 
 
-def write_key_file(path: str | os.PathLike[str], key: bytes) -> Path:
+def write_key_file(path: str | os.PathLike[str], key: bytes, owner: tuple[int, int] | None = None) -> Path:
     """Write ``key`` to ``path`` readable by its owner only (0600), replacing any previous file.
+
+    ``owner`` (uid, gid): the account the file is for, when that is not ours (a kernel running
+    as its owner's account, started by a root gateway); the file is handed over before it
+    gets its name.
 
     The bytes go to a new temporary file beside ``path`` created with ``O_EXCL`` (so it cannot
     be a file or symlink someone else prepared) and mode 0600 from the start (never briefly
@@ -128,6 +133,8 @@ def write_key_file(path: str | os.PathLike[str], key: bytes) -> Path:
     try:
         try:
             os.fchmod(fd, 0o600)  # the umask can only clear bits; say the mode anyway
+            if owner is not None:
+                os.fchown(fd, *owner)
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]

@@ -21,12 +21,12 @@ import logging
 import os
 import re
 import secrets
-import shutil
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from kernelmgr.checkpoint.integrity import fsync_dir
+from kernelmgr.checkpoint.safedir import SafeDir, opened
 
 log = logging.getLogger(__name__)
 
@@ -82,46 +82,68 @@ def write_file_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
     fsync_dir(path.parent)
 
 
-def read_current(kernel_dir: Path) -> str | None:
+#: ``current`` holds one checkpoint id and a newline; the server reads no more than this of it.
+CURRENT_CAP = 256
+
+
+def read_current(kernel_dir: Path | SafeDir) -> str | None:
     """The committed checkpoint's id, or ``None`` when nothing was ever committed.
 
     Raises ``ValueError`` when ``current`` does not hold a checkpoint id: its content is
-    used as a path, so anything else (``../x``) is refused rather than followed.
+    used as a path, so anything else (``../x``, a symlink, a huge file) is refused rather
+    than followed.
     """
     try:
-        text = (kernel_dir / CURRENT).read_text(encoding="ascii").strip()
+        with opened(kernel_dir) as directory:
+            raw = directory.read(CURRENT, CURRENT_CAP)
     except FileNotFoundError:
         return None
+    try:
+        text = raw.decode("ascii").strip()
     except UnicodeDecodeError:
-        raise ValueError(f"{kernel_dir / CURRENT} is not a checkpoint name") from None
+        raise ValueError(f"{_where(kernel_dir) / CURRENT} is not a checkpoint name") from None
     if not is_checkpoint_id(text):
-        raise ValueError(f"{kernel_dir / CURRENT} names {text[:80]!r}, which is not a checkpoint")
+        raise ValueError(f"{_where(kernel_dir) / CURRENT} names {text[:80]!r}, which is not a checkpoint")
     return text
 
 
-def publish_current(kernel_dir: Path, checkpoint_id: str) -> None:
+def _where(kernel_dir: Path | SafeDir) -> Path:
+    return kernel_dir.path if isinstance(kernel_dir, SafeDir) else kernel_dir
+
+
+def publish_current(kernel_dir: Path | SafeDir, checkpoint_id: str) -> None:
     """The commit point: make ``current`` name ``checkpoint_id``."""
-    write_file_atomic(kernel_dir / CURRENT, f"{checkpoint_id}\n".encode("ascii"), mode=0o644)
+    data = f"{checkpoint_id}\n".encode("ascii")
+    if isinstance(kernel_dir, SafeDir):
+        kernel_dir.write_atomic(CURRENT, data, mode=0o644)
+    else:
+        write_file_atomic(kernel_dir / CURRENT, data, mode=0o644)
 
 
-def remove_stale(kernel_dir: Path, keep: str | None) -> None:
+def remove_stale(kernel_dir: Path | SafeDir, keep: str | None) -> None:
     """Delete what a crashed or superseded write left: ``.partial-*``, temp files, and
     every ``ckpt-*`` except ``keep`` (the committed one, ``None`` if nothing is).
 
     When ``current`` is unreadable, no ``ckpt-*`` is deleted: which one was committed is
     unknown, and deleting could lose the only good copy. Called by the kernel's own agent
     before and after it writes (one agent writes a kernel directory at a time), and by the
-    server once that kernel's process has stopped.
+    server once that kernel's process has stopped. A link is removed as a link: what it
+    points at is never touched.
     """
-    if not kernel_dir.is_dir():
-        return
     try:
-        read_current(kernel_dir)
+        with opened(kernel_dir) as directory:
+            _remove_stale(directory, keep)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+
+
+def _remove_stale(directory: SafeDir, keep: str | None) -> None:
+    try:
+        read_current(directory)
         current_known = True
     except ValueError:
         current_known = False
-    for entry in kernel_dir.iterdir():
-        name = entry.name
+    for name in directory.names():
         stale = (
             name.startswith(PARTIAL_PREFIX)
             or (name.startswith(".") and name.endswith(".tmp"))
@@ -130,51 +152,66 @@ def remove_stale(kernel_dir: Path, keep: str | None) -> None:
         if not stale:
             continue
         try:
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
+            directory.remove(name)
         except OSError as exc:
-            log.warning("could not remove %s: %s", entry, exc)
+            log.warning("could not remove %s: %s", directory.path / name, exc)
 
 
-def quarantined_path(kernel_dir: Path, checkpoint_id: str) -> Path | None:
-    """Where ``checkpoint_id`` was quarantined, if it was."""
-    path = kernel_dir / QUARANTINE / checkpoint_id
-    return path if path.is_dir() else None
-
-
-def quarantine_reason(path: Path) -> str:
+def quarantined_path(kernel_dir: Path | SafeDir, checkpoint_id: str) -> Path | None:
+    """Where ``checkpoint_id`` was quarantined, if it was (a real folder, not a link)."""
     try:
-        lines = (path / REASON_FILE).read_text(encoding="utf-8").splitlines()
-    except OSError:
+        with opened(kernel_dir) as directory, directory.subdir(QUARANTINE) as box:
+            return box.path / checkpoint_id if box.is_dir(checkpoint_id) else None
+    except (OSError, ValueError):
+        return None
+
+
+#: ``reason.txt`` is one line the server wrote; it reads no more than this of it.
+REASON_CAP = 64 * 1024
+
+
+def quarantine_reason(kernel_dir: Path | SafeDir, name: str) -> str:
+    """The first line of ``quarantine/<name>/reason.txt``."""
+    try:
+        with (
+            opened(kernel_dir) as directory,
+            directory.subdir(QUARANTINE) as box,
+            box.subdir(name) as kept,
+        ):
+            lines = kept.read(REASON_FILE, REASON_CAP).decode("utf-8", "replace").splitlines()
+    except (OSError, ValueError):
         return "it was quarantined earlier"
     return lines[0] if lines else "it was quarantined earlier"
 
 
-def quarantine(kernel_dir: Path, checkpoint_id: str, reason: str) -> Path | None:
+def quarantine(kernel_dir: Path | SafeDir, checkpoint_id: str, reason: str) -> Path | None:
     """Move a checkpoint aside with ``reason.txt``; return where it went.
 
     ``None`` when the checkpoint directory is gone (another process quarantined it first
     or it was never there). ``current`` is left alone: the next commit replaces it, and
     a reader that finds ``current`` naming a quarantined checkpoint refuses it again with
-    the recorded reason instead of reporting "no checkpoint".
+    the recorded reason instead of reporting "no checkpoint". The entry is moved as it is:
+    a link is moved as a link (what it points at stays where it is); ``quarantine`` itself
+    must be a real folder.
     """
-    source = kernel_dir / checkpoint_id
-    box = kernel_dir / QUARANTINE
-    box.mkdir(exist_ok=True)
-    target = box / checkpoint_id
-    suffix = 1
-    while target.exists():
-        target = box / f"{checkpoint_id}.{suffix}"
-        suffix += 1
-    try:
-        os.rename(source, target)
-    except FileNotFoundError:
-        return quarantined_path(kernel_dir, checkpoint_id)
-    stamp = datetime.now(tz=timezone.utc).isoformat()
-    (target / REASON_FILE).write_text(f"{reason}\nquarantined at {stamp}\n", encoding="utf-8")
-    with contextlib.suppress(OSError):
-        fsync_dir(box)
-    log.warning("quarantined checkpoint %s: %s", target, reason)
-    return target
+    with opened(kernel_dir) as directory, directory.subdir(QUARANTINE, create=True) as box:
+        target = checkpoint_id
+        suffix = 1
+        while box.exists(target):
+            target = f"{checkpoint_id}.{suffix}"
+            suffix += 1
+        try:
+            directory.rename(checkpoint_id, box, target)
+        except FileNotFoundError:
+            return quarantined_path(directory, checkpoint_id)
+        stamp = datetime.now(tz=timezone.utc).isoformat()
+        if box.is_dir(target):
+            with box.subdir(target) as kept:
+                fd = kept.create_file(REASON_FILE)
+                with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                    handle.write(f"{reason}\nquarantined at {stamp}\n")
+        with contextlib.suppress(OSError):
+            box.fsync()
+        where = box.path / target
+    log.warning("quarantined checkpoint %s: %s", where, reason)
+    return where

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kernelmgr.checkpoint.safedir import SafeDir, opened
+
 RESTORE_PROGRESS = "restore-progress.json"
 
 #: Seconds between two writes of the progress file while reading.
@@ -55,10 +57,18 @@ class ProgressFile:
             os.replace(tmp, self.path)
 
 
-def read_progress(kernel_dir: Path, since: float) -> dict[str, Any] | None:
-    """The progress written at or after ``since`` (epoch seconds), or ``None``."""
+#: The file is a few numbers; the server reads no more than this of it (a kernel writes it).
+PROGRESS_CAP = 64 * 1024
+
+
+def read_progress(kernel_dir: Path | SafeDir, since: float) -> dict[str, Any] | None:
+    """The progress written at or after ``since`` (epoch seconds), or ``None``.
+
+    Read without following a link, and at most :data:`PROGRESS_CAP` bytes.
+    """
     try:
-        progress = json.loads((kernel_dir / RESTORE_PROGRESS).read_text(encoding="utf-8"))
+        with opened(kernel_dir) as directory:
+            progress = json.loads(directory.read(RESTORE_PROGRESS, PROGRESS_CAP))
     except (OSError, ValueError):
         return None
     if not isinstance(progress, dict) or not isinstance(progress.get("time"), int | float):

@@ -7,27 +7,44 @@ is cheap (manifests only; ``data.bin`` is checked by size, its digest by the age
 it unpickles).
 
 Paths are built from an owner name and a kernel id that come from requests, so both are
-validated to be one plain path component: nothing can point outside the root.
+validated to be one plain path component. Owner folders are writable by their owner's kernels,
+so the server opens them name by name and follows no link (:mod:`kernelmgr.checkpoint.safedir`):
+a link in one owner's folder cannot reach another's checkpoints, and every file it reads there
+has a size cap.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
-import shutil
+import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, owner_key
-from kernelmgr.checkpoint.layout import CURRENT, RESTORE_REPORT, read_current, remove_stale
+from kernelmgr.checkpoint.layout import (
+    CURRENT,
+    DATA_FILE,
+    MANIFEST_FILE,
+    RESTORE_REPORT,
+    read_current,
+    remove_stale,
+)
 from kernelmgr.checkpoint.progress import read_progress
+from kernelmgr.checkpoint.safedir import SafeDir, TooLarge, UnsafePath
 from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
-from kernelmgr.checkpoint.verify import load_verified_manifest
+from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest, load_verified_manifest
 from kernelmgr.core.manifest import Manifest
 
+log = logging.getLogger(__name__)
+
 _MAX_COMPONENT = 128
+#: The agent's restore report lists each variable with a reason; the server reads no more than this.
+RESTORE_REPORT_CAP = 8 * 1024 * 1024
 
 
 def _check_component(what: str, value: str) -> str:
@@ -59,12 +76,35 @@ class CheckpointStore:
         self._summaries: dict[tuple[str, str], tuple[tuple[int, int, int], dict[str, Any] | None]] = {}
 
     def kernel_dir(self, owner: str, kernel_id: str) -> Path:
-        """The kernel directory (not created). Raises ``ValueError`` for unsafe names."""
-        path = self.root / _check_component("owner", owner) / _check_component("kernel id", kernel_id)
-        resolved_root = self.root.resolve()
-        if resolved_root not in path.resolve().parents:
-            raise ValueError(f"kernel directory for {owner!r}/{kernel_id!r} would be outside {self.root}")
+        """The kernel directory's path, for a kernel's agent (not created). Raises ``ValueError`` for
+        unsafe names, and for an owner or kernel folder that is a symlink.
+
+        The server itself never opens this path: it opens folders with :meth:`open_kernel_dir`.
+        """
+        owner_dir = self.root / _check_component("owner", owner)
+        path = owner_dir / _check_component("kernel id", kernel_id)
+        for folder in (owner_dir, path):
+            try:
+                if stat.S_ISLNK(os.lstat(folder).st_mode):
+                    raise UnsafePath(
+                        f"{folder} is a symlink: refused (checkpoint folders must be real folders)"
+                    )
+            except FileNotFoundError:
+                break
         return path
+
+    def open_kernel_dir(self, owner: str, kernel_id: str, *, create: bool = False) -> SafeDir:
+        """The kernel directory, opened name by name under the root without following any link.
+
+        ``FileNotFoundError`` when it does not exist (unless ``create``); :class:`UnsafePath` (a
+        ``ValueError``) when the owner or kernel folder is a symlink or not a folder.
+        """
+        owner = _check_component("owner", owner)
+        kernel_id = _check_component("kernel id", kernel_id)
+        if create:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with SafeDir.open(self.root) as root, root.subdir(owner, create=create) as owner_dir:
+            return owner_dir.subdir(kernel_id, create=create)
 
     def key_for(self, owner: str) -> bytes:
         """The key ``owner``'s kernels sign and verify with.
@@ -115,34 +155,60 @@ class CheckpointStore:
         """The committed checkpoint's manifest, verified; ``None`` if there is none.
 
         Raises :class:`CheckpointRefused` (after quarantining it) when it fails
-        verification.
+        verification, and (quarantining nothing) when a folder on the way is a link.
+        Blocking: callers on the event loop run it in a thread.
         """
-        return load_verified_manifest(
-            self.kernel_dir(owner, kernel_id), self.key_for(owner), owner, kernel_id
-        )
+        try:
+            with self.open_kernel_dir(owner, kernel_id) as directory:
+                signature = _signature(directory)
+                manifest = load_verified_manifest(directory, self.key_for(owner), owner, kernel_id)
+        except FileNotFoundError:
+            return None
+        except UnsafePath as exc:
+            raise CheckpointRefused(str(exc)) from None
+        if signature is not None:  # the REST summary needs no second read of this manifest
+            value = None if manifest is None else {**manifest.summary(), "refused": None, "quarantined": None}
+            self._summaries[(owner, kernel_id)] = (signature, value)
+        return manifest
 
     def has_checkpoint(self, owner: str, kernel_id: str) -> bool:
         """Whether ``current`` names a checkpoint (without verifying it)."""
         try:
-            return read_current(self.kernel_dir(owner, kernel_id)) is not None
-        except ValueError:
+            with self.open_kernel_dir(owner, kernel_id) as directory:
+                return read_current(directory) is not None
+        except (OSError, ValueError):
             return False
 
     def summary(self, owner: str, kernel_id: str) -> dict[str, Any] | None:
-        """The REST shape of the committed checkpoint, or ``None`` (cached until :meth:`forget_cached`)."""
+        """The REST shape of the committed checkpoint, or ``None`` (cached until :meth:`forget_cached`).
+
+        From the cache while ``current`` is the same file (:meth:`latest`, which hibernation runs
+        in a thread, and :meth:`refresh_summaries` fill it); a read otherwise (capped).
+        """
         key = (owner, kernel_id)
         try:
-            info = os.stat(self.kernel_dir(owner, kernel_id) / CURRENT)
-        except OSError:
+            with self.open_kernel_dir(owner, kernel_id) as directory:
+                signature = _signature(directory)
+        except (OSError, ValueError):
+            signature = None
+        if signature is None:
             self._summaries.pop(key, None)
             return None  # nothing committed (or the kernel is gone)
-        signature = (info.st_ino, info.st_mtime_ns, info.st_size)
         cached = self._summaries.get(key)
         if cached is not None and cached[0] == signature:
             return cached[1]
         value = self.read_summary(owner, kernel_id)
         self._summaries[key] = (signature, value)
         return value
+
+    def refresh_summaries(self, keys: list[tuple[str, str]]) -> None:
+        """Read the summaries of ``(owner, kernel id)`` pairs whose checkpoint changed (blocking:
+        run it in a thread before building REST models on the event loop)."""
+        for owner, kernel_id in keys:
+            try:
+                self.summary(owner, kernel_id)
+            except Exception:  # the model says why (models._checkpoint)
+                continue
 
     def forget_cached(self, owner: str, kernel_id: str) -> None:
         """The kernel's checkpoint changed (committed, removed): read it again next time."""
@@ -172,36 +238,116 @@ class CheckpointStore:
         return {**manifest.summary(), "refused": None, "quarantined": None}
 
     def restore_report(self, owner: str, kernel_id: str) -> dict[str, Any] | None:
-        """The report the agent wrote after its last restore, or ``None``."""
-        path = self.kernel_dir(owner, kernel_id) / RESTORE_REPORT
+        """The report the agent wrote after its last restore, or ``None``.
+
+        ``{"error": ...}`` when it is not read: larger than :data:`RESTORE_REPORT_CAP` (the
+        kernel writes it, so it could be any size), or a link. Blocking: callers on the event
+        loop run it in a thread.
+        """
         try:
-            report = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):  # missing, unreadable, or half-written by hand
+            with self.open_kernel_dir(owner, kernel_id) as directory:
+                raw = directory.read(RESTORE_REPORT, RESTORE_REPORT_CAP)
+        except FileNotFoundError:
+            return None
+        except (TooLarge, UnsafePath) as exc:
+            log.warning("kernel %s: restore report not read: %s", kernel_id, exc)
+            return {"error": f"the restore report was not read: {exc}"}
+        except (OSError, ValueError):
+            return None
+        try:
+            report = json.loads(raw)
+        except ValueError:  # half-written by hand
             return None
         return report if isinstance(report, dict) else None
 
     def restore_progress(self, owner: str, kernel_id: str, since: float) -> dict[str, Any] | None:
-        """How far the kernel's agent has read its checkpoint in a restore begun after ``since``."""
-        return read_progress(self.kernel_dir(owner, kernel_id), since)
+        """How far the kernel's agent has read its checkpoint in a restore begun after ``since``
+        (a file of at most ``progress.PROGRESS_CAP`` bytes, opened without following links)."""
+        try:
+            with self.open_kernel_dir(owner, kernel_id) as directory:
+                return read_progress(directory, since)
+        except (OSError, ValueError):
+            return None
+
+    @contextlib.contextmanager
+    def verified_files(
+        self, owner: str, kernel_id: str, checkpoint_id: str
+    ) -> Iterator[list[tuple[str, BinaryIO, int]]]:
+        """The files of ``checkpoint_id`` as ``(name, open file, size)``, its manifest verified
+        again now with ``owner``'s key, from the very descriptors the caller then reads.
+
+        For sending a checkpoint anywhere (a warm pod): what is sent is what was verified, and
+        nothing is read through a link (a link in the checkpoint refuses it whole).
+        Raises :class:`CheckpointRefused` (nothing moved) when it does not verify.
+        """
+        handles: dict[str, BinaryIO] = {}
+        try:
+            try:
+                with (
+                    self.open_kernel_dir(owner, kernel_id) as directory,
+                    directory.subdir(checkpoint_id) as folder,
+                ):
+                    for name in sorted(folder.names()):
+                        mode = folder.lstat(name).st_mode
+                        if stat.S_ISLNK(mode):
+                            raise UnsafePath(f"{folder.path / name} is a symlink")
+                        if stat.S_ISREG(mode):
+                            handles[name] = os.fdopen(folder.open_file(name), "rb")
+                if MANIFEST_FILE not in handles or DATA_FILE not in handles:
+                    raise Untrusted(f"{MANIFEST_FILE} or {DATA_FILE} is missing")
+                text = handles[MANIFEST_FILE].read(MANIFEST_CAP + 1)
+                if len(text) > MANIFEST_CAP:
+                    raise Untrusted(f"{MANIFEST_FILE} is larger than {MANIFEST_CAP} bytes")
+                data_size = os.fstat(handles[DATA_FILE].fileno()).st_size
+                check_manifest(text, data_size, self.key_for(owner), owner, kernel_id, checkpoint_id)
+            except (OSError, ValueError, Untrusted) as exc:
+                raise CheckpointRefused(f"checkpoint {checkpoint_id} of kernel {kernel_id}: {exc}") from None
+            handles[MANIFEST_FILE].seek(0)
+            yield [(name, handle, os.fstat(handle.fileno()).st_size) for name, handle in handles.items()]
+        finally:
+            for handle in handles.values():
+                handle.close()
 
     def prune(self, owner: str, kernel_id: str) -> None:
         """Delete superseded checkpoints and leftovers, keeping the committed one.
 
         Only while the kernel's process is stopped (hibernated): its agent is then not writing.
+        Nothing is followed: a link in the kernel folder is removed as a link.
         """
-        directory = self.kernel_dir(owner, kernel_id)
         try:
-            committed = read_current(directory)
-        except ValueError:
-            return  # unknown which one is committed: keep everything
-        remove_stale(directory, keep=committed)
+            with self.open_kernel_dir(owner, kernel_id) as directory:
+                try:
+                    committed = read_current(directory)
+                except ValueError:
+                    return  # unknown which one is committed: keep everything
+                remove_stale(directory, keep=committed)
+        except FileNotFoundError:
+            return
+        except UnsafePath as exc:
+            log.warning("kernel %s: checkpoints not pruned: %s", kernel_id, exc)
 
     def remove(self, owner: str, kernel_id: str) -> None:
-        """Delete the kernel directory, quarantine included (the kernel is gone for good)."""
-        directory = self.kernel_dir(owner, kernel_id)
+        """Delete the kernel directory, quarantine included (the kernel is gone for good).
+
+        A kernel folder that is a link is removed as a link: what it points at stays.
+        """
         self.forget_cached(owner, kernel_id)
-        shutil.rmtree(directory, ignore_errors=True)
-        if directory.exists():
-            shutil.rmtree(directory)  # raise the real error
-        with contextlib.suppress(OSError):
-            directory.parent.rmdir()  # the owner directory, once it is empty
+        owner = _check_component("owner", owner)
+        kernel_id = _check_component("kernel id", kernel_id)
+        try:
+            with SafeDir.open(self.root) as root, root.subdir(owner) as owner_dir:
+                with contextlib.suppress(FileNotFoundError):
+                    owner_dir.remove(kernel_id)
+                with contextlib.suppress(OSError):
+                    os.rmdir(owner, dir_fd=root.fd)  # the owner directory, once it is empty
+        except FileNotFoundError:
+            return
+
+
+def _signature(directory: SafeDir) -> tuple[int, int, int] | None:
+    """What changes when a commit replaces ``current``; ``None`` when nothing is committed."""
+    try:
+        info = directory.lstat(CURRENT)
+    except FileNotFoundError:
+        return None
+    return (info.st_ino, info.st_mtime_ns, info.st_size)

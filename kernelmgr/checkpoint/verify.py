@@ -12,7 +12,7 @@ Two stages, both refusing (quarantine + :class:`CheckpointRefused`) on any doubt
 
 from __future__ import annotations
 
-import os
+import stat
 from pathlib import Path
 
 from kernelmgr.checkpoint.errors import CheckpointRefused
@@ -26,6 +26,7 @@ from kernelmgr.checkpoint.layout import (
     quarantined_path,
     read_current,
 )
+from kernelmgr.checkpoint.safedir import SafeDir, opened
 from kernelmgr.core.manifest import Manifest, ManifestError
 
 #: How many times a reader follows ``current`` when it changes under it (a commit that
@@ -57,13 +58,33 @@ def check_layout(manifest: Manifest, size: int) -> None:
         raise Untrusted(f"{DATA_FILE} has {size - end} bytes the manifest does not account for")
 
 
-def _verify_dir(directory: Path, key: bytes, owner: str, kernel_id: str) -> Manifest:
+#: The server and the agent read no larger manifest (a variable's record is ~200 bytes: this is
+#: well over 100,000 variables), so a kernel cannot make the server parse a file of any size.
+MANIFEST_CAP = 32 * 1024 * 1024
+
+
+def _verify_dir(kernel_dir: SafeDir, checkpoint_id: str, key: bytes, owner: str, kernel_id: str) -> Manifest:
     try:
-        text = (directory / MANIFEST_FILE).read_bytes()
-    except FileNotFoundError:
-        raise Untrusted(f"{MANIFEST_FILE} is missing") from None
+        with kernel_dir.subdir(checkpoint_id) as directory:
+            text = directory.read(MANIFEST_FILE, MANIFEST_CAP)
+            data_info = directory.lstat(DATA_FILE)
+    except FileNotFoundError as exc:
+        missing = DATA_FILE if exc.filename == DATA_FILE else MANIFEST_FILE
+        raise Untrusted(f"{missing} is missing") from None
+    except ValueError as exc:  # a link, not a plain file, too large
+        raise Untrusted(str(exc)) from None
     except OSError as exc:
         raise Untrusted(f"{MANIFEST_FILE} cannot be read: {exc}") from None
+    if not stat.S_ISREG(data_info.st_mode):
+        raise Untrusted(f"{DATA_FILE} is not a plain file (a link or something else)")
+    return check_manifest(text, data_info.st_size, key, owner, kernel_id, checkpoint_id)
+
+
+def check_manifest(
+    text: bytes, data_size: int, key: bytes, owner: str, kernel_id: str, checkpoint_id: str
+) -> Manifest:
+    """The manifest in ``text`` if it is authentic under ``key`` and names this owner, kernel and
+    checkpoint, and ``data.bin`` (``data_size`` bytes) holds what it says; else :class:`Untrusted`."""
     try:
         manifest = Manifest.from_json(text)
     except ManifestError as exc:
@@ -77,31 +98,37 @@ def _verify_dir(directory: Path, key: bytes, owner: str, kernel_id: str) -> Mani
         raise Untrusted(f"it belongs to owner {manifest.owner!r}, not {owner!r}")
     if manifest.kernel_id != kernel_id:
         raise Untrusted(f"it belongs to kernel {manifest.kernel_id!r}, not {kernel_id!r}")
-    if manifest.checkpoint_id != directory.name:
-        raise Untrusted(f"its manifest names checkpoint {manifest.checkpoint_id!r}, not {directory.name!r}")
-    try:
-        size = os.stat(directory / DATA_FILE).st_size
-    except FileNotFoundError:
-        raise Untrusted(f"{DATA_FILE} is missing") from None
-    check_layout(manifest, size)
+    if manifest.checkpoint_id != checkpoint_id:
+        raise Untrusted(f"its manifest names checkpoint {manifest.checkpoint_id!r}, not {checkpoint_id!r}")
+    check_layout(manifest, data_size)
     return manifest
 
 
-def refuse(kernel_dir: Path, checkpoint_id: str, reason: str) -> CheckpointRefused:
+def refuse(kernel_dir: Path | SafeDir, checkpoint_id: str, reason: str) -> CheckpointRefused:
     """Quarantine ``checkpoint_id`` and build the error to raise (refused either way)."""
     try:
         return CheckpointRefused(reason, quarantine(kernel_dir, checkpoint_id, reason))
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         return CheckpointRefused(f"{reason} (and it could not be moved to quarantine: {exc})")
 
 
-def load_verified_manifest(kernel_dir: Path, key: bytes, owner: str, kernel_id: str) -> Manifest | None:
+def load_verified_manifest(
+    kernel_dir: Path | SafeDir, key: bytes, owner: str, kernel_id: str
+) -> Manifest | None:
     """The committed checkpoint's manifest, verified; ``None`` if nothing is committed.
 
     Raises :class:`CheckpointRefused` (after quarantining) when it cannot be trusted, and
     again, with the recorded reason, each time ``current`` still names a checkpoint that
     was quarantined earlier.
     """
+    try:
+        with opened(kernel_dir) as directory:
+            return _load_verified(directory, key, owner, kernel_id)
+    except FileNotFoundError:
+        return None  # no kernel folder: nothing was ever committed
+
+
+def _load_verified(kernel_dir: SafeDir, key: bytes, owner: str, kernel_id: str) -> Manifest | None:
     for _ in range(_ATTEMPTS):
         try:
             checkpoint_id = read_current(kernel_dir)
@@ -109,9 +136,8 @@ def load_verified_manifest(kernel_dir: Path, key: bytes, owner: str, kernel_id: 
             raise CheckpointRefused(str(exc)) from None
         if checkpoint_id is None:
             return None
-        directory = kernel_dir / checkpoint_id
         try:
-            return _verify_dir(directory, key, owner, kernel_id)
+            return _verify_dir(kernel_dir, checkpoint_id, key, owner, kernel_id)
         except Untrusted as exc:
             reason = str(exc)
         try:
@@ -120,10 +146,10 @@ def load_verified_manifest(kernel_dir: Path, key: bytes, owner: str, kernel_id: 
             still_current = False
         if not still_current:
             continue
-        if not directory.exists():
+        if not kernel_dir.exists(checkpoint_id):
             earlier = quarantined_path(kernel_dir, checkpoint_id)
             if earlier is not None:
-                raise CheckpointRefused(quarantine_reason(earlier), earlier)
+                raise CheckpointRefused(quarantine_reason(kernel_dir, checkpoint_id), earlier)
             raise CheckpointRefused(f"checkpoint {checkpoint_id} is missing")
         raise refuse(kernel_dir, checkpoint_id, reason)
-    raise CheckpointRefused(f"the committed checkpoint in {kernel_dir} kept changing while it was read")
+    raise CheckpointRefused(f"the committed checkpoint in {kernel_dir.path} kept changing while it was read")

@@ -14,7 +14,10 @@ kernel ClusterRole there (``deploy/kubernetes/rbac.yaml``). With it on, the serv
 namespace (with the configured labels: Pod Security Admission ``restricted`` by default), binds the
 kernel ClusterRole to its own identity in it (RBAC lets it only because it holds ``bind`` on that
 one ClusterRole, ``deploy/kubernetes/rbac-namespaces.yaml``), and waits until the API server's
-authorizer lets it create pods there. These calls block: run them in a worker thread.
+authorizer lets it create pods there. Then it creates the configured NetworkPolicies there (the Helm
+chart passes the same ingress and default-deny egress policies it renders in its own kernel
+namespaces), before any kernel pod exists in the namespace. These calls block: run them in a worker
+thread.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 from kubernetes import client
 
 from kernelmgr.core.errors import ConfigError
-from kernelmgr.kube.access import RBAC_NAMESPACES_FILE, ExplainedCoreV1Api, forbidden
+from kernelmgr.kube.access import RBAC_FILE, RBAC_NAMESPACES_FILE, ExplainedCoreV1Api, forbidden
 
 _LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _HASHED = re.compile(r"-[0-9a-f]{8}$")
@@ -101,6 +104,7 @@ def ensure_namespace(
     cluster_role: str,
     binding_name: str = "jupyter-elastic-kernels",
     timeout: float = 30.0,
+    network_policies: list[dict[str, Any]] | None = None,
 ) -> bool:
     """Create ``name`` (if missing) and bind ``cluster_role`` to the caller there; ``True`` if created.
 
@@ -151,4 +155,26 @@ def ensure_namespace(
                 f"({RBAC_NAMESPACES_FILE})?"
             )
         time.sleep(0.2)
+    for policy in network_policies or []:
+        create_network_policy(api, name, policy)
     return created
+
+
+def create_network_policy(api: client.ApiClient, namespace: str, policy: dict[str, Any]) -> None:
+    """Create ``policy`` in ``namespace`` (one already there under its name is left as it is)."""
+    manifest = {
+        **policy,
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {**(policy.get("metadata") or {}), "namespace": namespace},
+    }
+    networking: Any = client.NetworkingV1Api(api)
+    try:
+        networking.create_namespaced_network_policy(namespace, manifest)
+    except client.ApiException as exc:
+        if exc.status == 403:
+            raise forbidden(
+                exc, "create", "networkpolicies", namespace, RBAC_FILE, api_group="networking.k8s.io"
+            ) from None
+        if exc.status != 409:
+            raise

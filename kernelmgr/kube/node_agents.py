@@ -6,9 +6,10 @@ This module asks all agents at once and turns their reports into activity per *k
 
 Wired into the server by :mod:`kernelmgr.server.cluster_activity` (Kubernetes mode), which:
 
-1. finds the agent pods with one watch (label ``app.kubernetes.io/component=node-agent``, see
-   :data:`AGENT_SELECTOR`) and gives them to :func:`agent_urls` (pod IP + port). No Service: the
-   server needs every agent, not one behind a load balancer.
+1. finds the agent pods with one watch (the chart's labels: name, instance and component, see
+   :func:`agent_selector`) and gives them to :func:`agent_urls` (pod IP + port). No Service: the
+   server needs every agent, not one behind a load balancer. Each request carries the agents'
+   shared token (a Secret mounted in the server and the agents): an agent answers no one else.
 2. passes ``uid_to_kernel`` built from the kernel-pod watch's cache
    (``{pod.metadata.uid: pod.metadata.labels["kernel_id"]}``): the cgroup-derived pod UID is proof
    of which pod a process belongs to, while the environment's kernel id is only a hint that code in
@@ -32,11 +33,33 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError
 
 from kernelmgr.nodeagent import DEFAULT_PORT
 
-#: The label that marks node agent pods (as the Helm chart will set it).
+#: The labels that mark node agent pods, as the Helm chart (and deploy/kubernetes/node-agent.yaml) set
+#: them: name, instance (the Helm release) and component, all three. A pod with only the generic
+#: component label (anyone's "node-agent") is not an agent of ours, and is never sent the token.
+AGENT_NAME_LABEL = "app.kubernetes.io/name"
+AGENT_NAME = "jupyter-elastic-kernels"
+AGENT_INSTANCE_LABEL = "app.kubernetes.io/instance"
+DEFAULT_INSTANCE = "jupyter-elastic-kernels"
 AGENT_COMPONENT_LABEL = "app.kubernetes.io/component"
 AGENT_COMPONENT = "node-agent"
-AGENT_SELECTOR = f"{AGENT_COMPONENT_LABEL}={AGENT_COMPONENT}"
 DEFAULT_TIMEOUT = 5.0
+
+
+def agent_labels(instance: str = DEFAULT_INSTANCE) -> dict[str, str]:
+    """The labels an agent pod of release ``instance`` carries."""
+    return {
+        AGENT_NAME_LABEL: AGENT_NAME,
+        AGENT_INSTANCE_LABEL: instance,
+        AGENT_COMPONENT_LABEL: AGENT_COMPONENT,
+    }
+
+
+def agent_selector(instance: str = DEFAULT_INSTANCE) -> str:
+    """The label selector of the pod watch that finds the agents of release ``instance``."""
+    return ",".join(f"{key}={value}" for key, value in agent_labels(instance).items())
+
+
+AGENT_SELECTOR = agent_selector()
 
 
 def _field(obj: Any, *path: tuple[str, str]) -> Any:
@@ -48,16 +71,17 @@ def _field(obj: Any, *path: tuple[str, str]) -> Any:
     return obj
 
 
-def agent_urls(pods: Iterable[Any], port: int = DEFAULT_PORT) -> list[str]:
+def agent_urls(pods: Iterable[Any], port: int = DEFAULT_PORT, instance: str = DEFAULT_INSTANCE) -> list[str]:
     """Base URLs of the running node agent pods among ``pods`` (client models or dicts).
 
-    Only pods labelled :data:`AGENT_SELECTOR`, in phase Running, with a pod IP; sorted, no
-    duplicates, IPv6 addresses bracketed.
+    Only pods with every label of :func:`agent_labels` (``instance``'s), in phase Running, with a
+    pod IP; sorted, no duplicates, IPv6 addresses bracketed.
     """
     urls = set()
+    wanted = agent_labels(instance)
     for pod in pods:
         labels = _field(pod, ("metadata", "metadata"), ("labels", "labels")) or {}
-        if labels.get(AGENT_COMPONENT_LABEL) != AGENT_COMPONENT:
+        if any(labels.get(key) != value for key, value in wanted.items()):
             continue
         if _field(pod, ("status", "status"), ("phase", "phase")) != "Running":
             continue
@@ -128,8 +152,10 @@ class ClusterActivity:
 class NodeAgentClient:
     """Fetches ``/activity`` from many agents concurrently; every failure is data, never raised."""
 
-    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT, token: str = "") -> None:
         self.timeout = timeout
+        #: The agents' shared token (``jupyter elastic node-agent --token-file``), sent as a bearer token.
+        self.token = token
 
     async def fetch(self, base_url: str) -> dict[str, Any]:
         """One agent's ``/activity`` document; raises on any failure (``collect`` catches)."""
@@ -137,6 +163,7 @@ class NodeAgentClient:
             f"{base_url.rstrip('/')}/activity",
             connect_timeout=self.timeout,
             request_timeout=self.timeout,
+            headers={"Authorization": f"Bearer {self.token}"} if self.token else None,
         )
         doc = json.loads(response.body)
         if not isinstance(doc, dict) or not isinstance(doc.get("pods"), dict):

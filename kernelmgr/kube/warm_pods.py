@@ -51,6 +51,8 @@ MISS_REASONS = ("empty", "preload_failed", "not_poolable", "handoff_failed")
 LOOK_INTERVAL = 5.0
 #: While a pod is starting, it is looked at this often.
 STARTING_INTERVAL = 0.5
+#: Seconds the pool waits for a pod's status answer.
+STATUS_TIMEOUT = 5.0
 
 
 class WarmPodsConfigError(ValueError):
@@ -308,8 +310,10 @@ class WarmPods:
             self._drop(pod, "its preload failed")
 
     def client(self, pod: WarmPod) -> WarmPodClient:
+        """A client for the pool's own looks (status): a short deadline, so a pod that stalls does
+        not hold up the pool, or a worker thread, for long."""
         assert pod.ip is not None
-        return WarmPodClient(pod.ip, self.template.warm_pod_port, pod.token)
+        return WarmPodClient(pod.ip, self.template.warm_pod_port, pod.token, timeout=STATUS_TIMEOUT)
 
     async def _create(self, settings: WarmPodSettings) -> bool:
         name = warm_pod_name(settings.size)

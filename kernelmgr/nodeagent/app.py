@@ -5,8 +5,10 @@ Runs on every GPU node as a DaemonSet with ``hostPID: true`` (NVML reports host 
 no GPU request and no Kubernetes API rights: it only reads NVML and ``/proc``. Optional
 ``CAP_SYS_PTRACE`` lets it read kernel pods' environments and report their kernel ids.
 
-Endpoints (unauthenticated, read-only; keep them inside the cluster, e.g. with a
-NetworkPolicy that admits only the server, since they list PIDs):
+Endpoints (read-only). ``/activity`` and ``/metrics`` list PIDs and pods: they answer only a request
+bearing the token of ``--token-file`` (a Secret shared with the server), 401 without one and 403
+with another; the chart's NetworkPolicy admits only the server too. ``/healthz`` (the kubelet's
+probe, which carries no token) says only whether sampling runs.
 
 * ``GET /activity``: JSON, the latest sample (:meth:`NodeSample.to_dict`): per pod UID the
   kernel id when known, GPU utilisation %, memory MiB, device UUIDs, PIDs; the unattributed
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import signal
@@ -56,6 +59,8 @@ class AgentOptions:
     proc_root: str = PROC
     interval: float = DEFAULT_INTERVAL
     node: str | None = None
+    #: The bearer token ``/activity`` and ``/metrics`` require; ``""`` only with ``--no-token``.
+    token: str = ""
 
 
 class NodeAgent:
@@ -141,7 +146,23 @@ class _AgentHandler(web.RequestHandler):
         self.finish(json.dumps(doc))
 
 
-class ActivityHandler(_AgentHandler):
+class _ProtectedHandler(_AgentHandler):
+    """Answers only a request bearing the agent's token (when it has one)."""
+
+    def prepare(self) -> None:
+        token = self.agent.options.token
+        if not token:
+            return
+        given = self.request.headers.get("Authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not value:
+            self.set_header("WWW-Authenticate", 'Bearer realm="node-agent"')
+            self.write_json({"message": "this agent answers only the server: send its token as Bearer"}, 401)
+        elif not hmac.compare_digest(value.strip().encode(), token.encode()):
+            self.write_json({"message": "wrong token: this agent answers only the server"}, 403)
+
+
+class ActivityHandler(_ProtectedHandler):
     def get(self) -> None:
         sample = self.agent.latest
         if sample is None:  # pragma: no cover - the agent samples once before it listens
@@ -150,7 +171,7 @@ class ActivityHandler(_AgentHandler):
         self.write_json(sample.to_dict())
 
 
-class MetricsHandler(_AgentHandler):
+class MetricsHandler(_ProtectedHandler):
     def get(self) -> None:
         self.set_header("Content-Type", metrics.CONTENT_TYPE)
         self.finish(metrics.render(lambda: self.agent.latest))

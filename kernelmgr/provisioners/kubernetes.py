@@ -46,7 +46,7 @@ from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube.access import ExplainedCoreV1Api
 from kernelmgr.kube.informer import KERNEL_ID_LABEL, Informer, PodInformer, without_managed_fields
 from kernelmgr.kube.namespaces import ensure_namespace, namespace_for
-from kernelmgr.kube.node_agents import AGENT_SELECTOR
+from kernelmgr.kube.node_agents import DEFAULT_INSTANCE, agent_selector
 from kernelmgr.kube.nodes import follow_pod_node
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
 from kernelmgr.kube.warm_pod import ENV_CHECKPOINTS, ENV_TOKEN_FILE
@@ -102,6 +102,46 @@ def slice_env_refusal(names: list[str] | set[str], where: str) -> str | None:
     return None
 
 
+#: Pod resources an admin may set for kernel pods (GPUs are the slice backend's).
+POD_RESOURCE_NAMES = ("cpu", "memory", "ephemeral-storage")
+DEFAULT_CPU_KERNEL_RESOURCES = {
+    "requests": {"cpu": "250m", "memory": "1Gi"},
+    "limits": {"cpu": "2", "memory": "4Gi"},
+}
+DEFAULT_GPU_KERNEL_RESOURCES = {
+    "requests": {"cpu": "1", "memory": "4Gi"},
+    "limits": {"cpu": "8", "memory": "32Gi"},
+}
+
+
+def pod_resources_refusal(raw: Any, where: str) -> str | None:
+    """Why ``raw`` is not a kernel pod's ``{"requests": {...}, "limits": {...}}``, or ``None``."""
+    from kubernetes.utils.quantity import parse_quantity
+
+    if not isinstance(raw, dict) or set(raw) - {"requests", "limits"}:
+        return f'{where} must be {{"requests": {{...}}, "limits": {{...}}}}, got {raw!r}'
+    parsed: dict[str, dict[str, Any]] = {}
+    for kind, values in raw.items():
+        if not isinstance(values, dict):
+            return f"{where}.{kind} must map resource names to quantities, got {values!r}"
+        for name, quantity in values.items():
+            if name not in POD_RESOURCE_NAMES:
+                return (
+                    f"{where}.{kind}.{name}: only {', '.join(POD_RESOURCE_NAMES)} may be set here "
+                    "(a GPU size's own resources come from its slice backend)"
+                )
+            try:
+                parsed.setdefault(kind, {})[name] = parse_quantity(quantity)
+            except (ValueError, TypeError):
+                return f"{where}.{kind}.{name}: {quantity!r} is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)"
+    for name, request in parsed.get("requests", {}).items():
+        limit = parsed.get("limits", {}).get(name)
+        if limit is not None and request > limit:
+            asked, cap = raw["requests"][name], raw["limits"][name]
+            return f"{where}: the {name} request ({asked}) exceeds its limit ({cap})"
+    return None
+
+
 _clients: dict[str, client.ApiClient] = {}
 _informers: dict[tuple[str, str], PodInformer] = {}
 _agent_informers: dict[tuple[str, str], Informer] = {}
@@ -140,9 +180,10 @@ def kernel_pods() -> dict[str, Any]:
     return pods
 
 
-def agent_informer(kubeconfig: str, namespace: str) -> Informer:
-    """The one watch over the node activity agent pods in ``namespace`` (label ``AGENT_SELECTOR``),
-    started on first use; keyed by pod name. Needs ``list`` and ``watch`` on pods there."""
+def agent_informer(kubeconfig: str, namespace: str, instance: str = DEFAULT_INSTANCE) -> Informer:
+    """The one watch over the node activity agent pods of release ``instance`` in ``namespace``
+    (:func:`~kernelmgr.kube.node_agents.agent_selector`: name, instance and component labels), started
+    on first use; keyed by pod name. Needs ``list`` and ``watch`` on pods there."""
     key = (kubeconfig, namespace)
     if key not in _agent_informers:
         watch_api = client.ApiClient(api_client(kubeconfig).configuration)
@@ -151,7 +192,7 @@ def agent_informer(kubeconfig: str, namespace: str) -> Informer:
             key=lambda pod: pod.metadata.name,
             name=f"node-agents-{namespace}",
             list_args=(namespace,),
-            list_kwargs={"label_selector": AGENT_SELECTOR},
+            list_kwargs={"label_selector": agent_selector(instance)},
             transform=without_managed_fields,
         ).start()
     return _agent_informers[key]
@@ -311,6 +352,15 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         help="ClusterRole holding the kernel pod rules (deploy/kubernetes/rbac.yaml), bound to the server "
         "in each namespace it creates.",
     )
+    namespace_network_policies = List(
+        Dict(),
+        config=True,
+        help="""NetworkPolicies (manifests without a namespace) created in each namespace the server
+        creates (create_namespace), before its first kernel pod: the Helm chart passes the ones it
+        renders in its own kernel namespaces (only the gateway reaches kernel pods; kernel pods'
+        egress denied but for DNS, the gateway and the allow-list: no cloud metadata, no private
+        ranges). Empty: none, and a created namespace lets its kernels reach anything.""",
+    )
     kubeconfig = Unicode(
         "", config=True, help="Kubeconfig file; empty: in-cluster configuration, else the default kubeconfig."
     )
@@ -386,7 +436,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         "",
         config=True,
         help="""Namespace of the node activity agent pods (deploy/kubernetes/node-agent.yaml), which
-        the server finds with one pod watch (label app.kubernetes.io/component=node-agent) and asks
+        the server finds with one pod watch (node_agent_instance's labels) and asks
         for each kernel pod's GPU activity. Empty: `namespace` (the kernel namespace, where the
         server's Role already allows the watch). A namespace enforcing Pod Security "restricted"
         refuses the agents (hostPID, host /proc): then give them their own namespace, name it here,
@@ -395,6 +445,20 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
     node_agent_port = Integer(
         NODE_AGENT_PORT, config=True, help="Port of the node agents' /activity (their --port)."
     )
+    node_agent_instance = Unicode(
+        DEFAULT_INSTANCE,
+        config=True,
+        help="""The app.kubernetes.io/instance label of the node agent pods (the Helm release's name):
+        only pods with this label, app.kubernetes.io/name=jupyter-elastic-kernels and
+        app.kubernetes.io/component=node-agent are asked (and sent node_agent_token_file's token).""",
+    )
+    node_agent_token_file = Unicode(
+        "",
+        config=True,
+        help="""File holding the node agents' token (a Secret mounted in the server and given to the
+        agents' --token-file): sent with every /activity request; an agent refuses requests without it.
+        Empty: none is sent (agents started with --no-token only).""",
+    )
     warm_pods = Dict(
         config=True,
         help="""Warm pods per GPU size, e.g. {"gpu-1": {"count": 1, "preload": ["torch"], "starts": false}}:
@@ -402,6 +466,59 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         new kernels with `starts`). They hold GPUs nobody uses: off by default. Needs checkpoint_claim
         and one kernel namespace (not namespace_template). See docs/architecture.md#warm-pods.""",
     )
+
+    cpu_kernel_resources = Dict(
+        DEFAULT_CPU_KERNEL_RESOURCES,
+        config=True,
+        help="""requests/limits (cpu, memory, ephemeral-storage) of a CPU kernel's pod. With this
+        provisioner the server never runs a kernel itself: each base kernelspec (ElasticKernels.
+        base_kernels) is offered as '<name>-cpu' (e.g. python3-cpu), a pod without a GPU slice, and
+        the base name answers 404 naming it. A dedicated setting rather than a GPU size with no GPU:
+        sizes are what quotas, the allocator and the cull rules count.""",
+    )
+    resources = Dict(
+        DEFAULT_GPU_KERNEL_RESOURCES,
+        config=True,
+        help="""requests/limits (cpu, memory, ephemeral-storage) of a GPU-size kernel's pod (and its
+        warm pods), unless size_resources names the size. The size's GPU resources are added by its
+        slice backend.""",
+    )
+    size_resources = Dict(
+        config=True,
+        help="""Per GPU size, requests/limits replacing `resources` for that size's pods, e.g.
+        {"whole": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "64Gi"}}}.""",
+    )
+
+    @validate("cpu_kernel_resources", "resources")
+    def _check_resources(self, proposal: Any) -> dict[str, Any]:
+        refusal = pod_resources_refusal(
+            proposal["value"], f"ElasticKubernetesProvisioner.{proposal['trait'].name}"
+        )
+        if refusal is not None:
+            raise TraitError(refusal)
+        return dict(proposal["value"])
+
+    @validate("size_resources")
+    def _check_size_resources(self, proposal: Any) -> dict[str, Any]:
+        for size, raw in proposal["value"].items():
+            refusal = pod_resources_refusal(raw, f"ElasticKubernetesProvisioner.size_resources[{size!r}]")
+            if refusal is not None:
+                raise TraitError(refusal)
+        return dict(proposal["value"])
+
+    def check_sizes(self, sizes: list[str]) -> None:
+        """Refuse (ConfigError, at server start) size_resources naming a size that does not exist."""
+        unknown = sorted(set(self.size_resources) - set(sizes))
+        if unknown:
+            raise ConfigError(
+                f"ElasticKubernetesProvisioner.size_resources names unknown GPU sizes {unknown}; "
+                f"sizes: {', '.join(sizes) or 'none'}"
+            )
+
+    def pod_resources(self, size: str | None) -> dict[str, Any]:
+        """The kernel container's requests/limits before the size's GPU resources are added."""
+        chosen = self.cpu_kernel_resources if size is None else self.size_resources.get(size, self.resources)
+        return {kind: dict(values) for kind, values in chosen.items() if values}
 
     @validate("extra_env")
     def _check_extra_env(self, proposal: Any) -> dict[str, str]:
@@ -577,6 +694,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
                 self.namespace,
                 labels=dict(self.namespace_labels),
                 cluster_role=self.namespace_cluster_role,
+                network_policies=[dict(policy) for policy in self.namespace_network_policies],
             )
             _ensured_namespaces.add(key)
             if created:
@@ -677,6 +795,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
                         "runAsNonRoot": True,
                         "readOnlyRootFilesystem": self.read_only_root_filesystem,
                     },
+                    "resources": self.pod_resources(size),
                     "volumeMounts": [
                         {"name": "connection", "mountPath": SECRET_MOUNT, "readOnly": True},
                         {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT, **checkpoint_sub_path},
@@ -900,10 +1019,11 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         if not _running(seen) or not seen.status.pod_ip:
             raise RuntimeError(f"warm pod {warm.name} ended: {pod_failure(seen)}")
         pod_client = WarmPodClient(seen.status.pod_ip, self.warm_pod_port, warm.token)
-        kernel_dir = store.kernel_dir(record.owner, self.kernel_id)
+        store.kernel_dir(record.owner, self.kernel_id)  # refuses unsafe owner names and kernel ids
         if record.restore_on_start and record.restore_checkpoint:
+            # Verified again with the owner's key, right before it is sent (refused: WarmPodError).
             sent = await asyncio.to_thread(
-                pod_client.push_checkpoint, self.kernel_id, kernel_dir, record.restore_checkpoint
+                pod_client.push_checkpoint, self.kernel_id, store, record.owner, record.restore_checkpoint
             )
             self.log.info(
                 "kernel %s: checkpoint (%d bytes) sent to warm pod %s", self.kernel_id, sent, warm.name
@@ -971,9 +1091,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
             return
         store, owner = self.runtime.checkpoints, self._record.owner
         try:
-            committed = await asyncio.to_thread(
-                pod_client.pull_checkpoint, self.kernel_id, store.kernel_dir(owner, self.kernel_id)
-            )
+            committed = await asyncio.to_thread(pod_client.pull_checkpoint, self.kernel_id, store, owner)
         except WarmPodError as exc:
             raise RuntimeError(
                 f"the checkpoint could not be taken from warm pod {self._pod_name}: {exc}"
@@ -988,9 +1106,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase):
         pod_client = await self._warm_pod_client()
         if pod_client is not None:
             store, owner = self.runtime.checkpoints, self._record.owner
-            await asyncio.to_thread(
-                pod_client.pull_restore_report, self.kernel_id, store.kernel_dir(owner, self.kernel_id)
-            )
+            await asyncio.to_thread(pod_client.pull_restore_report, self.kernel_id, store, owner)
 
     # ---- warm pods (the pool in kernelmgr.kube.warm_pods creates them through the configured provisioner)
 

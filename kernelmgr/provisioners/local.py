@@ -14,6 +14,11 @@ size that does not fit fails at once — and given back on each of those ends:
   crash and allocates again (jupyter_client#1061: the restart flag does not reach every call);
 * a launch that fails after the slice was taken: released before the error propagates.
 
+In a multi-user gateway (``ElasticRuntime.kernel_accounts`` set) the process runs as its
+owner's OS account, with its connection file, key file and checkpoint folder readable by that
+account only, and without the gateway's secrets in its environment
+(:mod:`kernelmgr.provisioners.accounts`).
+
 The provisioner is selected by kernelspec metadata (``kernel_provisioner.provisioner_name =
 "elastic-local-provisioner"``, written by the generated kernelspecs) and finds the shared
 :class:`~kernelmgr.config.ElasticRuntime` on its kernel manager's parent.
@@ -41,6 +46,7 @@ from kernelmgr.checkpoint.termination import EXIT_AFTER_SIGTERM
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.kernels import ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.provisioners.accounts import AccountError, KernelAccount
 from kernelmgr.provisioners.common import (
     AGENT_EXTENSION,
     claim_slice,
@@ -67,22 +73,26 @@ def base_kernel_of(kernel_spec: Any, kernel_name: str) -> str | None:
     return str(elastic.get("base_kernelspec") or kernel_name) or None
 
 
-def agent_environment(runtime: ElasticRuntime, record: ManagedKernel, key_file: Path) -> dict[str, str]:
+def agent_environment(
+    runtime: ElasticRuntime, record: ManagedKernel, key_file: Path, account: KernelAccount | None = None
+) -> dict[str, str]:
     """What the in-kernel agent needs: where its checkpoints go, whether (and what) to restore,
     and where its owner's key is.
 
     Writes the owner's key (only that owner's, never the server secret) to ``key_file``, 0600;
     the agent removes it once read. The key itself never enters the environment.
     """
-    write_key_file(key_file, runtime.checkpoints.key_for(record.owner))
+    owner = (account.uid, account.gid) if account is not None else None
+    write_key_file(key_file, runtime.checkpoints.key_for(record.owner), owner=owner)
     env = runtime.checkpoints.agent_env(
         record.owner,
         record.kernel_id,
         key_file=key_file,
         restore=record.restore_on_start,
         restore_checkpoint=record.restore_checkpoint,
-        # The checkpoint root belongs to the server's OS user, as the kernels do: mapping the
-        # arrays gives no one else a way in (kernel pods share volumes, so they read).
+        # Only the kernel's own account (the server's, or its owner's in a multi-user gateway)
+        # can rewrite its checkpoint files: mapping the arrays gives no one else a way in
+        # (kernel pods share volumes, so they read).
         restore_mapped=True,
         # A SIGTERM (systemd stopping the server's unit, a shutdown) checkpoints what changed; the
         # next server start lists the kernel as hibernated from it.
@@ -104,6 +114,8 @@ class ElasticLocalProvisioner(LocalProvisioner):
     #: took the kernel over (hibernated from that checkpoint): until the next launch ``poll()``
     #: must not report an exit (the restarter would start the kernel again, empty).
     _lost: str | None = None
+    #: The OS account the kernel runs as (a multi-user gateway), ``None``: the server's own.
+    _account: KernelAccount | None = None
 
     @property
     def runtime(self) -> ElasticRuntime:
@@ -112,8 +124,11 @@ class ElasticLocalProvisioner(LocalProvisioner):
     @property
     def key_file(self) -> Path:
         """Where this kernel's checkpoint key is handed over: a private directory beside the
-        connection files (the Jupyter runtime directory), never the checkpoint root, which may
-        be a shared volume."""
+        connection files (the Jupyter runtime directory, or the account's own folder for a
+        kernel that runs as its owner), never the checkpoint root, which may be a shared volume."""
+        accounts = self.runtime.kernel_accounts
+        if self._account is not None and accounts is not None:
+            return key_file_path(accounts.keys_dir(self._account), self.kernel_id)
         connection_file = getattr(self.parent, "connection_file", "") or ""
         runtime_dir = os.path.dirname(connection_file) if connection_file else jupyter_runtime_dir()
         return key_file_path(private_key_dir(runtime_dir), self.kernel_id)
@@ -133,12 +148,15 @@ class ElasticLocalProvisioner(LocalProvisioner):
             profile = runtime.profile(granted.profile)
             slice_env = local_environment(profile, granted, runtime.inventory, use_mps=runtime.use_mps)
         try:
+            account = self._prepare_account(record)
             kwargs = await super().pre_launch(**kwargs)
             env = kwargs.get("env") or {}
             for name in (*MANAGED_VARIABLES, *HANDED_OVER):
                 env.pop(name, None)
+            if account is not None:
+                env = self._as_account(account, env, kwargs)
             env.update(slice_env)
-            env.update(agent_environment(runtime, record, self.key_file))
+            env.update(agent_environment(runtime, record, self.key_file, account))
         except BaseException:
             self._release("launch preparation failed")
             raise
@@ -149,11 +167,50 @@ class ElasticLocalProvisioner(LocalProvisioner):
         kwargs["independent"] = True
         return kwargs
 
+    def _prepare_account(self, record: ManagedKernel) -> KernelAccount | None:
+        """In a multi-user gateway: the owner's account, its runtime and checkpoint folders, and
+        the connection file's place in it (set before the manager writes the file)."""
+        accounts = self.runtime.kernel_accounts
+        if accounts is None:
+            self._account = None
+            return None
+        account = accounts.account_for(record.owner)
+        self._account = account
+        accounts.owner_checkpoints(account, record.owner)
+        if self.parent is not None:
+            runtime_dir = accounts.runtime_dir(account)
+            self.parent.connection_file = str(runtime_dir / f"kernel-{self.kernel_id}.json")
+        return account
+
+    def _as_account(
+        self, account: KernelAccount, env: dict[str, str], kwargs: dict[str, Any]
+    ) -> dict[str, str]:
+        """Hand the connection file to the account and start the process as it: no secrets
+        inherited, its own home as the working directory (a folder chosen by the request,
+        entered as root, would give the kernel a way into a folder it may not enter), 077."""
+        accounts = self.runtime.kernel_accounts
+        assert accounts is not None
+        connection_file = getattr(self.parent, "connection_file", "")
+        if connection_file:
+            accounts.hand_over(Path(connection_file), account)
+        env = accounts.environment(env, account)
+        kwargs["cwd"] = env["HOME"]
+        kwargs.update(account.popen_kwargs())
+        return env
+
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         try:
             info = self._launch_warm(cmd, kwargs)
             if info is None:
                 info = await super().launch_kernel(cmd, **kwargs)
+        except PermissionError as exc:
+            self._release("kernel process failed to launch")
+            if self._account is None:
+                raise
+            raise AccountError(
+                f"the kernel command {cmd[0]!r} cannot be run as account {self._account.name!r} "
+                f"({exc.strerror}): every folder from / to it must be enterable by that account"
+            ) from None
         except BaseException:
             self._release("kernel process failed to launch")
             raise
@@ -172,6 +229,8 @@ class ElasticLocalProvisioner(LocalProvisioner):
         record = runtime.kernels.get(self.kernel_id)
         if record is not None:
             record.launch_path = "cold"
+        if self._account is not None:
+            return None  # a warm process has no owner (the gateway refuses warm pools per user)
         pools = runtime.warm_pools
         base = base_kernel_of(self.kernel_spec, getattr(self.parent, "kernel_name", "") or "")
         settings = pools.settings_for(base) if pools is not None else None

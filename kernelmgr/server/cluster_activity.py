@@ -6,9 +6,10 @@ which reports GPU use per pod UID. :class:`ClusterGpuSampler` plays the role the
 :class:`~kernelmgr.activity.gpu.GpuActivitySampler` plays in local mode, for the culler's
 sampling timer:
 
-* the agents are found through ONE pod watch (label ``app.kubernetes.io/component=node-agent`` in
+* the agents are found through ONE pod watch (the chart's name, instance and component labels, in
   ``ElasticKubernetesProvisioner.node_agent_namespace``, default the kernel namespace), never a
-  list per sample; their pod IPs and ``node_agent_port`` give the URLs;
+  list per sample; their pod IPs and ``node_agent_port`` give the URLs, and each request carries
+  the agents' shared token (``node_agent_token_file``);
 * pod UID -> kernel id comes from the kernel pod watches' caches (the cgroup-derived pod UID is
   proof of which pod a process is in; the kernel id an agent reads from a process's environment is
   only a hint and is not used);
@@ -29,8 +30,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kernelmgr.activity.gpu import GpuActivity, IdleTrack, track
+from kernelmgr.core.errors import ConfigError
 from kernelmgr.kube.informer import Informer
-from kernelmgr.kube.node_agents import AGENT_SELECTOR, ClusterActivity, NodeAgentClient, agent_urls
+from kernelmgr.kube.node_agents import (
+    DEFAULT_INSTANCE,
+    ClusterActivity,
+    NodeAgentClient,
+    agent_selector,
+    agent_urls,
+)
 
 if TYPE_CHECKING:
     from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
@@ -54,8 +62,10 @@ class ClusterGpuSampler:
         client: NodeAgentClient | None = None,
         clock: Callable[[], float] = time.time,
         namespace: str = "",
+        instance: str = DEFAULT_INSTANCE,
     ) -> None:
         self.agents = agents
+        self.instance = instance
         self.kernel_pods = kernel_pods
         self.port = port
         self.busy_threshold = busy_threshold
@@ -76,7 +86,7 @@ class ClusterGpuSampler:
             return f"{ORIGIN} (not sampled yet)"
         if not self.agent_nodes:
             where = f" in namespace {self.namespace}" if self.namespace else ""
-            return f"unavailable: no running node agent pods ({AGENT_SELECTOR}){where}"
+            return f"unavailable: no running node agent pods ({agent_selector(self.instance)}){where}"
         if self.last.errors:
             failing = "; ".join(f"{url}: {why}" for url, why in sorted(self.last.errors.items()))
             count = f"{len(self.last.errors)} of {len(self.agent_nodes)}"
@@ -97,7 +107,7 @@ class ClusterGpuSampler:
         agent_pods = list(self.agents.items().values())
         nodes: dict[str, str] = {}
         for pod in agent_pods:
-            for url in agent_urls([pod], self.port):
+            for url in agent_urls([pod], self.port, self.instance):
                 nodes[url] = str(getattr(pod.spec, "node_name", "") or "")
         self.agent_nodes = nodes
         urls = sorted(nodes)
@@ -161,10 +171,29 @@ def start_cluster_sampler(mkm: ElasticMappingKernelManager, busy_threshold: floa
 
     provisioner = configured_provisioner(mkm, "node-agents")
     namespace = provisioner.node_agent_namespace or provisioner.namespace
+    instance = provisioner.node_agent_instance
     return ClusterGpuSampler(
-        agent_informer(provisioner.kubeconfig, namespace),
+        agent_informer(provisioner.kubeconfig, namespace, instance),
         kernel_pods,
         provisioner.node_agent_port,
         busy_threshold=busy_threshold,
+        client=NodeAgentClient(token=read_agent_token(provisioner.node_agent_token_file)),
         namespace=namespace,
+        instance=instance,
     )
+
+
+def read_agent_token(path: str) -> str:
+    """The node agents' token from ``ElasticKubernetesProvisioner.node_agent_token_file`` ("" when unset)."""
+    if not path:
+        return ""
+    try:
+        with open(path, encoding="utf-8") as file:
+            token = file.read().strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"ElasticKubernetesProvisioner.node_agent_token_file {path!r}: {exc.strerror or exc}"
+        ) from None
+    if not token:
+        raise ConfigError(f"ElasticKubernetesProvisioner.node_agent_token_file {path!r} is empty")
+    return token

@@ -105,6 +105,10 @@ class ElasticKernelsExtension(ExtensionApp):
             sys.exit(CONFIG_ERROR_EXIT)
         km.elastic_runtime = runtime
         ksm.elastic_runtime = runtime
+        # Kubernetes mode offers python3-cpu, not python3: /api/kernelspecs' default must be offered.
+        km.default_kernel_name = ksm.default_for(km.default_kernel_name)
+        if runtime.provisioner_name == KUBERNETES_PROVISIONER:
+            self._check_pod_settings(km, runtime)
         state_file = KernelStateFile(
             os.path.join(runtime.checkpoint_root, f"kernels-{server_identity(self.serverapp.root_dir)}.json")
         )
@@ -126,7 +130,11 @@ class ElasticKernelsExtension(ExtensionApp):
         sampler: GpuActivitySampler | ClusterGpuSampler | None = None
         if runtime.provisioner_name == KUBERNETES_PROVISIONER:
             # The kernels run on other nodes: their GPU activity comes from the node agents.
-            sampler = start_cluster_sampler(km, policy.defaults.gpu_idle_threshold)
+            try:
+                sampler = start_cluster_sampler(km, policy.defaults.gpu_idle_threshold)
+            except ConfigError as exc:
+                self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", exc.message)
+                sys.exit(CONFIG_ERROR_EXIT)
         elif runtime.nvml is not None:
             sampler = GpuActivitySampler(runtime.nvml, busy_threshold=policy.defaults.gpu_idle_threshold)
         km.culler = Culler(
@@ -163,6 +171,18 @@ class ElasticKernelsExtension(ExtensionApp):
         reaper = ioloop.PeriodicCallback(km.reap_dead_slices, runtime.reap_interval * 1000)
         reaper.start()
         self._start_warm_pools(runtime)
+
+    def _check_pod_settings(self, km: ElasticMappingKernelManager, runtime: ElasticRuntime) -> None:
+        """ElasticKubernetesProvisioner's settings (pod resources, their sizes), checked at start: a
+        bad one is exit code 2 and one line, not a failure at the first kernel."""
+        from kernelmgr.server.adoption import configured_provisioner
+
+        try:
+            configured_provisioner(km, "settings").check_sizes(list(runtime.profiles))
+        except (ConfigError, TraitError) as exc:
+            message = exc.message if isinstance(exc, ConfigError) else " ".join(str(exc).split())
+            self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", message)
+            sys.exit(CONFIG_ERROR_EXIT)
 
     def _start_warm_pools(self, runtime: ElasticRuntime) -> None:
         """Local warm processes (``ElasticKernels.warm_pool``), or Kubernetes warm pods

@@ -67,10 +67,25 @@ class ProfilesHandler(ElasticHandler):
 
 
 class GpusHandler(ElasticHandler):
+    """The inventory. An admin sees every slice; a user sees their own kernels' slices (and warm
+    pods'), and of other users' slices only how many there are and how much they hold."""
+
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.write_json(gpus_model(self.runtime))
+        model = gpus_model(self.runtime)
+        access = access_of(self.settings)
+        if not access.is_admin_request(self):
+            for device in model["devices"]:
+                shown = [s for s in device["slices"] if s["warm"] or access.may_access(self, s["kernel_id"])]
+                hidden = [s for s in device["slices"] if s not in shown]
+                device["slices"] = shown
+                device["other_users"] = {
+                    "slices": len(hidden),
+                    "fraction": sum(s["fraction"] for s in hidden),
+                    "memory_mib": sum(s["memory_mib"] for s in hidden),
+                }
+        self.write_json(model)
 
 
 class KernelsHandler(ElasticHandler):
@@ -78,6 +93,7 @@ class KernelsHandler(ElasticHandler):
     @authorized
     async def get(self) -> None:
         access = access_of(self.settings)
+        await self.elastic_kernel_manager.refresh_checkpoints()  # manifests read off the event loop
         models = self.elastic_kernel_manager.elastic_models()
         self.write_json([model for model in models if access.may_access(self, model["id"])])
 
@@ -86,6 +102,8 @@ class KernelHandler(ElasticHandler):
     @web.authenticated
     @authorized
     async def get(self, kernel_id: str) -> None:
+        if kernel_id in self.elastic_kernel_manager:
+            await self.elastic_kernel_manager.refresh_checkpoints([kernel_id])  # off the event loop
         self.write_json(self.elastic_kernel_manager.elastic_model(kernel_id))
 
 
@@ -135,7 +153,7 @@ class ReportHandler(ElasticHandler):
     @web.authenticated
     @authorized
     async def get(self, kernel_id: str) -> None:
-        self.write_json(self.elastic_kernel_manager.elastic_report(kernel_id))
+        self.write_json(await self.elastic_kernel_manager.elastic_report(kernel_id))
 
 
 class ResumeHandler(ElasticHandler):

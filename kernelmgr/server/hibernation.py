@@ -410,10 +410,11 @@ class Hibernator:
         self.lost_kernels: dict[str, LostKernel] = {}
         #: Kernels that ran in pods when the previous server stopped, until adoption decides.
         self.deferred: dict[str, KernelRecord] = {}
-        #: Asked before a hibernated kernel takes a GPU slice again: (owner, GPU size) -> why
-        #: not, or ``None``. A shared gateway checks its users' GPU quotas here, so a resume
-        #: (the API's or the next cell's) cannot exceed what a new start may hold.
-        self.admission: Callable[[str, str | None], str | None] | None = None
+        #: Entered before a hibernated kernel takes a GPU slice again: (owner, GPU size, kernel
+        #: id) -> a context manager that holds the kernel's place in its owner's quota until the
+        #: resume has ended, or raises HibernationError (403) saying why not. Entered with no
+        #: await before it, so resumes sent at once see each other (a shared gateway's quotas).
+        self.admission: Callable[[str, str | None, str], contextlib.AbstractContextManager[Any]] | None = None
         #: Called with the kernel id when a resume has finished (once per resume): the
         #: websocket layer attaches the notebooks that were opened while it slept.
         self.on_resumed: list[Callable[[str], Any]] = []
@@ -714,21 +715,21 @@ class Hibernator:
         if state in (KernelState.STARTING, KernelState.DEAD):
             raise HibernationError(f"kernel {kernel_id} is {state.value}; nothing to resume")
         record = self.runtime.kernels.get(kernel_id)
-        if self.admission is not None and record is not None and state is KernelState.HIBERNATED:
-            refused = self.admission(record.owner, record.profile)
-            if refused is not None:
-                raise HibernationError(refused, status=403)
+        admitted = contextlib.ExitStack()
+        if self.admission is not None and record is not None:  # hibernated, hibernating or resuming
+            admitted.enter_context(self.admission(record.owner, record.profile, kernel_id))
         km: Any = self.mkm.get_kernel(kernel_id) if kernel_id in self.mkm else None
         began = time.time()
         lost = self.lost_kernels.get(kernel_id)
-        if lost is not None and restore and record is not None:
-            await self._take_newer_checkpoint(kernel_id, record, lost)
-        try:
-            await self.controller.resume(kernel_id, reason, notify, restore)
-        except LifecycleError:
-            if km is not None and self.is_hibernated(kernel_id):
-                km.execution_state = "hibernated"
-            raise
+        with admitted:  # the quota place is held until the resume has ended, either way
+            if lost is not None and restore and record is not None:
+                await self._take_newer_checkpoint(kernel_id, record, lost)
+            try:
+                await self.controller.resume(kernel_id, reason, notify, restore)
+            except LifecycleError:
+                if km is not None and self.is_hibernated(kernel_id):
+                    km.execution_state = "hibernated"
+                raise
         if record is None or km is None:
             return
         if km.execution_state == "hibernated":

@@ -33,6 +33,7 @@ from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.errors import CapacityError, UnknownProfileError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube.access import KubeRefused
+from kernelmgr.provisioners.accounts import AccountError
 from kernelmgr.server.concurrency import hibernate_on_shutdown
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.errors import http_error, no_such_kernel
@@ -114,15 +115,9 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         try:
             profile_name = ksm.profile_of(kernel_name) if isinstance(ksm, ElasticKernelSpecManager) else None
         except NoSuchKernel:
-            gpu_names = (
-                sorted(ksm.elastic_kernel_names()) if isinstance(ksm, ElasticKernelSpecManager) else []
-            )
-            offered = ", ".join(gpu_names) if gpu_names else "none (this server has no GPUs)"
-            raise http_error(
-                404,
-                f"no kernelspec named {kernel_name!r}. GPU kernelspecs here: {offered}; "
-                "list all of them at /api/kernelspecs",
-            ) from None
+            if isinstance(ksm, ElasticKernelSpecManager):
+                raise http_error(404, ksm.not_offered(kernel_name)) from None
+            raise http_error(404, f"no kernelspec named {kernel_name!r}; see /api/kernelspecs") from None
         if profile_name is None:
             return
         try:
@@ -149,6 +144,8 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             raise http_error(400, exc.message) from None
         except KubeRefused as exc:  # the server's RBAC or an admission policy: the admin's to fix
             raise http_error(500, f"could not start the kernel: {exc}") from None
+        except AccountError as exc:  # a multi-user gateway: no OS account for this user's kernels
+            raise http_error(403, exc.message) from None
         if self.hibernator is not None and self.hibernator.state_of(started) is not None:
             self.hibernator.track(started)
         return started
@@ -348,19 +345,30 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             self._waiting(kernel_id),
         )
 
-    def elastic_report(self, kernel_id: str) -> dict[str, Any]:
+    async def elastic_report(self, kernel_id: str) -> dict[str, Any]:
         """``GET /api/elastic/kernels/{id}/report``: the last restore report; 404 for an unknown id.
 
         The agent writes ``restore-report.json`` beside the checkpoints after each restore (one
         atomic rename), so the report is there after a server restart too; ``null`` until the
-        kernel was first resumed.
+        kernel was first resumed. The kernel writes that file, so it is read in a thread, with a
+        size cap (``CheckpointStore.restore_report``): never on the event loop.
         """
         runtime = self._require_runtime()
         if kernel_id not in self:
             raise no_such_kernel(kernel_id)
         record = runtime.kernels.get(kernel_id)
         owner = record.owner if record else runtime.owner
-        return {"id": kernel_id, "restore_report": runtime.checkpoints.restore_report(owner, kernel_id)}
+        report = await asyncio.to_thread(runtime.checkpoints.restore_report, owner, kernel_id)
+        return {"id": kernel_id, "restore_report": report}
+
+    async def refresh_checkpoints(self, kernel_ids: list[str] | None = None) -> None:
+        """Read in a thread the checkpoint summaries the models below need (of ``kernel_ids``, or
+        every kernel), so building the models on the event loop reads no manifest."""
+        runtime = self._require_runtime()
+        ids = list(self.list_kernel_ids()) if kernel_ids is None else kernel_ids
+        keys = [(record.owner, record.kernel_id) for record in map(runtime.kernels.get, ids) if record]
+        if keys:
+            await asyncio.to_thread(runtime.checkpoints.refresh_summaries, keys)
 
     def elastic_models(self) -> list[dict[str, Any]]:
         runtime = self._require_runtime()

@@ -6,6 +6,13 @@ Nothing is written to disk: the specs follow the configuration and the inventory
 disappear when there are no GPUs (then only the CPU kernels are offered). Each derived spec
 carries ``metadata.elastic.profile`` (the pinned name the rest of the project reads) and
 selects the elastic provisioner, which takes the slice.
+
+With the Kubernetes provisioner the server never runs a kernel itself: the base kernelspecs are not
+offered (jupyter_client would run them as processes of the server, in its pod, next to its
+ServiceAccount token and the master checkpoint secret). Each base kernel gets a CPU variant
+instead (``python3-cpu``): a pod through the same provisioner, with no GPU slice and the pod
+resources of ``ElasticKubernetesProvisioner.cpu_kernel_resources``. Starting a base name answers
+404 with the names to start instead.
 """
 
 from __future__ import annotations
@@ -14,16 +21,23 @@ import copy
 import re
 from typing import Any
 
-from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.profiles import GpuProfile
 
 SEPARATOR = "-gpu-"
+CPU_SUFFIX = "-cpu"
+KUBERNETES_PROVISIONER = "elastic-kubernetes-provisioner"
 
 
 def derived_name(base: str, profile: str) -> str:
     return f"{base}{SEPARATOR}{profile}"
+
+
+def cpu_name(base: str) -> str:
+    """The kernelspec of ``base`` as a CPU-only pod (Kubernetes mode)."""
+    return f"{base}{CPU_SUFFIX}"
 
 
 def short_display_name(display_name: str) -> str:
@@ -48,10 +62,39 @@ def derive_spec(
     return KernelSpec(resource_dir=base.resource_dir, **spec)
 
 
+def derive_cpu_spec(base_name: str, base: KernelSpec, provisioner: str) -> KernelSpec:
+    """The kernelspec for ``base`` in a pod of its own without a GPU (``metadata.elastic.profile`` null)."""
+    spec = copy.deepcopy(base.to_dict())
+    metadata = spec.setdefault("metadata", {})
+    metadata["elastic"] = {
+        "profile": None,
+        "base_kernelspec": base_name,
+        "gpu_fraction": 0,
+        "memory_mib": None,
+    }
+    metadata["kernel_provisioner"] = {"provisioner_name": provisioner}
+    spec["display_name"] = f"{short_display_name(base.display_name)} · CPU"
+    return KernelSpec(resource_dir=base.resource_dir, **spec)
+
+
 class ElasticKernelSpecManager(KernelSpecManager):
-    """Adds the per-size kernelspecs to whatever the base manager finds."""
+    """Adds the per-size kernelspecs to whatever the base manager finds (in Kubernetes mode: only
+    the derived ones, GPU sizes and CPU pods, so no kernel runs inside the server)."""
 
     elastic_runtime: ElasticRuntime | None = None
+
+    @property
+    def pods_only(self) -> bool:
+        """Every kernel is a pod: the base kernelspecs (processes of the server) are not offered."""
+        runtime = self.elastic_runtime
+        return runtime is not None and runtime.provisioner_name == KUBERNETES_PROVISIONER
+
+    def _cpu_candidates(self) -> dict[str, str]:
+        """CPU kernelspec name -> its base (Kubernetes mode only)."""
+        runtime = self.elastic_runtime
+        if runtime is None or not self.pods_only:
+            return {}
+        return {cpu_name(base): base for base in runtime.base_kernels}
 
     def _candidates(self) -> dict[str, tuple[str, GpuProfile]]:
         """Every derived name the configuration allows (no disk access: the base may be absent)."""
@@ -69,22 +112,60 @@ class ElasticKernelSpecManager(KernelSpecManager):
         return {name: entry for name, entry in self._candidates().items() if entry[0] in found}
 
     def find_kernel_specs(self) -> dict[str, str]:
-        specs: dict[str, str] = super().find_kernel_specs()
-        for name, (base, _profile) in self._derived(specs).items():
-            specs[name] = specs[base]
+        found: dict[str, str] = super().find_kernel_specs()
+        specs = {} if self.pods_only else dict(found)
+        for name, base in self._cpu_candidates().items():
+            if base in found:
+                specs[name] = found[base]
+        for name, (base, _profile) in self._derived(found).items():
+            specs[name] = found[base]
         return specs
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         # One targeted lookup (of the base, which raises NoSuchKernel if absent) instead of a
         # scan of every kernel directory: get_all_specs calls this once per kernelspec.
-        candidate = self._candidates().get(kernel_name)
-        if candidate is None:
-            return super().get_kernel_spec(kernel_name)
-        base, profile = candidate
         provisioner = (
             self.elastic_runtime.provisioner_name if self.elastic_runtime else "elastic-local-provisioner"
         )
+        cpu_base = self._cpu_candidates().get(kernel_name)
+        if cpu_base is not None:
+            return derive_cpu_spec(cpu_base, super().get_kernel_spec(cpu_base), provisioner)
+        candidate = self._candidates().get(kernel_name)
+        if candidate is None:
+            if self.pods_only:  # it would run inside the server: not offered
+                raise NoSuchKernel(kernel_name)
+            return super().get_kernel_spec(kernel_name)
+        base, profile = candidate
         return derive_spec(base, super().get_kernel_spec(base), profile, provisioner)
+
+    def default_for(self, name: str) -> str:
+        """The kernelspec a server whose default is ``name`` should default to (``python3-cpu`` for
+        ``python3`` in Kubernetes mode), so ``/api/kernelspecs``' default is one it offers."""
+        return cpu_name(name) if name in self._cpu_candidates().values() else name
+
+    def not_offered(self, kernel_name: str) -> str:
+        """Why ``kernel_name`` cannot be started here and what to start instead (a 404's message)."""
+        found = super().find_kernel_specs()
+        derived = self._derived(found)
+        if self.pods_only:
+            cpu = {name: base for name, base in self._cpu_candidates().items() if base in found}
+            if kernel_name in cpu.values():  # a base name: its own CPU pod and GPU sizes
+                instead = [
+                    cpu_name(kernel_name),
+                    *sorted(n for n, e in derived.items() if e[0] == kernel_name),
+                ]
+            else:
+                instead = [*sorted(cpu), *sorted(derived)]
+            return (
+                f"kernelspec {kernel_name!r} is not offered here: this server runs every kernel in a pod of "
+                f"its own, never inside the server. Start one of: {', '.join(instead) or 'none'} "
+                "(all are listed at /api/kernelspecs)"
+            )
+        offered = ", ".join(sorted(derived)) if derived else "none (this server has no GPUs)"
+        return (
+            f"no kernelspec named {kernel_name!r}. GPU kernelspecs here: {offered}; "
+            "list all of them at /api/kernelspecs"
+        )
 
     def elastic_kernel_names(self) -> dict[str, str]:
         """Derived kernelspec name -> GPU size name, for error messages and the profiles API."""

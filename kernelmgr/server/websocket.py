@@ -34,6 +34,16 @@ What a user sees when messages arrive while the kernel is hibernating, hibernate
   not forwarded (it would wake the kernel only to be ignored); the notebook is told, under its
   last cell, that the input was not delivered and why, and the server log says so too.
 
+Bounds, so one user cannot stall or fill the server for everyone:
+
+* what all of one user's connections hold, and what the whole server holds, is bounded too
+  (``max_queued_*_per_user``, ``max_queued_*_total``), refused with the same clear error;
+* a user opens at most ``max_connections_per_user`` kernel websockets, the server at most
+  ``max_connections`` (HTTP 429 at the handshake, saying which setting);
+* ``is_complete_request`` for a hibernated kernel is compiled in a separate process (compiling
+  holds the GIL, so a thread would not help), one at a time per connection, and not at all for
+  code over ``max_is_complete_bytes``: the reply is then ``unknown``, which the protocol allows.
+
 Everything else is jupyter_server's own ``ZMQChannelsWebsocketConnection``. The connection
 also disables Nagle's algorithm on its socket, so small kernel messages are not held back
 ~40 ms waiting for an ACK.
@@ -42,12 +52,11 @@ also disables Nagle's algorithm on its socket, so small kernel messages are not 
 from __future__ import annotations
 
 import asyncio
-import codeop
 import contextlib
 import json
 import socket
-import warnings
-from typing import Any
+import sys
+from typing import Any, ClassVar
 
 from jupyter_client.jsonutil import json_default
 from jupyter_server.services.kernels.connection.base import (
@@ -55,10 +64,12 @@ from jupyter_server.services.kernels.connection.base import (
     serialize_msg_to_ws_v1,
 )
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
+from tornado import web
 from traitlets import Integer
 
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.server.hibernation import HibernationError, Hibernator
+from kernelmgr.server.ownership import SETTINGS_KEY
 
 V1 = "v1.kernel.websocket.jupyter.org"
 
@@ -83,17 +94,87 @@ _WAITING_FOR = {
 }
 
 
-def is_complete(code: str) -> dict[str, Any]:
-    """The ``is_complete_reply`` content for Python source, without a kernel."""
+#: The checker process (``is_complete`` for Python source, without a kernel): reads one JSON
+#: string (the code) per line, writes one JSON status per line.
+_CHECKER = """
+import codeop, json, sys, warnings
+warnings.simplefilter("ignore")
+for line in sys.stdin:
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            compiled = codeop.compile_command(code, symbol="exec")
+        compiled = codeop.compile_command(json.loads(line), symbol="exec")
+        status = "incomplete" if compiled is None else "complete"
     except (SyntaxError, ValueError, OverflowError):
-        return {"status": "invalid"}
-    if compiled is None:
-        return {"status": "incomplete", "indent": ""}
-    return {"status": "complete"}
+        status = "invalid"
+    sys.stdout.write(json.dumps(status) + "\\n")
+    sys.stdout.flush()
+"""
+
+
+class CompileChecker:
+    """:func:`is_complete`, in a child process the event loop waits for without blocking.
+
+    Compiling user code holds the GIL for as long as it takes (2 MiB: seconds), so neither the
+    loop nor a thread may do it. One process per server, started on first use, one check at a
+    time; a check that takes longer than ``timeout`` kills it (the next check starts another).
+    """
+
+    def __init__(self) -> None:
+        self._process: asyncio.subprocess.Process | None = None
+        self._lock: asyncio.Lock | None = None
+        #: Checks waiting for the process; past :data:`MAX_WAITING` the answer is ``unknown``.
+        self.waiting = 0
+
+    async def _started(self) -> asyncio.subprocess.Process:
+        process = self._process
+        if process is None or process.returncode is not None:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-I",
+                "-c",
+                _CHECKER,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            self._process = process
+        return process
+
+    async def check(self, code: str, timeout: float) -> str:
+        """``complete``, ``incomplete``, ``invalid``, or ``unknown`` (too busy, too slow, failed)."""
+        if self.waiting >= MAX_WAITING:
+            return "unknown"
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        self.waiting += 1
+        try:
+            async with self._lock:
+                process = await self._started()
+                assert process.stdin is not None and process.stdout is not None
+                try:
+                    process.stdin.write(json.dumps(code).encode() + b"\n")
+                    await asyncio.wait_for(process.stdin.drain(), timeout)
+                    line = await asyncio.wait_for(process.stdout.readline(), timeout)
+                    status = json.loads(line)
+                except (OSError, ValueError, asyncio.TimeoutError):
+                    status = None
+                if status not in ("complete", "incomplete", "invalid"):
+                    with contextlib.suppress(ProcessLookupError):
+                        process.kill()
+                    await process.wait()
+                    self._process = None
+                    return "unknown"
+                return str(status)
+        finally:
+            self.waiting -= 1
+
+
+#: How many ``is_complete`` checks may wait for the checker process, server-wide.
+MAX_WAITING = 16
+#: Seconds one check may take before the checker is killed and the answer is ``unknown``.
+CHECK_TIMEOUT = 10.0
+_checker = CompileChecker()
+#: Strong references to answers being computed (a task nobody holds may be collected).
+_background: set[asyncio.Future[None]] = set()
 
 
 def local_reply(msg_type: str, content: dict[str, Any], kernel_info: dict[str, Any]) -> dict[str, Any]:
@@ -111,8 +192,8 @@ def local_reply(msg_type: str, content: dict[str, Any], kernel_info: dict[str, A
         return {"status": "ok", "matches": [], "cursor_start": cursor, "cursor_end": cursor, "metadata": {}}
     if msg_type == "inspect_request":
         return {"status": "ok", "found": False, "data": {}, "metadata": {}}
-    if msg_type == "is_complete_request":
-        return is_complete(str(content.get("code", "")))
+    if msg_type == "is_complete_request":  # compiled off the loop: ``_answer_is_complete``
+        return {"status": "unknown"}
     if msg_type == "history_request":
         return {"status": "ok", "history": []}
     return {"status": "ok", "comms": {}}  # comm_info_request
@@ -135,8 +216,58 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         or resuming; a message that would go over is refused with an error saying why.""",
     )
 
+    max_queued_messages_per_user = Integer(
+        4000,
+        config=True,
+        help="""Messages all of one user's connections hold for kernels that are hibernating,
+        hibernated or resuming; one more is refused with an error saying why. Users are told
+        apart by their login (one user on a single-user server).""",
+    )
+    max_queued_bytes_per_user = Integer(
+        128 * 1024 * 1024,
+        config=True,
+        help="""Bytes of messages all of one user's connections hold for kernels that are
+        hibernating, hibernated or resuming; a message that would go over is refused.""",
+    )
+    max_queued_messages_total = Integer(
+        40000,
+        config=True,
+        help="Messages the whole server holds for kernels that are not running (all users).",
+    )
+    max_queued_bytes_total = Integer(
+        1024 * 1024 * 1024,
+        config=True,
+        help="""Bytes of messages the whole server holds for kernels that are not running (all
+        users); a message that would go over is refused with an error saying why.""",
+    )
+    max_connections_per_user = Integer(
+        128,
+        config=True,
+        help="""Kernel websockets one user may have open at once (every notebook tab holds one
+        per kernel); one more is refused at the handshake (HTTP 429). 0: no limit.""",
+    )
+    max_connections = Integer(
+        10000,
+        config=True,
+        help="Kernel websockets the server keeps open at once, all users; 0: no limit.",
+    )
+    max_is_complete_bytes = Integer(
+        64 * 1024,
+        config=True,
+        help="""Largest code an is_complete_request for a hibernated kernel is compiled for (in a
+        separate process); larger code is answered 'unknown' without compiling.""",
+    )
+
+    #: Held by every connection, per user and in all: ``[messages, bytes]``.
+    _held_by_user: ClassVar[dict[str, list[int]]] = {}
+    _held_total: ClassVar[list[int]] = [0, 0]
+    #: Handshakes that passed the connection limits and are not open yet, per user.
+    _opening: ClassVar[dict[str, int]] = {}
+
     _queue: list[Any]
     _queued_bytes = 0
+    _user = ""
+    _checking = False
     _overflow_told = False
     _comm_refused = False
     _waking: asyncio.Task[None] | None = None
@@ -270,12 +401,25 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         self._send("iopub", self.session.msg("status", {"execution_state": state}, parent=parent))
 
     def _hold(self, raw: Any) -> None:
+        size = len(raw) if isinstance(raw, str | bytes) else 0
         self._pending().append(raw)
-        self._queued_bytes += len(raw) if isinstance(raw, str | bytes) else 0
+        self._queued_bytes += size
+        self._count_held(1, size)
+
+    def _count_held(self, messages: int, size: int) -> None:
+        """Add to (or, negative, take from) what this user's connections and the server hold."""
+        mine = self._held_by_user.setdefault(self._user, [0, 0])
+        for counts in (mine, self._held_total):
+            counts[0] += messages
+            counts[1] += size
+        if mine == [0, 0]:
+            del self._held_by_user[self._user]
 
     def _take_queue(self) -> list[Any]:
         """Empty the queue (to deliver or fail it); returns what it held."""
         queued, self._queue = self._pending(), []
+        if queued:
+            self._count_held(-len(queued), -self._queued_bytes)
         self._queued_bytes = 0
         self._overflow_told = self._comm_refused = False
         return queued
@@ -292,6 +436,29 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
             return (
                 f"the messages waiting for it would take {self._queued_bytes + size} bytes "
                 f"(ElasticWebsocketConnection.max_queued_bytes is {self.max_queued_bytes})"
+            )
+        messages, held = self._held_by_user.get(self._user, [0, 0])
+        if messages >= self.max_queued_messages_per_user:
+            return (
+                f"your connections already hold {messages} messages for kernels that are not running "
+                f"(ElasticWebsocketConnection.max_queued_messages_per_user is "
+                f"{self.max_queued_messages_per_user})"
+            )
+        if held + size > self.max_queued_bytes_per_user:
+            return (
+                f"your connections would hold {held + size} bytes for kernels that are not running "
+                f"(ElasticWebsocketConnection.max_queued_bytes_per_user is {self.max_queued_bytes_per_user})"
+            )
+        messages, held = self._held_total
+        if messages >= self.max_queued_messages_total:
+            return (
+                f"the server already holds {messages} messages for kernels that are not running "
+                f"(ElasticWebsocketConnection.max_queued_messages_total is {self.max_queued_messages_total})"
+            )
+        if held + size > self.max_queued_bytes_total:
+            return (
+                f"the server would hold {held + size} bytes for kernels that are not running "
+                f"(ElasticWebsocketConnection.max_queued_bytes_total is {self.max_queued_bytes_total})"
             )
         return ""
 
@@ -354,21 +521,86 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
 
     def _answer(self, channel: str, header: dict[str, Any], content: dict[str, Any]) -> None:
         msg_type = header.get("msg_type", "")
+        if msg_type == "is_complete_request":
+            self._status("busy", header)
+            task = asyncio.ensure_future(self._answer_is_complete(channel, header, content.get("code")))
+            _background.add(task)
+            task.add_done_callback(_background.discard)
+            return
         info = self.hibernator.kernel_info(self.kernel_id) if self.hibernator else {}
         reply = local_reply(msg_type, content, info)
         self._status("busy", header)
         self._send(channel, self.session.msg(msg_type.replace("_request", "_reply"), reply, parent=header))
         self._status("idle", header)
 
+    async def _answer_is_complete(self, channel: str, header: dict[str, Any], code: Any) -> None:
+        """Off the event loop: compiled in the checker process (one at a time per connection),
+        or ``unknown`` without compiling (too large, one already running here, checker busy)."""
+        status = "unknown"
+        if isinstance(code, str) and not self._checking and len(code) <= self.max_is_complete_bytes:
+            self._checking = True
+            try:
+                status = await _checker.check(code, CHECK_TIMEOUT)
+            finally:
+                self._checking = False
+        reply: dict[str, Any] = {"status": status}
+        if status == "incomplete":
+            reply["indent"] = ""
+        with contextlib.suppress(Exception):  # the socket may have closed meanwhile
+            self._send(channel, self.session.msg("is_complete_reply", reply, parent=header))
+            self._status("idle", header)
+
     # -- connection life -------------------------------------------------------------------
+
+    def _user_name(self) -> str:
+        """Whose connection this is, for the per-user limits: the login on a multi-user gateway
+        (an access rule is installed), else one user (token logins are anonymous per request)."""
+        if (getattr(self.websocket_handler, "settings", None) or {}).get(SETTINGS_KEY) is None:
+            return ""
+        user = getattr(self.websocket_handler, "current_user", None)
+        name = getattr(user, "username", None) or getattr(user, "name", None)
+        return str(name if name is not None else user or "")
+
+    def _check_connection_limits(self) -> None:
+        """HTTP 429 at the handshake when this user, or the server, has as many open as allowed."""
+        mine = self._opening.get(self._user, 0)
+        everyone = sum(self._opening.values())
+        for connection in self._open_sockets:
+            if isinstance(connection, ElasticWebsocketConnection):
+                everyone += 1
+                mine += connection._user == self._user
+        if self.max_connections_per_user and mine >= self.max_connections_per_user:
+            raise web.HTTPError(
+                429,
+                reason=f"too many kernel connections open for {self._user or 'this server'} ({mine}; "
+                f"ElasticWebsocketConnection.max_connections_per_user is {self.max_connections_per_user}): "
+                "close some notebooks",
+            )
+        if self.max_connections and everyone >= self.max_connections:
+            raise web.HTTPError(
+                429,
+                reason=f"the server has {everyone} kernel connections open "
+                f"(ElasticWebsocketConnection.max_connections is {self.max_connections}): try again later",
+            )
 
     async def prepare(self) -> None:
         # Runs before the websocket handshake: too early for ``_no_delay`` (see ``connect``).
-        if not self._asleep():
-            await super().prepare()
-            return
-        await self._register_session()
-        self.session.key = self.kernel_manager.session.key
+        self._user = self._user_name()
+        self._check_connection_limits()
+        self._opening[self._user] = self._opening.get(self._user, 0) + 1
+        try:
+            if not self._asleep():
+                await super().prepare()
+                return
+            await self._register_session()
+            self.session.key = self.kernel_manager.session.key
+        finally:
+            # Counted from here on by ``_open_sockets`` (or never opened).
+            left = self._opening.get(self._user, 1) - 1
+            if left > 0:
+                self._opening[self._user] = left
+            else:
+                self._opening.pop(self._user, None)
 
     def connect(self) -> asyncio.Future[None] | None:  # type: ignore[override]
         # Called from the handler's ``open()``: the handshake is done and the stream detached.

@@ -4,15 +4,24 @@ Started as a subprocess with ``examples/jupyterhub/local/jupyterhub_config.py`` 
 example's README runs it, on free ports, with its state in a temporary folder. Users log in
 through the Hub's login form (the test authenticator) and get API tokens from the Hub's REST
 API, as a person with a browser would.
+
+The gateway runs each user's kernels as that user's OS account (the example's default), so the
+tests run as root (as CI does) and create the accounts they need: Hub user ``alice`` runs as
+``ekt-alice`` (:func:`ensure_accounts`, idempotent). Those accounts must be able to run this
+interpreter and read the Hub's state folder: :func:`make_enterable` adds ``o+x`` (enter, not
+list) to the folders above them that lack it (``/root`` where the interpreter lives under it).
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -29,6 +38,54 @@ REPO = Path(__file__).resolve().parents[2]
 HUB_CONFIG = REPO / "examples" / "jupyterhub" / "local" / "jupyterhub_config.py"
 PASSWORD = "elastic-test-password"
 CHP_CACHE = Path.home() / ".cache" / "jupyter-elastic-kernels" / "chp" / "node_modules" / ".bin"
+#: The OS account each Hub user's kernels run as (``ElasticGateway.kernel_account``).
+ACCOUNT_TEMPLATE = "ekt-{username}"
+
+
+def account_of(user: str) -> str:
+    return ACCOUNT_TEMPLATE.format(username=user)
+
+
+def require_root() -> None:
+    """Per-user kernels need a root gateway (setuid) and accounts made with useradd."""
+    if os.geteuid() == 0 and shutil.which("useradd"):
+        return
+    message = "the gateway's per-user kernels need root and useradd (run the tests as root, as CI does)"
+    if os.environ.get("ELASTIC_REQUIRE_JUPYTERHUB"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def ensure_accounts(users: list[str]) -> dict[str, pwd.struct_passwd]:
+    """The test accounts of ``users`` (``ekt-<user>``), created when missing: no home, no login."""
+    require_root()
+    found = {}
+    for user in users:
+        name = account_of(user)
+        try:
+            found[user] = pwd.getpwnam(name)
+            continue
+        except KeyError:
+            pass
+        made = subprocess.run(
+            ["useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
+            capture_output=True,
+            text=True,
+        )
+        if made.returncode not in (0, 9):  # 9: made meanwhile (another test run)
+            raise AssertionError(f"useradd {name} failed: {made.stderr}")
+        found[user] = pwd.getpwnam(name)
+    for tool in (Path(sys.executable).parent, Path(sys.executable).resolve().parent, REPO):
+        make_enterable(tool)  # the accounts run this interpreter and import this checkout
+    return found
+
+
+def make_enterable(path: Path) -> None:
+    """Add ``o+x`` to every folder from ``/`` to ``path`` that lacks it (enter, not list)."""
+    for folder in (*reversed(path.parents), path):
+        mode = os.stat(folder).st_mode
+        if stat.S_ISDIR(mode) and not mode & stat.S_IXOTH:
+            os.chmod(folder, stat.S_IMODE(mode) | stat.S_IXOTH)
 
 
 def proxy_command() -> str | None:
@@ -115,10 +172,18 @@ class Hub:
 
 @contextmanager
 def running_hub(
-    tmp: Path, quota_users: str = "", users: str = "alice,bob,carol,ada", admins: str = ""
+    tmp: Path,
+    quota_users: str = "",
+    users: str = "alice,bob,carol,ada",
+    admins: str = "",
 ) -> Iterator[Hub]:
+    """The example's Hub and gateway; each user's kernels run as ``ekt-<user>``."""
     proxy = require_proxy()
-    state = tmp / "hub-state"
+    ensure_accounts(users.split(","))
+    # Outside pytest's own folders (0700): kernels reach their checkpoints and runtime files here.
+    state = Path(tempfile.mkdtemp(prefix="ekt-hub-"))
+    state.chmod(0o711)
+    make_enterable(state)
     home = tmp / "jupyter-home"
     env = isolated_env(home)
     hub_port, api_port, proxy_api_port, gateway_port = (free_port() for _ in range(4))
@@ -134,6 +199,7 @@ def running_hub(
         ELASTIC_HUB_ADMINS=admins,
         ELASTIC_HUB_ALLOW_ROOT="1" if os.geteuid() == 0 else "",
         ELASTIC_QUOTA_USERS=quota_users,
+        ELASTIC_KERNEL_ACCOUNT=ACCOUNT_TEMPLATE,
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     )
     env.pop("JUPYTERHUB_API_TOKEN", None)
@@ -167,6 +233,7 @@ def running_hub(
         yield hub
     finally:
         _stop(proc)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

@@ -2,6 +2,11 @@
 
 GPU sizes, the cull policy and per-user quotas; in a cluster the same settings come from the
 Helm chart's values. On a machine without an NVIDIA driver, two declared demo GPUs stand in.
+
+Each user's kernels run as their own OS account (the gateway runs as root and drops to it, as
+JupyterHub's LocalProcessSpawner does): Hub user ``alice`` runs as the account named by
+ELASTIC_KERNEL_ACCOUNT (default ``{username}``: the account ``alice``, which must exist). A demo
+for one person, without root: ELASTIC_SINGLE_TENANT=1 runs every kernel as the gateway's account.
 """
 
 import os
@@ -15,6 +20,17 @@ c.ServerApp.ip = "127.0.0.1"
 c.ServerApp.root_dir = state
 c.ElasticGateway.auth = "jupyterhub"
 c.ElasticKernels.checkpoint_root = os.path.join(state, "checkpoints")
+# The master checkpoint secret: never on the checkpoint volume; a folder only the gateway reads (0700).
+c.ElasticKernels.checkpoint_secret_file = os.path.join(state, "gateway-secret", "checkpoint-secret")
+if os.environ.get("ELASTIC_SINGLE_TENANT") == "1":
+    # One person: kernels share the gateway's account (nothing separates Hub users' kernels).
+    c.ElasticGateway.kernel_accounts = "shared"
+    c.ElasticGateway.single_tenant = True
+else:
+    c.ElasticGateway.kernel_accounts = "per-user"
+    c.ElasticGateway.kernel_account = os.environ.get("ELASTIC_KERNEL_ACCOUNT") or "{username}"
+    # Connection and key files, one root-owned folder per account (state and its parents: o+x).
+    c.ElasticGateway.kernel_runtime_dir = os.path.join(state, "kernel-runtime")
 c.ElasticKernels.profiles = {
     "small": {"display_name": "GPU small (10 GiB)", "gpu_fraction": 0.25, "memory_mib": 10240},
     "medium": {"display_name": "GPU medium (20 GiB)", "gpu_fraction": 0.5, "memory_mib": 20480},

@@ -5,7 +5,8 @@
 - configurable-http-proxy from npm (``npm install -g configurable-http-proxy``, or set
   ELASTIC_HUB_PROXY to its path);
 - a test authenticator (any user in ELASTIC_HUB_USERS, one shared password from
-  ELASTIC_HUB_PASSWORD) and local-process single-user servers: for a demo, not for production;
+  ELASTIC_HUB_PASSWORD): for a demo, not for production; local-process single-user servers, each
+  as its user's OS account (the same account the user's kernels run as at the gateway);
 - the gateway (``jupyter-elastic-gateway``) as a Hub-managed service named ``elastic-gateway``,
   configured by ``jupyter_elastic_gateway_config.py`` beside this file;
 - single-user servers pointed at the gateway with their own Hub token, running the project's
@@ -13,11 +14,15 @@
   notebook gets its kernel back after the user's server was stopped.
 
 Everything the Hub, the gateway and the users write goes under ELASTIC_HUB_STATE (default
-``./elastic-hub-state``). Run as root (containers, CI)? Jupyter servers refuse root unless told:
-set ELASTIC_HUB_ALLOW_ROOT=1 to pass ``--allow-root`` to the single-user servers and the gateway.
+``./elastic-hub-state``). The gateway runs each user's kernels as that user's OS account
+(ELASTIC_KERNEL_ACCOUNT, default ``{username}``), so the Hub (and the gateway, its service) runs
+as root; Jupyter servers refuse root unless told: set ELASTIC_HUB_ALLOW_ROOT=1 to pass
+``--allow-root`` to the single-user servers and the gateway. ELASTIC_SINGLE_TENANT=1 instead runs
+every kernel as the gateway's own account: for one person only.
 """
 
 import os
+import pwd
 import sys
 
 c = get_config()  # noqa: F821 - provided by traitlets when it loads this file
@@ -76,12 +81,49 @@ c.JupyterHub.services = [
         "environment": {
             "ELASTIC_HUB_STATE": state,
             "ELASTIC_QUOTA_USERS": os.environ.get("ELASTIC_QUOTA_USERS", ""),
+            "ELASTIC_KERNEL_ACCOUNT": os.environ.get("ELASTIC_KERNEL_ACCOUNT", ""),
+            "ELASTIC_SINGLE_TENANT": os.environ.get("ELASTIC_SINGLE_TENANT", ""),
+            # Prometheus scrapes /metrics with this token (without it: the gateway's admins only).
+            "ELASTIC_METRICS_TOKEN": os.environ.get("ELASTIC_METRICS_TOKEN", ""),
         },
     }
 ]
 
 # -- single-user servers: kernels at the gateway ----------------------------------------------
-c.JupyterHub.spawner_class = "simple"  # local processes as the Hub's own OS user (demo only)
+single_tenant = os.environ.get("ELASTIC_SINGLE_TENANT") == "1"
+account_template = os.environ.get("ELASTIC_KERNEL_ACCOUNT") or "{username}"
+
+
+def _account_spawner():
+    from jupyterhub.spawner import SimpleLocalProcessSpawner, set_user_setuid
+
+    class AccountSpawner(SimpleLocalProcessSpawner):
+        """Each user's server runs as the same account as their kernels at the gateway: it offers
+        terminals and files, so as the Hub's root it would undo what per-user kernels separate."""
+
+        def make_preexec_fn(self, name):
+            account = pwd.getpwnam(account_template.format(username=name))
+            home = self.home_dir
+            os.makedirs(home, 0o700, exist_ok=True)  # here, in the Hub (root), before the fork
+            os.chown(home, account.pw_uid, account.pw_gid)
+            drop = set_user_setuid(account.pw_name, chdir=False)
+
+            def preexec():
+                drop()
+                os.chdir(home)
+
+            return preexec
+
+        def user_env(self, env):
+            env = super().user_env(env)
+            env["USER"] = account_template.format(username=self.user.name)
+            return env
+
+    return AccountSpawner
+
+
+# A demo for one person: servers as the Hub's own OS user; otherwise as each user's account.
+c.JupyterHub.spawner_class = "simple" if single_tenant else _account_spawner()
 c.SimpleLocalProcessSpawner.home_dir_template = os.path.join(state, "home", "{username}")
 c.Spawner.default_url = "/api/status"
 c.Spawner.environment = {

@@ -35,6 +35,131 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (printf "%s-checkpoints" (include "jek.fullname" .)) .Values.checkpoints.existingClaim -}}
 {{- end -}}
 
+{{/* The master checkpoint secret: its Secret, and where the gateway (only) mounts it. */}}
+{{- define "jek.checkpointSecretName" -}}
+{{- default (printf "%s-checkpoint-secret" (include "jek.fullname" .)) .Values.checkpointSecret.existingSecret -}}
+{{- end -}}
+{{- define "jek.checkpointSecretDir" -}}/var/run/secrets/jupyter-elastic/checkpoint{{- end -}}
+
+{{/* The node agents' shared token: its Secret, and where the gateway and the agents mount it. */}}
+{{- define "jek.agentTokenSecretName" -}}
+{{- default (printf "%s-node-agent-token" (include "jek.fullname" .)) .Values.nodeAgent.tokenSecret -}}
+{{- end -}}
+{{- define "jek.agentTokenDir" -}}/var/run/secrets/jupyter-elastic/node-agent{{- end -}}
+
+{{/* The Prometheus scrape token's Secret (key "token"): the gateway reads it as ELASTIC_METRICS_TOKEN
+(ElasticGateway.metrics_token), the ServiceMonitor sends it as a bearer token. */}}
+{{- define "jek.metricsTokenSecretName" -}}
+{{- default (printf "%s-metrics-token" (include "jek.fullname" .)) .Values.metrics.tokenSecret -}}
+{{- end -}}
+
+{{/* Where the gateway serves /metrics: under its ServerApp.base_url (/services/<name>/ as a Hub service),
+read from the config it is given, extraConfig included. */}}
+{{- define "jek.metricsPath" -}}
+{{- $server := (include "jek.serverConfig" . | fromJson).ServerApp | default dict -}}
+{{- $base := index $server "base_url" | default "/" | toString | trimPrefix "/" | trimSuffix "/" -}}
+{{- if $base }}/{{ $base }}/metrics{{ else }}/metrics{{ end -}}
+{{- end -}}
+
+{{/* The value of a Secret the chart makes: the one already in the cluster (kept across upgrades), else
+a new random one. Call with (list $ "<secret name>" "<key>"). */}}
+{{- define "jek.keptSecretValue" -}}
+{{- $root := index . 0 -}}
+{{- $existing := lookup "v1" "Secret" $root.Release.Namespace (index . 1) -}}
+{{- if and $existing (index ($existing.data | default dict) (index . 2)) -}}
+{{- index $existing.data (index . 2) -}}
+{{- else -}}
+{{- randAlphaNum 64 | b64enc -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The gateway's pods, as a NetworkPolicy peer. */}}
+{{- define "jek.gatewayPeer" -}}
+namespaceSelector:
+  matchLabels:
+    kubernetes.io/metadata.name: {{ .Release.Namespace }}
+podSelector:
+  matchLabels:
+    {{- include "jek.selector" . | nindent 4 }}
+    app.kubernetes.io/component: gateway
+{{- end -}}
+
+{{/* The kernel pods' NetworkPolicies (no namespace): rendered in every kernel namespace of the chart and
+passed to the gateway for the namespaces it creates. Ingress: the gateway only (the kernel ports carry
+code execution, a warm pod's port a key and a checkpoint). Egress: denied but for the gateway, DNS and
+networkPolicy.kernels' allow-list; never the cloud metadata service or private ranges unless allowed. */}}
+{{- define "jek.kernelNetworkPolicies" -}}
+{{- $allow := .Values.networkPolicy.kernels.egressAllowRules -}}
+{{- $private := list "10.0.0.0/8" "172.16.0.0/12" "192.168.0.0/16" -}}
+{{- $dns := list (dict "port" 53 "protocol" "UDP") (dict "port" 53 "protocol" "TCP") -}}
+items:
+  - metadata:
+      name: {{ include "jek.fullname" . }}-kernels
+      labels:
+        {{- include "jek.labels" . | nindent 8 }}
+    spec:
+      podSelector: &kernels
+        matchExpressions:
+          - {key: component, operator: In, values: [kernel, warm-kernel]}
+      policyTypes: [Ingress]
+      ingress:
+        - from:
+            - {{- include "jek.gatewayPeer" . | nindent 14 }}
+  - metadata:
+      name: {{ include "jek.fullname" . }}-kernels-egress
+      labels:
+        {{- include "jek.labels" . | nindent 8 }}
+    spec:
+      podSelector: *kernels
+      policyTypes: [Egress]
+      egress:
+        - to:
+            - {{- include "jek.gatewayPeer" . | nindent 14 }}
+          ports:
+            - {port: {{ .Values.gateway.port }}, protocol: TCP}
+        {{- if $allow.dnsPortsKubeSystemNamespace }}
+        - to:
+            - namespaceSelector:
+                matchLabels:
+                  kubernetes.io/metadata.name: kube-system
+          ports: {{ toJson $dns }}
+        {{- end }}
+        {{- if $allow.dnsPortsPrivateIPs }}
+        - to:
+            {{- range $private }}
+            - ipBlock: {cidr: {{ . }}}
+            {{- end }}
+            - ipBlock:
+                cidr: 169.254.0.0/16
+                {{- if not $allow.cloudMetadataServer }}
+                except: [169.254.169.254/32]
+                {{- end }}
+          ports: {{ toJson $dns }}
+        {{- end }}
+        {{- if $allow.nonPrivateIPs }}
+        - to:
+            - ipBlock:
+                cidr: 0.0.0.0/0
+                except: {{ toJson (concat $private (list "169.254.0.0/16")) }}
+            - ipBlock:
+                cidr: ::/0
+                except: [fc00::/7, fe80::/10]
+        {{- end }}
+        {{- if $allow.privateIPs }}
+        - to:
+            {{- range $private }}
+            - ipBlock: {cidr: {{ . }}}
+            {{- end }}
+        {{- end }}
+        {{- if $allow.cloudMetadataServer }}
+        - to:
+            - ipBlock: {cidr: 169.254.0.0/16}
+        {{- end }}
+        {{- with .Values.networkPolicy.kernels.egress }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+{{- end -}}
+
 {{/* jupyter_server_config.json, built from the values (extraConfig merged over it). */}}
 {{- define "jek.serverConfig" -}}
 {{- $v := .Values -}}
@@ -44,6 +169,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "gpu_inventory" $v.gpu.inventory
   "allocation_strategy" $v.gpu.allocationStrategy
   "checkpoint_root" $v.checkpoints.mountPath
+  "checkpoint_secret_file" (printf "%s/%s" (include "jek.checkpointSecretDir" .) $v.checkpointSecret.key)
   "kernel_provisioner" "elastic-kubernetes-provisioner" -}}
 {{- $provisioner := dict
   "namespace" (include "jek.kernelNamespace" .)
@@ -56,7 +182,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "stop_grace_seconds" $v.kernels.stopGraceSeconds
   "checkpoint_claim" (include "jek.claimName" .)
   "node_agent_port" $v.nodeAgent.port
+  "node_agent_instance" .Release.Name
+  "cpu_kernel_resources" $v.kernels.cpuResources
+  "resources" $v.kernels.resources
+  "size_resources" $v.kernels.sizeResources
   "warm_pods" $v.kernels.warmPods -}}
+{{- if $v.nodeAgent.enabled }}
+{{- $_ := set $provisioner "node_agent_token_file" (printf "%s/token" (include "jek.agentTokenDir" .)) -}}
+{{- end }}
+{{- if $v.networkPolicy.enabled }}
+{{- $_ := set $provisioner "namespace_network_policies" (include "jek.kernelNetworkPolicies" . | fromYaml).items -}}
+{{- end }}
 {{- if $v.kernels.namespaceTemplate }}
 {{- $_ := set $provisioner "namespace_template" $v.kernels.namespaceTemplate -}}
 {{- $_ := set $provisioner "create_namespace" $v.kernels.createNamespaces -}}

@@ -1,0 +1,207 @@
+"""What acts on the whole gateway is the admins'; what a user sees of others is aggregates only.
+
+A real JupyterHub (configurable-http-proxy, the project's example configuration) with the gateway
+as its service; every request goes through the Hub's proxy with a user's own Hub token.
+
+- bob (not an admin) cannot shut the gateway down, post a (forged) lifecycle event for alice's
+  kernel, read the gateway-wide status or metrics, or open a session at the gateway (a kernel
+  start outside the per-user path); each answers 403 with a JSON message, and the gateway keeps
+  serving. An admin can post events and shut it down.
+- bob's ``/api/elastic/gpus`` shows his kernel's slice and, of alice's, only the aggregate; his
+  event subscription receives his own kernels' events and none of alice's.
+- three resumes of one user's hibernated kernels sent at once are admitted one by one: with
+  ``max_gpu`` 0.5 and three 0.5-GPU kernels, one resumes and two are refused (403, naming the
+  limit), never all three.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import websocket
+
+from tests.support.hub import Hub, running_hub
+from tests.support.server import KernelChannel
+
+pytestmark = pytest.mark.timeout(600)
+
+LIFECYCLE = "https://events.jupyter.org/jupyter_elastic_kernels/kernel_lifecycle/v1"
+SCRAPE_TOKEN = "prometheus-scrape-token-for-tests"
+
+
+def gateway(hub: Hub, method: str, path: str, token: str, **kwargs: Any) -> requests.Response:
+    return hub.api(method, f"{hub.gateway_prefix}{path}", token, **kwargs)
+
+
+def spec_for(hub: Hub, token: str, profile: str) -> str:
+    specs = gateway(hub, "GET", "/api/kernelspecs", token).json()["kernelspecs"]
+    for name, spec in specs.items():
+        if ((spec["spec"].get("metadata") or {}).get("elastic") or {}).get("profile") == profile:
+            return str(name)
+    raise AssertionError(f"no {profile} kernelspec offered: {sorted(specs)}")
+
+
+def start_kernel(hub: Hub, token: str, profile: str) -> str:
+    started = gateway(hub, "POST", "/api/kernels", token, json={"name": spec_for(hub, token, profile)})
+    assert started.status_code == 201, started.text
+    return str(started.json()["id"])
+
+
+def hibernate(hub: Hub, token: str, kernel_id: str) -> None:
+    done = gateway(hub, "POST", f"/api/elastic/kernels/{kernel_id}/hibernate", token)
+    assert done.status_code == 200 and done.json()["state"] == "hibernated", done.text
+
+
+def subscribe(hub: Hub, token: str) -> websocket.WebSocket:
+    url = hub.url.replace("http://", "ws://") + f"{hub.gateway_prefix}/api/events/subscribe"
+    return websocket.create_connection(url, header=[f"Authorization: token {token}"], timeout=120)
+
+
+def events_until(conn: websocket.WebSocket, done: Any, timeout: float = 120) -> list[dict[str, Any]]:
+    """Events received, in order, up to and including the first for which ``done`` is true."""
+    seen: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        event = json.loads(conn.recv())
+        seen.append(event)
+        if done(event):
+            return seen
+    raise AssertionError(f"the awaited event never came; received: {seen}")
+
+
+def refused(answer: requests.Response, fragment: str) -> None:
+    where = f"{answer.request.method} {answer.url}"
+    assert answer.status_code == 403, f"{where}: {answer.status_code} {answer.text}"
+    assert fragment in answer.json()["message"], answer.text
+
+
+def test_gateway_wide_operations_are_for_admins_and_users_see_only_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ELASTIC_METRICS_TOKEN", SCRAPE_TOKEN)  # the example hands it to the gateway
+    with running_hub(tmp_path, admins="ada") as hub:
+        alice = hub.login_token("alice")
+        bob = hub.login_token("bob")
+        ada = hub.login_token("ada")
+        stream = subscribe(hub, bob)
+        try:
+            alice_id = start_kernel(hub, alice, "small")
+            bob_id = start_kernel(hub, bob, "small")
+            with KernelChannel(f"{hub.url}{hub.gateway_prefix}", bob_id, timeout=120, token=bob) as channel:
+                cell = channel.execute("import os; 'ELASTIC_METRICS_TOKEN' in os.environ", timeout=120)
+            assert not cell.error and cell.displays == ["False"], cell  # no kernel holds the scrape token
+
+            # Operations on every user's kernels: 403 for bob, with a message; the gateway keeps going.
+            refused(gateway(hub, "POST", "/api/shutdown", bob), "shutting the gateway down is for")
+            forged = {
+                "schema_id": LIFECYCLE,
+                "version": 1,
+                "data": {"action": "lost", "kernel_id": alice_id, "msg": "forged by bob"},
+            }
+            refused(gateway(hub, "POST", "/api/events", bob, json=forged), "posting events is for")
+            refused(gateway(hub, "GET", "/api/status", bob), "the gateway's status")
+            refused(gateway(hub, "GET", "/metrics", bob), "/metrics is for the gateway's admins")
+            session = {"path": "x.ipynb", "type": "notebook", "name": "x", "kernel": {"name": "python3"}}
+            refused(gateway(hub, "POST", "/api/sessions", bob, json=session), "keeps no notebook sessions")
+            assert [k["id"] for k in gateway(hub, "GET", "/api/kernels", bob).json()] == [bob_id]
+            # Asking what one may do answers, without a 403 (jupyter_server's /api/me).
+            asked = json.dumps({"server": ["write"], "events": ["write", "execute"], "kernels": ["read"]})
+            for who, expected in (
+                (bob, {"server": [], "events": ["execute"], "kernels": ["read"]}),
+                (ada, {"server": ["write"], "events": ["write", "execute"], "kernels": ["read"]}),
+            ):
+                me = gateway(hub, "GET", "/api/me", who, params={"permissions": asked})
+                granted = {k: v for k, v in me.json()["permissions"].items() if k in expected}
+                assert me.status_code == 200 and granted == expected, me.text
+            assert gateway(hub, "GET", f"/api/elastic/kernels/{alice_id}", alice).json()["state"] == "running"
+
+            # The GPUs: bob's own slice in full, alice's only as an aggregate.
+            gpus = gateway(hub, "GET", "/api/elastic/gpus", bob)
+            assert gpus.status_code == 200, gpus.text
+            assert alice_id not in gpus.text and "alice" not in gpus.text, gpus.text
+            slices = [s for d in gpus.json()["devices"] for s in d["slices"]]
+            assert [s["kernel_id"] for s in slices] == [bob_id], slices
+            others = [d["other_users"] for d in gpus.json()["devices"]]
+            assert sum(o["slices"] for o in others) == 1 and sum(o["fraction"] for o in others) == 0.25
+            everything = gateway(hub, "GET", "/api/elastic/gpus", ada).json()
+            assert {s["kernel_id"] for d in everything["devices"] for s in d["slices"]} == {alice_id, bob_id}
+
+            # Events: alice's hibernation first, then bob's; bob's stream has his own only.
+            hibernate(hub, alice, alice_id)
+            hibernate(hub, bob, bob_id)
+            received = events_until(
+                stream, lambda e: e.get("kernel_id") == bob_id and e.get("action") == "hibernate"
+            )
+        finally:
+            stream.close()
+        assert all(e.get("kernel_id") == bob_id for e in received), received
+
+        # An admin may post events, read the status and the metrics, and shut the gateway down.
+        assert gateway(hub, "POST", "/api/events", ada, json=forged).status_code == 204
+        assert gateway(hub, "GET", "/api/status", ada).json()["kernels"] == 2
+        assert "elastic_kernels" in gateway(hub, "GET", "/metrics", ada).text
+        # Prometheus: the scrape token, and nothing else without a Hub login.
+        scrape_url = f"{hub.url}{hub.gateway_prefix}/metrics"
+        scraped = requests.get(scrape_url, headers={"Authorization": f"Bearer {SCRAPE_TOKEN}"}, timeout=60)
+        assert scraped.status_code == 200 and "elastic_kernels" in scraped.text, scraped.text
+        wrong = requests.get(scrape_url, headers={"Authorization": "Bearer not-the-token"}, timeout=60)
+        assert wrong.status_code == 403, wrong.text
+        assert gateway(hub, "POST", "/api/shutdown", ada).status_code == 200
+
+
+def test_resumes_sent_at_once_are_held_to_the_quota(tmp_path: Path) -> None:
+    with running_hub(tmp_path, quota_users=json.dumps({"carol": {"max_gpu": 0.5, "max_kernels": 4}})) as hub:
+        carol = hub.login_token("carol")
+        kernels = []
+        for _ in range(3):  # 0.5 GPU each: one at a time fits the quota
+            kernel_id = start_kernel(hub, carol, "medium")
+            hibernate(hub, carol, kernel_id)
+            kernels.append(kernel_id)
+
+        barrier = threading.Barrier(len(kernels))
+        answers: dict[str, requests.Response] = {}
+
+        def resume(kernel_id: str) -> None:
+            barrier.wait()
+            answers[kernel_id] = gateway(hub, "POST", f"/api/elastic/kernels/{kernel_id}/resume", carol)
+
+        threads = [threading.Thread(target=resume, args=(k,)) for k in kernels]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+        statuses = sorted(answer.status_code for answer in answers.values())
+        assert statuses == [200, 403, 403], {k: (a.status_code, a.text) for k, a in answers.items()}
+        for answer in answers.values():
+            if answer.status_code == 403:
+                assert "GPU quota reached" in answer.json()["message"], answer.text
+                assert "of 0.5 GPU" in answer.json()["message"], answer.text
+        states = {k["id"]: k["state"] for k in gateway(hub, "GET", "/api/elastic/kernels", carol).json()}
+        assert sorted(states.values()) == ["hibernated", "hibernated", "running"], states
+
+        # Starts sent at once are held the same way: with the medium kernel running, no start fits.
+        small = spec_for(hub, carol, "small")
+        running = next(k for k, state in states.items() if state == "running")
+        hibernate(hub, carol, running)
+        barrier = threading.Barrier(3)
+        started: list[requests.Response] = []
+
+        def start() -> None:
+            barrier.wait()
+            started.append(gateway(hub, "POST", "/api/kernels", carol, json={"name": small}))
+
+        threads = [threading.Thread(target=start) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        # max_kernels 4 with three hibernated: one start; the others name the kernel limit.
+        assert sorted(a.status_code for a in started) == [201, 403, 403], [a.text for a in started]
+        assert all("kernel quota reached" in a.json()["message"] for a in started if a.status_code == 403)
