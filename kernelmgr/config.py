@@ -58,6 +58,7 @@ class ElasticRuntime:
     reap_interval: float = 5.0
     checkpoint_timeout: float = 600.0
     resume_timeout: float = 120.0
+    start_timeout: float = 120.0
     hibernate_on_shutdown: bool = True
     nvml: Nvml | None = None
     gpu_sample_interval: float = 10.0
@@ -199,6 +200,13 @@ class ElasticKernels(LoggingConfigurable):
         "its checkpoint (a big state takes longer to read). Past it the resume fails, the process "
         "it started is stopped, and the kernel stays hibernated.",
     )
+    start_timeout = Float(
+        120.0,
+        config=True,
+        help="Seconds a new local kernel may take to launch and answer its first kernel_info request. "
+        "Past it the kernel is stopped, its slice released, and the start answers 504 with the "
+        "kernel's last stderr lines.",
+    )
     hibernate_on_shutdown = Bool(
         True,
         config=True,
@@ -312,6 +320,8 @@ class ElasticKernels(LoggingConfigurable):
             )
         if self.resume_timeout <= 0:
             raise ConfigError(f"ElasticKernels.resume_timeout must be > 0 seconds, got {self.resume_timeout}")
+        if self.start_timeout <= 0:
+            raise ConfigError(f"ElasticKernels.start_timeout must be > 0 seconds, got {self.start_timeout}")
         if self.reap_interval <= 0:
             raise ConfigError(f"ElasticKernels.reap_interval must be > 0 seconds, got {self.reap_interval}")
         if not self.base_kernels:
@@ -334,6 +344,7 @@ class ElasticKernels(LoggingConfigurable):
             checkpoints=self._checkpoint_store(),
             checkpoint_timeout=self.checkpoint_timeout,
             resume_timeout=self.resume_timeout,
+            start_timeout=self.start_timeout,
             hibernate_on_shutdown=self.hibernate_on_shutdown,
             nvml=nvml,
             gpu_sample_interval=self.gpu_sample_interval,

@@ -327,16 +327,13 @@ def test_busy_kernel_is_not_hibernated(server: RunningServer, tmp_path: Path) ->
 
 
 def test_a_kernel_no_client_has_talked_to_can_hibernate(server: RunningServer) -> None:
-    """Started through /api/kernels and never connected to, jupyter_server calls it "starting"
-    however long it has been up; hibernating it (by hand or by the culler) must still work."""
+    """Started through /api/kernels and never connected to, jupyter_server may call it "starting"
+    however long it has been up (the start's own kernel_info makes it publish a status, which the
+    server's IOPub watcher can miss while its subscription is joining); hibernating it (by hand or
+    by the culler) must still work."""
     kernel_id = server.start_kernel("python3-gpu-small")
-    wait_for(
-        lambda: (
-            server.get(f"/api/kernels/{kernel_id}")["execution_state"] == "starting"
-            and server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running"
-        ),
-        what="a running kernel that jupyter_server still calls starting",
-    )
+    assert server.get(f"/api/kernels/{kernel_id}")["execution_state"] in ("starting", "idle")
+    assert server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running"
     reply = hibernate(server, kernel_id)
     assert reply.status == 200 and reply.body["state"] == "hibernated", reply
     assert server.execute(kernel_id, "print(1 + 1)") == "2\n"

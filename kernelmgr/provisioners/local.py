@@ -27,10 +27,11 @@ The provisioner is selected by kernelspec metadata (``kernel_provisioner.provisi
 from __future__ import annotations
 
 import os
+from collections import deque
 from pathlib import Path
 from typing import Any
 
-from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.connect import KernelConnectionInfo, LocalPortCache
 from jupyter_client.provisioning import LocalProvisioner
 from jupyter_core.paths import jupyter_runtime_dir
 
@@ -58,6 +59,8 @@ from kernelmgr.provisioners.common import (
 )
 
 PROVISIONER_NAME = "elastic-local-provisioner"
+#: What ipykernel (through pyzmq) writes to stderr when one of its ports was taken.
+BIND_ERROR = "Address already in use"
 
 
 #: Agent variables that must come from this provisioner only, never inherited from the server's
@@ -134,6 +137,41 @@ class ElasticLocalProvisioner(LocalProvisioner):
         return key_file_path(private_key_dir(runtime_dir), self.kernel_id)
 
     @property
+    def stderr_file(self) -> Path:
+        """Where a cold-started kernel's stderr goes (beside its connection file), so a kernel that
+        dies or hangs before it answers can be reported with its own last words."""
+        connection_file = getattr(self.parent, "connection_file", "") or ""
+        runtime_dir = os.path.dirname(connection_file) if connection_file else jupyter_runtime_dir()
+        return Path(runtime_dir) / f"kernel-{self.kernel_id}.stderr"
+
+    def stderr_tail(self, lines: int = 10) -> str:
+        """The last ``lines`` lines the kernel wrote to stderr ("" when none or not captured)."""
+        try:
+            with open(self.stderr_file, encoding="utf-8", errors="replace") as fh:
+                return "".join(deque(fh, maxlen=lines)).strip()
+        except OSError:
+            return ""
+
+    def choose_new_ports(self) -> None:
+        """Forget this kernel's ports and connection file, so the next launch picks fresh ones.
+
+        jupyter_client keeps a kernel's ports for its whole life (``ports_cached``, and a connection
+        file that is only written once), so a kernel whose port was taken between the choice and the
+        bind would fail again on every relaunch.
+        """
+        km = self.parent
+        if km is None or not self.ports_cached:
+            return
+        cache = LocalPortCache.instance()
+        for name in ("shell_port", "iopub_port", "stdin_port", "hb_port", "control_port"):
+            port = getattr(km, name, 0)
+            if port:
+                cache.return_port(port)
+            setattr(km, name, 0)
+        self.ports_cached = False
+        km.cleanup_connection_file()
+
+    @property
     def profile_name(self) -> str | None:
         return profile_name_of(self.kernel_spec)
 
@@ -147,6 +185,10 @@ class ElasticLocalProvisioner(LocalProvisioner):
         if granted is not None:
             profile = runtime.profile(granted.profile)
             slice_env = local_environment(profile, granted, runtime.inventory, use_mps=runtime.use_mps)
+        if BIND_ERROR in self.stderr_tail():
+            # The last process of this kernel lost a port to another process before its bind:
+            # any relaunch (the restarter's, a resume's) must not try the same ports again.
+            self.choose_new_ports()
         try:
             account = self._prepare_account(record)
             kwargs = await super().pre_launch(**kwargs)
@@ -202,7 +244,7 @@ class ElasticLocalProvisioner(LocalProvisioner):
         try:
             info = self._launch_warm(cmd, kwargs)
             if info is None:
-                info = await super().launch_kernel(cmd, **kwargs)
+                info = await self._launch_cold(cmd, kwargs)
         except PermissionError as exc:
             self._release("kernel process failed to launch")
             if self._account is None:
@@ -217,6 +259,16 @@ class ElasticLocalProvisioner(LocalProvisioner):
         self._restarting = False
         mark_launched(self.runtime, self.kernel_id, "process launched")
         return info
+
+    async def _launch_cold(self, cmd: list[str], kwargs: dict[str, Any]) -> KernelConnectionInfo:
+        """jupyter_client's launch, with the kernel's stderr in :attr:`stderr_file` (a file, not a
+        pipe: the kernel must be able to outlive the server and keep writing)."""
+        if "stderr" in kwargs:
+            return await super().launch_kernel(cmd, **kwargs)
+        # 0600: the kernel's errors are its owner's (the child writes through the inherited descriptor).
+        descriptor = os.open(self.stderr_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with open(descriptor, "wb") as stderr:
+            return await super().launch_kernel(cmd, stderr=stderr, **kwargs)
 
     def _launch_warm(self, cmd: list[str], kwargs: dict[str, Any]) -> KernelConnectionInfo | None:
         """Hand this launch to a warm process when a pool serves this kernel; ``None``: start cold.
@@ -300,6 +352,10 @@ class ElasticLocalProvisioner(LocalProvisioner):
             return
         self._release("kernel shut down")
         self.runtime.kernels.remove(self.kernel_id)
+        try:
+            self.stderr_file.unlink(missing_ok=True)
+        except OSError as exc:
+            self.log.warning("could not remove the stderr file of kernel %s: %s", self.kernel_id, exc)
 
     def _remove_key_file(self) -> None:
         try:

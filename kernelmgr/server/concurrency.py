@@ -147,7 +147,9 @@ async def hibernate_on_shutdown(mkm: ElasticMappingKernelManager) -> list[str]:
     running = [
         record.kernel_id
         for record in runtime.kernels.all()
-        if record.state is KernelState.RUNNING and record.kernel_id in mkm
+        if record.state is KernelState.RUNNING
+        and record.kernel_id in mkm
+        and record.kernel_id not in mkm.starting_kernels  # never up: shut down, nothing to save
     ]
     done: list[str] = []
 

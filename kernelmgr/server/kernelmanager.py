@@ -41,6 +41,7 @@ from kernelmgr.server.hibernation import KUBERNETES_PROVISIONER, HibernationErro
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import elastic_kernel_model, kernel_pod_annotations
 from kernelmgr.server.persistence import KernelRecord
+from kernelmgr.server.starting import StartWithoutReadyRace, raise_socket_limit, wait_until_up
 
 
 @contextlib.contextmanager
@@ -65,6 +66,13 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
     hibernator: Hibernator | None = None
     culler: Culler | None = None
     _exiting = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pinned_superclass = StartWithoutReadyRace  # no ``km.ready`` race at start (issue 34)
+        raise_socket_limit(self.context, self.log)
+        #: Kernels launched but not yet answering: a server stop shuts them down, never leaves them.
+        self.starting_kernels: set[str] = set()
 
     def _check_kernel_id(self, kernel_id: str) -> None:
         culler = self.culler
@@ -146,6 +154,12 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             raise http_error(500, f"could not start the kernel: {exc}") from None
         except AccountError as exc:  # a multi-user gateway: no OS account for this user's kernels
             raise http_error(403, exc.message) from None
+        timeout = self.elastic_runtime.start_timeout if self.elastic_runtime is not None else 120.0
+        self.starting_kernels.add(started)
+        try:
+            await wait_until_up(self, started, timeout)
+        finally:
+            self.starting_kernels.discard(started)
         if self.hibernator is not None and self.hibernator.state_of(started) is not None:
             self.hibernator.track(started)
         return started
@@ -189,7 +203,8 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         if hibernator is not None and runtime is not None and runtime.hibernate_on_shutdown and not now:
             await hibernate_on_shutdown(self)  # several at once, bounded
             for record in runtime.kernels.all():
-                if record.state is KernelState.RUNNING and record.kernel_id in self:
+                starting = record.kernel_id in self.starting_kernels  # never up: stopped below
+                if record.state is KernelState.RUNNING and record.kernel_id in self and not starting:
                     self._leave_running(record.kernel_id)
         self._exiting = True
         await super()._async_shutdown_all(now=now)

@@ -1,0 +1,199 @@
+"""A new kernel's start, up to its first answer: what jupyter_client leaves undone.
+
+jupyter_client calls a kernel started once its process is launched. Under load that is not
+enough, and three things went wrong (issue 34):
+
+* a kernel whose ZeroMQ port was taken by another process between the choice and the bind died,
+  and every automatic restart tried the *same* ports again (jupyter_client caches them), so it
+  never came up, kept its GPU slice, and was left running at server stop;
+* the restarter's relaunch, racing the start, replaced the manager's ``ready`` future, and
+  ``MultiKernelManager`` answered ``InvalidStateError`` ("Unhandled error", 500);
+* a kernel that crashed at import or hung answered 201 anyway.
+
+So a start here launches with the restarter held off, then (for the elastic local provisioner's
+kernels) waits for one ``kernel_info`` reply within ``ElasticKernels.start_timeout``. A process
+that fails at its bind (it exits, or hangs after the traceback) is killed and relaunched with new
+ports; any other exit, or the timeout, stops the kernel (its slice is released by the
+provisioner's cleanup) and answers a JSON error naming the cause with the kernel's last stderr
+lines. Only then is the restarter started: from here on a crash restarts as in plain Jupyter.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from typing import Any
+
+import zmq
+from jupyter_client.multikernelmanager import MultiKernelManager
+from jupyter_core.utils import ensure_async
+
+from kernelmgr.provisioners.local import BIND_ERROR
+from kernelmgr.server.errors import http_error
+
+#: A relaunch with new ports is tried at most this many times (each choice is fresh: a repeat
+#: collision is a sign of something else, reported then).
+BIND_RETRIES = 3
+
+
+def raise_socket_limit(context: zmq.Context[Any], log: logging.Logger) -> int:
+    """Let the server's one ZeroMQ context open as many sockets as its file limit allows.
+
+    libzmq's default is 1023 sockets per context, and jupyter_server shares one context among
+    all kernels: each holds several (its IOPub watcher, control socket, and five per open
+    notebook), so around a hundred kernels with a notebook each, new sockets failed with
+    "Too many open files" while the process had thousands of descriptors left. Must run before
+    the context's first socket; returns the limit set.
+    """
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 65536 if soft == resource.RLIM_INFINITY else max(1023, min(soft // 2, 65536))
+    try:
+        context.set(zmq.MAX_SOCKETS, wanted)
+    except zmq.ZMQError as exc:
+        log.warning("could not raise the ZeroMQ socket limit to %d: %s", wanted, exc)
+        return int(context.get(zmq.MAX_SOCKETS))
+    return wanted
+
+
+class StartWithoutReadyRace(MultiKernelManager):
+    """jupyter_server's ``pinned_superclass`` with a start that raises the start's own error.
+
+    jupyter_client's version reads ``km.ready.exception()`` after the start; a restart or a
+    shutdown in between has replaced ``ready`` with a pending future, and the read raises
+    ``InvalidStateError``. Here the start is awaited directly, and the restarter is held off until
+    the kernel has answered (:func:`wait_until_up`).
+    """
+
+    async def _async_start_kernel(self, *, kernel_name: str | None = None, **kwargs: Any) -> str:
+        km, kernel_name, kernel_id = self.pre_start_kernel(kernel_name, kwargs)
+        kwargs["kernel_id"] = kernel_id
+        km_: Any = km
+        km_._elastic_autorestart = km.autorestart
+        km.autorestart = False  # no relaunch behind our back until the kernel first answered
+        try:
+            await ensure_async(km.start_kernel(**kwargs))
+        except BaseException:
+            km.autorestart = km_._elastic_autorestart
+            raise
+        self._kernels[kernel_id] = km
+        return kernel_id
+
+
+def stderr_tail(km: Any) -> str:
+    """The kernel's last stderr lines, as its provisioner captured them ("" if it did not)."""
+    tail = getattr(getattr(km, "provisioner", None), "stderr_tail", None)
+    return str(tail()) if callable(tail) else ""
+
+
+def _with_stderr(message: str, tail: str) -> str:
+    return f"{message}. Its last stderr lines:\n{tail}" if tail else f"{message} (it wrote nothing to stderr)"
+
+
+async def _first_reply(km: Any, deadline: float) -> str:
+    """``up`` once the kernel answers kernel_info; ``exited`` if its process ends; ``bind error``
+    if it wrote one (and hangs); ``timeout``."""
+    client = km.client()
+    client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    try:
+        msg_id = client.kernel_info()
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return "timeout"
+            try:
+                msg = await client.get_shell_msg(timeout=min(0.5, remaining))
+            except Exception:  # queue.Empty: nothing this half second; is the process still there?
+                if not await ensure_async(km.is_alive()):
+                    return "exited"
+                if BIND_ERROR in stderr_tail(km):
+                    # ipykernel raised at its bind but does not exit: the sockets it had bound
+                    # already keep ZeroMQ's context from terminating (linger), so it hangs.
+                    return "bind error"
+                continue
+            if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                return "up"
+    finally:
+        client.stop_channels()
+
+
+async def wait_until_up(mkm: Any, kernel_id: str, timeout: float) -> None:
+    """Wait until the kernel just started answers; stop it and raise an HTTP error otherwise."""
+    km = mkm.get_kernel(kernel_id)
+    if not callable(getattr(km.provisioner, "choose_new_ports", None)):
+        # Only the elastic local provisioner's kernels are waited for: a kernel pod's launch has
+        # already waited for the pod to run (``launch_timeout``), and a simulated node runs none.
+        _start_restarter(km)
+        return
+    deadline = time.monotonic() + timeout
+    relaunches = 0
+    while True:
+        outcome = await _first_reply(km, deadline)
+        if kernel_id not in mkm or mkm.get_kernel(kernel_id) is not km:
+            raise http_error(409, f"kernel {kernel_id} was shut down while it was starting")
+        if outcome == "up":
+            break
+        tail = stderr_tail(km)
+        if outcome in ("exited", "bind error") and BIND_ERROR in tail and relaunches < BIND_RETRIES:
+            relaunches += 1
+            mkm.log.warning(
+                "Kernel %s could not bind its port (taken since it was chosen): relaunching it with new "
+                "ports (%d/%d)",
+                kernel_id,
+                relaunches,
+                BIND_RETRIES,
+            )
+            try:
+                await _relaunch_with_new_ports(mkm, kernel_id, km)
+            except Exception as exc:  # e.g. its slice was taken while the process was gone
+                message = f"kernel {kernel_id} could not be relaunched after a bind error: {exc}"
+                await _stop(mkm, kernel_id)
+                raise http_error(503, message) from None
+            continue
+        if outcome == "bind error":
+            message = _with_stderr(f"kernel {kernel_id}: {relaunches + 1} binds failed", tail)
+            http_status = 503
+        elif outcome == "exited":
+            status = getattr(getattr(km.provisioner, "process", None), "returncode", None)
+            message = _with_stderr(f"kernel {kernel_id} exited (status {status}) before it answered", tail)
+            http_status = 500
+        else:
+            message = _with_stderr(
+                f"kernel {kernel_id} did not answer within {timeout:g}s "
+                "(ElasticKernels.start_timeout) and was stopped",
+                tail,
+            )
+            http_status = 504
+        mkm.log.error("Start failed: %s", message)
+        await _stop(mkm, kernel_id)
+        raise http_error(http_status, message)
+    _start_restarter(km)
+
+
+def _start_restarter(km: Any) -> None:
+    """The restarter held off during the start, started now (if the kernel had one)."""
+    km.autorestart = getattr(km, "_elastic_autorestart", True)
+    km.start_restarter()
+
+
+async def _stop(mkm: Any, kernel_id: str) -> None:
+    """Stop a kernel whose start failed (its provisioner's cleanup releases the slice)."""
+    if kernel_id not in mkm:
+        return  # already gone (a concurrent delete): nothing to stop
+    try:
+        await mkm.shutdown_kernel(kernel_id, now=True)
+    except Exception:
+        mkm.log.exception("could not stop kernel %s after its failed start", kernel_id)
+
+
+async def _relaunch_with_new_ports(mkm: Any, kernel_id: str, km: Any) -> None:
+    """Relaunch a kernel whose process failed at its bind, on ports chosen again."""
+    mkm.stop_watching_activity(kernel_id)
+    # ``now``: kills the process (it may hang after the error) and reaps it; the slice is kept.
+    await ensure_async(km.shutdown_kernel(now=True, restart=True))
+    choose = getattr(km.provisioner, "choose_new_ports", None)
+    if callable(choose):
+        choose()
+    await ensure_async(km.start_kernel(**km._launch_args))
+    mkm._kernel_ports[kernel_id] = km.ports
+    mkm.start_watching_activity(kernel_id)
