@@ -201,6 +201,8 @@ class KernelManagerStandIn:
         self.hibernator: Any = None
         self.elastic_runtime: ElasticRuntime | None = None
         self.culler: Culler | None = None
+        #: New kernels not up yet (none here): a server stop shuts them down instead of hibernating.
+        self.starting_kernels: set[str] = set()
 
     def __contains__(self, kernel_id: object) -> bool:
         return kernel_id in self.kernels
