@@ -7,7 +7,9 @@ also checks that a failed start gives its slice back and leaves no process behin
   (``port_thief.py``, on the kernel's first launch only); the kernel must come up on new ports;
 * a crash at import: a real ``ModuleNotFoundError``; the start answers 500 naming it;
 * a timeout: a process that never answers; the start answers 504 with its last stderr line;
-* a delete during the start; and a server stop during the start (no orphan process).
+* a delete during the start; and a server stop during the start (no orphan process);
+* a bind error at a resume: a port of a hibernated kernel taken while it slept; the resume must
+  come back on new ports with the kernel's variables restored.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Iterator
@@ -95,6 +98,7 @@ def make_home(tmp_path_factory: pytest.TempPathFactory, state: Path) -> Path:
         kernelspec(home, f"thief-{port}", [py, str(home / "thief.py"), str(state), port, "{connection_file}"])
     kernelspec(home, "broken", [py, "-c", "import missing_gpu_library_xyz", "-f", "{connection_file}"])
     kernelspec(home, "stuck", [py, str(home / "stuck.py"), str(state), "{connection_file}"])
+    kernelspec(home, "plain", [py, "-m", "ipykernel_launcher", "-f", "{connection_file}"])
     return home
 
 
@@ -136,6 +140,33 @@ def test_a_port_taken_before_the_bind_is_retried_on_new_ports(
     assert (state / f"kernel-{kernel_id}.json.thief").exists(), "the port was taken before the bind"
     assert "could not bind its port" in server.log()
     assert [s["kernel_id"] for s in slices(server)] == [kernel_id]
+
+
+@pytest.mark.parametrize("port", ["shell_port", "iopub_port"])
+def test_a_port_taken_while_the_kernel_slept_is_retried_at_the_resume(
+    server: RunningServer, port: str
+) -> None:
+    """A resume relaunches on the ports the kernel had: another process may hold one by then.
+
+    The shell port's loss makes ipykernel exit, the IOPub port's makes it hang after the
+    traceback; either way the resume must relaunch on new ports, still restoring the checkpoint.
+    """
+    kernel_id = server.start_kernel("plain")
+    server.execute(kernel_id, "weights = list(range(5)); note = 'kept'")
+    reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+    assert reply.status == 200, reply
+    assert slices(server) == []
+    connection = json.loads((server.home / "runtime" / f"kernel-{kernel_id}.json").read_text())
+    with socket.socket() as holder:  # another program, taking the port while the kernel sleeps
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the old connections' TIME_WAIT
+        holder.bind(("127.0.0.1", connection[port]))
+        holder.listen()
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/resume")
+        assert reply.status == 200, reply
+        assert server.execute(kernel_id, "print(sum(weights), note)", timeout=30).strip() == "10 kept"
+    assert f"Kernel {kernel_id} could not bind its port at its resume" in server.log()
+    assert [s["kernel_id"] for s in slices(server)] == [kernel_id]
+    assert server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running"
 
 
 def test_a_crash_at_import_answers_500_naming_it_and_frees_the_slice(server: RunningServer) -> None:

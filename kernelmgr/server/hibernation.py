@@ -58,6 +58,7 @@ from kernelmgr.server import metrics
 from kernelmgr.server.events import LifecycleEvents
 from kernelmgr.server.metrics import ReleasedSliceSeconds, size_label
 from kernelmgr.server.persistence import KernelRecord, KernelStateFile, WriteBehind
+from kernelmgr.server.starting import BIND_ERROR, BIND_RETRIES, stderr_tail
 
 #: The pod provisioner's entry-point name (kernels in pods can outlive the server).
 KUBERNETES_PROVISIONER = "elastic-kubernetes-provisioner"
@@ -65,6 +66,7 @@ KUBERNETES_PROVISIONER = "elastic-kubernetes-provisioner"
 if TYPE_CHECKING:
     from kernelmgr.config import ElasticRuntime
     from kernelmgr.core.allocator import Slice
+    from kernelmgr.core.kernels import ManagedKernel
     from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 
 #: How long a hibernation request waits for a kernel reported busy to report idle.
@@ -314,11 +316,51 @@ class JupyterKernelPlatform:
         record = self.h.runtime.kernels.get(kernel_id)
         if km is None or record is None:
             raise LifecycleError(f"kernel {kernel_id} is gone", 404)
+        deadline = time.monotonic() + timeout
+        relaunches = 0
+        while True:
+            await self._start_process(km, record, restore, deadline)
+            try:
+                await self._wait_ready(
+                    km, kernel_id if restore else None, max(1.0, deadline - time.monotonic())
+                )
+                break
+            except HibernationError:
+                # A resume launches on the ports the kernel had before it slept: another process
+                # may have taken one since. Relaunched (the provisioner then picks new ports),
+                # with the same restore request, a bounded number of times (issue 34).
+                if relaunches >= BIND_RETRIES or BIND_ERROR not in stderr_tail(km):
+                    raise
+                relaunches += 1
+                self.h.mkm.log.warning(
+                    "Kernel %s could not bind its port at its resume (taken while it slept): relaunching "
+                    "it with new ports (%d/%d)",
+                    kernel_id,
+                    relaunches,
+                    BIND_RETRIES,
+                )
+                await self._end_process(kernel_id, graceful=False)
+        if relaunches:  # the server's own IOPub watcher still points at the old ports
+            mkm: Any = self.h.mkm
+            mkm.stop_watching_activity(kernel_id)
+            mkm._kernel_ports[kernel_id] = km.ports
+            mkm.start_watching_activity(kernel_id)
+        collect = getattr(km.provisioner, "collect_restore_report", None)
+        if restore is not None and collect is not None:
+            try:
+                await collect()
+            except Exception as exc:
+                self.h.mkm.log.warning("kernel %s: restore report not collected: %s", kernel_id, exc)
+
+    async def _start_process(
+        self, km: Any, record: ManagedKernel, restore: Committed | None, deadline: float
+    ) -> None:
+        """Start the kernel's process, asking it to restore ``restore`` (every launch must ask:
+        the provisioner reads the request at launch, and it is cleared after)."""
         record.restore_on_start = restore is not None
         # The only checkpoint the kernel may restore: the one the server verified.
         record.restore_checkpoint = restore.checkpoint_id if restore is not None else None
         launch_args = dict(getattr(km, "_launch_args", {}) or {})
-        deadline = time.monotonic() + timeout
         try:
             while True:
                 try:
@@ -331,13 +373,6 @@ class JupyterKernelPlatform:
         finally:
             record.restore_on_start = False
             record.restore_checkpoint = None
-        await self._wait_ready(km, kernel_id if restore else None, max(1.0, deadline - time.monotonic()))
-        collect = getattr(km.provisioner, "collect_restore_report", None)
-        if restore is not None and collect is not None:
-            try:
-                await collect()
-            except Exception as exc:
-                self.h.mkm.log.warning("kernel %s: restore report not collected: %s", kernel_id, exc)
 
     async def _wait_ready(self, km: Any, continue_count_of: str | None, timeout: float) -> None:
         client = km.client()
@@ -345,7 +380,7 @@ class JupyterKernelPlatform:
         try:
             # One kernel_info round trip proves the kernel serves requests (the agent has
             # restored by then: it runs at extension load, before the first request).
-            await self.h._reply(client, client.kernel_info(), timeout, km, self.h._pid(km))
+            await self.h._reply(client, client.kernel_info(), timeout, km, self.h._pid(km), launching=True)
             record = self.h.records.get(continue_count_of) if continue_count_of else None
             if record is not None and record.execution_count > 0:
                 # The notebook's cell numbers go on where they stopped (silently: no output).
@@ -524,9 +559,13 @@ class Hibernator:
         task.add_done_callback(self._pruning.discard)
 
     async def _reply(
-        self, client: Any, msg_id: str, timeout: float, km: Any, pid: int | None
+        self, client: Any, msg_id: str, timeout: float, km: Any, pid: int | None, launching: bool = False
     ) -> dict[str, Any]:
-        """The shell reply to ``msg_id``; fails fast if the kernel process dies meanwhile."""
+        """The shell reply to ``msg_id``; fails fast if the kernel process dies meanwhile.
+
+        ``launching``: the kernel was just started, so its process ending (or hanging after a
+        failed bind) is a failed start, told with its last stderr lines.
+        """
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -535,6 +574,16 @@ class Hibernator:
             try:
                 msg: dict[str, Any] = await client.get_shell_msg(timeout=min(1.0, remaining))
             except Exception:  # queue.Empty from jupyter_client: no message this second
+                if launching:
+                    tail = stderr_tail(km)
+                    if BIND_ERROR in tail:  # ipykernel hangs after some failed binds: do not wait
+                        raise HibernationError(f"the kernel could not bind its ports: {tail}", 503) from None
+                    if not await ensure_async(km.is_alive()):
+                        raise HibernationError(
+                            f"the kernel exited before it answered; its last stderr lines: {tail or 'none'}",
+                            500,
+                        ) from None
+                    continue
                 if self._pid(km) != pid or not await ensure_async(km.is_alive()):
                     raise KernelDied(
                         "the kernel process died while writing its checkpoint; the previous checkpoint "
