@@ -9,7 +9,8 @@ also checks that a failed start gives its slice back and leaves no process behin
 * a timeout: a process that never answers; the start answers 504 with its last stderr line;
 * a delete during the start; and a server stop during the start (no orphan process);
 * a bind error at a resume: a port of a hibernated kernel taken while it slept; the resume must
-  come back on new ports with the kernel's variables restored.
+  come back on new ports with the kernel's variables restored; one that loses its port at every
+  relaunch gives up after 3 (503), still hibernated with its checkpoint.
 """
 
 from __future__ import annotations
@@ -56,6 +57,30 @@ if not os.path.exists(marker):
 os.execv(sys.executable, [sys.executable, "-m", "ipykernel_launcher", "-f", connection_file])
 """
 
+#: Run as a kernel (``-m ipykernel_launcher ...`` after the two arguments, so the agent is loaded):
+#: on every launch but the first, until ``<connection file>.let-it-bind`` exists in the state
+#: folder, a separate process takes the port before ipykernel starts. Counts its launches.
+THIEF_AT_EVERY_RESUME = """
+import json, os, subprocess, sys
+state, port_name, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+connection_file = rest[rest.index("-f") + 1]
+marker = os.path.join(state, os.path.basename(connection_file))
+with open(marker + ".launches", "a") as launches:
+    launches.write("x")
+if os.path.getsize(marker + ".launches") > 1 and not os.path.exists(marker + ".let-it-bind"):
+    port = json.load(open(connection_file))[port_name]
+    holder = (
+        "import socket, sys, time\\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()\\n"
+        "print('bound', flush=True); time.sleep(300)\\n"
+    )
+    thief = subprocess.Popen([sys.executable, "-c", holder, str(port)], stdout=subprocess.PIPE,
+                             start_new_session=True)
+    open(f"{marker}.{thief.pid}.thief", "w").write(str(thief.pid))
+    assert thief.stdout.readline().strip() == b"bound"
+os.execv(sys.executable, [sys.executable, *rest])
+"""
+
 #: Run as a kernel: writes its pid, says what it is doing on stderr, and never answers.
 STUCK = """
 import os, sys, time
@@ -93,12 +118,17 @@ def make_home(tmp_path_factory: pytest.TempPathFactory, state: Path) -> Path:
     home = tmp_path_factory.mktemp("server")
     (home / "thief.py").write_text(PORT_THIEF)
     (home / "stuck.py").write_text(STUCK)
+    (home / "thief_at_resume.py").write_text(THIEF_AT_EVERY_RESUME)
     py = sys.executable
     for port in ("shell_port", "iopub_port"):
         kernelspec(home, f"thief-{port}", [py, str(home / "thief.py"), str(state), port, "{connection_file}"])
     kernelspec(home, "broken", [py, "-c", "import missing_gpu_library_xyz", "-f", "{connection_file}"])
     kernelspec(home, "stuck", [py, str(home / "stuck.py"), str(state), "{connection_file}"])
     kernelspec(home, "plain", [py, "-m", "ipykernel_launcher", "-f", "{connection_file}"])
+    thief_at_resume = [py, str(home / "thief_at_resume.py"), str(state), "shell_port"]
+    kernelspec(
+        home, "thief-at-resume", [*thief_at_resume, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    )
     return home
 
 
@@ -167,6 +197,28 @@ def test_a_port_taken_while_the_kernel_slept_is_retried_at_the_resume(
     assert f"Kernel {kernel_id} could not bind its port at its resume" in server.log()
     assert [s["kernel_id"] for s in slices(server)] == [kernel_id]
     assert server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running"
+
+
+def test_a_resume_that_keeps_losing_its_port_gives_up_after_three_relaunches(
+    server: RunningServer, state: Path
+) -> None:
+    """Bounded: the resume and 3 relaunches on new ports, then 503; the kernel stays hibernated
+    with its checkpoint, holding no slice, and resumes with its variables once ports are free."""
+    kernel_id = server.start_kernel("thief-at-resume")
+    server.execute(kernel_id, "kept = 6 * 7")
+    assert server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate").status == 200
+    reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/resume")
+    assert reply.status == 503, reply
+    assert "could not bind its ports" in reply.body["message"]
+    assert "Address already in use" in reply.body["message"]
+    launches = state / f"kernel-{kernel_id}.json.launches"
+    assert launches.read_text() == "x" * 5  # the start, the resume, 3 relaunches
+    model = server.get(f"/api/elastic/kernels/{kernel_id}")
+    assert model["state"] == "hibernated" and model["slice"] is None, model
+    assert slices(server) == []
+    (state / f"kernel-{kernel_id}.json.let-it-bind").touch()
+    assert server.request("POST", f"/api/elastic/kernels/{kernel_id}/resume").status == 200
+    assert server.execute(kernel_id, "print(kept)", timeout=30).strip() == "42"
 
 
 def test_a_crash_at_import_answers_500_naming_it_and_frees_the_slice(server: RunningServer) -> None:
