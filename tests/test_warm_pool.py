@@ -182,6 +182,26 @@ def test_resume_through_the_pool_keeps_every_promise_of_the_cold_path(server: Ru
     server.shutdown_kernel(kernel_id)
 
 
+def test_a_warm_resume_is_not_judged_by_an_earlier_cold_process_s_errors(server: RunningServer) -> None:
+    """The cold process's stderr file says a port was taken: a warm process writes its errors
+    elsewhere, so the file must go at the warm launch, or a slow warm resume would be read as a
+    bind failure and relaunched (issue 34)."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    stderr_file = server.home / "runtime" / f"kernel-{kernel_id}.stderr"
+    with server.channel(kernel_id) as chan:
+        assert chan.execute("kept = 5").error == ""
+        assert stderr_file.exists()  # the cold start's
+        wait_for(lambda: ready(server) == 1, timeout=60, what="the pool to refill")
+        pool = warm_pids(server)
+        hibernate(server, kernel_id)
+        stderr_file.write_text("zmq.error.ZMQError: Address already in use (addr='tcp://127.0.0.1:1')\n")
+        state, _ = probe(chan)
+        assert state["pid"] in pool
+        assert not stderr_file.exists()
+        assert chan.execute("print(kept)").stdout.strip() == "5"
+    server.shutdown_kernel(kernel_id)
+
+
 def test_the_new_slice_reaches_the_warm_process(server: RunningServer) -> None:
     """A resume onto another GPU: the warm process sees the new slice, not the old one."""
     kernel_id = server.start_kernel("python3-gpu-whole")

@@ -297,6 +297,9 @@ class ElasticLocalProvisioner(LocalProvisioner):
                 "kernel %s starts cold (%s): warm pool %s: %s", self.kernel_id, self._warm_use, base, reason
             )
             return None
+        # A warm process writes its errors elsewhere: the file left by an earlier cold process of
+        # this kernel (a bind error, say) must not be read as this launch's failure.
+        self.stderr_file.unlink(missing_ok=True)
         self.process = process
         self.pid = process.pid
         try:
