@@ -34,6 +34,7 @@ from gateway.limits import (
 )
 from kernelmgr.config import CullPolicy, ElasticKernels
 from kernelmgr.core.errors import ConfigError
+from kernelmgr.core.modes import LOCAL_PROVISIONER
 from kernelmgr.server.ownership import SETTINGS_KEY
 
 CONFIG_ERROR_EXIT = 2
@@ -114,7 +115,7 @@ class ElasticGatewayApp(ServerApp):
         if per_user(self.gateway_settings, elastic):
             # Kernelspecs that name no provisioner (python3) start through the one that drops
             # privileges too, never as the gateway's root.
-            self.config.KernelProvisionerFactory.default_provisioner_name = "elastic-local-provisioner"
+            self.config.KernelProvisionerFactory.default_provisioner_name = LOCAL_PROVISIONER
 
     def initialize(self, argv: Any = None, *args: Any, **kwargs: Any) -> None:
         super().initialize(argv, *args, **kwargs)

@@ -16,8 +16,8 @@ from typing import Any
 from gateway.config import ElasticGateway
 from kernelmgr.config import ElasticKernels, ElasticRuntime
 from kernelmgr.core.errors import ConfigError
+from kernelmgr.core.modes import LOCAL_PROVISIONER
 from kernelmgr.provisioners.accounts import KernelAccounts
-from kernelmgr.provisioners.local import PROVISIONER_NAME as LOCAL_PROVISIONER
 
 
 def per_user(gateway: ElasticGateway, elastic: ElasticKernels) -> bool:

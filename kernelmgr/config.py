@@ -28,6 +28,7 @@ from kernelmgr.core.allocator import STRATEGIES, InventoryChange, SliceAllocator
 from kernelmgr.core.errors import ConfigError, UnknownProfileError
 from kernelmgr.core.inventory import GpuInventory
 from kernelmgr.core.kernels import KernelRegistry
+from kernelmgr.core.modes import KernelMode
 from kernelmgr.core.policy import Policy, build_policy
 from kernelmgr.core.profiles import GpuProfile, parse_profiles
 from kernelmgr.provisioners.accounts import KernelAccounts
@@ -35,7 +36,7 @@ from kernelmgr.warm.pool import WarmPools
 from kernelmgr.warm.settings import WarmPoolConfigError, WarmPoolSettings, parse_warm_pool
 
 #: The provisioners a GPU-size kernelspec may name (entry points of this package).
-PROVISIONERS = ("elastic-local-provisioner", "elastic-kubernetes-provisioner")
+PROVISIONERS = tuple(mode.provisioner for mode in KernelMode)
 INVENTORY_SOURCES = ("auto", "declared", "nvml", "kubernetes")
 
 DEFAULT_PROFILES: dict[str, dict[str, Any]] = {
@@ -63,7 +64,7 @@ class ElasticRuntime:
     nvml: Nvml | None = None
     gpu_sample_interval: float = 10.0
     owner: str = field(default_factory=getpass.getuser)
-    provisioner_name: str = "elastic-local-provisioner"
+    mode: KernelMode = KernelMode.LOCAL
     background_checkpoint_interval: float = 0.0
     kernels: KernelRegistry = field(default_factory=KernelRegistry)
     #: Set by the server: a provisioner calls it when a running kernel vanished without being asked
@@ -226,7 +227,7 @@ class ElasticKernels(LoggingConfigurable):
     )
     kernel_provisioner = Enum(
         list(PROVISIONERS),
-        default_value="elastic-local-provisioner",
+        default_value=KernelMode.LOCAL.provisioner,
         config=True,
         help="""What runs a GPU-size kernel: elastic-local-provisioner (a local process, the
         one-machine default) or elastic-kubernetes-provisioner (a pod per kernel; configure it with
@@ -348,14 +349,14 @@ class ElasticKernels(LoggingConfigurable):
             hibernate_on_shutdown=self.hibernate_on_shutdown,
             nvml=nvml,
             gpu_sample_interval=self.gpu_sample_interval,
-            provisioner_name=self.kernel_provisioner,
+            mode=KernelMode(self.kernel_provisioner),
             background_checkpoint_interval=self._background_checkpoint_interval(),
         )
 
     def _background_checkpoint_interval(self) -> float:
         interval = self.background_checkpoint_interval
         if interval is None:
-            return 600.0 if self.kernel_provisioner == "elastic-kubernetes-provisioner" else 0.0
+            return 600.0 if KernelMode(self.kernel_provisioner).in_pods else 0.0
         if interval < 0:
             raise ConfigError(
                 f"ElasticKernels.background_checkpoint_interval must be >= 0 seconds (0: off), got {interval}"
@@ -389,7 +390,7 @@ class ElasticKernels(LoggingConfigurable):
                 f"({exc.strerror or exc}): point it at a file in a folder the server can write, "
                 "or at an existing secret"
             ) from None
-        if not self.checkpoint_secret_file and self.kernel_provisioner == "elastic-kubernetes-provisioner":
+        if not self.checkpoint_secret_file and KernelMode(self.kernel_provisioner).in_pods:
             self.log.warning(
                 "the checkpoint secret is %s, in this server's own filesystem (a pod's is lost with it, "
                 "and its checkpoints with it): set ElasticKernels.checkpoint_secret_file to a mounted "

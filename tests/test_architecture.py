@@ -85,3 +85,46 @@ def test_core_public_names_resolve_lazily_and_agree() -> None:
     probe = "import sys, kernelmgr.core.errors; print('kernelmgr.core.allocator' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def string_literals(path: Path, wanted: set[str]) -> list[str]:
+    """``path:line`` of each string constant in ``wanted`` that is code, not a docstring."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        f"{path.name}:{node.lineno}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value in wanted and id(node) not in docstrings
+    ]
+
+
+def test_each_provisioner_name_is_defined_once_and_is_its_entry_point() -> None:
+    """Code asks ``runtime.mode``; the names live in core/modes.py alone, as pyproject's entry points."""
+    import tomllib
+
+    from kernelmgr.core.modes import KernelMode
+
+    names = {mode.provisioner for mode in KernelMode}
+    found = [
+        hit
+        for root in (PACKAGE, PACKAGE.parent / "gateway")
+        for path in sorted(root.rglob("*.py"))
+        if path != PACKAGE / "core" / "modes.py"
+        for hit in string_literals(path, names)
+    ]
+    assert found == []
+    pyproject = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    assert set(pyproject["project"]["entry-points"]["jupyter_client.kernel_provisioners"]) == names
+
+
+def test_the_literal_rule_catches_a_comparison(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text('"""Mentions elastic-local-provisioner."""\nlocal = name == "elastic-local-provisioner"\n')
+    assert string_literals(bad, {"elastic-local-provisioner"}) == ["bad.py:2"]

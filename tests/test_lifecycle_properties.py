@@ -165,7 +165,9 @@ async def scenario(events: list[tuple[str, str]], seed: int) -> None:
     third = KERNELS[2]
     registry.register(third, "python3-gpu-half", "half", "alice", state=S.HIBERNATED)
     platform.kernels[third] = SimKernel(process=False, version=7, disk=[("ckpt-0", 7)])
-    controller.committed[third] = Committed("ckpt-0", 999.0, 10)
+    third_record = registry.get(third)
+    assert third_record is not None
+    third_record.committed = Committed("ckpt-0", 999.0, 10)
 
     tasks: list[asyncio.Task[object]] = []
 
@@ -235,7 +237,11 @@ async def scenario(events: list[tuple[str, str]], seed: int) -> None:
         holds = allocator.slice_of(kid) is not None
         assert holds == sim.process, (kid, record.state, "slice held" if holds else "no slice")
         if record.state is S.HIBERNATED:
-            assert sim.disk and controller.committed[kid].checkpoint_id == sim.disk[-1][0]
+            assert (
+                sim.disk
+                and record.committed is not None
+                and record.committed.checkpoint_id == sim.disk[-1][0]
+            )
         if record.state is S.RUNNING:
             assert sim.process
     assert not controller.busy_kernels()

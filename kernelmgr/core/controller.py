@@ -35,7 +35,7 @@ from typing import Protocol
 
 from kernelmgr.core.allocator import SliceAllocator
 from kernelmgr.core.errors import CapacityError, ElasticError
-from kernelmgr.core.kernels import KernelRegistry, ManagedKernel
+from kernelmgr.core.kernels import Committed, KernelRegistry, ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.profiles import GpuProfile
 
@@ -68,15 +68,6 @@ class KernelRemoved(LifecycleError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, status=404)
-
-
-@dataclass(frozen=True)
-class Committed:
-    """A checkpoint that is committed on stable storage."""
-
-    checkpoint_id: str
-    created: float
-    size: int = 0
 
 
 class KernelPlatform(Protocol):
@@ -142,10 +133,6 @@ class LifecycleController:
         self.start_timeout = start_timeout
         self.busy_retry = busy_retry
         self._slots: dict[str, _Slot] = {}
-        #: The last committed checkpoint of each kernel, as the controller knows it.
-        self.committed: dict[str, Committed] = {}
-        #: Kernels whose resume waits for a free GPU slice now (the resume's shown phase).
-        self.waiting_for_slice: set[str] = set()
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -218,7 +205,6 @@ class LifecycleController:
             if record is not None and record.lifecycle.can(S.DEAD):
                 record.lifecycle.move(S.DEAD, "removed")
             await self.platform.discard_checkpoints(kernel_id)
-            self.committed.pop(kernel_id, None)
             self.registry.remove(kernel_id)
         self._slots.pop(kernel_id, None)
 
@@ -227,7 +213,6 @@ class LifecycleController:
         slot = self._slots.pop(kernel_id, None)
         if slot is not None and slot.task is not None and not slot.task.done():
             slot.task.cancel()
-        self.committed.pop(kernel_id, None)
 
     def adopt_orphan(self, kernel_id: str, wait_for_exit: Callable[[], Awaitable[Committed | None]]) -> None:
         """A kernel left running by a previous server is checkpointing itself: wait for it.
@@ -245,7 +230,7 @@ class LifecycleController:
                 self._move(record, S.DEAD, "ended with the previous server before any checkpoint")
                 self.registry.remove(kernel_id)
                 return None
-            self.committed[kernel_id] = committed
+            record.committed = committed
             self._move(record, S.HIBERNATED, "recovered")
             return committed
 
@@ -269,7 +254,7 @@ class LifecycleController:
             except LifecycleError:
                 return None
             committed = await self.platform.checkpoint(kernel_id)
-            self.committed[kernel_id] = committed
+            record.committed = committed
             return committed
 
         return await self._run(kernel_id, "checkpoint", body)
@@ -291,7 +276,7 @@ class LifecycleController:
                 await self.platform.kill(kernel_id)  # whatever is left of it
             finally:
                 self.platform.release_slice(kernel_id)
-                self.committed[kernel_id] = committed
+                record.committed = committed
                 self._move(record, S.HIBERNATED, f"lost: {why}")
             return committed
 
@@ -360,7 +345,7 @@ class LifecycleController:
             status = exc.status if isinstance(exc, LifecycleError) else 500
             raise HibernateFailed(message, status) from exc
         # The checkpoint is committed: only now may the process and the slice go.
-        self.committed[kernel_id] = committed
+        record.committed = committed
         try:
             await self.platform.stop(kernel_id)
         except BaseException:
@@ -382,16 +367,16 @@ class LifecycleController:
         launched = False
         try:
             await self._wait_for_slice(kernel_id, record, notify)
-            self.waiting_for_slice.discard(kernel_id)
-            committed = self.committed.get(kernel_id) if restore else None
+            record.waiting_for_slice = False
+            committed = record.committed if restore else None
             if not restore:
                 await self.platform.discard_checkpoints(kernel_id)
-                self.committed.pop(kernel_id, None)
+                record.committed = None
             timeout = restore_timeout(self.start_timeout, committed.size if committed else 0)
             launched = True
             await self.platform.launch(kernel_id, committed, timeout)
         except BaseException as exc:
-            self.waiting_for_slice.discard(kernel_id)
+            record.waiting_for_slice = False
             if launched:  # whatever it got to, no process may outlive a failed resume
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self.platform.kill(kernel_id))
@@ -415,7 +400,7 @@ class LifecycleController:
                 self.allocator.check(profile)
                 return
             except CapacityError as exc:
-                self.waiting_for_slice.add(kernel_id)
+                record.waiting_for_slice = True
                 if not self.allocator.ever_fits(profile):
                     raise LifecycleError(exc.message) from None
                 if not told and notify is not None:

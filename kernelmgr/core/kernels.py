@@ -1,25 +1,52 @@
-"""The registry of managed kernels: what the project knows about each one.
+"""The registry of managed kernels: one record per kernel with everything known about it.
 
-jupyter_server knows a kernel's id, kernelspec and Jupyter execution state; this registry
-adds what it does not: the GPU size, the owner and the lifecycle state. It is keyed by
-kernel id and survives a kernel process ending (a hibernated kernel has no process but is
-still a kernel). Thread-safe, because provisioners may run on other threads than handlers.
+jupyter_server knows a kernel's id, kernelspec and Jupyter execution state; the record adds
+what it does not: the GPU size, the owner, the lifecycle state, the committed checkpoint and
+what the last hibernation or loss left to tell. Every per-kernel fact of the lifecycle lives
+here, so forgetting a kernel is removing its record. Keyed by kernel id; survives a kernel
+process ending (a hibernated kernel has no process but is still a kernel). Thread-safe,
+because provisioners may run on other threads than handlers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kernelmgr.core.lifecycle import KernelState, Lifecycle
+
+if TYPE_CHECKING:
+    from kernelmgr.core.allocator import Slice
 
 #: The user a kernel being started belongs to, set by a shared gateway's start handler for the
 #: duration of the start (asyncio copies it into the tasks the start creates); ``None``: the
 #: server's own user. Read where the kernel is registered, so its checkpoints, keys and
 #: namespace follow from it.
 requesting_owner: ContextVar[str | None] = ContextVar("requesting_owner", default=None)
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A checkpoint that is committed on stable storage."""
+
+    checkpoint_id: str
+    created: float
+    size: int = 0
+
+
+@dataclass
+class Loss:
+    """Why a running kernel was hibernated without being asked (its pod or process vanished),
+    from which checkpoint, and when it was told to stop (``None``: it was not, e.g. its node
+    vanished); told to the notebook when it resumes."""
+
+    why: str
+    committed: Committed
+    stop_began: float | None = None
 
 
 @dataclass
@@ -42,6 +69,23 @@ class ManagedKernel:
     #: How the last launch started its process: ``cold`` (a new process) or ``warm`` (a warm
     #: pool's, with the frameworks already imported); the resume metrics are split by it.
     launch_path: str = "cold"
+    #: The last checkpoint committed on stable storage, as the lifecycle controller knows it.
+    committed: Committed | None = None
+    #: A resume of this kernel is waiting for a free GPU slice now (its shown phase).
+    waiting_for_slice: bool = False
+    #: Taken with the last checkpoint: the kernel_info reply, and the kernel's own last cell
+    #: number (the server's IOPub watcher can lag behind the notebook's).
+    kernel_info: dict[str, Any] = field(default_factory=dict)
+    execution_count: int = 0
+    #: The slice the last stop gave back (the released-seconds metric reads it once).
+    released: Slice | None = None
+    #: A process a previous server left running (its pid): it checkpoints itself and exits.
+    orphan_pid: int | None = None
+    #: Set when the kernel was lost rather than hibernated; cleared by the resume that tells it.
+    loss: Loss | None = None
+    #: Set while Kubernetes stops the kernel's pod and the kernel checkpoints itself; done
+    #: once the server has taken it over (or it ended otherwise).
+    stopping: asyncio.Future[None] | None = None
 
     @property
     def state(self) -> KernelState:

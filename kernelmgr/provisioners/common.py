@@ -15,6 +15,7 @@ from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.allocator import Slice
 from kernelmgr.core.kernels import ManagedKernel, requesting_owner
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.core.modes import LOCAL_PROVISIONER
 
 AGENT_EXTENSION = "kernelmgr.checkpoint.agent"
 
@@ -26,7 +27,7 @@ def with_agent(cmd: list[str]) -> list[str]:
     return cmd
 
 
-def find_runtime(start: Any, provisioner_name: str = "elastic-local-provisioner") -> ElasticRuntime:
+def find_runtime(start: Any, provisioner_name: str = LOCAL_PROVISIONER) -> ElasticRuntime:
     """Walk the traitlets ``parent`` chain to the object that carries the runtime."""
     node = start
     while node is not None:

@@ -43,6 +43,7 @@ from kernelmgr.checkpoint.keys import encode_key
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.core.modes import KUBERNETES_PROVISIONER
 from kernelmgr.kube.access import ExplainedCoreV1Api
 from kernelmgr.kube.informer import KERNEL_ID_LABEL, Informer, PodInformer, without_managed_fields
 from kernelmgr.kube.namespaces import ensure_namespace, namespace_for
@@ -61,7 +62,7 @@ from kernelmgr.provisioners.common import (
     with_agent,
 )
 
-PROVISIONER_NAME = "elastic-kubernetes-provisioner"
+PROVISIONER_NAME = KUBERNETES_PROVISIONER
 APP_LABELS = {"app.kubernetes.io/name": "jupyter-elastic-kernels", "component": "kernel"}
 OWNER_ANNOTATION = "elastic.jupyter.org/owner"
 SIZE_ANNOTATION = "elastic.jupyter.org/size"

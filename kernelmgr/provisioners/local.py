@@ -47,6 +47,7 @@ from kernelmgr.checkpoint.termination import EXIT_AFTER_SIGTERM
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.kernels import ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.core.modes import LOCAL_PROVISIONER
 from kernelmgr.provisioners.accounts import AccountError, KernelAccount
 from kernelmgr.provisioners.common import (
     AGENT_EXTENSION,
@@ -58,7 +59,7 @@ from kernelmgr.provisioners.common import (
     with_agent,
 )
 
-PROVISIONER_NAME = "elastic-local-provisioner"
+PROVISIONER_NAME = LOCAL_PROVISIONER
 #: What ipykernel (through pyzmq) writes to stderr when one of its ports was taken.
 BIND_ERROR = "Address already in use"
 

@@ -53,7 +53,7 @@ class BackgroundCheckpoints:
             if record.state is not KernelState.RUNNING or record.kernel_id in self.jobs:
                 continue
             ran = h.activity.get(record.kernel_id).last_execution_end
-            committed = h.controller.committed.get(record.kernel_id)
+            committed = record.committed
             last = committed.created if committed is not None else None
             if ran is None or (last is not None and (ran <= last or now - last < self.interval)):
                 continue

@@ -32,7 +32,7 @@ from kernelmgr.server.culler import Culler
 from kernelmgr.server.events import LifecycleEvents
 from kernelmgr.server.gateway_relay import gateway_relay_handlers
 from kernelmgr.server.handlers import elastic_handlers, gateway_mode_handlers
-from kernelmgr.server.hibernation import KUBERNETES_PROVISIONER, Hibernator
+from kernelmgr.server.hibernation import Hibernator
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.metrics import install_collector
@@ -107,7 +107,7 @@ class ElasticKernelsExtension(ExtensionApp):
         ksm.elastic_runtime = runtime
         # Kubernetes mode offers python3-cpu, not python3: /api/kernelspecs' default must be offered.
         km.default_kernel_name = ksm.default_for(km.default_kernel_name)
-        if runtime.provisioner_name == KUBERNETES_PROVISIONER:
+        if runtime.mode.in_pods:
             self._check_pod_settings(km, runtime)
         state_file = KernelStateFile(
             os.path.join(runtime.checkpoint_root, f"kernels-{server_identity(self.serverapp.root_dir)}.json")
@@ -124,11 +124,11 @@ class ElasticKernelsExtension(ExtensionApp):
         km.hibernator.recover()
         if runtime.inventory_source == "kubernetes":
             self.node_sync = start_node_inventory(km)
-        if runtime.provisioner_name == KUBERNETES_PROVISIONER:
+        if runtime.mode.in_pods:
             # Once the loop runs (the pod watch must sync first); the server starts meanwhile.
             ioloop.IOLoop.current().add_callback(adopt_kernel_pods, km)
         sampler: GpuActivitySampler | ClusterGpuSampler | None = None
-        if runtime.provisioner_name == KUBERNETES_PROVISIONER:
+        if runtime.mode.in_pods:
             # The kernels run on other nodes: their GPU activity comes from the node agents.
             try:
                 sampler = start_cluster_sampler(km, policy.defaults.gpu_idle_threshold)
@@ -187,11 +187,11 @@ class ElasticKernelsExtension(ExtensionApp):
     def _start_warm_pools(self, runtime: ElasticRuntime) -> None:
         """Local warm processes (``ElasticKernels.warm_pool``), or Kubernetes warm pods
         (``ElasticKubernetesProvisioner.warm_pods``), filled once the loop runs."""
-        if runtime.provisioner_name == KUBERNETES_PROVISIONER:
+        if runtime.mode.in_pods:
             self._start_warm_pods(runtime)
         if not runtime.warm_pool:
             return
-        if runtime.provisioner_name == KUBERNETES_PROVISIONER:
+        if runtime.mode.in_pods:
             self.log.warning(
                 "ElasticKernels.warm_pool is for local kernels; with the Kubernetes provisioner set "
                 "ElasticKubernetesProvisioner.warm_pods"

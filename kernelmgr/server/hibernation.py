@@ -37,7 +37,6 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jupyter_core.utils import ensure_async
@@ -53,6 +52,7 @@ from kernelmgr.core.controller import (
     WaitCancelled,
 )
 from kernelmgr.core.errors import CapacityError
+from kernelmgr.core.kernels import Loss
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.server import metrics
 from kernelmgr.server.events import LifecycleEvents
@@ -61,11 +61,9 @@ from kernelmgr.server.persistence import KernelRecord, KernelStateFile, WriteBeh
 from kernelmgr.server.starting import BIND_ERROR, BIND_RETRIES, stderr_tail
 
 #: The pod provisioner's entry-point name (kernels in pods can outlive the server).
-KUBERNETES_PROVISIONER = "elastic-kubernetes-provisioner"
 
 if TYPE_CHECKING:
     from kernelmgr.config import ElasticRuntime
-    from kernelmgr.core.allocator import Slice
     from kernelmgr.core.kernels import ManagedKernel
     from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 
@@ -119,16 +117,6 @@ def lost_note(why: str, committed: Committed, stop_began: float | None = None) -
     )
 
 
-@dataclass
-class LostKernel:
-    """A kernel hibernated because its pod vanished: why, from which checkpoint, and when
-    Kubernetes began stopping it (``None`` when it did not: a node that vanished)."""
-
-    why: str
-    committed: Committed
-    stop_began: float | None = None
-
-
 def _disk_full(message: str) -> bool:
     return "no space left" in message.lower()
 
@@ -142,16 +130,6 @@ class JupyterKernelPlatform:
 
     def __init__(self, hibernator: Hibernator) -> None:
         self.h = hibernator
-        #: Kernel ids → the kernel_info reply taken just before the checkpoint.
-        self.kernel_info: dict[str, dict[str, Any]] = {}
-        #: Kernel ids → the kernel's own cell number at the checkpoint. The IOPub activity
-        #: watcher's count can lag: it reads a different socket than the user's websocket,
-        #: so a hibernate sent right after a reply may arrive before its execute_input.
-        self.execution_counts: dict[str, int] = {}
-        #: Kernel ids → the slice given back by the last hibernation (for the metrics).
-        self.released: dict[str, Slice] = {}
-        #: Kernels a previous server left running (pid): they checkpoint themselves and exit.
-        self.orphans: dict[str, int] = {}
 
     def _km(self, kernel_id: str) -> Any:
         return self.h.mkm.get_kernel(kernel_id) if kernel_id in self.h.mkm else None
@@ -215,8 +193,9 @@ class JupyterKernelPlatform:
                 409,
             )
         self.h._remember(kernel_id, pid=self.h._pid(km))
+        record.kernel_info, record.execution_count = {}, 0
         try:
-            self.kernel_info[kernel_id], self.execution_counts[kernel_id] = await self._run_checkpoint(km)
+            record.kernel_info, record.execution_count = await self._run_checkpoint(km)
         except KernelDied:
             committed = await self._committed_by_the_kernel(record.owner, kernel_id)
             if committed is None:
@@ -255,7 +234,8 @@ class JupyterKernelPlatform:
         watchdog thinks the server died) and exits right after, so that checkpoint holds every
         cell the kernel finished: the state a hibernation would have saved.
         """
-        return await self.h.newer_checkpoint(owner, kernel_id, self.h.controller.committed.get(kernel_id))
+        record = self.h.runtime.kernels.get(kernel_id)
+        return await self.h.newer_checkpoint(owner, kernel_id, record.committed if record else None)
 
     async def _run_checkpoint(self, km: Any) -> tuple[dict[str, Any], int]:
         """Run the agent's checkpoint through a private client.
@@ -292,9 +272,10 @@ class JupyterKernelPlatform:
         await self._end_process(kernel_id, graceful=True)
 
     async def kill(self, kernel_id: str) -> None:
-        orphan = self.orphans.pop(kernel_id, None)
-        if orphan is not None:
-            _kill_pid(orphan)
+        record = self.h.runtime.kernels.get(kernel_id)
+        if record is not None and record.orphan_pid is not None:
+            _kill_pid(record.orphan_pid)
+            record.orphan_pid = None
         await self._end_process(kernel_id, graceful=False)
 
     async def _end_process(self, kernel_id: str, graceful: bool) -> None:
@@ -394,8 +375,9 @@ class JupyterKernelPlatform:
 
     def release_slice(self, kernel_id: str) -> None:
         released = self.h.runtime.allocator.release(kernel_id)
-        if released is not None:
-            self.released[kernel_id] = released
+        record = self.h.runtime.kernels.get(kernel_id)
+        if released is not None and record is not None:
+            record.released = released
 
     async def discard_checkpoints(self, kernel_id: str) -> None:
         record = self.h.runtime.kernels.get(kernel_id)
@@ -441,8 +423,6 @@ class Hibernator:
         self.controller = LifecycleController(
             runtime.kernels, runtime.allocator, runtime.profile, self.platform, start_timeout=start_timeout
         )
-        #: Kernels lost with their pod -> why and when (told to the notebook when they resume).
-        self.lost_kernels: dict[str, LostKernel] = {}
         #: Kernels that ran in pods when the previous server stopped, until adoption decides.
         self.deferred: dict[str, KernelRecord] = {}
         #: Entered before a hibernated kernel takes a GPU slice again: (owner, GPU size, kernel
@@ -455,9 +435,6 @@ class Hibernator:
         self.on_resumed: list[Callable[[str], Any]] = []
         runtime.kernel_lost = self._kernel_lost
         runtime.kernel_stopping = self._kernel_stopping
-        #: Kernels whose pod Kubernetes is stopping while they checkpoint themselves -> done when
-        #: they were taken over (or ended): a resume waits for it, messages are held meanwhile.
-        self.stopping: dict[str, asyncio.Future[None]] = {}
 
     # -- queries -------------------------------------------------------------------------
 
@@ -467,7 +444,8 @@ class Hibernator:
     def is_going_to_sleep(self, kernel_id: str) -> bool:
         """Hibernating now, or checkpointing itself while its pod is stopped: a message sent to the
         kernel must wait, or the stop would lose it."""
-        return self.state_of(kernel_id) is KernelState.HIBERNATING or kernel_id in self.stopping
+        record = self.runtime.kernels.get(kernel_id)
+        return record is not None and (record.state is KernelState.HIBERNATING or record.stopping is not None)
 
     def is_hibernated(self, kernel_id: str) -> bool:
         return self.state_of(kernel_id) in (KernelState.HIBERNATED, KernelState.RESUMING)
@@ -515,15 +493,14 @@ class Hibernator:
             pid=None,
             hibernated_at=time.time(),
             checkpoint_id=committed.checkpoint_id,
-            kernel_info=self.platform.kernel_info.pop(kernel_id, {}),
-            execution_count=self.platform.execution_counts.pop(kernel_id, 0)
-            or self.activity.get(kernel_id).execution_count,
+            kernel_info=record.kernel_info,
+            execution_count=record.execution_count or self.activity.get(kernel_id).execution_count,
         )
         took = time.time() - started
         metrics.HIBERNATIONS.labels(reason, size).inc()
         metrics.HIBERNATE_SECONDS.labels(size).observe(took)
         metrics.CHECKPOINT_BYTES.labels(size).observe(committed.size)
-        released = self.platform.released.pop(kernel_id, None)
+        released, record.released = record.released, None
         if released is not None:
             self.released.hibernated(kernel_id, size, sum(p.fraction for p in released.placements))
         self.events.emit(
@@ -610,8 +587,6 @@ class Hibernator:
             return None
         if committed is None:
             return None
-        self.platform.kernel_info.pop(kernel_id, None)
-        self.platform.execution_counts.pop(kernel_id, None)
         self.runtime.checkpoints.forget_cached(record.owner, kernel_id)
         self._prune_later(record.owner, kernel_id)
         self._remember(kernel_id, checkpoint_id=committed.checkpoint_id)
@@ -630,16 +605,20 @@ class Hibernator:
         """A provisioner saw Kubernetes begin stopping a running kernel's pod (see
         ``RuntimeConfig.kernel_stopping``); the kernel is checkpointing itself. Until it is taken
         over or gone, what a notebook sends is held, and a resume waits."""
-        if kernel_id in self.stopping or self.state_of(kernel_id) is not KernelState.RUNNING:
+        record = self.runtime.kernels.get(kernel_id)
+        if record is None or record.stopping is not None or record.state is not KernelState.RUNNING:
             return
-        self.stopping[kernel_id] = asyncio.get_running_loop().create_future()
+        record.stopping = asyncio.get_running_loop().create_future()
         self.mkm.log.info(
             "Kernel %s: its pod is being stopped; holding its messages until it is back", kernel_id
         )
 
     def _stopped(self, kernel_id: str) -> None:
         """The stopping kernel was taken over, or ended otherwise: held messages may go on."""
-        done = self.stopping.pop(kernel_id, None)
+        record = self.runtime.kernels.get(kernel_id)
+        done = record.stopping if record is not None else None
+        if record is not None:
+            record.stopping = None
         if done is not None and not done.done():
             done.set_result(None)
 
@@ -687,9 +666,9 @@ class Hibernator:
             self.mkm.log.error("Kernel %s was lost and could not be hibernated: %s", kernel_id, exc.message)
             return
         km.execution_state = "hibernated"
-        self.lost_kernels[kernel_id] = LostKernel(why, committed, stop_began)
+        record.loss = Loss(why, committed, stop_began)
         self._remember(kernel_id, pid=None, hibernated_at=time.time(), checkpoint_id=committed.checkpoint_id)
-        self.platform.released.pop(kernel_id, None)
+        record.released = None
         size = size_label(record.profile)
         metrics.KERNELS_LOST.labels(size).inc()
         if saved_at_stop(committed, stop_began):
@@ -720,7 +699,7 @@ class Hibernator:
             return None
         return committed_of(manifest)
 
-    async def _take_newer_checkpoint(self, kernel_id: str, record: Any, lost: LostKernel) -> None:
+    async def _take_newer_checkpoint(self, kernel_id: str, record: Any, lost: Loss) -> None:
         """A lost kernel may have committed a checkpoint after the server read its newest one: a
         pod deleted with no grace period is gone from the API while its kernel still answers the
         SIGTERM. That newer checkpoint is what it resumes from."""
@@ -732,7 +711,7 @@ class Hibernator:
             kernel_id,
             committed.checkpoint_id,
         )
-        self.controller.committed[kernel_id] = committed
+        record.committed = committed
         lost.committed = committed
         self._remember(kernel_id, checkpoint_id=committed.checkpoint_id)
 
@@ -746,7 +725,8 @@ class Hibernator:
         ``restore=False`` starts it empty (a restart of a hibernated kernel) and drops the checkpoint.
         A kernel whose pod is being stopped is resumed once the server has taken it over.
         """
-        stopping = self.stopping.get(kernel_id)
+        managed = self.runtime.kernels.get(kernel_id)
+        stopping = managed.stopping if managed is not None else None
         if stopping is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(stopping), self.start_timeout)
@@ -769,7 +749,7 @@ class Hibernator:
             admitted.enter_context(self.admission(record.owner, record.profile, kernel_id))
         km: Any = self.mkm.get_kernel(kernel_id) if kernel_id in self.mkm else None
         began = time.time()
-        lost = self.lost_kernels.get(kernel_id)
+        lost = record.loss if record is not None else None
         with admitted:  # the quota place is held until the resume has ended, either way
             if lost is not None and restore and record is not None:
                 await self._take_newer_checkpoint(kernel_id, record, lost)
@@ -783,7 +763,8 @@ class Hibernator:
             return
         if km.execution_state == "hibernated":
             km.execution_state = "idle"
-        if lost is not None and self.lost_kernels.pop(kernel_id, None) is not None and notify is not None:
+        if lost is not None and record.loss is lost and notify is not None:
+            record.loss = None
             told = notify(lost_note(lost.why, lost.committed, lost.stop_began))
             if told is not None:
                 await told
@@ -844,7 +825,7 @@ class Hibernator:
             self.mkm.log.error("%s", exc)
             return []
         adopted: list[str] = []
-        in_pods = self.runtime.provisioner_name == KUBERNETES_PROVISIONER
+        in_pods = self.runtime.mode.in_pods
         for kernel_id, record in previous.items():
             if in_pods and record.state != KernelState.HIBERNATED.value:
                 # Its pod may still run: kernelmgr.server.adoption looks, then adopts it or recovers it.
@@ -864,8 +845,10 @@ class Hibernator:
                 record.state = KernelState.HIBERNATING.value
                 self.mkm.adopt_hibernated(record, state=KernelState.HIBERNATING)
                 self.records[kernel_id] = record
-                self.platform.orphans[kernel_id] = orphan
-                self._adopt_orphan_soon(kernel_id, record)
+                managed = self.runtime.kernels.get(kernel_id)
+                if managed is not None:
+                    managed.orphan_pid = orphan
+                self._adopt_orphan_soon(kernel_id, record, orphan)
                 adopted.append(kernel_id)
                 continue
             manifest = self._latest(record)
@@ -885,9 +868,12 @@ class Hibernator:
             record.pid = None
             self.mkm.adopt_hibernated(record)
             self.records[kernel_id] = record
-            self.controller.committed[kernel_id] = Committed(
-                record.checkpoint_id, manifest.created, int(manifest.summary().get("bytes") or 0)
-            )
+            managed = self.runtime.kernels.get(kernel_id)
+            if managed is not None:
+                # The id verified when it hibernated (not the newest one on disk: see above).
+                managed.committed = Committed(
+                    record.checkpoint_id, manifest.created, int(manifest.summary().get("bytes") or 0)
+                )
             adopted.append(kernel_id)
         self.state_file.save(self.records)
         if adopted:
@@ -910,8 +896,10 @@ class Hibernator:
         self.mkm.adopt_hibernated(record)
         self.records[kernel_id] = record
         committed = committed_of(manifest)
-        self.controller.committed[kernel_id] = committed
-        self.lost_kernels[kernel_id] = LostKernel(why, committed)
+        managed = self.runtime.kernels.get(kernel_id)
+        if managed is not None:
+            managed.committed = committed
+            managed.loss = Loss(why, committed)
         self._remember(kernel_id, pid=None, hibernated_at=time.time())
         return True
 
@@ -922,9 +910,8 @@ class Hibernator:
             self.mkm.log.error("Kernel %s cannot be recovered: %s", record.kernel_id, exc)
             return None
 
-    def _adopt_orphan_soon(self, kernel_id: str, record: KernelRecord) -> None:
+    def _adopt_orphan_soon(self, kernel_id: str, record: KernelRecord, pid: int) -> None:
         """Once the loop runs: wait (without blocking it) for the orphan to checkpoint and exit."""
-        pid = self.platform.orphans[kernel_id]
 
         async def wait_for_exit() -> Committed | None:
             self.mkm.log.info(
@@ -934,7 +921,9 @@ class Hibernator:
             )
             while _alive(pid):
                 await asyncio.sleep(0.2)
-            self.platform.orphans.pop(kernel_id, None)
+            managed = self.runtime.kernels.get(kernel_id)
+            if managed is not None:
+                managed.orphan_pid = None
             manifest = await asyncio.to_thread(self._latest, record)
             if manifest is None:
                 self.mkm.log.warning("Kernel %s ended before any checkpoint; it is gone", kernel_id)
@@ -997,13 +986,10 @@ class Hibernator:
         self.released.woke(kernel_id)
         self.activity.forget(kernel_id)
         self.controller.forget(kernel_id)
-        self.platform.kernel_info.pop(kernel_id, None)
-        self.platform.released.pop(kernel_id, None)
-        self.lost_kernels.pop(kernel_id, None)
         self._stopped(kernel_id)
-        orphan = self.platform.orphans.pop(kernel_id, None)
-        if orphan is not None:
-            _kill_pid(orphan)
+        managed = self.runtime.kernels.get(kernel_id)
+        if managed is not None and managed.orphan_pid is not None:
+            _kill_pid(managed.orphan_pid)
         record = self.records.pop(kernel_id, None)
         managed = self.runtime.kernels.remove(kernel_id)
         owner = record.owner if record else managed.owner if managed else None

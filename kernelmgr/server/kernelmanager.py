@@ -37,7 +37,7 @@ from kernelmgr.provisioners.accounts import AccountError
 from kernelmgr.server.concurrency import hibernate_on_shutdown
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.errors import http_error, no_such_kernel
-from kernelmgr.server.hibernation import KUBERNETES_PROVISIONER, HibernationError, Hibernator
+from kernelmgr.server.hibernation import HibernationError, Hibernator
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import elastic_kernel_model, kernel_pod_annotations
 from kernelmgr.server.persistence import KernelRecord
@@ -210,7 +210,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         await super()._async_shutdown_all(now=now)
         if hibernator is not None:
             await hibernator.drain()
-        if runtime is not None and runtime.provisioner_name == KUBERNETES_PROVISIONER:
+        if runtime is not None and runtime.mode.in_pods:
             from kernelmgr.provisioners.kubernetes import stop_shared_informers
 
             # The kernels' pods are gone: nothing waits on the watch now (joins threads: off the loop).
@@ -401,15 +401,15 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
     def _pod_annotations(self, kernel_id: str) -> dict[str, str] | None:
         """The annotations of the kernel's pod from the pod watch's cache (Kubernetes mode), else ``None``."""
         runtime = self._require_runtime()
-        if runtime.provisioner_name != KUBERNETES_PROVISIONER:
+        if not runtime.mode.in_pods:
             return None
         from kernelmgr.provisioners.kubernetes import kernel_pods  # only loaded in Kubernetes mode
 
         return kernel_pod_annotations(runtime, kernel_id, kernel_pods())
 
     def _waiting(self, kernel_id: str) -> bool:
-        hibernator = self.hibernator
-        return hibernator is not None and kernel_id in hibernator.controller.waiting_for_slice
+        record = self.elastic_runtime.kernels.get(kernel_id) if self.elastic_runtime else None
+        return record is not None and record.waiting_for_slice
 
     def keep_running(self, kernel_id: str) -> dict[str, Any]:
         """``POST /api/elastic/kernels/{id}/activity``: the user wants the kernel kept running.

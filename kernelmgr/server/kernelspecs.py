@@ -24,11 +24,11 @@ from typing import Any
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 
 from kernelmgr.config import ElasticRuntime
+from kernelmgr.core.modes import LOCAL_PROVISIONER
 from kernelmgr.core.profiles import GpuProfile
 
 SEPARATOR = "-gpu-"
 CPU_SUFFIX = "-cpu"
-KUBERNETES_PROVISIONER = "elastic-kubernetes-provisioner"
 
 
 def derived_name(base: str, profile: str) -> str:
@@ -46,7 +46,7 @@ def short_display_name(display_name: str) -> str:
 
 
 def derive_spec(
-    base_name: str, base: KernelSpec, profile: GpuProfile, provisioner: str = "elastic-local-provisioner"
+    base_name: str, base: KernelSpec, profile: GpuProfile, provisioner: str = LOCAL_PROVISIONER
 ) -> KernelSpec:
     """The kernelspec for ``base`` running with a slice of size ``profile``."""
     spec = copy.deepcopy(base.to_dict())
@@ -87,7 +87,7 @@ class ElasticKernelSpecManager(KernelSpecManager):
     def pods_only(self) -> bool:
         """Every kernel is a pod: the base kernelspecs (processes of the server) are not offered."""
         runtime = self.elastic_runtime
-        return runtime is not None and runtime.provisioner_name == KUBERNETES_PROVISIONER
+        return runtime is not None and runtime.mode.in_pods
 
     def _cpu_candidates(self) -> dict[str, str]:
         """CPU kernelspec name -> its base (Kubernetes mode only)."""
@@ -124,9 +124,7 @@ class ElasticKernelSpecManager(KernelSpecManager):
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         # One targeted lookup (of the base, which raises NoSuchKernel if absent) instead of a
         # scan of every kernel directory: get_all_specs calls this once per kernelspec.
-        provisioner = (
-            self.elastic_runtime.provisioner_name if self.elastic_runtime else "elastic-local-provisioner"
-        )
+        provisioner = self.elastic_runtime.mode.provisioner if self.elastic_runtime else LOCAL_PROVISIONER
         cpu_base = self._cpu_candidates().get(kernel_name)
         if cpu_base is not None:
             return derive_cpu_spec(cpu_base, super().get_kernel_spec(cpu_base), provisioner)

@@ -14,7 +14,6 @@ from kernelmgr.backends.isolation import isolation_of
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.kernels import ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
-from kernelmgr.server.hibernation import KUBERNETES_PROVISIONER
 
 
 def elastic_kernel_model(
@@ -94,7 +93,7 @@ def kernel_pod_annotations(
 ) -> dict[str, str] | None:
     """The annotations of ``kernel_id``'s pod in ``pods`` (the provisioner's pod watch, kernel id -> pod);
     ``None`` for local kernels and for a kernel whose pod the watch has not seen."""
-    if runtime.provisioner_name != KUBERNETES_PROVISIONER:
+    if not runtime.mode.in_pods:
         return None
     metadata = getattr(pods.get(kernel_id), "metadata", None)
     if metadata is None:
@@ -117,7 +116,7 @@ def profiles_model(runtime: ElasticRuntime, kernelspecs: dict[str, str]) -> dict
         by_profile.setdefault(profile_name, []).append(spec_name)
     profiles = []
     # Local kernels get the local backend's environment whatever the size's Kubernetes backend.
-    local = runtime.provisioner_name != KUBERNETES_PROVISIONER
+    local = not runtime.mode.in_pods
     for profile in runtime.profiles.values():
         entry = profile.to_dict()
         entry["kernelspecs"] = sorted(by_profile.get(profile.name, []))

@@ -6,6 +6,7 @@ pytest's process, and lets tests kill it, read its log and restart it like an op
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -277,6 +278,10 @@ class RunningServer:
                 self.process.wait()
 
 
+#: Launches on new ports after the chosen port was taken before the server bound it.
+PORT_ATTEMPTS = 5
+
+
 def launch(
     home: Path,
     config: dict[str, Any],
@@ -308,6 +313,9 @@ def launch(
         "--allow-root",
         "--no-browser",
         f"--port={port}",
+        # Never another port: the caller talks to this one (under load a kernel may take it first;
+        # start_server then launches again on a new one).
+        "--ServerApp.port_retries=0",
         "--ip=127.0.0.1",
         f"--IdentityProvider.token={TOKEN}",
         f"--ServerApp.root_dir={home / 'root'}",
@@ -325,21 +333,26 @@ def start_server(
     env_extra: dict[str, str] | None = None,
     app_module: str = "jupyter_server",
 ) -> RunningServer:
-    """Start the server and wait until ``/api/status`` answers."""
-    proc, log_path, url, env = launch(home, config, extra_args, env_extra, app_module)
-    server = RunningServer(url=url, process=proc, home=home, log_path=log_path, env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if server.request("GET", "/api/status").status == 200:
-                return server
-        except OSError:
-            pass
-        time.sleep(0.2)
-    server.stop()
-    raise RuntimeError(f"server did not start within 60s:\n{server.log()}")
+    """Start the server and wait until ``/api/status`` answers (on a new port if its port was taken)."""
+    for attempt in range(PORT_ATTEMPTS):
+        proc, log_path, url, env = launch(home, config, extra_args, env_extra, app_module)
+        server = RunningServer(url=url, process=proc, home=home, log_path=log_path, env=env)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                if "is not available" in server.log() and attempt + 1 < PORT_ATTEMPTS:
+                    break  # another process bound the port first: try a new one
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+            try:
+                if server.request("GET", "/api/status").status == 200:
+                    return server
+            except (OSError, http.client.HTTPException):
+                pass  # not listening yet, or the port's other owner answering until our server exits
+            time.sleep(0.2)
+        else:
+            server.stop()
+            raise RuntimeError(f"server did not start within 60s:\n{server.log()}")
+    raise AssertionError("unreachable")
 
 
 def wait_for(predicate: Any, timeout: float = 30, interval: float = 0.2, what: str = "condition") -> Any:
