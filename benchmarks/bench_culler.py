@@ -36,9 +36,9 @@ from kernelmgr.activity.nvml_double import NvmlDouble
 from kernelmgr.config import CullPolicy, ElasticKernels
 from kernelmgr.core.inventory import GpuDevice
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.lifecycle.records import KernelStateFile
+from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.server.culler import Culler
-from kernelmgr.server.hibernation import Hibernator
-from kernelmgr.server.persistence import KernelStateFile
 
 
 class KernelManagerStandIn:

@@ -78,10 +78,10 @@ from traitlets.config import Config, Configurable
 from benchmarks.markdown import print_header, print_row
 from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
 from kernelmgr.kube.informer import PodInformer
+from kernelmgr.lifecycle.records import KernelStateFile
+from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.provisioners import kubernetes as kprov
 from kernelmgr.server.culler import Culler
-from kernelmgr.server.hibernation import Hibernator
-from kernelmgr.server.persistence import KernelStateFile
 from tests.support.kube import ControlPlane, fake_gpu_node, node_schedulable, wait_for
 
 NAMESPACE = "bench"

@@ -128,3 +128,15 @@ def test_the_literal_rule_catches_a_comparison(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text('"""Mentions elastic-local-provisioner."""\nlocal = name == "elastic-local-provisioner"\n')
     assert string_literals(bad, {"elastic-local-provisioner"}) == ["bad.py:2"]
+
+
+def test_the_lifecycle_imports_no_web_or_kubernetes_framework_and_not_the_server() -> None:
+    """``server/`` depends on ``lifecycle/``, never the reverse (jupyter_server is reached via KernelHost)."""
+    assert violations(PACKAGE / "lifecycle", ("jupyter_server", "tornado", "kubernetes")) == []
+    upward = [
+        f"{path.name} imports {module}"
+        for path in sorted((PACKAGE / "lifecycle").rglob("*.py"))
+        for module in imported_modules(path)
+        if module.startswith(("kernelmgr.server", "gateway"))
+    ]
+    assert upward == []

@@ -30,13 +30,14 @@ from traitlets.config import Config
 
 from kernelmgr.activity.nvml_double import NvmlDouble
 from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
+from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.policy import Action, build_policy
-from kernelmgr.server.concurrency import BoundedScheduler, hibernate_on_shutdown, run_bounded
+from kernelmgr.lifecycle.records import KernelStateFile
+from kernelmgr.lifecycle.scheduler import BoundedScheduler, run_bounded
+from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.server.culler import Culler, Tombstones
-from kernelmgr.server.hibernation import HibernationError, Hibernator
-from kernelmgr.server.persistence import KernelStateFile
 from tests.conftest import INVENTORY, PROFILES
 from tests.support.server import KernelChannel, Reply, RunningServer, start_server, wait_for
 
@@ -234,7 +235,7 @@ class FakeHibernations:
             failed = kernel_id in self.fail
             record.lifecycle.move(KernelState.RUNNING if failed else KernelState.HIBERNATED, reason)
         if failed:
-            raise HibernationError("no space left on device", 507)
+            raise LifecycleError("no space left on device", 507)
 
 
 def build_culler(
@@ -409,10 +410,13 @@ def test_hibernate_on_shutdown_is_bounded(tmp_path: Path, caplog: pytest.LogCapt
     mkm = culler.mkm
 
     async def scenario() -> list[str]:
-        stopping = asyncio.ensure_future(hibernate_on_shutdown(mkm))  # type: ignore[arg-type]
+        running = sorted(r.kernel_id for r in mkm.elastic_runtime.kernels.all())
+        stopping = asyncio.ensure_future(
+            culler.hibernator.hibernate_all(running, POLICY["max_concurrent_hibernations"])
+        )
         await settle(lambda: len(fake.gates.started) == 2)
         await settle()
-        assert fake.gates.started == ["k0", "k1"], "CullPolicy.max_concurrent_hibernations at shutdown too"
+        assert fake.gates.started == ["k0", "k1"], "at most the limit at once"
         for n in range(5):
             await settle(lambda n=n: f"k{n}" in fake.gates.started)  # type: ignore[misc]
             await fake.gates.release(f"k{n}")

@@ -1,6 +1,6 @@
 """The node agent's Prometheus text, built from its latest sample at scrape time.
 
-Names follow the server's (:mod:`kernelmgr.server.metrics`): ``elastic_`` prefix, base units
+Names follow the server's (:mod:`kernelmgr.lifecycle.metrics`): ``elastic_`` prefix, base units
 (bytes, seconds). Unlike the server, the per-pod gauges carry ``pod_uid`` and ``kernel_id``
 labels: that is their point, and cardinality stays bounded by the pods holding a GPU on this
 node *now* — a separate registry per agent, rebuilt on every scrape, so a pod's series vanish

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 from tornado import ioloop
 
 from kernelmgr.core.lifecycle import KernelState
-from kernelmgr.server.concurrency import BoundedScheduler
+from kernelmgr.lifecycle.scheduler import BoundedScheduler
 
 if TYPE_CHECKING:
-    from kernelmgr.server.hibernation import Hibernator
+    from kernelmgr.lifecycle.service import Hibernator
 
 
 class BackgroundCheckpoints:

@@ -13,7 +13,7 @@ execution activity, the latest GPU sample, lifecycle state, warning and retry st
   checkpoint deleted; whoever asks for it later is told why it is gone.
 
 The tick never waits for a hibernation or a removal. It *schedules* them on a
-:class:`~kernelmgr.server.concurrency.BoundedScheduler` and goes on, so one slow checkpoint
+:class:`~kernelmgr.lifecycle.scheduler.BoundedScheduler` and goes on, so one slow checkpoint
 (minutes, for a large state) holds up no other kernel's warning or hibernation: at most
 ``CullPolicy.max_concurrent_hibernations`` run at once, the rest wait their turn, and a kernel
 already queued or hibernating is never scheduled twice. A queued hibernation asks the policy
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from tornado import ioloop
 
 from kernelmgr.activity.gpu import GpuActivity, GpuActivitySampler
+from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.kernels import ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.policy import (
@@ -52,15 +53,15 @@ from kernelmgr.core.policy import (
     idle_seconds,
     review,
 )
-from kernelmgr.server import metrics
+from kernelmgr.lifecycle import metrics
+from kernelmgr.lifecycle.host import KernelHost
+from kernelmgr.lifecycle.metrics import size_label
+from kernelmgr.lifecycle.scheduler import BoundedScheduler
+from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.server.cluster_activity import ClusterGpuSampler
-from kernelmgr.server.concurrency import BoundedScheduler
-from kernelmgr.server.hibernation import HibernationError, Hibernator
-from kernelmgr.server.metrics import size_label
 
 if TYPE_CHECKING:
     from kernelmgr.config import ElasticRuntime
-    from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 
 MAX_BACKOFF = 3600.0
 #: Removed kernels whose 404 still says why (the newest ones); older ones answer a plain 404.
@@ -148,7 +149,7 @@ class Culler:
 
     def __init__(
         self,
-        mkm: ElasticMappingKernelManager,
+        mkm: KernelHost,
         runtime: ElasticRuntime,
         hibernator: Hibernator,
         policy: Policy,
@@ -379,8 +380,8 @@ class Culler:
         try:
             await self.hibernator.hibernate(kernel_id, "policy")
         except Exception as exc:
-            message = exc.message if isinstance(exc, HibernationError) else f"{type(exc).__name__}: {exc}"
-            if not isinstance(exc, HibernationError):
+            message = exc.message if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, LifecycleError):
                 self.mkm.log.exception("Policy hibernation of kernel %s raised", kernel_id)
             if self.runtime.kernels.get(kernel_id) is None:
                 return  # gone meanwhile: nothing to retry

@@ -24,19 +24,19 @@ from kernelmgr.activity.gpu import GpuActivitySampler
 from kernelmgr.backends.local import MANAGED_VARIABLES
 from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
 from kernelmgr.core.errors import ConfigError
+from kernelmgr.lifecycle.events import LifecycleEvents
+from kernelmgr.lifecycle.metrics import install_collector
+from kernelmgr.lifecycle.records import KernelStateFile
+from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.provisioners.local import HANDED_OVER
 from kernelmgr.server.adoption import adopt_kernel_pods, start_node_inventory
 from kernelmgr.server.background import BackgroundCheckpoints
 from kernelmgr.server.cluster_activity import ClusterGpuSampler, start_cluster_sampler
 from kernelmgr.server.culler import Culler
-from kernelmgr.server.events import LifecycleEvents
 from kernelmgr.server.gateway_relay import gateway_relay_handlers
 from kernelmgr.server.handlers import elastic_handlers, gateway_mode_handlers
-from kernelmgr.server.hibernation import Hibernator
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
-from kernelmgr.server.metrics import install_collector
-from kernelmgr.server.persistence import KernelStateFile
 from kernelmgr.server.sessions import ElasticSessionManager, server_identity
 from kernelmgr.server.websocket import ElasticWebsocketConnection
 from kernelmgr.warm.pool import WarmPools

@@ -30,17 +30,18 @@ from jupyter_server._tz import utcnow
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 
 from kernelmgr.config import ElasticRuntime
+from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.errors import CapacityError, UnknownProfileError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube.access import KubeRefused
+from kernelmgr.lifecycle.records import KernelRecord
+from kernelmgr.lifecycle.scheduler import DEFAULT_LIMIT
+from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.provisioners.accounts import AccountError
-from kernelmgr.server.concurrency import hibernate_on_shutdown
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.errors import http_error, no_such_kernel
-from kernelmgr.server.hibernation import HibernationError, Hibernator
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import elastic_kernel_model, kernel_pod_annotations
-from kernelmgr.server.persistence import KernelRecord
 from kernelmgr.server.starting import StartWithoutReadyRace, raise_socket_limit, wait_until_up
 
 
@@ -53,7 +54,7 @@ def _answered_as_http(what: str) -> Iterator[None]:
     """
     try:
         yield
-    except HibernationError as exc:
+    except LifecycleError as exc:
         raise http_error(exc.status, exc.message) from None
     except KubeRefused as exc:
         raise http_error(500, f"could not {what}: {exc}") from None
@@ -79,6 +80,12 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         if culler is not None and kernel_id in culler.tombstones and kernel_id not in self:
             raise http_error(404, culler.tombstones[kernel_id])
         super()._check_kernel_id(kernel_id)
+
+    def ports_changed(self, kernel_id: str) -> None:
+        """The kernel was relaunched on new ports (a resume that lost a port): watch the new ones."""
+        self.stop_watching_activity(kernel_id)
+        self._kernel_ports[kernel_id] = self._kernels[kernel_id].ports
+        self.start_watching_activity(kernel_id)
 
     def start_watching_activity(self, kernel_id: str) -> None:
         """jupyter_server's IOPub watcher, also feeding execution activity to the cull policy."""
@@ -197,15 +204,27 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
 
     shutdown_kernel = _async_shutdown_kernel  # type: ignore[assignment]
 
+    def _running_elastic_kernels(self) -> list[str]:
+        """Elastic kernels that are up and running (one never up is shut down: nothing to save)."""
+        runtime = self._require_runtime()
+        return [
+            record.kernel_id
+            for record in runtime.kernels.all()
+            if record.state is KernelState.RUNNING
+            and record.kernel_id in self
+            and record.kernel_id not in self.starting_kernels
+        ]
+
     async def _async_shutdown_all(self, now: bool = False) -> None:
         runtime = self.elastic_runtime
         hibernator = self.hibernator
         if hibernator is not None and runtime is not None and runtime.hibernate_on_shutdown and not now:
-            await hibernate_on_shutdown(self)  # several at once, bounded
-            for record in runtime.kernels.all():
-                starting = record.kernel_id in self.starting_kernels  # never up: stopped below
-                if record.state is KernelState.RUNNING and record.kernel_id in self and not starting:
-                    self._leave_running(record.kernel_id)
+            limit = (
+                self.culler.policy.max_concurrent_hibernations if self.culler is not None else DEFAULT_LIMIT
+            )
+            await hibernator.hibernate_all(self._running_elastic_kernels(), limit)
+            for kernel_id in self._running_elastic_kernels():  # could not hibernate (busy, disk full)
+                self._leave_running(kernel_id)
         self._exiting = True
         await super()._async_shutdown_all(now=now)
         if hibernator is not None:
@@ -262,7 +281,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             # Restart means "fresh kernel": start it without restoring the checkpoint.
             try:
                 await self.hibernator.resume(kernel_id, "restart", restore=False)
-            except HibernationError as exc:
+            except LifecycleError as exc:
                 raise http_error(exc.status, exc.message) from None
             return None
         return await super().restart_kernel(kernel_id, now=now)

@@ -29,12 +29,9 @@ import zmq
 from jupyter_client.multikernelmanager import MultiKernelManager
 from jupyter_core.utils import ensure_async
 
+from kernelmgr.lifecycle.platform import BIND_RETRIES, stderr_tail
 from kernelmgr.provisioners.local import BIND_ERROR
 from kernelmgr.server.errors import http_error
-
-#: A relaunch with new ports is tried at most this many times (each choice is fresh: a repeat
-#: collision is a sign of something else, reported then).
-BIND_RETRIES = 3
 
 
 def raise_socket_limit(context: zmq.Context[Any], log: logging.Logger) -> int:
@@ -78,12 +75,6 @@ class StartWithoutReadyRace(MultiKernelManager):
             raise
         self._kernels[kernel_id] = km
         return kernel_id
-
-
-def stderr_tail(km: Any) -> str:
-    """The kernel's last stderr lines, as its provisioner captured them ("" if it did not)."""
-    tail = getattr(getattr(km, "provisioner", None), "stderr_tail", None)
-    return str(tail()) if callable(tail) else ""
 
 
 def _with_stderr(message: str, tail: str) -> str:

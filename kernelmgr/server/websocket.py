@@ -67,8 +67,9 @@ from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebso
 from tornado import web
 from traitlets import Integer
 
+from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.lifecycle import KernelState
-from kernelmgr.server.hibernation import HibernationError, Hibernator
+from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.server.ownership import SETTINGS_KEY
 
 V1 = "v1.kernel.websocket.jupyter.org"
@@ -679,7 +680,7 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
 
         try:
             await hibernator.resume(self.kernel_id, "execute", notify=notify)
-        except (HibernationError, asyncio.CancelledError) as exc:
+        except (LifecycleError, asyncio.CancelledError) as exc:
             self._fail_queue(getattr(exc, "message", "resume cancelled"))
             return
         await self._attach_and_deliver()

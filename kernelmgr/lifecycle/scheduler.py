@@ -12,7 +12,8 @@ a :class:`BoundedScheduler`:
 * one job per key: a kernel whose hibernation is queued or running is not scheduled again;
 * a finished job is forgotten as it finishes (nothing grows with the kernels ever seen).
 
-:func:`hibernate_on_shutdown` uses the same bound for the server's hibernate-on-shutdown.
+:func:`kernelmgr.server.shutdown.hibernate_on_shutdown` uses the same bound for the server's
+hibernate-on-shutdown.
 """
 
 from __future__ import annotations
@@ -21,13 +22,6 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING
-
-from kernelmgr.core.lifecycle import KernelState
-from kernelmgr.server.hibernation import HibernationError
-
-if TYPE_CHECKING:
-    from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 
 #: Hibernations at once when nothing configures it (``CullPolicy.max_concurrent_hibernations``).
 DEFAULT_LIMIT = 4
@@ -129,36 +123,3 @@ async def run_bounded(
     for key in keys:
         scheduler.schedule(key, functools.partial(job, key))
     await scheduler.join()
-
-
-async def hibernate_on_shutdown(mkm: ElasticMappingKernelManager) -> list[str]:
-    """Hibernate every running elastic kernel of ``mkm`` for a server stop; returns the ids done.
-
-    At most ``CullPolicy.max_concurrent_hibernations`` at once, so a server with many idle
-    kernels stops in about (kernels / limit) checkpoints instead of the sum of them all, and
-    without writing every checkpoint at the same time. A kernel that cannot hibernate (busy,
-    disk full) is logged; the kernel manager then leaves it running (``_leave_running``).
-    """
-    hibernator, runtime = mkm.hibernator, mkm.elastic_runtime
-    if hibernator is None or runtime is None:
-        return []
-    culler = mkm.culler
-    limit = culler.policy.max_concurrent_hibernations if culler is not None else DEFAULT_LIMIT
-    running = [
-        record.kernel_id
-        for record in runtime.kernels.all()
-        if record.state is KernelState.RUNNING
-        and record.kernel_id in mkm
-        and record.kernel_id not in mkm.starting_kernels  # never up: shut down, nothing to save
-    ]
-    done: list[str] = []
-
-    async def one(kernel_id: str) -> None:
-        try:
-            await hibernator.hibernate(kernel_id, "server shutdown")
-            done.append(kernel_id)
-        except HibernationError as exc:
-            mkm.log.warning("Not hibernated at shutdown: %s", exc.message)
-
-    await run_bounded(running, one, limit, mkm.log, "hibernation at shutdown")
-    return done

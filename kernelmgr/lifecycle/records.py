@@ -13,11 +13,17 @@ import json
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kernelmgr.core.kernels import KernelRegistry
+
 FORMAT = 1
+
+#: The working directory a kernel was started in, by id (``None``: unknown).
+CwdOf = Callable[[str], "str | None"]
 
 
 @dataclass
@@ -159,3 +165,47 @@ class WriteBehind:
                 self.log.warning("could not save the kernel registry %s: %s", self.state_file.path, exc)
                 return False
         return True
+
+
+class KernelRecords(dict[str, KernelRecord]):
+    """Every kernel's :class:`KernelRecord` by id, written behind to the state file.
+
+    The one writer of the file: :meth:`remember` copies the kernel's state from its
+    :class:`~kernelmgr.core.kernels.ManagedKernel` (plus the given fields) and saves.
+    """
+
+    def __init__(self, state_file: KernelStateFile, kernels: KernelRegistry, log: Any, cwd_of: CwdOf) -> None:
+        super().__init__()
+        self.state_file = state_file
+        self.writer = WriteBehind(state_file, log)
+        self.kernels = kernels
+        self.cwd_of = cwd_of
+
+    def remember(self, kernel_id: str, **changes: Any) -> None:
+        """Update the record of ``kernel_id`` from the registry (plus ``changes``) and save it.
+
+        Written behind, off the event loop; a failure (a full disk) is logged and retried,
+        never raised into a lifecycle transition.
+        """
+        managed = self.kernels.get(kernel_id)
+        if managed is None:
+            return
+        record = self.get(kernel_id)
+        if record is None:
+            record = KernelRecord(
+                kernel_id=kernel_id,
+                kernelspec=managed.kernelspec,
+                profile=managed.profile,
+                owner=managed.owner,
+                state=managed.state.value,
+                cwd=self.cwd_of(kernel_id),
+            )
+            self[kernel_id] = record
+        record.state = managed.state.value
+        record.reason = managed.lifecycle.reason
+        for key, value in changes.items():
+            setattr(record, key, value)
+        self.save()
+
+    def save(self) -> None:
+        self.writer.save(self)

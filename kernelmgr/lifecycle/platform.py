@@ -1,0 +1,381 @@
+"""The lifecycle controller's platform for jupyter_server's kernel managers.
+
+:class:`JupyterKernelPlatform` does what :class:`~kernelmgr.core.controller.LifecycleController`
+asks, for whatever provisioner starts the process (a local process, a pod, a warm one): talk to
+the in-kernel agent through a private client (kernel_info, the silent checkpoint request), stop
+and start the same ``KernelManager`` under the same id and connection, release the slice, and
+keep the on-disk record current. It only reads and writes the kernel's own record; state moves
+are the controller's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import signal
+import time
+from typing import TYPE_CHECKING, Any
+
+from jupyter_core.utils import ensure_async
+
+from kernelmgr.activity.jupyter import JupyterActivity
+from kernelmgr.checkpoint.agent import CHECKPOINT_CODE
+from kernelmgr.core.controller import LifecycleError
+from kernelmgr.core.errors import CapacityError
+from kernelmgr.core.kernels import Committed, ManagedKernel
+from kernelmgr.lifecycle.checkpoints import committed_of, newer_checkpoint
+from kernelmgr.lifecycle.host import KernelHost
+from kernelmgr.lifecycle.records import KernelRecords
+from kernelmgr.provisioners.local import BIND_ERROR
+
+if TYPE_CHECKING:
+    from kernelmgr.config import ElasticRuntime
+
+#: How long a hibernation request waits for a kernel reported busy to report idle.
+BUSY_GRACE_SECONDS = 1.0
+#: How long a kernel that looks "starting" gets to answer kernel_info before a hibernation is refused.
+STARTING_PROBE_SECONDS = 5.0
+#: A relaunch with new ports is tried at most this many times (each choice is fresh: a repeat
+#: collision is a sign of something else, reported then).
+BIND_RETRIES = 3
+
+
+def stderr_tail(km: Any) -> str:
+    """The kernel's last stderr lines, as its provisioner captured them ("" if it did not)."""
+    tail = getattr(getattr(km, "provisioner", None), "stderr_tail", None)
+    return str(tail()) if callable(tail) else ""
+
+
+class KernelDied(LifecycleError):
+    """The kernel process ended while the server waited for its reply."""
+
+
+def disk_full(message: str) -> bool:
+    return "no space left" in message.lower()
+
+
+def kill_pid(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+
+
+class JupyterKernelPlatform:
+    """:class:`~kernelmgr.core.controller.KernelPlatform` for jupyter_server's kernel managers.
+
+    Works for whatever provisioner starts the process: it only uses the ``KernelManager``
+    (start, stop, kill, a private client) and the runtime (allocator, checkpoint store).
+    """
+
+    def __init__(
+        self,
+        host: KernelHost,
+        runtime: ElasticRuntime,
+        records: KernelRecords,
+        activity: JupyterActivity,
+        checkpoint_timeout: float,
+    ) -> None:
+        self.host = host
+        self.runtime = runtime
+        self.records = records
+        self.activity = activity
+        self.checkpoint_timeout = checkpoint_timeout
+
+    def _km(self, kernel_id: str) -> Any:
+        return self.host.get_kernel(kernel_id) if kernel_id in self.host else None
+
+    async def ensure_idle(self, kernel_id: str) -> None:
+        km = self._km(kernel_id)
+        # The server learns "idle" from its own IOPub subscription, which can trail the
+        # notebook's by a few milliseconds: give a cell that just finished a moment.
+        deadline = time.monotonic() + BUSY_GRACE_SECONDS
+        while getattr(km, "execution_state", "unknown") == "busy" and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        execution_state = getattr(km, "execution_state", "unknown")
+        if execution_state == "starting":
+            execution_state = await self._state_after_kernel_info(km)
+        if execution_state == "starting":
+            raise LifecycleError(f"kernel {kernel_id} is still starting: it can hibernate once it is up")
+        if execution_state != "idle":
+            raise LifecycleError(
+                f"kernel {kernel_id} is {execution_state}: it can hibernate once the running cell finishes "
+                "(or after you interrupt it)"
+            )
+
+    async def _state_after_kernel_info(self, km: Any) -> str:
+        """The state of a kernel jupyter_server still calls "starting", after asking it kernel_info.
+
+        ipykernel publishes its first "idle" only around a request, so a kernel started through
+        ``/api/kernels`` that no client has talked to stays "starting" however long it has been up,
+        and neither a user nor the culler could hibernate it. A kernel_info round trip makes it
+        publish busy/idle, which the server's own IOPub watcher records.
+        """
+        client = km.client()
+        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        deadline = time.monotonic() + STARTING_PROBE_SECONDS
+        try:
+            # Asked again while no status arrives: a kernel that has only just started may publish
+            # before the server's IOPub subscription is joined (ZeroMQ drops those messages).
+            while getattr(km, "execution_state", "unknown") == "starting":
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                await self.reply(client, client.kernel_info(), remaining, km, self.pid_of(km))
+                seen_by = time.monotonic() + 0.25
+                while getattr(km, "execution_state", "unknown") == "starting" and time.monotonic() < seen_by:
+                    await asyncio.sleep(0.02)
+        except LifecycleError:  # not up yet (or gone): still starting, as far as anyone can tell
+            return "starting"
+        finally:
+            client.stop_channels()
+        return str(getattr(km, "execution_state", "unknown"))
+
+    async def checkpoint(self, kernel_id: str) -> Committed:
+        km = self._km(kernel_id)
+        record = self.runtime.kernels.get(kernel_id)
+        if km is None or record is None:
+            raise LifecycleError(f"kernel {kernel_id} is gone", 404)
+        if not getattr(km.provisioner, "checkpoints_persist", True):
+            raise LifecycleError(
+                f"kernel {kernel_id} runs in a pod whose checkpoints would die with it: set "
+                "c.ElasticKubernetesProvisioner.checkpoint_claim to a PersistentVolumeClaim shared with "
+                "this server (mounted at ElasticKernels.checkpoint_root)",
+                409,
+            )
+        self.records.remember(kernel_id, pid=self.pid_of(km))
+        record.kernel_info, record.execution_count = {}, 0
+        try:
+            record.kernel_info, record.execution_count = await self._run_checkpoint(km)
+        except KernelDied:
+            committed = await self._committed_by_the_kernel(record.owner, kernel_id)
+            if committed is None:
+                raise
+            self.host.log.warning(
+                "Kernel %s exited during its checkpoint after committing checkpoint %s itself "
+                "(at SIGTERM, or its server watchdog's); taking that one",
+                kernel_id,
+                committed.checkpoint_id,
+            )
+            return committed
+        except LifecycleError as exc:
+            if disk_full(exc.message):
+                raise LifecycleError(exc.message, 507) from None
+            raise
+        collect = getattr(km.provisioner, "collect_checkpoint", None)
+        if collect is not None:  # a Kubernetes warm pod keeps it in its emptyDir until taken
+            try:
+                await collect()
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise LifecycleError(f"the server's checkpoint volume is full: {exc}", 507) from None
+                raise LifecycleError(f"the checkpoint could not be stored: {exc}", 500) from None
+            except RuntimeError as exc:
+                raise LifecycleError(str(exc), 500) from None
+        manifest = await asyncio.to_thread(self.runtime.checkpoints.latest, record.owner, kernel_id)
+        if manifest is None:
+            raise LifecycleError("the agent reported success but no checkpoint was committed", 500)
+        return committed_of(manifest)
+
+    async def _committed_by_the_kernel(self, owner: str, kernel_id: str) -> Committed | None:
+        """A checkpoint the kernel committed on its own before it exited, newer than any the server
+        knew of; ``None`` if there is none.
+
+        A kernel commits one on its own only when no cell is running (at SIGTERM, or when its
+        watchdog thinks the server died) and exits right after, so that checkpoint holds every
+        cell the kernel finished: the state a hibernation would have saved.
+        """
+        record = self.runtime.kernels.get(kernel_id)
+        known = record.committed if record else None
+        return await newer_checkpoint(self.runtime.checkpoints, owner, kernel_id, known, self.host.log)
+
+    async def _run_checkpoint(self, km: Any) -> tuple[dict[str, Any], int]:
+        """Run the agent's checkpoint through a private client.
+
+        Returns the kernel_info content and the number of the last cell the user ran (a
+        silent execute's reply carries it without counting itself).
+        """
+        client = km.client()
+        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        pid = self.pid_of(km)
+        try:
+            # Both requests at once: the kernel answers its shell requests in order, so the
+            # checkpoint does not wait a round trip for the kernel_info reply.
+            info_id = client.kernel_info()
+            msg_id = client.execute(CHECKPOINT_CODE, silent=True, store_history=False, allow_stdin=False)
+            self.activity.internal(msg_id)  # the server's own request is not the user's activity
+            info = await self.reply(client, info_id, 30, km, pid)
+            reply = await self.reply(client, msg_id, self.checkpoint_timeout, km, pid)
+        finally:
+            client.stop_channels()
+        content = reply["content"]
+        if content.get("status") != "ok":
+            raise LifecycleError(f"{content.get('ename', 'Error')}: {content.get('evalue', '')}".strip(), 500)
+        count = content.get("execution_count")
+        return dict(info["content"]), count if isinstance(count, int) and count > 0 else 0
+
+    async def stop(self, kernel_id: str) -> None:
+        """Stop the kernel gracefully (its atexit handlers flush the user's files), keeping
+        its id, ports and connection file for the resume.
+
+        The same steps as ``shutdown_kernel(restart=True)`` minus the interrupt (the kernel
+        is idle) and with a 10 ms poll instead of 100 ms: a stop is on the hibernate path.
+        """
+        await self._end_process(kernel_id, graceful=True)
+
+    async def kill(self, kernel_id: str) -> None:
+        record = self.runtime.kernels.get(kernel_id)
+        if record is not None and record.orphan_pid is not None:
+            kill_pid(record.orphan_pid)
+            record.orphan_pid = None
+        await self._end_process(kernel_id, graceful=False)
+
+    async def _end_process(self, kernel_id: str, graceful: bool) -> None:
+        """Stop the process (asking it, or killing it), keeping id, ports and connection file."""
+        km = self._km(kernel_id)
+        if km is None or not km.has_kernel:
+            return
+        km.shutting_down = True
+        km.stop_restarter()
+        if graceful:
+            await km._async_request_shutdown(restart=True)
+        else:
+            await km._async_kill_kernel(restart=True)
+        await km._async_finish_shutdown(pollinterval=0.01, restart=True)
+        await km._async_cleanup_resources(restart=True)
+
+    async def launch(self, kernel_id: str, restore: Committed | None, timeout: float) -> None:
+        km = self._km(kernel_id)
+        record = self.runtime.kernels.get(kernel_id)
+        if km is None or record is None:
+            raise LifecycleError(f"kernel {kernel_id} is gone", 404)
+        deadline = time.monotonic() + timeout
+        relaunches = 0
+        while True:
+            await self._start_process(km, record, restore, deadline)
+            try:
+                await self._wait_ready(
+                    km, kernel_id if restore else None, max(1.0, deadline - time.monotonic())
+                )
+                break
+            except LifecycleError:
+                # A resume launches on the ports the kernel had before it slept: another process
+                # may have taken one since. Relaunched (the provisioner then picks new ports),
+                # with the same restore request, a bounded number of times (issue 34).
+                if relaunches >= BIND_RETRIES or BIND_ERROR not in stderr_tail(km):
+                    raise
+                relaunches += 1
+                self.host.log.warning(
+                    "Kernel %s could not bind its port at its resume (taken while it slept): relaunching "
+                    "it with new ports (%d/%d)",
+                    kernel_id,
+                    relaunches,
+                    BIND_RETRIES,
+                )
+                await self._end_process(kernel_id, graceful=False)
+        if relaunches:  # the server's own IOPub watcher still points at the old ports
+            self.host.ports_changed(kernel_id)
+        collect = getattr(km.provisioner, "collect_restore_report", None)
+        if restore is not None and collect is not None:
+            try:
+                await collect()
+            except Exception as exc:
+                self.host.log.warning("kernel %s: restore report not collected: %s", kernel_id, exc)
+
+    async def _start_process(
+        self, km: Any, record: ManagedKernel, restore: Committed | None, deadline: float
+    ) -> None:
+        """Start the kernel's process, asking it to restore ``restore`` (every launch must ask:
+        the provisioner reads the request at launch, and it is cleared after)."""
+        record.restore_on_start = restore is not None
+        # The only checkpoint the kernel may restore: the one the server verified.
+        record.restore_checkpoint = restore.checkpoint_id if restore is not None else None
+        launch_args = dict(getattr(km, "_launch_args", {}) or {})
+        try:
+            while True:
+                try:
+                    await km.start_kernel(**launch_args)
+                    break
+                except CapacityError:  # lost the slice to another start after the check
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+        finally:
+            record.restore_on_start = False
+            record.restore_checkpoint = None
+
+    async def _wait_ready(self, km: Any, continue_count_of: str | None, timeout: float) -> None:
+        client = km.client()
+        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        try:
+            # One kernel_info round trip proves the kernel serves requests (the agent has
+            # restored by then: it runs at extension load, before the first request).
+            await self.reply(client, client.kernel_info(), timeout, km, self.pid_of(km), launching=True)
+            record = self.records.get(continue_count_of) if continue_count_of else None
+            if record is not None and record.execution_count > 0:
+                # The notebook's cell numbers go on where they stopped (silently: no output).
+                code = f"get_ipython().execution_count = {record.execution_count + 1}"
+                msg_id = client.execute(code, silent=True, store_history=False, allow_stdin=False)
+                self.activity.internal(msg_id)
+                await self.reply(client, msg_id, timeout, km, self.pid_of(km))
+                self.activity.get(record.kernel_id).execution_count = record.execution_count
+        finally:
+            client.stop_channels()
+
+    def release_slice(self, kernel_id: str) -> None:
+        released = self.runtime.allocator.release(kernel_id)
+        record = self.runtime.kernels.get(kernel_id)
+        if released is not None and record is not None:
+            record.released = released
+
+    async def discard_checkpoints(self, kernel_id: str) -> None:
+        record = self.runtime.kernels.get(kernel_id)
+        kept = self.records.get(kernel_id)
+        owner = record.owner if record else kept.owner if kept else None
+        if owner is not None:
+            await asyncio.to_thread(self.runtime.checkpoints.remove, owner, kernel_id)
+
+    def persist(self, kernel_id: str) -> None:
+        self.records.remember(kernel_id)
+
+    async def reply(
+        self, client: Any, msg_id: str, timeout: float, km: Any, pid: int | None, launching: bool = False
+    ) -> dict[str, Any]:
+        """The shell reply to ``msg_id``; fails fast if the kernel process dies meanwhile.
+
+        ``launching``: the kernel was just started, so its process ending (or hanging after a
+        failed bind) is a failed start, told with its last stderr lines.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise LifecycleError(f"the kernel did not answer within {timeout:g}s", 504)
+            try:
+                msg: dict[str, Any] = await client.get_shell_msg(timeout=min(1.0, remaining))
+            except Exception:  # queue.Empty from jupyter_client: no message this second
+                if launching:
+                    tail = stderr_tail(km)
+                    if BIND_ERROR in tail:  # ipykernel hangs after some failed binds: do not wait
+                        raise LifecycleError(f"the kernel could not bind its ports: {tail}", 503) from None
+                    if not await ensure_async(km.is_alive()):
+                        raise LifecycleError(
+                            f"the kernel exited before it answered; its last stderr lines: {tail or 'none'}",
+                            500,
+                        ) from None
+                    continue
+                if self.pid_of(km) != pid or not await ensure_async(km.is_alive()):
+                    raise KernelDied(
+                        "the kernel process died while writing its checkpoint; the previous checkpoint "
+                        "(if any) is unchanged",
+                        500,
+                    ) from None
+                continue
+            if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                return msg
+
+    @staticmethod
+    def pid_of(km: Any) -> int | None:
+        """The pid of the kernel's current process (``None`` when it has none)."""
+        process = getattr(getattr(km, "provisioner", None), "process", None)
+        return getattr(process, "pid", None)
