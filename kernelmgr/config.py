@@ -25,6 +25,7 @@ from kernelmgr.backends.kubernetes import profile_resource, validate_backend_opt
 from kernelmgr.checkpoint.integrity import load_or_create_secret, migrate_secret
 from kernelmgr.checkpoint.store import CheckpointStore
 from kernelmgr.core.allocator import STRATEGIES, InventoryChange, SliceAllocator
+from kernelmgr.core.controller import KernelStates
 from kernelmgr.core.errors import ConfigError, UnknownProfileError
 from kernelmgr.core.inventory import GpuInventory
 from kernelmgr.core.kernels import KernelRegistry
@@ -67,6 +68,8 @@ class ElasticRuntime:
     mode: KernelMode = KernelMode.LOCAL
     background_checkpoint_interval: float = 0.0
     kernels: KernelRegistry = field(default_factory=KernelRegistry)
+    #: The one writer of the kernels' lifecycle states (provisioners report starts and exits to it).
+    states: KernelStates = field(init=False)
     #: Set by the server: a provisioner calls it when a running kernel vanished without being asked
     #: (its pod deleted, evicted, lost with its node) with the reason and, when known, the time
     #: (epoch seconds) Kubernetes began stopping it (a checkpoint committed after that is one the
@@ -94,6 +97,9 @@ class ElasticRuntime:
     #: Set by a multi-user gateway (``ElasticGateway.kernel_accounts = "per-user"``): local kernels
     #: then run as their owner's OS account (:mod:`kernelmgr.provisioners.accounts`).
     kernel_accounts: KernelAccounts | None = None
+
+    def __post_init__(self) -> None:
+        self.states = KernelStates(self.kernels)
 
     @property
     def inventory(self) -> GpuInventory:

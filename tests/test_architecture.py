@@ -140,3 +140,18 @@ def test_the_lifecycle_imports_no_web_or_kubernetes_framework_and_not_the_server
         if module.startswith(("kernelmgr.server", "gateway"))
     ]
     assert upward == []
+
+
+def test_only_the_controller_module_moves_a_lifecycle() -> None:
+    """Every state write goes through core/controller.py (``KernelStates`` and the controller)."""
+    moves = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != PACKAGE / "core" / "controller.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr == "move"
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "lifecycle"
+    ]
+    assert moves == []

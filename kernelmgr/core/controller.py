@@ -98,6 +98,58 @@ class KernelPlatform(Protocol):
         """Record the kernel's state durably, best effort (must not raise)."""
 
 
+class KernelStates:
+    """The one writer of every kernel's lifecycle state.
+
+    The controller's operations (hibernate, resume, loss, removal) move states through it, and
+    so do the facts provisioners report: a start began, the process serves, it ended. Nothing
+    else calls :meth:`~kernelmgr.core.lifecycle.Lifecycle.move` (tests/test_architecture.py).
+    """
+
+    def __init__(self, registry: KernelRegistry) -> None:
+        self.registry = registry
+
+    def move(self, record: ManagedKernel, state: KernelState, reason: str) -> None:
+        record.lifecycle.move(state, reason)
+
+    def starting(self, kernel_id: str, kernelspec: str, profile: str | None, owner: str) -> ManagedKernel:
+        """A launch begins: a new kernel is registered ``starting``; a restart goes back to it; a
+        resume's launch keeps ``resuming`` (the controller decides how a resume ends)."""
+        record = self.registry.register(kernel_id, kernelspec, profile, owner)
+        if record.state not in (S.RESUMING, S.STARTING):
+            record.lifecycle.move(S.STARTING, "launch")
+        return record
+
+    def start_refused(self, record: ManagedKernel, why: str) -> None:
+        """A new kernel's start was refused before anything ran (no slice): dead and forgotten."""
+        record.lifecycle.move(S.DEAD, why)
+        record.last_error = why
+        self.registry.remove(record.kernel_id)
+
+    def launched(self, kernel_id: str, how: str) -> None:
+        """The kernel's process serves: count the launch; a starting kernel is now running."""
+        record = self.registry.get(kernel_id)
+        if record is not None:
+            record.launches += 1
+            if record.state is S.STARTING:
+                record.lifecycle.move(S.RUNNING, how)
+
+    def ended(self, kernel_id: str, reason: str) -> None:
+        """The process of a starting or running kernel is gone (crash, kill, failed launch).
+
+        During a hibernation or a resume the controller owns the state and decides what a stopped
+        kernel means (hibernated, back to running, resume failed), so those states stay.
+        """
+        record = self.registry.get(kernel_id)
+        if record is not None and record.state in (S.STARTING, S.RUNNING):
+            record.lifecycle.move(S.DEAD, reason)
+
+    def dead(self, record: ManagedKernel, reason: str) -> None:
+        """The kernel is gone for good, from whatever state allows it."""
+        if record.lifecycle.can(S.DEAD):
+            record.lifecycle.move(S.DEAD, reason)
+
+
 def restore_timeout(base: float, checkpoint_bytes: int) -> float:
     """How long a resume may take: a start plus reading the checkpoint at a slow disk's rate."""
     return base + checkpoint_bytes / RESTORE_BYTES_PER_SECOND_FLOOR
@@ -125,8 +177,10 @@ class LifecycleController:
         platform: KernelPlatform,
         start_timeout: float = 120.0,
         busy_retry: float = 0.5,
+        states: KernelStates | None = None,
     ) -> None:
         self.registry = registry
+        self.states = states or KernelStates(registry)
         self.allocator = allocator
         self.profile = profile
         self.platform = platform
@@ -202,8 +256,8 @@ class LifecycleController:
             record = self.registry.get(kernel_id)
             await self.platform.kill(kernel_id)
             self.platform.release_slice(kernel_id)
-            if record is not None and record.lifecycle.can(S.DEAD):
-                record.lifecycle.move(S.DEAD, "removed")
+            if record is not None:
+                self.states.dead(record, "removed")
             await self.platform.discard_checkpoints(kernel_id)
             self.registry.remove(kernel_id)
         self._slots.pop(kernel_id, None)
@@ -432,5 +486,5 @@ class LifecycleController:
         return record
 
     def _move(self, record: ManagedKernel, state: KernelState, reason: str) -> None:
-        record.lifecycle.move(state, reason)
+        self.states.move(record, state, reason)
         self.platform.persist(record.kernel_id)

@@ -131,8 +131,7 @@ class KernelLoss:
             self.host.log.error("Kernel %s was lost and its checkpoint cannot be read: %s", kernel_id, exc)
         if manifest is None:
             self.platform.release_slice(kernel_id)
-            if record.lifecycle.can(KernelState.DEAD):
-                record.lifecycle.move(KernelState.DEAD, f"lost ({why}) with no readable checkpoint")
+            self.runtime.states.dead(record, f"lost ({why}) with no readable checkpoint")
             km.execution_state = "dead"
             return
         committed = committed_of(manifest)

@@ -87,7 +87,12 @@ class Hibernator:
         self.records = KernelRecords(state_file, runtime.kernels, mkm.log, self._cwd_of)
         self.platform = JupyterKernelPlatform(mkm, runtime, self.records, self.activity, checkpoint_timeout)
         self.controller = LifecycleController(
-            runtime.kernels, runtime.allocator, runtime.profile, self.platform, start_timeout=start_timeout
+            runtime.kernels,
+            runtime.allocator,
+            runtime.profile,
+            self.platform,
+            start_timeout=start_timeout,
+            states=runtime.states,
         )
         self.loss = KernelLoss(
             mkm, runtime, self.controller, self.platform, self.records, self.events, self._pruning

@@ -62,10 +62,8 @@ def claim_slice(
     ``take_over`` names a warm holder whose slice the kernel takes instead of booking a new one.
     """
     owner = requesting_owner.get() or runtime.owner  # a gateway starts kernels for many users
-    record = runtime.kernels.register(kernel_id, kernelspec_name, profile_name, owner)
+    record = runtime.states.starting(kernel_id, kernelspec_name, profile_name, owner)
     resuming = record.state is KernelState.RESUMING
-    if not resuming and record.state is not KernelState.STARTING:
-        record.lifecycle.move(KernelState.STARTING, "launch")
     if profile_name is None:
         return record, None
     try:
@@ -74,9 +72,7 @@ def claim_slice(
             granted = runtime.allocator.allocate(kernel_id, runtime.profile(profile_name))
     except Exception as exc:
         if not resuming:
-            record.lifecycle.move(KernelState.DEAD, str(exc))
-            record.last_error = str(exc)
-            runtime.kernels.remove(kernel_id)
+            runtime.states.start_refused(record, str(exc))
         raise
     return record, granted
 
@@ -85,11 +81,9 @@ def mark_launched(runtime: ElasticRuntime, kernel_id: str, how: str) -> None:
     """The kernel serves: count the launch, forget the restore request, starting → running."""
     record = runtime.kernels.get(kernel_id)
     if record is not None:
-        record.launches += 1
         record.restore_on_start = False
         record.restore_checkpoint = None
-        if record.state is KernelState.STARTING:
-            record.lifecycle.move(KernelState.RUNNING, how)
+    runtime.states.launched(kernel_id, how)
 
 
 def release_slice(runtime: ElasticRuntime, kernel_id: str, reason: str, log: logging.Logger) -> None:
@@ -99,9 +93,7 @@ def release_slice(runtime: ElasticRuntime, kernel_id: str, reason: str, log: log
     stopped kernel means (hibernated, back to running, resume failed).
     """
     released = runtime.allocator.release(kernel_id)
-    record = runtime.kernels.get(kernel_id)
-    if record is not None and record.state in (KernelState.STARTING, KernelState.RUNNING):
-        record.lifecycle.move(KernelState.DEAD, reason)
+    runtime.states.ended(kernel_id, reason)
     if released is not None:
         log.info(
             "Released GPU slice of kernel %s (size %s on %s): %s",
