@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import CONFIG, PROFILES, elastic_config
-from tests.support.server import RunningServer, launch, start_server, wait_for
+from tests.support.server import START_SECONDS, RunningServer, launch, start_server, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +253,7 @@ def _zombie(pid: int) -> bool:
 def test_bad_config_stops_the_server_with_one_clear_line(tmp_path: Path, config: dict, fragment: str) -> None:
     proc, log_path, _url, _env = launch(tmp_path, {"ElasticKernels": {**CONFIG["ElasticKernels"], **config}})
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=START_SECONDS)
     except subprocess.TimeoutExpired:
         proc.kill()
         raise
