@@ -50,6 +50,12 @@ if not os.path.exists(marker):
         "s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen()\\n"
         "print('bound', flush=True); time.sleep(300)\\n"
     )
+    if sys.argv[3] == "zeromq":  # as another kernel's IOPub pipe (a PULL socket on a random port)
+        holder = (
+            "import sys, time, zmq\\n"
+            "s = zmq.Context().socket(zmq.PULL); s.bind(f'tcp://127.0.0.1:{sys.argv[1]}')\\n"
+            "print('bound', flush=True); time.sleep(300)\\n"
+        )
     thief = subprocess.Popen([sys.executable, "-c", holder, str(port)], stdout=subprocess.PIPE,
                              start_new_session=True)
     open(marker + ".thief", "w").write(str(thief.pid))
@@ -121,7 +127,9 @@ def make_home(tmp_path_factory: pytest.TempPathFactory, state: Path) -> Path:
     (home / "thief_at_resume.py").write_text(THIEF_AT_EVERY_RESUME)
     py = sys.executable
     for port in ("shell_port", "iopub_port"):
-        kernelspec(home, f"thief-{port}", [py, str(home / "thief.py"), str(state), port, "{connection_file}"])
+        for holder in ("socket", "zeromq"):
+            argv = [py, str(home / "thief.py"), str(state), port, holder, "{connection_file}"]
+            kernelspec(home, f"thief-{holder}-{port}", argv)
     kernelspec(home, "broken", [py, "-c", "import missing_gpu_library_xyz", "-f", "{connection_file}"])
     kernelspec(home, "stuck", [py, str(home / "stuck.py"), str(state), "{connection_file}"])
     kernelspec(home, "plain", [py, "-m", "ipykernel_launcher", "-f", "{connection_file}"])
@@ -159,11 +167,15 @@ def nothing_left(server: RunningServer) -> Iterator[None]:
     wait_for(lambda: not slices(server), what="all slices free")
 
 
+@pytest.mark.parametrize("holder", ["socket", "zeromq"])
 @pytest.mark.parametrize("port", ["shell_port", "iopub_port"])
 def test_a_port_taken_before_the_bind_is_retried_on_new_ports(
-    server: RunningServer, state: Path, port: str
+    server: RunningServer, state: Path, port: str, holder: str
 ) -> None:
-    reply = server.request("POST", "/api/kernels", {"name": f"thief-{port}"})
+    """The port's holder is a plain listening socket, or a ZeroMQ socket of another kernel (its
+    IOPub pipe, bound to a random port): the server's probe then connects to a socket that
+    refuses the handshake, where a blocking send would have stalled the whole server."""
+    reply = server.request("POST", "/api/kernels", {"name": f"thief-{holder}-{port}"})
     assert reply.status == 201, reply
     kernel_id = reply.body["id"]
     assert server.execute(kernel_id, "print(6 * 7)", timeout=30).strip() == "42"

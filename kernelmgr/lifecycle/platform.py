@@ -16,8 +16,10 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import zmq
 from jupyter_core.utils import ensure_async
 
 from kernelmgr.activity.jupyter import JupyterActivity
@@ -40,6 +42,29 @@ STARTING_PROBE_SECONDS = 5.0
 #: A relaunch with new ports is tried at most this many times (each choice is fresh: a repeat
 #: collision is a sign of something else, reported then).
 BIND_RETRIES = 3
+
+
+#: No request to a kernel blocks the server's event loop longer than this (milliseconds). A
+#: kernel that failed to bind its shell port leaves another process's socket on that port (often
+#: another kernel's IOPub pipe); ZeroMQ then drops the client's only connection at the refused
+#: handshake, and a plain send waits for a peer forever: the whole server stalled (issue 34).
+SEND_TIMEOUT_MS = 200
+
+
+def shell_client(km: Any) -> Any:
+    """A private client of the kernel with its shell channel only, whose sends never block."""
+    client = km.client()
+    client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    client.shell_channel.socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+    return client
+
+
+def try_send(send: Callable[[], str]) -> str | None:
+    """The id of the request ``send()`` sent, or ``None`` when the kernel's socket took nothing."""
+    try:
+        return send()
+    except zmq.Again:
+        return None
 
 
 def stderr_tail(km: Any) -> str:
@@ -111,8 +136,7 @@ class JupyterKernelPlatform:
         and neither a user nor the culler could hibernate it. A kernel_info round trip makes it
         publish busy/idle, which the server's own IOPub watcher records.
         """
-        client = km.client()
-        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        client = shell_client(km)
         deadline = time.monotonic() + STARTING_PROBE_SECONDS
         try:
             # Asked again while no status arrives: a kernel that has only just started may publish
@@ -121,7 +145,7 @@ class JupyterKernelPlatform:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                await self.reply(client, client.kernel_info(), remaining, km, self.pid_of(km))
+                await self.reply(client, client.kernel_info, remaining, km, self.pid_of(km))
                 seen_by = time.monotonic() + 0.25
                 while getattr(km, "execution_state", "unknown") == "starting" and time.monotonic() < seen_by:
                     await asyncio.sleep(0.02)
@@ -195,14 +219,19 @@ class JupyterKernelPlatform:
         Returns the kernel_info content and the number of the last cell the user ran (a
         silent execute's reply carries it without counting itself).
         """
-        client = km.client()
-        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        client = shell_client(km)
         pid = self.pid_of(km)
         try:
             # Both requests at once: the kernel answers its shell requests in order, so the
             # checkpoint does not wait a round trip for the kernel_info reply.
-            info_id = client.kernel_info()
-            msg_id = client.execute(CHECKPOINT_CODE, silent=True, store_history=False, allow_stdin=False)
+            info_id = try_send(client.kernel_info)
+            msg_id = try_send(
+                lambda: client.execute(CHECKPOINT_CODE, silent=True, store_history=False, allow_stdin=False)
+            )
+            if (
+                info_id is None or msg_id is None
+            ):  # a running kernel holds its ports: not seen, but never wait
+                raise LifecycleError("the kernel's shell socket takes no requests", 503)
             self.activity.internal(msg_id)  # the server's own request is not the user's activity
             info = await self.reply(client, info_id, 30, km, pid)
             reply = await self.reply(client, msg_id, self.checkpoint_timeout, km, pid)
@@ -305,12 +334,11 @@ class JupyterKernelPlatform:
             record.restore_checkpoint = None
 
     async def _wait_ready(self, km: Any, continue_count_of: str | None, timeout: float) -> None:
-        client = km.client()
-        client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+        client = shell_client(km)
         try:
             # One kernel_info round trip proves the kernel serves requests (the agent has
             # restored by then: it runs at extension load, before the first request).
-            await self.reply(client, client.kernel_info(), timeout, km, self.pid_of(km), launching=True)
+            await self.reply(client, client.kernel_info, timeout, km, self.pid_of(km), launching=True)
             record = self.records.get(continue_count_of) if continue_count_of else None
             if record is not None and record.execution_count > 0:
                 # The notebook's cell numbers go on where they stopped (silently: no output).
@@ -339,19 +367,32 @@ class JupyterKernelPlatform:
         self.records.remember(kernel_id)
 
     async def reply(
-        self, client: Any, msg_id: str, timeout: float, km: Any, pid: int | None, launching: bool = False
+        self,
+        client: Any,
+        request: str | Callable[[], str],
+        timeout: float,
+        km: Any,
+        pid: int | None,
+        launching: bool = False,
     ) -> dict[str, Any]:
-        """The shell reply to ``msg_id``; fails fast if the kernel process dies meanwhile.
+        """The shell reply to ``request`` (a sent message's id, or the send itself, retried while
+        the kernel's socket takes nothing); fails fast if the kernel process dies meanwhile.
 
         ``launching``: the kernel was just started, so its process ending (or hanging after a
         failed bind) is a failed start, told with its last stderr lines.
         """
         deadline = time.monotonic() + timeout
+        msg_id = request if isinstance(request, str) else None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise LifecycleError(f"the kernel did not answer within {timeout:g}s", 504)
             try:
+                if msg_id is None:
+                    assert callable(request)
+                    msg_id = try_send(request)
+                    if msg_id is None:
+                        raise TimeoutError  # nothing sent: check on the process, as for no reply
                 msg: dict[str, Any] = await client.get_shell_msg(timeout=min(1.0, remaining))
             except Exception:  # queue.Empty from jupyter_client: no message this second
                 if launching:

@@ -20,6 +20,7 @@ lines. Only then is the restarter started: from here on a crash restarts as in p
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import resource
 import time
@@ -29,7 +30,7 @@ import zmq
 from jupyter_client.multikernelmanager import MultiKernelManager
 from jupyter_core.utils import ensure_async
 
-from kernelmgr.lifecycle.platform import BIND_RETRIES, stderr_tail
+from kernelmgr.lifecycle.platform import BIND_RETRIES, shell_client, stderr_tail, try_send
 from kernelmgr.provisioners.local import BIND_ERROR
 from kernelmgr.server.errors import http_error
 
@@ -84,15 +85,18 @@ def _with_stderr(message: str, tail: str) -> str:
 async def _first_reply(km: Any, deadline: float) -> str:
     """``up`` once the kernel answers kernel_info; ``exited`` if its process ends; ``bind error``
     if it wrote one (and hangs); ``timeout``."""
-    client = km.client()
-    client.start_channels(shell=True, iopub=False, stdin=False, hb=False, control=False)
+    client = shell_client(km)
     try:
-        msg_id = client.kernel_info()
+        msg_id = None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return "timeout"
             try:
+                msg_id = msg_id or try_send(client.kernel_info)
+                if msg_id is None:
+                    await asyncio.sleep(min(0.2, remaining))
+                    raise TimeoutError  # its socket took nothing yet: is the process still there?
                 msg = await client.get_shell_msg(timeout=min(0.5, remaining))
             except Exception:  # queue.Empty: nothing this half second; is the process still there?
                 if not await ensure_async(km.is_alive()):
