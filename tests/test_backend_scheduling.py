@@ -34,7 +34,7 @@ from kernelmgr.provisioners import kubernetes as kprov  # noqa: E402
 from kernelmgr.server.models import elastic_kernel_model, kernel_pod_annotations  # noqa: E402
 from tests.support.kernel_pods import kernel_manager  # noqa: E402
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.pure, pytest.mark.timeout(240)]
 
 #: Label of this module's nodes; its value (namespace-backend) is each kernelspec's node selector.
 NODE_LABEL = "elastic.test/backend-node"

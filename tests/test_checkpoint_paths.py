@@ -26,7 +26,7 @@ from kernelmgr.checkpoint.writer import write_checkpoint
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
 from tests.test_kube_warm_pod_protocol import OWNER, SECRET, LocalWarmPod
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.pure, pytest.mark.timeout(120)]
 
 VICTIM, VICTIM_KERNEL = "bob", "kb"
 

@@ -40,6 +40,8 @@ from kernelmgr.server.persistence import KernelStateFile
 from tests.conftest import INVENTORY, PROFILES
 from tests.support.server import KernelChannel, Reply, RunningServer, start_server, wait_for
 
+pytestmark = pytest.mark.pure
+
 # -- in-process helpers ---------------------------------------------------------------------
 
 

@@ -31,12 +31,13 @@ from kernelmgr.checkpoint.verify import load_verified_manifest
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
 from tests.support.kernel_pods import free_port_block
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.pure, pytest.mark.timeout(180)]
 
 OWNER = "alice"
 SECRET = b"s" * 32
 
 
+@pytest.mark.server  # the warm pod's program as a real process, waited for (tests/support/costs.py)
 class LocalWarmPod:
     """``python -m kernelmgr.kube.warm_pod`` as a process, with a pod's environment."""
 
