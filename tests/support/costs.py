@@ -123,7 +123,8 @@ class Walk:
     def cost(self) -> str | None:
         return max(self.found, key=rank) if self.found else None
 
-    def _note(self, cost: str, why: str) -> None:
+    def note(self, cost: str, why: str) -> None:
+        """Record that ``cost`` is needed, and the first reason seen for it."""
         self.found.setdefault(cost, why)
 
     def follow(self, obj: Any) -> None:
@@ -135,10 +136,10 @@ class Walk:
             return
         self._seen[id(obj)] = obj  # kept, so that no other object gets its id during the walk
         for marked in marked_costs(obj):
-            self._note(marked, f"{qualified_name(obj)} is marked {marked}")
+            self.note(marked, f"{qualified_name(obj)} is marked {marked}")
         name = qualified_name(obj)
         if name is not None and (cost := source_cost(name)) is not None:
-            self._note(cost, name)
+            self.note(cost, name)
             return
         if not self._follows(getattr(obj, "__module__", None)):
             return
@@ -206,7 +207,7 @@ class Walk:
     def _name(self, name: str) -> None:
         """Note a qualified name reached by import or attribute, and follow it when it is loaded."""
         if (cost := source_cost(name)) is not None:
-            self._note(cost, name)
+            self.note(cost, name)
             return
         module, _, attribute = name.rpartition(".")
         loaded = sys.modules.get(module)
@@ -227,7 +228,7 @@ def derive(item: pytest.Item, root: Path) -> tuple[str | None, dict[str, str]]:
     walk = Walk(root)
     for marker in item.iter_markers():
         if marker.name in COSTS:
-            walk._note(marker.name, f"marked {marker.name}")
+            walk.note(marker.name, f"marked {marker.name}")
     function = getattr(item, "function", None)
     if function is not None:
         walk.follow(function)
