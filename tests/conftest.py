@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.costs import assign
 from tests.support.kube import ControlPlane, require_envtest, wait_for
 from tests.support.server import RunningServer, start_server
 
@@ -112,3 +113,12 @@ def reference() -> Iterator[Any]:
     ref = Reference()
     yield ref
     ref.close()
+
+
+# ---- one cost marker per test (pure, server, cluster, browser, gpu), derived by tests/support/costs.py
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark each test with the most expensive part it needs, before ``-m`` selects (first of the hooks)."""
+    assign(items, Path(__file__).parent)

@@ -19,6 +19,8 @@ from kernelmgr.activity.nvml_double import ENV_FILE, FileNvmlDouble, NvmlDouble
 from kernelmgr.activity.process_tree import children_map, descendants, parent_of
 from kernelmgr.core.inventory import GpuDevice
 
+pytestmark = pytest.mark.pure
+
 GPU_A, GPU_B, MIG = "GPU-aaaa", "GPU-bbbb", "MIG-cccc"
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import kernelmgr
+
+pytestmark = pytest.mark.pure
 
 PACKAGE = Path(kernelmgr.__file__).parent
 FORBIDDEN_IN_CORE = ("tornado", "jupyter_server", "jupyter_client", "kubernetes", "traitlets", "pynvml")

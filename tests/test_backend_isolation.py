@@ -13,6 +13,8 @@ from kernelmgr.config import ElasticKernels
 from kernelmgr.core.profiles import BACKENDS, parse_profile
 from kernelmgr.server.models import profiles_model
 
+pytestmark = pytest.mark.pure
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kernelmgr.backends.local import cpu_environment, local_environment
 from kernelmgr.core.allocator import SliceAllocator
 from kernelmgr.core.inventory import GpuInventory
 from kernelmgr.core.profiles import parse_profile
+
+pytestmark = pytest.mark.pure
 
 INVENTORY = GpuInventory.declared(
     [{"uuid": f"GPU-{i}", "name": "A100", "memory_mib": 40_000} for i in range(2)]

@@ -1,7 +1,7 @@
 """Every slice backend scheduled for real: kernels of each size started through the provisioner, placed
 (or refused) by the real kube-scheduler on kwok nodes that advertise the backend's resources.
 
-Rendering tests (tests/test_backends_kubernetes.py) prove the pods are valid; these prove the requests
+Rendering tests (tests/test_backend_kubernetes.py) prove the pods are valid; these prove the requests
 mean what the sizes say to a scheduler: a kernel that fits is bound to the node of its mechanism, and
 one that does not stays Pending, so the provisioner's start fails with the scheduler's own
 "Insufficient <resource>" and gives its slice back. kwok marks the bound pods Running, so the
@@ -34,7 +34,7 @@ from kernelmgr.provisioners import kubernetes as kprov  # noqa: E402
 from kernelmgr.server.models import elastic_kernel_model, kernel_pod_annotations  # noqa: E402
 from tests.support.kernel_pods import kernel_manager  # noqa: E402
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.pure, pytest.mark.timeout(240)]
 
 #: Label of this module's nodes; its value (namespace-backend) is each kernelspec's node selector.
 NODE_LABEL = "elastic.test/backend-node"

@@ -21,7 +21,7 @@ from tests.support.kube import REPO_ROOT, require_envtest
 
 require_envtest(module_level=True)
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
 
 SLICES = 32
 OVER = 8

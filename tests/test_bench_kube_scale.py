@@ -17,7 +17,7 @@ from tests.support.kube import REPO_ROOT, require_envtest
 
 require_envtest(module_level=True)
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 def test_quick_run_counts_api_requests(tmp_path: Path) -> None:

@@ -29,6 +29,8 @@ from kernelmgr.checkpoint.keys import ENV_KEY_FILE, key_file_path, private_key_d
 from kernelmgr.checkpoint.layout import read_current
 from kernelmgr.checkpoint.store import CheckpointStore
 
+pytestmark = pytest.mark.pure
+
 SECRET = b"k" * 32
 OWNER = "alice"
 KERNEL = "0a1b2c3d-0000-4000-8000-00000000beef"

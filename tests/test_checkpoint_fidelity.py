@@ -30,6 +30,8 @@ from kernelmgr.core.manifest import Manifest, VariableRecord
 from tests import test_checkpoint_agent as agent_tests
 from tests.support.libraries import require
 
+pytestmark = pytest.mark.pure
+
 OWNER = "alice"
 KERNEL = "3f2a9c1e-0000-4000-8000-00000000f1d0"
 KEY = owner_key(b"f" * 32, OWNER)

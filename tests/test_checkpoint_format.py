@@ -46,6 +46,8 @@ from kernelmgr.checkpoint.serialize import RestoreContext, _rebuild_storage, res
 from kernelmgr.checkpoint.store import CheckpointStore
 from kernelmgr.core.manifest import FORMAT, GroupRecord, Manifest, ManifestError, VariableRecord
 
+pytestmark = pytest.mark.pure
+
 SECRET = b"s" * 32
 OWNER = "alice"
 KERNEL = "3f2a9c1e-0000-4000-8000-000000000001"

@@ -41,6 +41,8 @@ from tests.conftest import INVENTORY, PROFILES
 from tests.conftest import elastic_config as config
 from tests.support.server import RunningServer, start_server, wait_for
 
+pytestmark = pytest.mark.pure
+
 SECRET = b"s" * 32
 OWNER = "alice"
 KERNEL = "0a1b2c3d-0000-4000-8000-00000000beef"

@@ -8,6 +8,8 @@ import pytest
 
 from kernelmgr.checkpoint.namespace import UserNamespace, is_machinery
 
+pytestmark = pytest.mark.pure
+
 MACHINERY = ["In", "Out", "get_ipython", "exit", "quit", "_", "__", "___", "_7", "_i", "_ii", "_iii"]
 MACHINERY += ["_i12", "_ih", "_oh", "_dh", "__name__", "__builtins__"]
 

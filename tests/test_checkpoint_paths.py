@@ -24,9 +24,9 @@ from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.store import RESTORE_REPORT_CAP, CheckpointStore
 from kernelmgr.checkpoint.writer import write_checkpoint
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
-from tests.test_warm_pod_protocol import OWNER, SECRET, LocalWarmPod
+from tests.test_kube_warm_pod_protocol import OWNER, SECRET, LocalWarmPod
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.pure, pytest.mark.timeout(120)]
 
 VICTIM, VICTIM_KERNEL = "bob", "kb"
 

@@ -20,6 +20,8 @@ from kernelmgr.checkpoint import reader, writer
 from kernelmgr.checkpoint.errors import CheckpointRefused
 from tests.test_checkpoint_format import KERNEL, OWNER, Marker, load, save
 
+pytestmark = pytest.mark.pure
+
 PROBE = "elastic_prewarm_probe"
 PROBE_SOURCE = """
 import threading, time

@@ -31,6 +31,8 @@ from tests.test_checkpoint_agent import (
 )
 from tests.test_checkpoint_agent import isolate as isolate  # autouse fixture: put __main__ back
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.fixture
 def store(tmp_path: Path) -> CheckpointStore:

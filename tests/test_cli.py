@@ -13,6 +13,8 @@ from kernelmgr.cli import _outcome
 from tests.conftest import CONFIG
 from tests.support.server import TOKEN, RunningServer, start_server
 
+pytestmark = pytest.mark.pure
+
 
 def cli(
     server: RunningServer | None, *args: str, env: dict[str, str] | None = None

@@ -14,6 +14,8 @@ from kernelmgr.core.errors import CapacityError, ConfigError
 from kernelmgr.core.inventory import GpuDevice, GpuInventory
 from kernelmgr.core.profiles import parse_profile
 
+pytestmark = pytest.mark.pure
+
 QUARTER = parse_profile("quarter", {"gpu_fraction": 0.25, "memory_mib": 10_000})
 HALF = parse_profile("half", {"gpu_fraction": 0.5, "memory_mib": 20_000})
 THIRD = parse_profile("third", {"gpu_fraction": 1 / 3, "memory_mib": 1_000})

@@ -10,6 +10,8 @@ from kernelmgr.core.errors import ConfigError, InvalidTransitionError
 from kernelmgr.core.inventory import GpuDevice, GpuInventory
 from kernelmgr.core.lifecycle import KernelState, Lifecycle
 
+pytestmark = pytest.mark.pure
+
 
 def test_declared_inventory() -> None:
     inv = GpuInventory.declared([{"uuid": "GPU-a", "name": "A100", "memory_mib": 40960}])

@@ -16,6 +16,8 @@ from kernelmgr.core.policy import (
     decide,
 )
 
+pytestmark = pytest.mark.pure
+
 
 def policy(**overrides: object):  # type: ignore[no-untyped-def]
     settings = {

@@ -7,6 +7,8 @@ import pytest
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.profiles import parse_profile, parse_profiles
 
+pytestmark = pytest.mark.pure
+
 
 def test_fractional_profile_defaults() -> None:
     small = parse_profile("small", {"gpu_fraction": 0.25, "memory_mib": 10240})

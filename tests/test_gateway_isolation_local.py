@@ -33,9 +33,9 @@ from kernelmgr.core.errors import ConfigError
 from kernelmgr.provisioners.accounts import AccountError, KernelAccounts, scrub_environment
 from tests.conftest import elastic_config
 from tests.support.hub import Hub, account_of, ensure_accounts, running_hub
-from tests.test_jupyterhub_gateway import gateway, open_session, run, sized_spec
+from tests.test_gateway_jupyterhub import gateway, open_session, run, sized_spec
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.pure, pytest.mark.timeout(600)]
 
 #: What a kernel tells about itself (the paths an attacker would go after).
 WHO_AM_I = """

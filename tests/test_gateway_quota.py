@@ -7,6 +7,8 @@ import pytest
 from gateway.quota import Holding, Limits, QuotaTable, parse_limits, refusal
 from kernelmgr.core.errors import ConfigError
 
+pytestmark = pytest.mark.pure
+
 SIZES = ["small", "medium", "whole"]
 
 

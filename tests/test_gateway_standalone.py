@@ -17,6 +17,8 @@ from benchmarks.bench_roundtrip import server_side_nodelay
 from tests.conftest import elastic_config
 from tests.support.server import TOKEN, RunningServer, launch, start_server
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.fixture
 def gateway(tmp_path: Path) -> Iterator[RunningServer]:

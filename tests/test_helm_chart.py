@@ -37,6 +37,9 @@ from kernelmgr.backends.kubernetes import render_pod_fragment, validate_backend_
 from kernelmgr.core.profiles import parse_profiles
 from kernelmgr.kube.namespaces import namespace_for
 
+# helm_binary() below runs at import: without helm built, no test of this module runs.
+pytestmark = pytest.mark.cluster
+
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "jupyter-elastic-kernels"
 K8S_VERSION = "1.33"  # the newest schema version kubernetes-validate knows

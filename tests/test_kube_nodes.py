@@ -14,6 +14,8 @@ from kernelmgr.core.inventory import GpuInventory
 from kernelmgr.core.profiles import parse_profile
 from kernelmgr.kube.nodes import node_devices
 
+pytestmark = pytest.mark.pure
+
 GFD = {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB", "nvidia.com/gpu.memory": "40960"}
 
 

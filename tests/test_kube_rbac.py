@@ -37,7 +37,7 @@ from tests.support import rbac
 from tests.support.kernel_pods import execute, kernel_manager, make_runtime, pod_names, secret_names
 from tests.support.kube import ControlPlane
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.pure, pytest.mark.timeout(180)]
 ROOT = Path(__file__).resolve().parents[1]
 RESTRICTED = {
     "pod-security.kubernetes.io/enforce": "restricted",

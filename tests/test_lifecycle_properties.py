@@ -29,6 +29,7 @@ import os
 import random
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,6 +39,8 @@ from kernelmgr.core.inventory import GpuInventory
 from kernelmgr.core.kernels import KernelRegistry
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.profiles import parse_profiles
+
+pytestmark = pytest.mark.pure
 
 S = KernelState
 EXAMPLES = int(os.environ.get("ELASTIC_PROPERTY_EXAMPLES", "300"))

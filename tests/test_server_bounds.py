@@ -30,7 +30,7 @@ from kernelmgr.checkpoint.writer import write_checkpoint
 from tests.conftest import elastic_config
 from tests.support.server import KernelChannel, Reply, RunningServer, start_server, wait_for
 from tests.test_checkpoint_paths import snapshot
-from tests.test_culler_concurrency import gate_object, next_message, reply_to, state
+from tests.test_hibernation_culler_concurrency import gate_object, next_message, reply_to, state
 
 pytestmark = pytest.mark.timeout(300)
 

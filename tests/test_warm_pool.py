@@ -25,6 +25,8 @@ from tests.conftest import elastic_config
 from tests.support.gate import slow_to_load_cell
 from tests.support.server import RunningServer, launch, process_alive, start_server, wait_for
 
+pytestmark = pytest.mark.pure
+
 REPO = Path(__file__).resolve().parent.parent
 DOUBLE = REPO / "tests" / "support" / "doubles" / "gpu_at_import"
 PRELOAD = "tests.support.warm_preload"

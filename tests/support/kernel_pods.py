@@ -1,6 +1,6 @@
 """Driving ``elastic-kubernetes-provisioner`` from tests: a real ``AsyncKernelManager`` per kernel.
 
-Shared by tests/test_kubernetes_provisioner.py and tests/test_kube_rbac.py. The kernelspec names the
+Shared by tests/test_kube_provisioner.py and tests/test_kube_rbac.py. The kernelspec names the
 provisioner and carries its configuration in ``metadata.kernel_provisioner.config``, as the server's
 generated kernelspecs will.
 """

@@ -27,6 +27,8 @@ from kernelmgr.checkpoint.termination import (
     install,
 )
 
+pytestmark = pytest.mark.pure
+
 SECRET = b"t" * 32
 OWNER = "alice"
 KERNEL = "0a1b2c3d-0000-4000-8000-00000000cafe"

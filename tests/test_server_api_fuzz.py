@@ -16,12 +16,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kernelmgr.server.handlers import elastic_handlers
 from tests.support.server import TOKEN, RunningServer
+
+pytestmark = pytest.mark.pure
 
 SPEC = yaml.safe_load((Path(__file__).resolve().parents[1] / "docs" / "openapi.yaml").read_text())
 PATHS: dict[str, dict[str, Any]] = SPEC["paths"]

@@ -23,6 +23,8 @@ if not torch.cuda.is_available():
 
 from tests.support.server import RunningServer, start_server, wait_for  # noqa: E402
 
+pytestmark = pytest.mark.gpu
+
 CYCLES = 5
 
 SETUP = """

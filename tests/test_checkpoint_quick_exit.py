@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.pure
+
 pytest.importorskip("IPython")
 
 PROGRAM = textwrap.dedent(

@@ -24,6 +24,8 @@ from jupyter_server.services.kernels.websocket import KernelWebsocketHandler
 from kernelmgr.server.websocket import ElasticWebsocketConnection
 from tests.support.server import RunningServer
 
+pytestmark = pytest.mark.pure
+
 SYS_PIDFD_GETFD = 438  # the same number on every Linux architecture (unified syscall table)
 
 

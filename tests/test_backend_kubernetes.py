@@ -23,6 +23,8 @@ from kernelmgr.backends.kubernetes import REGISTRY, render_pod_fragment, validat
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.profiles import BACKENDS, GpuProfile, parse_profile
 
+pytestmark = pytest.mark.pure
+
 #: resource.k8s.io/v1 (DRA GA) needs a 1.34+ schema; 1.35 is the first release with DRA stable.
 K8S_VERSION = "1.35"
 KERNEL_ID = "0f8fad5b-d9cb-469f-a165-70867728950e"

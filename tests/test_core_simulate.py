@@ -23,6 +23,8 @@ from kernelmgr.core.simulate.engine import DelayModel, Result, simulate, simulat
 from kernelmgr.core.simulate.generate import generate
 from kernelmgr.core.simulate.trace import TraceError, parse_trace, trace_to_dict
 
+pytestmark = pytest.mark.pure
+
 PROFILES = parse_profiles(
     {
         "small": {"gpu_fraction": 0.25, "memory_mib": 10240},

@@ -41,6 +41,8 @@ from kernelmgr.server.culler import Culler, Tombstones
 from tests.conftest import INVENTORY, PROFILES
 from tests.support.server import KernelChannel, Reply, RunningServer, start_server, wait_for
 
+pytestmark = pytest.mark.pure
+
 # -- in-process helpers ---------------------------------------------------------------------
 
 

@@ -48,6 +48,8 @@ from kernelmgr.nodeagent.cgroups import pod_uid_from_cgroup, read_pod_uid
 from kernelmgr.nodeagent.environ import environ_value, read_kernel_id
 from kernelmgr.nodeagent.sampler import NodeSampler
 
+pytestmark = pytest.mark.pure
+
 NVML_DOUBLE = "kernelmgr.activity.nvml_double.FileNvmlDouble"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -182,6 +184,7 @@ def agent_env(script: Path | None = None) -> dict[str, str]:
     return env
 
 
+@pytest.mark.server  # a real node-agent process, waited for (tests/support/costs.py)
 def start_agent(tmp: Path, proc_root: Path, script: Path, node: str, interval: float = 0.2) -> Agent:
     """Start ``node-agent`` on a free port (``--port 0``) and read the URL from its first line."""
     log = tmp / f"agent-{node}.log"

@@ -28,6 +28,8 @@ from kernelmgr.activity.nvml import PynvmlNvml  # noqa: E402
 from kernelmgr.nodeagent.sampler import NodeSampler  # noqa: E402
 from tests.support.server import wait_for  # noqa: E402
 
+pytestmark = pytest.mark.gpu
+
 WORKER = """
 import sys, time, pathlib, torch
 stop = pathlib.Path(sys.argv[1])

@@ -4,7 +4,7 @@ What the server relies on: only its token is answered; nothing outside the pod's
 directory can be read or written; a pod becomes one kernel, once; a checkpoint taken from it is
 committed in the store whole (verified with the owner's key) or not at all; and one pushed into a
 fresh pod is what that pod's kernel restores. The end-to-end path through a real control plane is
-tests/test_kubernetes_warm_pods.py.
+tests/test_kube_warm_pods.py.
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ from kernelmgr.checkpoint.verify import load_verified_manifest
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
 from tests.support.kernel_pods import free_port_block
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.pure, pytest.mark.timeout(180)]
 
 OWNER = "alice"
 SECRET = b"s" * 32
 
 
+@pytest.mark.server  # the warm pod's program as a real process, waited for (tests/support/costs.py)
 class LocalWarmPod:
     """``python -m kernelmgr.kube.warm_pod`` as a process, with a pod's environment."""
 
