@@ -164,9 +164,10 @@ def module_level_clients(path: Path) -> list[str]:
             if isinstance(node, ast.Global):
                 stored = ", ".join(node.names)
                 value = ast.unparse(func)
-            elif isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript):
-                base = node.targets[0].value
-                stored = base.id if isinstance(base, ast.Name) and base.id in module_names else None
+            elif isinstance(node, ast.Assign):
+                bases = [t.value for t in node.targets if isinstance(t, ast.Subscript)]
+                kept = [b.id for b in bases if isinstance(b, ast.Name) and b.id in module_names]
+                stored = kept[0] if kept else None
                 value = ast.unparse(node.value)
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 base = node.func.value
@@ -199,11 +200,15 @@ def test_the_globals_rule_catches_a_client_cache(tmp_path: Path) -> None:
         "    return _clients[k]\n"
         "def watch(ns):\n"
         "    _watches.setdefault(ns, PodInformer(ns))\n"
+        "class Cluster:\n"
+        "    def api(self, k):\n"
+        "        self.clients[k] = _clients[k] = client.ApiClient()\n"
     )
     assert module_level_clients(cache) == [
         "cache.py: module-level _clients = dict[str, client.ApiClient] {}",
         "cache.py: api stores a Kubernetes client in module-level _clients",
         "cache.py: watch stores a Kubernetes client in module-level _watches",
+        "cache.py: api stores a Kubernetes client in module-level _clients",
     ]
     single = tmp_path / "single.py"
     single.write_text(
