@@ -32,8 +32,8 @@ from kernelmgr.core.errors import ConfigError
 from kernelmgr.kube import access
 from kernelmgr.kube.access import KubeForbidden, KubeRefused, permission_of
 from kernelmgr.kube.cluster import KubeCluster
+from kernelmgr.kube.manifests import slice_env_refusal
 from kernelmgr.kube.namespaces import dns_label, namespace_for
-from kernelmgr.provisioners import kubernetes as kprov
 from tests.support import rbac
 from tests.support.kernel_pods import execute, kernel_manager, make_runtime, pod_names, secret_names
 from tests.support.kube import ControlPlane
@@ -303,7 +303,7 @@ def test_cuda_and_nvidia_env_are_refused() -> None:
         assert "OK" not in str(refused.value).split(":")[0]
     ok = ElasticKubernetesProvisioner(kernel_id="k", kernel_spec=spec, extra_env={"OMP_NUM_THREADS": "4"})
     assert ok.extra_env == {"OMP_NUM_THREADS": "4"}
-    assert "device plugin" in (kprov.slice_env_refusal({"NVIDIA_DRIVER_CAPABILITIES"}, "x") or "")
+    assert "device plugin" in (slice_env_refusal({"NVIDIA_DRIVER_CAPABILITIES"}, "x") or "")
 
 
 # ---- namespaces

@@ -21,7 +21,7 @@ from kubernetes import client  # noqa: E402
 
 from kernelmgr.config import ElasticKernels, ElasticRuntime  # noqa: E402
 from kernelmgr.kube.cluster import KubeCluster  # noqa: E402
-from kernelmgr.provisioners import kubernetes as kprov  # noqa: E402
+from kernelmgr.kube.manifests import SIZE_ANNOTATION  # noqa: E402
 from tests.support.kernel_pods import INVENTORY, kernel_manager, make_runtime, pod_names  # noqa: E402
 from tests.support.node_runner import NodeRunner  # noqa: E402
 
@@ -61,7 +61,7 @@ def test_kernel_pod_executes_interrupts_and_shuts_down(
         labels = pod.metadata.labels
         assert labels["app.kubernetes.io/name"] == "jupyter-elastic-kernels"
         assert labels["component"] == "kernel" and labels["kernel_id"] == kernel_id
-        assert pod.metadata.annotations[kprov.SIZE_ANNOTATION] == "one"
+        assert pod.metadata.annotations[SIZE_ANNOTATION] == "one"
         assert pod.spec.restart_policy == "Never"
         assert pod.spec.termination_grace_period_seconds == 60  # time to checkpoint at SIGTERM
         container = pod.spec.containers[0]

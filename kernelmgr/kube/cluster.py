@@ -32,7 +32,7 @@ from kernelmgr.kube.manifests import (
 )
 from kernelmgr.kube.namespaces import ensure_namespace
 from kernelmgr.kube.node_agents import agent_selector
-from kernelmgr.kube.pods import FoundKernel, running
+from kernelmgr.kube.pods import FoundKernel, finished, pod_failure, running
 from kernelmgr.kube.settings import KubeSettings
 
 
@@ -151,6 +151,46 @@ class KubeCluster:
                         f"for GPU size {size}: {exc.status} {exc.reason}"
                     ) from None
             self._side_objects.add(key)
+
+    async def wait_running(
+        self,
+        informer: PodInformer,
+        kernel_id: str,
+        pod: Any,
+        namespace: str,
+        timeout: float,
+        kubeconfig: str | None = None,
+    ) -> Any:
+        """The kernel's just created ``pod`` as the watch sees it Running with an IP; RuntimeError
+        explaining why not (conditions, container states, and then its events) when it ended or
+        did not run within ``timeout``."""
+        uid, name = pod.metadata.uid, pod.metadata.name
+
+        def ready_or_done(seen: Any) -> bool:
+            if seen is None or seen.metadata.uid != uid:
+                return False
+            return running(seen) or finished(seen)
+
+        def events() -> list[Any]:  # read once, only to explain a failed launch
+            core = self.core(kubeconfig)
+            try:
+                return list(
+                    core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+                )
+            except client.ApiException:
+                return []
+
+        try:
+            seen = await informer.wait_for(kernel_id, ready_or_done, timeout)
+        except TimeoutError:
+            seen = informer.get(kernel_id)
+            explained = pod_failure(seen, await asyncio.to_thread(events))
+            raise RuntimeError(
+                f"kernel pod {namespace}/{name} not running after {timeout:g} s: {explained}"
+            ) from None
+        if not running(seen):
+            raise RuntimeError(f"kernel pod {namespace}/{name} ended: {pod_failure(seen)}")
+        return seen
 
     async def delete_pod_and_secret(self, namespace: str, name: str, kubeconfig: str | None = None) -> None:
         """Delete a pod and its Secret now (``grace=0``; gone already: nothing to do)."""

@@ -40,17 +40,14 @@ from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube.cluster import KubeCluster
 from kernelmgr.kube.informer import PodInformer
 from kernelmgr.kube.manifests import (
-    APP_LABELS,
     KEY_FILE,
     POD_KERNEL,
     PORT_NAMES,
     SECRET_MOUNT,
-    SIZE_ANNOTATION,
     checkpoint_sub_path,
     make_kernel_pod,
     make_kernel_secret,
     owner_reference,
-    slice_env_refusal,
 )
 from kernelmgr.kube.namespaces import namespace_for
 from kernelmgr.kube.nodes import follow_pod_node
@@ -60,12 +57,10 @@ from kernelmgr.kube.pods import (
     exit_code,
     finished,
     loss,
-    pod_failure,
-    running,
     stop_began,
     stopping_gracefully,
 )
-from kernelmgr.kube.settings import KubeSettings, pod_resources_refusal
+from kernelmgr.kube.settings import KubeSettings
 from kernelmgr.kube.warm_client import WarmPodError
 from kernelmgr.provisioners.common import (
     AGENT_EXTENSION,
@@ -79,16 +74,6 @@ from kernelmgr.provisioners.common import (
 from kernelmgr.provisioners.kube_warm import WarmHandoff
 
 PROVISIONER_NAME = "elastic-kubernetes-provisioner"
-
-__all__ = [
-    "APP_LABELS",
-    "PROVISIONER_NAME",
-    "SIZE_ANNOTATION",
-    "ElasticKubernetesProvisioner",
-    "FoundKernel",
-    "pod_resources_refusal",
-    "slice_env_refusal",
-]
 
 
 # KernelProvisionerMeta derives from MetaHasTraits at run time; mypy cannot see it (type(...) base).
@@ -347,25 +332,9 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             self._namespace,
             owner_reference(self._pod_name, pod.metadata.uid),
         )
-        uid = pod.metadata.uid
-
-        def ready_or_done(seen: Any) -> bool:
-            if seen is None or seen.metadata.uid != uid:
-                return False
-            return running(seen) or finished(seen)
-
-        seen: Any
-        try:
-            seen = await self.informer.wait_for(self.kernel_id, ready_or_done, self.launch_timeout)
-        except TimeoutError:
-            seen = self.informer.get(self.kernel_id)
-            events = await asyncio.to_thread(self._events)
-            raise RuntimeError(
-                f"kernel pod {self._namespace}/{self._pod_name} not running after {self.launch_timeout:g} s: "
-                f"{pod_failure(seen, events)}"
-            ) from None
-        if not running(seen):
-            raise RuntimeError(f"kernel pod {self._namespace}/{self._pod_name} ended: {pod_failure(seen)}")
+        seen = await self.cluster.wait_running(
+            self.informer, self.kernel_id, pod, self._namespace, self.launch_timeout, self.kubeconfig
+        )
         self.connection_info["ip"] = seen.status.pod_ip
         self.log.info("Kernel %s runs in pod %s at %s", self.kernel_id, self._pod_name, seen.status.pod_ip)
         self._follow_pod_node(seen)
@@ -384,17 +353,6 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
     def _follow_pod_node(self, pod: Any) -> None:
         """Book the slice on the node kube-scheduler bound the pod to (cluster inventory only)."""
         self._granted = follow_pod_node(self.runtime, self.kernel_id, self._granted, pod, self.log)
-
-    def _events(self) -> list[Any]:
-        """The pod's events: read once, only to explain a failed launch."""
-        try:
-            return list(
-                self.core.list_namespaced_event(
-                    self._namespace, field_selector=f"involvedObject.name={self._pod_name}"
-                ).items
-            )
-        except client.ApiException:
-            return []
 
     # ---- a restarted server finds its kernels (KubeCluster.find_kernel_pods)
 
