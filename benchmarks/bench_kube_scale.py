@@ -77,7 +77,9 @@ from traitlets.config import Config, Configurable
 
 from benchmarks.markdown import print_header, print_row
 from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
+from kernelmgr.kube.cluster import KubeCluster
 from kernelmgr.kube.informer import PodInformer
+from kernelmgr.kube.settings import KubeSettings
 from kernelmgr.lifecycle.records import KernelStateFile
 from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.provisioners import kubernetes as kprov
@@ -425,10 +427,12 @@ class Bench:
         self.admin = client.ApiClient(plane.configuration())
         self.kubeconfig = plane.user_kubeconfig(BENCH_USER, ["system:masters"])
         self.runtime = build_runtime(root, args.nodes)
+        # What the server extension makes: the clients and the one pod watch the provisioners share.
+        self.runtime.kube = KubeCluster(KubeSettings(kubeconfig=str(self.kubeconfig), namespace=NAMESPACE))
         self.holder = Holder()
         self.holder.elastic_runtime = self.runtime
         self.ksm = KernelSpecManager(kernel_dirs=[str(kernel_spec_dir(root, self.kubeconfig))])
-        self.api = kprov.api_client(str(self.kubeconfig))
+        self.api = self.runtime.kube.api()
         self.counter = ClientCounter(self.api)
         self.kms: dict[str, AsyncKernelManager] = {}
         self.results: dict[str, Any] = {}
@@ -440,7 +444,7 @@ class Bench:
     # -- the shared informer, instrumented from outside
 
     def start_informer(self) -> PodInformer:
-        informer = kprov.shared_informer(str(self.kubeconfig), NAMESPACE)
+        informer = self.runtime.kube.pod_informer()
         original_wait = informer.wait_for
 
         def notify(changes: Any) -> None:  # a listener: runs on the watch thread as the cache changes
@@ -1080,6 +1084,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-kube-") as tmp:
         root = Path(tmp)
         plane, audit = start_plane(root)
+        bench: Bench | None = None
         try:
             admin: Any = client.CoreV1Api(client.ApiClient(plane.configuration()))
             admin.create_namespace({"metadata": {"name": NAMESPACE}})
@@ -1088,7 +1093,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             bench = Bench(args, root, plane, audit)
             asyncio.run(scenario(bench))
         finally:
-            kprov.stop_shared_informers()
+            if bench is not None:
+                bench.runtime.kube.stop()
             plane.stop()
             gc.callbacks[:] = [
                 c for c in gc.callbacks if not isinstance(getattr(c, "__self__", None), GcPauses)

@@ -94,6 +94,10 @@ class ElasticRuntime:
     #: when ``ElasticKubernetesProvisioner.warm_pods`` asks for some. Typed ``Any``: the runtime
     #: must not import the Kubernetes adapter.
     warm_pods: Any = None
+    #: The cluster (:class:`kernelmgr.kube.cluster.KubeCluster`: Kubernetes settings, API clients,
+    #: pod watches), made and stopped by the server extension in Kubernetes mode. Typed ``Any``:
+    #: the runtime must not import the Kubernetes adapter.
+    kube: Any = None
     #: Set by a multi-user gateway (``ElasticGateway.kernel_accounts = "per-user"``): local kernels
     #: then run as their owner's OS account (:mod:`kernelmgr.provisioners.accounts`).
     kernel_accounts: KernelAccounts | None = None

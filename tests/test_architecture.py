@@ -1,8 +1,10 @@
-"""The layering rule: the core model imports no web, Jupyter, Kubernetes or config framework."""
+"""The layering rules: the core model imports no web, Jupyter, Kubernetes or config framework;
+``kube/`` (the cluster) imports no provisioner; no module keeps Kubernetes clients in its globals."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -159,3 +161,135 @@ def test_only_the_controller_module_moves_a_lifecycle() -> None:
         and node.value.attr == "lifecycle"
     ]
     assert moves == []
+
+
+def imported_from(path: Path) -> set[str]:
+    """``pkg.name`` of each ``from pkg import name`` (``name`` may be a module)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+        for alias in node.names
+    }
+
+
+def imports_of(directory: Path, prefix: str) -> list[str]:
+    """Every import under ``directory`` of ``prefix`` or a module below it (type-checking and
+    function-level imports included: they are arrows too)."""
+    return [
+        f"{path.relative_to(directory.parent)} imports {module}"
+        for path in sorted(directory.rglob("*.py"))
+        for module in sorted(imported_modules(path) | imported_from(path))
+        if module == prefix or module.startswith(f"{prefix}.")
+    ]
+
+
+def test_kube_imports_no_provisioner() -> None:
+    """The cluster layer (clients, watches, manifests, warm pods) is below the per-kernel
+    provisioner: it never reaches up into it (the warm pods once kept a whole provisioner)."""
+    assert imports_of(PACKAGE / "kube", "kernelmgr.provisioners") == []
+
+
+def test_the_kube_rule_catches_a_violation(tmp_path: Path) -> None:
+    fake = tmp_path / "kube"
+    fake.mkdir()
+    (fake / "up.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from kernelmgr.provisioners.kubernetes import ElasticKubernetesProvisioner\n"
+    )
+    (fake / "up2.py").write_text("def f():\n    from kernelmgr import provisioners\n")
+    assert imports_of(fake, "kernelmgr.provisioners") == [
+        "kube/up.py imports kernelmgr.provisioners.kubernetes",
+        "kube/up.py imports kernelmgr.provisioners.kubernetes.ElasticKubernetesProvisioner",
+        "kube/up2.py imports kernelmgr.provisioners",
+    ]
+
+
+#: What a Kubernetes client, API or watch is called (``client.ApiClient``, ``ExplainedCoreV1Api``,
+#: ``PodInformer``, ``watch.Watch`` ...).
+KUBE_CLIENT_NAMES = re.compile(r"\b\w*(ApiClient|Api|Informer|Watch)\b")
+
+
+def module_level_clients(path: Path) -> list[str]:
+    """Kubernetes clients or watches kept in module globals: a module-level name annotated with
+    or assigned one, or a function that stores one in a module-level name (``NAME[k] = ...``,
+    ``NAME.add(...)``, ``global NAME``). They belong to the server's ``KubeCluster``, made and
+    stopped by the extension, so that two servers (or two tests) in one process never share them."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[str] = []
+    module_names: set[str] = set()
+    for node in tree.body:
+        if not isinstance(node, ast.Assign | ast.AnnAssign) or node.value is None:
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        names = [t.id for t in targets if isinstance(t, ast.Name)]
+        module_names.update(names)
+        annotation = getattr(node, "annotation", None)
+        said = " ".join(ast.unparse(part) for part in (annotation, node.value) if part is not None)
+        text = annotation is None and isinstance(node.value, ast.Constant)  # a name or message, no client
+        if names and KUBE_CLIENT_NAMES.search(said) and not text:
+            found.append(f"{path.name}: module-level {names[0]} = {said}")
+    for func in ast.walk(tree):
+        if not isinstance(func, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(func):
+            stored: str | None = None
+            if isinstance(node, ast.Global):
+                stored = ", ".join(node.names)
+                value = ast.unparse(func)
+            elif isinstance(node, ast.Assign):
+                bases = [t.value for t in node.targets if isinstance(t, ast.Subscript)]
+                kept = [b.id for b in bases if isinstance(b, ast.Name) and b.id in module_names]
+                stored = kept[0] if kept else None
+                value = ast.unparse(node.value)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                base = node.func.value
+                if (
+                    isinstance(base, ast.Name)
+                    and base.id in module_names
+                    and node.func.attr in ("add", "append", "setdefault", "update", "__setitem__")
+                ):
+                    stored = base.id
+                value = ast.unparse(node)
+            if stored and KUBE_CLIENT_NAMES.search(value):
+                found.append(f"{path.name}: {func.name} stores a Kubernetes client in module-level {stored}")
+    return found
+
+
+def test_no_kubernetes_clients_in_module_globals() -> None:
+    bad = [v for path in sorted(PACKAGE.rglob("*.py")) for v in module_level_clients(path)]
+    assert bad == []
+
+
+def test_the_globals_rule_catches_a_client_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "cache.py"
+    cache.write_text(
+        "from kubernetes import client\n"
+        "_clients: dict[str, client.ApiClient] = {}\n"
+        "_watches = {}\n"
+        "def api(k):\n"
+        "    if k not in _clients:\n"
+        "        _clients[k] = client.ApiClient()\n"
+        "    return _clients[k]\n"
+        "def watch(ns):\n"
+        "    _watches.setdefault(ns, PodInformer(ns))\n"
+        "class Cluster:\n"
+        "    def api(self, k):\n"
+        "        self.clients[k] = _clients[k] = client.ApiClient()\n"
+    )
+    assert module_level_clients(cache) == [
+        "cache.py: module-level _clients = dict[str, client.ApiClient] {}",
+        "cache.py: api stores a Kubernetes client in module-level _clients",
+        "cache.py: watch stores a Kubernetes client in module-level _watches",
+        "cache.py: api stores a Kubernetes client in module-level _clients",
+    ]
+    single = tmp_path / "single.py"
+    single.write_text(
+        "from kubernetes import client\nAPI = client.CoreV1Api()\n"
+        "_shared: client.ApiClient | None = None\nNOTE = 'one ApiClient per kubeconfig'\n"
+    )
+    assert module_level_clients(single) == [
+        "single.py: module-level API = client.CoreV1Api()",
+        "single.py: module-level _shared = client.ApiClient | None None",
+    ]

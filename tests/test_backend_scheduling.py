@@ -30,7 +30,7 @@ require_envtest(module_level=True)
 from kubernetes import client  # noqa: E402
 
 from kernelmgr.config import ElasticKernels, ElasticRuntime  # noqa: E402
-from kernelmgr.provisioners import kubernetes as kprov  # noqa: E402
+from kernelmgr.kube.cluster import KubeCluster  # noqa: E402
 from kernelmgr.server.models import elastic_kernel_model, kernel_pod_annotations  # noqa: E402
 from tests.support.kernel_pods import kernel_manager  # noqa: E402
 
@@ -127,9 +127,11 @@ def runtime(tmp_path: Path) -> ElasticRuntime:
 
 
 @pytest.fixture
-def informers() -> Iterator[None]:
-    yield
-    kprov.stop_shared_informers()
+def informers(runtime: ElasticRuntime) -> Iterator[KubeCluster]:
+    """The cluster object the server would make (on the runtime): its watches stopped afterwards."""
+    runtime.kube = KubeCluster()
+    yield runtime.kube
+    runtime.kube.stop()
 
 
 @pytest.fixture
@@ -156,7 +158,7 @@ def test_sizes_that_fit_are_bound_and_the_next_is_refused_with_the_scheduler_rea
     kube_api: Any,
     kube_namespace: str,
     runtime: ElasticRuntime,
-    informers: None,
+    informers: KubeCluster,
     nodes: list[str],
 ) -> None:
     resources, fitting, refused, insufficient = SCENARIOS[backend]
@@ -209,7 +211,7 @@ def test_gpushare_device_assigned_by_the_extender_is_shown_in_the_kernel_model(
     kube_api: Any,
     kube_namespace: str,
     runtime: ElasticRuntime,
-    informers: None,
+    informers: KubeCluster,
     nodes: list[str],
 ) -> None:
     """gpushare's extender writes the GPU it picked on the pod; the kernel model reads it from the pod watch.
@@ -246,7 +248,7 @@ def test_gpushare_device_assigned_by_the_extender_is_shown_in_the_kernel_model(
             )
 
             def model() -> dict[str, Any] | None:
-                annotations = kernel_pod_annotations(runtime, kernel_id, kprov.kernel_pods())
+                annotations = kernel_pod_annotations(runtime, kernel_id, runtime.kube.kernel_pods())
                 found = elastic_kernel_model(runtime, {"id": kernel_id}, None, annotations)
                 return found if "assigned" in (found["slice"] or {}) else None
 
@@ -277,7 +279,7 @@ def test_dra_whole_gpu_claim_is_allocated_and_the_next_refused(
     kube_plane: ControlPlane,
     kube_api: Any,
     kube_namespace: str,
-    informers: None,
+    informers: KubeCluster,
     nodes: list[str],
 ) -> None:
     """DRA with the default scheduler: a kwok node with one GPU published in a ResourceSlice (as a DRA
@@ -324,6 +326,7 @@ def test_dra_whole_gpu_claim_is_allocated_and_the_next_refused(
     profiles = {"dra-1": {"gpu_fraction": 1, "backend": "dra", "options": {"device_class": device_class}}}
     elastic = ElasticKernels(profiles=profiles, gpu_inventory=INVENTORY, checkpoint_root=str(tmp_path / "ck"))
     runtime = elastic.build()
+    runtime.kube = informers
 
     async def scenario() -> None:
         first = kernel_manager(

@@ -499,7 +499,7 @@ def test_node_agents_are_found_by_the_charts_labels_and_answer_only_its_token(tm
 
 
 def test_kernel_pod_resources_reach_the_provisioner(tmp_path: Path) -> None:
-    from kernelmgr.provisioners.kubernetes import pod_resources_refusal
+    from kernelmgr.kube.settings import pod_resources_refusal
 
     config = server_config(render({}, tmp_path))["ElasticKubernetesProvisioner"]
     assert config["cpu_kernel_resources"] == {

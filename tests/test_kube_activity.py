@@ -38,8 +38,10 @@ require_envtest(module_level=True)
 from kubernetes import client  # noqa: E402
 
 from kernelmgr.activity.gpu import GpuActivity  # noqa: E402
+from kernelmgr.kube.cluster import KubeCluster  # noqa: E402
+from kernelmgr.kube.manifests import APP_LABELS  # noqa: E402
 from kernelmgr.kube.node_agents import NodeAgentClient  # noqa: E402
-from kernelmgr.provisioners import kubernetes as kprov  # noqa: E402
+from kernelmgr.kube.settings import KubeSettings  # noqa: E402
 from kernelmgr.server.cluster_activity import ClusterGpuSampler  # noqa: E402
 from tests.support import rbac  # noqa: E402
 from tests.support.node_runner import NodeRunner  # noqa: E402
@@ -157,7 +159,7 @@ def kernel_pod(kernel_id: str) -> dict[str, Any]:
         "kind": "Pod",
         "metadata": {
             "name": f"kernel-{kernel_id}",
-            "labels": {**kprov.APP_LABELS, "kernel_id": kernel_id},
+            "labels": {**APP_LABELS, "kernel_id": kernel_id},
         },
         "spec": {
             "nodeSelector": ON_RUNNER,
@@ -190,9 +192,11 @@ class Clock:
 
 
 @pytest.fixture
-def informers() -> Iterator[None]:
-    yield
-    kprov.stop_shared_informers()
+def informers(kube_plane: ControlPlane) -> Iterator[KubeCluster]:
+    """The cluster object the server would make: its watches are stopped after the test."""
+    cluster = KubeCluster(KubeSettings(kubeconfig=str(kube_plane.admin_kubeconfig)))
+    yield cluster
+    cluster.stop()
 
 
 def sample_until(
@@ -214,7 +218,11 @@ def sample_until(
 
 
 def test_sampler_reads_the_agent_pod_through_the_watch_busy_idle_then_not_measured(
-    kube_plane: ControlPlane, kube_api: Any, kube_runner: NodeRunner, kube_namespace: str, informers: None
+    kube_plane: ControlPlane,
+    kube_api: Any,
+    kube_runner: NodeRunner,
+    kube_namespace: str,
+    informers: KubeCluster,
 ) -> None:
     core: Any = client.CoreV1Api(kube_api)
     namespace = kube_namespace
@@ -227,14 +235,13 @@ def test_sampler_reads_the_agent_pod_through_the_watch_busy_idle_then_not_measur
     running(core, namespace, "agent")
     running(core, namespace, pod.metadata.name)
 
-    kubeconfig = str(kube_plane.admin_kubeconfig)
-    kernels = kprov.shared_informer(kubeconfig, namespace)
-    agents = kprov.agent_informer(kubeconfig, namespace)
+    kernels = informers.pod_informer(namespace)
+    agents = informers.agent_informer(namespace)
     assert kernels.wait_synced(60) and agents.wait_synced(60)
     clock = Clock()
     sampler = ClusterGpuSampler(
         agents,
-        kprov.kernel_pods,
+        informers.kernel_pods,
         AGENT_PORT,
         busy_threshold=5.0,
         client=NodeAgentClient(token=AGENT_TOKEN),

@@ -20,7 +20,8 @@ require_envtest(module_level=True)
 from kubernetes import client  # noqa: E402
 
 from kernelmgr.config import ElasticKernels, ElasticRuntime  # noqa: E402
-from kernelmgr.provisioners import kubernetes as kprov  # noqa: E402
+from kernelmgr.kube.cluster import KubeCluster  # noqa: E402
+from kernelmgr.kube.manifests import SIZE_ANNOTATION  # noqa: E402
 from tests.support.kernel_pods import INVENTORY, kernel_manager, make_runtime, pod_names  # noqa: E402
 from tests.support.node_runner import NodeRunner  # noqa: E402
 
@@ -28,14 +29,16 @@ pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture
-def runtime(tmp_path: Path) -> ElasticRuntime:
-    return make_runtime(tmp_path / "ck")
+def informers() -> Iterator[KubeCluster]:
+    """The cluster object the server would make: its pod watches are stopped after the test."""
+    cluster = KubeCluster()
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture
-def informers() -> Iterator[None]:
-    yield
-    kprov.stop_shared_informers()
+def runtime(tmp_path: Path, informers: KubeCluster) -> ElasticRuntime:
+    return make_runtime(tmp_path / "ck", cluster=informers)
 
 
 def test_kernel_pod_executes_interrupts_and_shuts_down(
@@ -45,7 +48,7 @@ def test_kernel_pod_executes_interrupts_and_shuts_down(
     kube_namespace: str,
     kube_runner: NodeRunner,
     runtime: ElasticRuntime,
-    informers: None,
+    informers: KubeCluster,
 ) -> None:
     core = client.CoreV1Api(kube_api)
     km = kernel_manager(tmp_path, kube_plane, kube_namespace, runtime, "one")
@@ -58,7 +61,7 @@ def test_kernel_pod_executes_interrupts_and_shuts_down(
         labels = pod.metadata.labels
         assert labels["app.kubernetes.io/name"] == "jupyter-elastic-kernels"
         assert labels["component"] == "kernel" and labels["kernel_id"] == kernel_id
-        assert pod.metadata.annotations[kprov.SIZE_ANNOTATION] == "one"
+        assert pod.metadata.annotations[SIZE_ANNOTATION] == "one"
         assert pod.spec.restart_policy == "Never"
         assert pod.spec.termination_grace_period_seconds == 60  # time to checkpoint at SIGTERM
         container = pod.spec.containers[0]
@@ -116,7 +119,7 @@ def test_unschedulable_size_fails_with_the_scheduler_reason(
     kube_namespace: str,
     kube_runner: NodeRunner,
     runtime: ElasticRuntime,
-    informers: None,
+    informers: KubeCluster,
 ) -> None:
     core = client.CoreV1Api(kube_api)
     km = kernel_manager(tmp_path, kube_plane, kube_namespace, runtime, "two", launch_timeout=6.0)
@@ -141,7 +144,7 @@ def test_unpullable_image_fails_with_the_kubelet_reason(
     kube_namespace: str,
     kube_runner: NodeRunner,
     runtime: ElasticRuntime,
-    informers: None,
+    informers: KubeCluster,
 ) -> None:
     core = client.CoreV1Api(kube_api)
     unpullable = "registry.invalid/missing:latest"
@@ -198,7 +201,7 @@ def test_dra_size_creates_its_claim_template_and_explains_an_unschedulable_claim
     kube_api: Any,
     kube_namespace: str,
     kube_runner: NodeRunner,
-    informers: None,
+    informers: KubeCluster,
 ) -> None:
     """A DRA size: the ResourceClaimTemplate its pod names is created (accepted by the real API
     server, once), the pod refers to it; with no DRA driver publishing devices, the start fails
@@ -215,6 +218,7 @@ def test_dra_size_creates_its_claim_template_and_explains_an_unschedulable_claim
     }
     elastic = ElasticKernels(profiles=profiles, gpu_inventory=INVENTORY, checkpoint_root=str(tmp_path / "ck"))
     runtime = elastic.build()
+    runtime.kube = informers
     # Long enough for the controller manager to make the pod's claim from the template under load:
     # its informer may not have seen the template created a moment before the pod, and then it
     # retries with back-off (a CI run saw "template not found" still at 6 s).

@@ -31,8 +31,9 @@ from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.kube import access
 from kernelmgr.kube.access import KubeForbidden, KubeRefused, permission_of
+from kernelmgr.kube.cluster import KubeCluster
+from kernelmgr.kube.manifests import slice_env_refusal
 from kernelmgr.kube.namespaces import dns_label, namespace_for
-from kernelmgr.provisioners import kubernetes as kprov
 from tests.support import rbac
 from tests.support.kernel_pods import execute, kernel_manager, make_runtime, pod_names, secret_names
 from tests.support.kube import ControlPlane
@@ -46,14 +47,16 @@ RESTRICTED = {
 
 
 @pytest.fixture
-def runtime(tmp_path: Path) -> ElasticRuntime:
-    return make_runtime(tmp_path / "ck")
+def informers() -> Iterator[KubeCluster]:
+    """The cluster object the server would make: its pod watches are stopped after the test."""
+    cluster = KubeCluster()
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture
-def informers() -> Iterator[None]:
-    yield
-    kprov.stop_shared_informers()
+def runtime(tmp_path: Path, informers: KubeCluster) -> ElasticRuntime:
+    return make_runtime(tmp_path / "ck", cluster=informers)
 
 
 @pytest.fixture
@@ -133,7 +136,7 @@ def test_kernel_runs_with_only_the_shipped_rbac(
     kube_namespace: str,
     kube_runner: Any,
     runtime: ElasticRuntime,
-    informers: None,
+    informers: KubeCluster,
     prefix: str,
 ) -> None:
     from kubernetes import client
@@ -173,7 +176,7 @@ def test_a_missing_permission_fails_at_once_naming_the_rule(
     kube_namespace: str,
     kube_runner: Any,
     runtime: ElasticRuntime,
-    informers: None,
+    informers: KubeCluster,
     prefix: str,
     resource: str,
     verb: str,
@@ -230,7 +233,7 @@ def test_kernel_pod_is_admitted_by_pod_security_restricted_and_runs(
     kube_namespace: str,
     kube_runner: Any,
     runtime: ElasticRuntime,
-    informers: None,
+    informers: KubeCluster,
 ) -> None:
     from kubernetes import client
 
@@ -300,7 +303,7 @@ def test_cuda_and_nvidia_env_are_refused() -> None:
         assert "OK" not in str(refused.value).split(":")[0]
     ok = ElasticKubernetesProvisioner(kernel_id="k", kernel_spec=spec, extra_env={"OMP_NUM_THREADS": "4"})
     assert ok.extra_env == {"OMP_NUM_THREADS": "4"}
-    assert "device plugin" in (kprov.slice_env_refusal({"NVIDIA_DRIVER_CAPABILITIES"}, "x") or "")
+    assert "device plugin" in (slice_env_refusal({"NVIDIA_DRIVER_CAPABILITIES"}, "x") or "")
 
 
 # ---- namespaces
@@ -326,7 +329,7 @@ def test_per_owner_namespaces_created_by_the_server_with_its_own_rights(
     kube_api: Any,
     kube_namespace: str,
     kube_runner: Any,
-    informers: None,
+    informers: KubeCluster,
     prefix: str,
 ) -> None:
     """Two owners, two namespaces the server creates (Pod Security restricted), one watch each."""
@@ -340,8 +343,8 @@ def test_per_owner_namespaces_created_by_the_server_with_its_own_rights(
     rbac.wait_allowed(kube_plane, token, "create", "namespaces", "")
     template = f"{prefix}-{{owner}}"
     owners = {
-        "alice": make_runtime(tmp_path / "ck", "alice"),
-        "Bob.Smith": make_runtime(tmp_path / "ck", "Bob.Smith"),
+        "alice": make_runtime(tmp_path / "ck", "alice", cluster=informers),
+        "Bob.Smith": make_runtime(tmp_path / "ck", "Bob.Smith", cluster=informers),
     }
     expected = {owner: namespace_for(template, owner) for owner in owners}
     managers = {
@@ -373,7 +376,7 @@ def test_per_owner_namespaces_created_by_the_server_with_its_own_rights(
     try:
         asyncio.run(scenario())
         assert set(expected.values()) == {f"{prefix}-alice", namespace_for(template, "Bob.Smith")}
-        assert {key[1] for key in kprov._informers} == set(expected.values())  # one watch per namespace
+        assert informers.watched_namespaces() == set(expected.values())  # one watch per namespace
         for namespace in expected.values():
             labels = core.read_namespace(namespace).metadata.labels
             assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
@@ -392,7 +395,7 @@ def test_namespace_creation_without_its_rights_names_the_missing_rule(
     kube_plane: ControlPlane,
     kube_api: Any,
     kube_namespace: str,
-    informers: None,
+    informers: KubeCluster,
     prefix: str,
 ) -> None:
     docs = rbac.load(rbac.RBAC, kube_namespace, prefix)  # rbac-namespaces.yaml not applied
@@ -401,7 +404,7 @@ def test_namespace_creation_without_its_rights_names_the_missing_rule(
         tmp_path,
         kube_plane,
         "unused",
-        make_runtime(tmp_path / "ck", "carol"),
+        make_runtime(tmp_path / "ck", "carol", cluster=informers),
         None,
         kubeconfig=str(kubeconfig),
         namespace_template=f"{prefix}-{{owner}}",

@@ -26,7 +26,9 @@ pytestmark = pytest.mark.pure
 
 def zmtp_greeting_and_ready(socket_type: bytes) -> bytes:
     """A ZMTP 3.0 greeting (NULL mechanism) and READY command announcing ``socket_type``."""
-    greeting = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+    greeting = (
+        b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + b"\x00" + b"\x00" * 31
+    )
     name = b"Socket-Type"
     body = b"\x05READY" + bytes([len(name)]) + name + struct.pack(">I", len(socket_type)) + socket_type
     return greeting + b"\x04" + bytes([len(body)]) + body

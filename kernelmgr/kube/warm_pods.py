@@ -15,7 +15,7 @@ handed its connection, its owner's key and the checkpoint to restore over the po
 (:mod:`kernelmgr.kube.warm_pod`, :mod:`kernelmgr.kube.warm_client`). A pod serves one kernel, once,
 and is deleted when that kernel hibernates or ends; the pool refills in the background.
 
-The pool lives in one namespace (the provisioner's ``namespace``): with ``namespace_template`` each
+The pool lives in one namespace (the ``namespace`` setting): with ``namespace_template`` each
 owner's kernels run in their own, where no pod made before its owner was known can go, so warm pods
 are refused there. Leftover warm pods of an earlier server are deleted at start (they hold no one's
 state); pods already taken were relabelled as kernel pods and are adopted as such.
@@ -35,17 +35,23 @@ from typing import TYPE_CHECKING, Any
 
 from kernelmgr.core.allocator import WARM_HOLDER_PREFIX
 from kernelmgr.core.errors import CapacityError, ConfigError
+from kernelmgr.kube.manifests import (
+    POD_KERNEL,
+    WARM_COMPONENT,
+    make_warm_pod,
+    make_warm_secret,
+    owner_reference,
+)
 from kernelmgr.kube.nodes import follow_pod_node
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
 from kernelmgr.warm.settings import check_entry, read_count, read_preload, read_starts
 
 if TYPE_CHECKING:
     from kernelmgr.config import ElasticRuntime
-    from kernelmgr.provisioners.kubernetes import ElasticKubernetesProvisioner
+    from kernelmgr.kube.cluster import KubeCluster
 
 KEY = "ElasticKubernetesProvisioner.warm_pods"
 FIELDS = ("count", "preload", "starts")
-WARM_COMPONENT = "warm-kernel"
 MISS_REASONS = ("empty", "preload_failed", "not_poolable", "handoff_failed")
 #: Seconds between two looks at the pool when nothing asks for one sooner.
 LOOK_INTERVAL = 5.0
@@ -83,35 +89,32 @@ def parse_warm_pods(raw: Any, sizes: list[str]) -> dict[str, WarmPodSettings]:
     return pools
 
 
-def build_warm_pods(
-    template: ElasticKubernetesProvisioner, runtime: ElasticRuntime, log: logging.Logger
-) -> WarmPods | None:
-    """The pool ``template.warm_pods`` asks for (``None``: none); :class:`ConfigError` in one line
-    when it cannot work with the rest of the configuration."""
-    from kernelmgr.provisioners.kubernetes import POD_KERNEL
-
-    if not template.warm_pods:
+def build_warm_pods(cluster: KubeCluster, runtime: ElasticRuntime, log: logging.Logger) -> WarmPods | None:
+    """The pool the cluster's ``warm_pods`` setting asks for (``None``: none); :class:`ConfigError`
+    in one line when it cannot work with the rest of the configuration."""
+    kube = cluster.settings
+    if not kube.warm_pods:
         return None
     try:
-        settings = parse_warm_pods(template.warm_pods, list(runtime.profiles))
+        settings = parse_warm_pods(kube.warm_pods, list(runtime.profiles))
     except WarmPodsConfigError as exc:
         raise ConfigError(str(exc)) from None
-    if template.namespace_template:
+    if kube.namespace_template:
         raise ConfigError(
             f"{KEY} needs one kernel namespace: with namespace_template each owner's kernels run in their "
             "own, where a pod made before its owner is known cannot go"
         )
-    if not template.checkpoint_claim:
+    if not kube.checkpoint_claim:
         raise ConfigError(
             f"{KEY} needs ElasticKubernetesProvisioner.checkpoint_claim: a kernel that took a warm pod may "
             "resume later in a cold one, which reads its checkpoint from the claim"
         )
-    if POD_KERNEL not in template.command:
+    if POD_KERNEL not in kube.command:
         raise ConfigError(
             f"{KEY} needs the default ElasticKubernetesProvisioner.command ({POD_KERNEL}): a warm pod "
             "becomes that kernel in its own process"
         )
-    return WarmPods(template, runtime, settings, log)
+    return WarmPods(cluster, runtime, settings, log)
 
 
 def warm_pod_name(size: str) -> str:
@@ -137,19 +140,20 @@ class WarmPod:
 
 
 class WarmPods:
-    """The warm pods of one server, in ``template.namespace``."""
+    """The warm pods of one server, in the cluster's ``namespace``."""
 
     def __init__(
         self,
-        template: ElasticKubernetesProvisioner,
+        cluster: KubeCluster,
         runtime: ElasticRuntime,
         settings: dict[str, WarmPodSettings],
         log: logging.Logger | None = None,
     ) -> None:
-        self.template = template
+        self.cluster = cluster
+        self.kube = cluster.settings
         self.runtime = runtime
         self.settings = settings
-        self.namespace = template.namespace
+        self.namespace = cluster.settings.namespace
         self.log = log or logging.getLogger(__name__)
         self.pods: dict[str, list[WarmPod]] = {size: [] for size in settings}
         #: Why a size stopped refilling (its preload fails: it would again).
@@ -244,9 +248,8 @@ class WarmPods:
     async def _list(self) -> list[Any]:
         """The warm pods in the namespace (not yet taken), one API call."""
         selector = f"app.kubernetes.io/name=jupyter-elastic-kernels,component={WARM_COMPONENT}"
-        listed = await asyncio.to_thread(
-            self.template.core.list_namespaced_pod, self.namespace, label_selector=selector
-        )
+        core = self.cluster.core()
+        listed = await asyncio.to_thread(core.list_namespaced_pod, self.namespace, label_selector=selector)
         return list(listed.items)
 
     async def look(self) -> None:
@@ -264,7 +267,7 @@ class WarmPods:
 
     async def _check(self, size: str, pod: WarmPod, seen: Any) -> None:
         if seen is None:  # gone (deleted by someone), unless only just created and not listed yet
-            if pod.listed or time.monotonic() - pod.created > self.template.launch_timeout:
+            if pod.listed or time.monotonic() - pod.created > self.kube.launch_timeout:
                 self._drop(pod, "its pod is gone")
             return
         pod.listed = True
@@ -274,17 +277,17 @@ class WarmPods:
         if pod.ready:
             return
         waited = time.monotonic() - pod.created
-        if waited > self.template.launch_timeout:
+        if waited > self.kube.launch_timeout:
             # Unschedulable (the cluster has no room the allocator knows of), an image that does not
             # pull, a preload that hangs: give the GPU back and wait as long before the next try.
-            self._backoff[size] = time.monotonic() + self.template.launch_timeout
+            self._backoff[size] = time.monotonic() + self.kube.launch_timeout
             self.log.warning(
                 "warm pod %s (%s) not ready after %.0f s (phase %s); dropped, the next in %.0f s",
                 pod.name,
                 size,
                 waited,
                 seen.status.phase,
-                self.template.launch_timeout,
+                self.kube.launch_timeout,
             )
             self._drop(pod, "it did not become ready in time")
             return
@@ -313,7 +316,7 @@ class WarmPods:
         """A client for the pool's own looks (status): a short deadline, so a pod that stalls does
         not hold up the pool, or a worker thread, for long."""
         assert pod.ip is not None
-        return WarmPodClient(pod.ip, self.template.warm_pod_port, pod.token, timeout=STATUS_TIMEOUT)
+        return WarmPodClient(pod.ip, self.kube.warm_pod_port, pod.token, timeout=STATUS_TIMEOUT)
 
     async def _create(self, settings: WarmPodSettings) -> bool:
         name = warm_pod_name(settings.size)
@@ -328,7 +331,7 @@ class WarmPods:
         self._capacity_logged.discard(settings.size)
         self.pods[settings.size].append(pod)
         try:
-            await self.template.create_warm_pod(name, settings, pod.token)
+            await self._create_pod(name, settings, pod.token)
         except Exception as exc:
             self.log.error("warm pod %s for %s could not be created: %s", name, settings.size, exc)
             self._drop(pod, "it could not be created")
@@ -341,6 +344,29 @@ class WarmPods:
         )
         return True
 
+    async def _create_pod(self, name: str, settings: WarmPodSettings, token: str) -> None:
+        """The pod and its token's Secret (owned by the pod): Secret first, so the pod finds it."""
+        core = self.cluster.core()
+        await asyncio.to_thread(core.create_namespaced_secret, self.namespace, make_warm_secret(name, token))
+        manifest = make_warm_pod(
+            self.kube.pod_template(),
+            name=name,
+            profile=self.runtime.profile(settings.size),
+            preload=settings.preload,
+        )
+        try:
+            pod = await asyncio.to_thread(core.create_namespaced_pod, self.namespace, manifest)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(core.delete_namespaced_secret, name, self.namespace)
+            raise
+        owner = owner_reference(name, pod.metadata.uid)
+        await asyncio.to_thread(core.patch_namespaced_secret, name, self.namespace, owner)
+
+    async def _delete_pod(self, name: str) -> None:
+        """Delete a warm pod and its Secret (gone already: nothing to do)."""
+        await self.cluster.delete_pod_and_secret(self.namespace, name)
+
     def _drop(self, pod: WarmPod, why: str) -> None:
         """Release the pod's slice now, delete the pod in the background."""
         pods = self.pods.get(pod.size, [])
@@ -352,14 +378,14 @@ class WarmPods:
         self._wake.set()
 
     def _delete_later(self, name: str) -> None:
-        task = asyncio.get_running_loop().create_task(self.template.delete_warm_pod(name))
+        task = asyncio.get_running_loop().create_task(self._delete_pod(name))
         self._deleting.add(task)
         task.add_done_callback(self._deleting.discard)
 
     async def _remove_leftovers(self) -> None:
         for pod in await self._list():
             self.log.info("warm pods: deleting %s, left by an earlier server", pod.metadata.name)
-            await self.template.delete_warm_pod(pod.metadata.name)
+            await self._delete_pod(pod.metadata.name)
 
     async def close(self) -> None:
         """Server stop: delete every warm pod not taken, give their slices back."""
@@ -372,7 +398,7 @@ class WarmPods:
             for pod in list(pods):
                 self.runtime.allocator.release(pod.holder)
                 with contextlib.suppress(Exception):
-                    await self.template.delete_warm_pod(pod.name)
+                    await self._delete_pod(pod.name)
             pods.clear()
         if self._deleting:
             await asyncio.gather(*self._deleting, return_exceptions=True)

@@ -24,21 +24,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from jupyter_client.kernelspec import KernelSpec
-
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.kube.cluster import KubeCluster
 from kernelmgr.kube.namespaces import namespace_for
 from kernelmgr.kube.nodes import NodeInventorySync
-from kernelmgr.provisioners.kubernetes import ElasticKubernetesProvisioner, FoundKernel, api_client
+from kernelmgr.kube.pods import FoundKernel
 
 if TYPE_CHECKING:
     from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 
 
-def configured_provisioner(mkm: ElasticMappingKernelManager, kernel_id: str) -> ElasticKubernetesProvisioner:
-    """A provisioner with the server's configuration, for pods no kernel manager holds yet."""
-    return ElasticKubernetesProvisioner(kernel_id=kernel_id, kernel_spec=KernelSpec(), parent=mkm)
+def cluster_of(mkm: ElasticMappingKernelManager) -> KubeCluster:
+    """The server's cluster (made by the extension in Kubernetes mode)."""
+    runtime = mkm.elastic_runtime
+    assert runtime is not None and isinstance(runtime.kube, KubeCluster)
+    return runtime.kube
 
 
 async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
@@ -47,11 +48,10 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
     assert hibernator is not None
     adopted: list[str] = []
     found: list[FoundKernel] = []
+    cluster = cluster_of(mkm)
     for namespace in _kernel_namespaces(mkm):
-        scout = configured_provisioner(mkm, "adoption")
-        scout.namespace = namespace
         try:
-            found += await scout.find_kernel_pods()
+            found += await cluster.find_kernel_pods(namespace)
         except Exception as exc:
             mkm.log.error("Could not look for kernel pods to adopt in %s: %s", namespace, exc)
     runtime = mkm.elastic_runtime
@@ -91,7 +91,7 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
             else "its Secret is gone"
         )
         mkm.log.info("Deleting the pod of kernel %s left by the previous server (%s)", pod.kernel_id, why)
-        await configured_provisioner(mkm, pod.kernel_id).remove_leftover(pod)
+        await cluster.remove_leftover(pod)
     for kernel_id, record in list(hibernator.deferred.items()):
         hibernator.deferred.pop(kernel_id)
         hibernator.recover_lost(record, "its pod ended while the server was down")
@@ -103,7 +103,7 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
 def _kernel_namespaces(mkm: ElasticMappingKernelManager) -> list[str]:
     """Where kernel pods may be: the configured namespace, and with ``namespace_template`` the
     namespace of every owner the previous server had kernels of (from its registry)."""
-    settings = configured_provisioner(mkm, "adoption")
+    settings = cluster_of(mkm).settings
     namespaces = [settings.namespace]
     hibernator = mkm.hibernator
     if settings.namespace_template and hibernator is not None:
@@ -122,7 +122,6 @@ def start_node_inventory(mkm: ElasticMappingKernelManager) -> NodeInventorySync:
     """Keep the allocator's inventory equal to the cluster's schedulable GPUs (one node watch)."""
     runtime = mkm.elastic_runtime
     assert runtime is not None
-    kubeconfig = configured_provisioner(mkm, "inventory").kubeconfig
 
     def lost(slices: Any) -> None:
         for granted in slices:
@@ -133,7 +132,7 @@ def start_node_inventory(mkm: ElasticMappingKernelManager) -> NodeInventorySync:
             )
 
     return NodeInventorySync(
-        api_client(kubeconfig),
+        cluster_of(mkm).api(),
         runtime.allocator,
         on_lost=lost,  # logs only: fine on the watch thread
     ).start()

@@ -165,19 +165,19 @@ class ClusterGpuSampler:
 
 
 def start_cluster_sampler(mkm: ElasticMappingKernelManager, busy_threshold: float) -> ClusterGpuSampler:
-    """The sampler for a server in Kubernetes mode, with the provisioner's configuration."""
-    from kernelmgr.provisioners.kubernetes import agent_informer, kernel_pods
-    from kernelmgr.server.adoption import configured_provisioner
+    """The sampler for a server in Kubernetes mode, with the cluster's settings."""
+    from kernelmgr.server.adoption import cluster_of
 
-    provisioner = configured_provisioner(mkm, "node-agents")
-    namespace = provisioner.node_agent_namespace or provisioner.namespace
-    instance = provisioner.node_agent_instance
+    cluster = cluster_of(mkm)
+    settings = cluster.settings
+    namespace = settings.node_agent_namespace or settings.namespace
+    instance = settings.node_agent_instance
     return ClusterGpuSampler(
-        agent_informer(provisioner.kubeconfig, namespace, instance),
-        kernel_pods,
-        provisioner.node_agent_port,
+        cluster.agent_informer(namespace, instance),
+        cluster.kernel_pods,
+        settings.node_agent_port,
         busy_threshold=busy_threshold,
-        client=NodeAgentClient(token=read_agent_token(provisioner.node_agent_token_file)),
+        client=NodeAgentClient(token=read_agent_token(settings.node_agent_token_file)),
         namespace=namespace,
         instance=instance,
     )

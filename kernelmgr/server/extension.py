@@ -107,8 +107,8 @@ class ElasticKernelsExtension(ExtensionApp):
         ksm.elastic_runtime = runtime
         # Kubernetes mode offers python3-cpu, not python3: /api/kernelspecs' default must be offered.
         km.default_kernel_name = ksm.default_for(km.default_kernel_name)
-        if runtime.mode.in_pods:
-            self._check_pod_settings(km, runtime)
+        if runtime.mode.in_pods or runtime.inventory_source == "kubernetes":
+            runtime.kube = self._make_cluster(km, runtime)
         state_file = KernelStateFile(
             os.path.join(runtime.checkpoint_root, f"kernels-{server_identity(self.serverapp.root_dir)}.json")
         )
@@ -172,17 +172,21 @@ class ElasticKernelsExtension(ExtensionApp):
         reaper.start()
         self._start_warm_pools(runtime)
 
-    def _check_pod_settings(self, km: ElasticMappingKernelManager, runtime: ElasticRuntime) -> None:
-        """ElasticKubernetesProvisioner's settings (pod resources, their sizes), checked at start: a
-        bad one is exit code 2 and one line, not a failure at the first kernel."""
-        from kernelmgr.server.adoption import configured_provisioner
+    def _make_cluster(self, km: ElasticMappingKernelManager, runtime: ElasticRuntime) -> Any:
+        """The server's KubeCluster, its settings (pod resources, their sizes) checked at start: a
+        bad one is exit code 2 and one line, not a failure at the first kernel. The kernel manager
+        stops its watches once the kernels are shut down."""
+        from kernelmgr.kube.cluster import KubeCluster
+        from kernelmgr.kube.settings import KubeSettings
 
         try:
-            configured_provisioner(km, "settings").check_sizes(list(runtime.profiles))
+            settings = KubeSettings(parent=km)
+            settings.check_sizes(list(runtime.profiles))
         except (ConfigError, TraitError) as exc:
             message = exc.message if isinstance(exc, ConfigError) else " ".join(str(exc).split())
             self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", message)
             sys.exit(CONFIG_ERROR_EXIT)
+        return KubeCluster(settings, self.log)
 
     def _start_warm_pools(self, runtime: ElasticRuntime) -> None:
         """Local warm processes (``ElasticKernels.warm_pool``), or Kubernetes warm pods
@@ -203,13 +207,9 @@ class ElasticKernelsExtension(ExtensionApp):
 
     def _start_warm_pods(self, runtime: ElasticRuntime) -> None:
         from kernelmgr.kube.warm_pods import build_warm_pods
-        from kernelmgr.server.adoption import configured_provisioner
 
-        assert self.serverapp is not None
-        km = self.serverapp.kernel_manager
-        assert isinstance(km, ElasticMappingKernelManager)
         try:
-            pool = build_warm_pods(configured_provisioner(km, "warm-pods"), runtime, self.log)
+            pool = build_warm_pods(runtime.kube, runtime, self.log)
         except ConfigError as exc:
             self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", exc.message)
             sys.exit(CONFIG_ERROR_EXIT)

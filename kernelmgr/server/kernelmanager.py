@@ -230,10 +230,8 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         if hibernator is not None:
             await hibernator.drain()
         if runtime is not None and runtime.mode.in_pods:
-            from kernelmgr.provisioners.kubernetes import stop_shared_informers
-
             # The kernels' pods are gone: nothing waits on the watch now (joins threads: off the loop).
-            await asyncio.to_thread(stop_shared_informers)
+            await asyncio.to_thread(runtime.kube.stop)
 
     shutdown_all = _async_shutdown_all  # type: ignore[assignment]
 
@@ -422,9 +420,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         runtime = self._require_runtime()
         if not runtime.mode.in_pods:
             return None
-        from kernelmgr.provisioners.kubernetes import kernel_pods  # only loaded in Kubernetes mode
-
-        return kernel_pod_annotations(runtime, kernel_id, kernel_pods())
+        return kernel_pod_annotations(runtime, kernel_id, runtime.kube.kernel_pods())
 
     def _waiting(self, kernel_id: str) -> bool:
         record = self.elastic_runtime.kernels.get(kernel_id) if self.elastic_runtime else None

@@ -20,6 +20,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from traitlets.config import Configurable
 
 from kernelmgr.config import ElasticKernels, ElasticRuntime
+from kernelmgr.kube.cluster import KubeCluster
 from kernelmgr.provisioners import kubernetes as kprov
 from tests.support.kube import ControlPlane
 
@@ -54,10 +55,14 @@ class Holder(Configurable):
     elastic_runtime: ElasticRuntime
 
 
-def make_runtime(checkpoints: Path, owner: str | None = None) -> ElasticRuntime:
-    """The test GPUs and sizes above; ``owner`` replaces the server user as the kernels' owner."""
+def make_runtime(checkpoints: Path, owner: str | None = None, *, cluster: KubeCluster) -> ElasticRuntime:
+    """The test GPUs and sizes above; ``owner`` replaces the server user as the kernels' owner.
+
+    ``cluster`` stands in for the one the server extension makes (the test stops it).
+    """
     elastic = ElasticKernels(profiles=PROFILES, gpu_inventory=INVENTORY, checkpoint_root=str(checkpoints))
     runtime = elastic.build()
+    runtime.kube = cluster
     if owner is not None:
         runtime.owner = owner
     return runtime

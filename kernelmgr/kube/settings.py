@@ -1,0 +1,320 @@
+"""The Kubernetes settings: one traitlets ``Configurable`` for the kernel pods and the cluster.
+
+The server's :class:`~kernelmgr.kube.cluster.KubeCluster` holds one, configured from the server's
+configuration; each kernel's provisioner is one too (it subclasses this), so a kernelspec's
+``metadata.kernel_provisioner.config`` can still override a setting for its own kernels.
+
+Config sections: ``ElasticKubernetesProvisioner`` (the documented name, what the Helm chart renders)
+and ``KubeSettings``; both apply, and ``ElasticKubernetesProvisioner`` wins where both set a key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from traitlets import Bool, Dict, Float, Integer, List, TraitError, Unicode, validate
+from traitlets.config import LoggingConfigurable
+
+from kernelmgr.core.errors import ConfigError
+from kernelmgr.kube.manifests import (
+    CONNECTION_FILE,
+    PORT_NAMES,
+    RESERVED_ENV,
+    SECRET_MOUNT,
+    PodTemplate,
+    slice_env_refusal,
+)
+from kernelmgr.kube.node_agents import DEFAULT_INSTANCE
+from kernelmgr.nodeagent import DEFAULT_PORT as NODE_AGENT_PORT
+
+#: The section users (and the Helm chart) write the settings under.
+SECTION = "ElasticKubernetesProvisioner"
+
+#: Pod resources an admin may set for kernel pods (GPUs are the slice backend's).
+POD_RESOURCE_NAMES = ("cpu", "memory", "ephemeral-storage")
+DEFAULT_CPU_KERNEL_RESOURCES = {
+    "requests": {"cpu": "250m", "memory": "1Gi"},
+    "limits": {"cpu": "2", "memory": "4Gi"},
+}
+DEFAULT_GPU_KERNEL_RESOURCES = {
+    "requests": {"cpu": "1", "memory": "4Gi"},
+    "limits": {"cpu": "8", "memory": "32Gi"},
+}
+
+
+def pod_resources_refusal(raw: Any, where: str) -> str | None:
+    """Why ``raw`` is not a kernel pod's ``{"requests": {...}, "limits": {...}}``, or ``None``."""
+    from kubernetes.utils.quantity import parse_quantity
+
+    if not isinstance(raw, dict) or set(raw) - {"requests", "limits"}:
+        return f'{where} must be {{"requests": {{...}}, "limits": {{...}}}}, got {raw!r}'
+    parsed: dict[str, dict[str, Any]] = {}
+    for kind, values in raw.items():
+        if not isinstance(values, dict):
+            return f"{where}.{kind} must map resource names to quantities, got {values!r}"
+        for name, quantity in values.items():
+            if name not in POD_RESOURCE_NAMES:
+                return (
+                    f"{where}.{kind}.{name}: only {', '.join(POD_RESOURCE_NAMES)} may be set here "
+                    "(a GPU size's own resources come from its slice backend)"
+                )
+            try:
+                parsed.setdefault(kind, {})[name] = parse_quantity(quantity)
+            except (ValueError, TypeError):
+                return f"{where}.{kind}.{name}: {quantity!r} is not a Kubernetes quantity (e.g. 500m, 2, 4Gi)"
+    for name, request in parsed.get("requests", {}).items():
+        limit = parsed.get("limits", {}).get(name)
+        if limit is not None and request > limit:
+            asked, cap = raw["requests"][name], raw["limits"][name]
+            return f"{where}: the {name} request ({asked}) exceeds its limit ({cap})"
+    return None
+
+
+class KubeSettings(LoggingConfigurable):
+    """Where and how kernel pods run; read from the ``ElasticKubernetesProvisioner`` section."""
+
+    @classmethod
+    def section_names(cls) -> list[str]:
+        names = super().section_names()
+        return names if SECTION in names else [*names, SECTION]
+
+    namespace = Unicode(
+        "default",
+        config=True,
+        help="Namespace of the kernel pods (with namespace_template: set per kernel from the template).",
+    )
+    namespace_template = Unicode(
+        "",
+        config=True,
+        help="One namespace per user, e.g. 'jupyter-{owner}' ({owner}: the kernel's owner as a DNS-1123 "
+        "label, with a short hash when it had to be changed). Empty: every kernel in `namespace`.",
+    )
+    create_namespace = Bool(
+        False,
+        config=True,
+        help="Create a missing kernel namespace (with namespace_labels) and bind namespace_cluster_role "
+        "to the server there. Needs deploy/kubernetes/rbac-namespaces.yaml. Off: the admin makes them.",
+    )
+    namespace_labels = Dict(
+        {"pod-security.kubernetes.io/enforce": "restricted"},
+        config=True,
+        help="Labels of the namespaces the server creates (Pod Security Admission 'restricted' by default).",
+    )
+    namespace_cluster_role = Unicode(
+        "jupyter-elastic-kernels:kernel-pods",
+        config=True,
+        help="ClusterRole holding the kernel pod rules (deploy/kubernetes/rbac.yaml), bound to the server "
+        "in each namespace it creates.",
+    )
+    namespace_network_policies = List(
+        Dict(),
+        config=True,
+        help="""NetworkPolicies (manifests without a namespace) created in each namespace the server
+        creates (create_namespace), before its first kernel pod: the Helm chart passes the ones it
+        renders in its own kernel namespaces (only the gateway reaches kernel pods; kernel pods'
+        egress denied but for DNS, the gateway and the allow-list: no cloud metadata, no private
+        ranges). Empty: none, and a created namespace lets its kernels reach anything.""",
+    )
+    kubeconfig = Unicode(
+        "", config=True, help="Kubeconfig file; empty: in-cluster configuration, else the default kubeconfig."
+    )
+    image = Unicode("quay.io/jupyter/scipy-notebook:latest", config=True, help="Kernel image.")
+    command = List(
+        Unicode(),
+        default_value=[
+            "python",
+            "-m",
+            "kernelmgr.kube.pod_kernel",
+            "-f",
+            f"{SECRET_MOUNT}/{CONNECTION_FILE}",
+        ],
+        config=True,
+        help="""Kernel command. The default runs ipykernel on the pod's IP with the checkpoint agent
+        (kernelmgr must be installed in the image); another ipykernel command gets the agent added,
+        and must itself listen on $(POD_IP): the connection file's address is 0.0.0.0.""",
+    )
+    service_account = Unicode("", config=True, help="ServiceAccount of the pods (empty: no API token).")
+    node_selector = Dict(config=True, help="spec.nodeSelector of the pods.")
+    tolerations: List[Any] = List(config=True, help="spec.tolerations of the pods.")
+    node_lost_seconds = Integer(
+        60,
+        config=True,
+        help="""Seconds a kernel pod stays bound to a node that stopped answering (not-ready or
+        unreachable) before Kubernetes evicts it; the server then hibernates the kernel from its
+        last checkpoint and the next cell resumes it on a healthy node. Kubernetes' default is 300.""",
+    )
+    stop_grace_seconds = Integer(
+        60,
+        min=1,
+        config=True,
+        help="""spec.terminationGracePeriodSeconds of the pods: how long a kernel whose pod Kubernetes
+        stops unasked (an eviction, a drain, a preemption) has to let its running cell finish and
+        checkpoint what changed before it is killed. Size it for the largest state a kernel holds
+        (its checkpoint time: see docs/benchmarks.md); Kubernetes' default is 30.""",
+    )
+    extra_labels = Dict(config=True, help="Labels added to the pods.")
+    extra_annotations = Dict(config=True, help="Annotations added to the pods.")
+    run_as_user = Integer(1000, config=True, help="Non-root user the kernel runs as.")
+    extra_env = Dict(
+        value_trait=Unicode(),
+        config=True,
+        help="Environment variables added to the kernel container. CUDA_* and NVIDIA_* are refused: "
+        "the GPU's device plugin sets them, and overriding them would let a kernel see GPUs outside "
+        "its slice. Names the provisioner sets itself (POD_IP, HOME, TMPDIR, ELASTIC_*) are refused too.",
+    )
+    read_only_root_filesystem = Bool(
+        True,
+        config=True,
+        help="readOnlyRootFilesystem for the kernel container; HOME and /tmp are writable emptyDirs.",
+    )
+    kernel_home = Unicode(
+        "/home/kernel", config=True, help="HOME of the kernel: a writable emptyDir mounted there."
+    )
+    launch_timeout = Float(300.0, config=True, help="Seconds until a pod must be Running.")
+    stop_timeout = Float(60.0, config=True, help="Seconds to wait for a deleted pod to be gone.")
+    first_port = Integer(52000, config=True, help="Kernel ports: this one and the four after it.")
+    checkpoint_claim = Unicode(
+        "",
+        config=True,
+        help="""PersistentVolumeClaim (ReadWriteMany) holding the checkpoints, mounted by the server at
+        ElasticKernels.checkpoint_root too. Empty: an emptyDir, and kernels cannot hibernate.""",
+    )
+    checkpoint_claim_path = Unicode(
+        "",
+        config=True,
+        help="""Where ElasticKernels.checkpoint_root is inside checkpoint_claim (the server's volume
+        subPath); empty: the claim's root. Each pod mounts only <this>/<owner>.""",
+    )
+
+    node_agent_namespace = Unicode(
+        "",
+        config=True,
+        help="""Namespace of the node activity agent pods (deploy/kubernetes/node-agent.yaml), which
+        the server finds with one pod watch (node_agent_instance's labels) and asks
+        for each kernel pod's GPU activity. Empty: `namespace` (the kernel namespace, where the
+        server's Role already allows the watch). A namespace enforcing Pod Security "restricted"
+        refuses the agents (hostPID, host /proc): then give them their own namespace, name it here,
+        and bind the server a Role with pods list/watch there.""",
+    )
+    node_agent_port = Integer(
+        NODE_AGENT_PORT, config=True, help="Port of the node agents' /activity (their --port)."
+    )
+    node_agent_instance = Unicode(
+        DEFAULT_INSTANCE,
+        config=True,
+        help="""The app.kubernetes.io/instance label of the node agent pods (the Helm release's name):
+        only pods with this label, app.kubernetes.io/name=jupyter-elastic-kernels and
+        app.kubernetes.io/component=node-agent are asked (and sent node_agent_token_file's token).""",
+    )
+    node_agent_token_file = Unicode(
+        "",
+        config=True,
+        help="""File holding the node agents' token (a Secret mounted in the server and given to the
+        agents' --token-file): sent with every /activity request; an agent refuses requests without it.
+        Empty: none is sent (agents started with --no-token only).""",
+    )
+    warm_pods = Dict(
+        config=True,
+        help="""Warm pods per GPU size, e.g. {"gpu-1": {"count": 1, "preload": ["torch"], "starts": false}}:
+        `count` pods that hold a slice of the size and have imported `preload`, taken by resumes (and by
+        new kernels with `starts`). They hold GPUs nobody uses: off by default. Needs checkpoint_claim
+        and one kernel namespace (not namespace_template). See docs/architecture.md#warm-pods.""",
+    )
+
+    cpu_kernel_resources = Dict(
+        DEFAULT_CPU_KERNEL_RESOURCES,
+        config=True,
+        help="""requests/limits (cpu, memory, ephemeral-storage) of a CPU kernel's pod. With this
+        provisioner the server never runs a kernel itself: each base kernelspec (ElasticKernels.
+        base_kernels) is offered as '<name>-cpu' (e.g. python3-cpu), a pod without a GPU slice, and
+        the base name answers 404 naming it. A dedicated setting rather than a GPU size with no GPU:
+        sizes are what quotas, the allocator and the cull rules count.""",
+    )
+    resources = Dict(
+        DEFAULT_GPU_KERNEL_RESOURCES,
+        config=True,
+        help="""requests/limits (cpu, memory, ephemeral-storage) of a GPU-size kernel's pod (and its
+        warm pods), unless size_resources names the size. The size's GPU resources are added by its
+        slice backend.""",
+    )
+    size_resources = Dict(
+        config=True,
+        help="""Per GPU size, requests/limits replacing `resources` for that size's pods, e.g.
+        {"whole": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "64Gi"}}}.""",
+    )
+
+    @validate("cpu_kernel_resources", "resources")
+    def _check_resources(self, proposal: Any) -> dict[str, Any]:
+        refusal = pod_resources_refusal(
+            proposal["value"], f"ElasticKubernetesProvisioner.{proposal['trait'].name}"
+        )
+        if refusal is not None:
+            raise TraitError(refusal)
+        return dict(proposal["value"])
+
+    @validate("size_resources")
+    def _check_size_resources(self, proposal: Any) -> dict[str, Any]:
+        for size, raw in proposal["value"].items():
+            refusal = pod_resources_refusal(raw, f"ElasticKubernetesProvisioner.size_resources[{size!r}]")
+            if refusal is not None:
+                raise TraitError(refusal)
+        return dict(proposal["value"])
+
+    def check_sizes(self, sizes: list[str]) -> None:
+        """Refuse (ConfigError, at server start) size_resources naming a size that does not exist."""
+        unknown = sorted(set(self.size_resources) - set(sizes))
+        if unknown:
+            raise ConfigError(
+                f"ElasticKubernetesProvisioner.size_resources names unknown GPU sizes {unknown}; "
+                f"sizes: {', '.join(sizes) or 'none'}"
+            )
+
+    def pod_resources(self, size: str | None) -> dict[str, Any]:
+        """The kernel container's requests/limits before the size's GPU resources are added."""
+        return self.pod_template().resources(size)
+
+    @validate("extra_env")
+    def _check_extra_env(self, proposal: Any) -> dict[str, str]:
+        env = dict(proposal["value"])
+        refusal = slice_env_refusal(set(env), "ElasticKubernetesProvisioner.extra_env")
+        reserved = sorted(n for n in env if n in RESERVED_ENV or n.startswith("ELASTIC_"))
+        if refusal is None and reserved:
+            refusal = (
+                f"ElasticKubernetesProvisioner.extra_env may not set {', '.join(reserved)}: "
+                "the provisioner sets them (kernel_home sets HOME)"
+            )
+        if refusal is not None:
+            raise TraitError(refusal)
+        return env
+
+    @property
+    def warm_pod_port(self) -> int:
+        """The port of a warm pod's HTTP server: the one after the kernel's five."""
+        return self.first_port + len(PORT_NAMES)
+
+    @property
+    def checkpoints_persist(self) -> bool:
+        """Whether a checkpoint written by a pod outlives it (and the server can read it)."""
+        return bool(self.checkpoint_claim)
+
+    def pod_template(self) -> PodTemplate:
+        """What the manifest functions read of these settings."""
+        return PodTemplate(
+            image=self.image,
+            first_port=self.first_port,
+            run_as_user=self.run_as_user,
+            kernel_home=self.kernel_home,
+            read_only_root_filesystem=self.read_only_root_filesystem,
+            stop_grace_seconds=self.stop_grace_seconds,
+            node_lost_seconds=self.node_lost_seconds,
+            service_account=self.service_account,
+            checkpoint_claim=self.checkpoint_claim,
+            extra_env=dict(self.extra_env),
+            extra_labels=dict(self.extra_labels),
+            extra_annotations=dict(self.extra_annotations),
+            node_selector=dict(self.node_selector),
+            tolerations=tuple(dict(t) for t in self.tolerations),
+            cpu_resources=dict(self.cpu_kernel_resources),
+            gpu_resources=dict(self.resources),
+            size_resources=dict(self.size_resources),
+        )

@@ -1,0 +1,210 @@
+"""Kernel pods, warm pods and their Secrets, built without a cluster (kernelmgr.kube.manifests).
+
+Plain inputs in, dicts out: these tests need no API server, no runtime and no checkpoint store.
+The control-plane tests (test_kubernetes_provisioner.py, test_kube_rbac.py) show the API server
+accepts what these functions build.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from traitlets.config import Config
+
+from kernelmgr.core.errors import ConfigError
+from kernelmgr.core.profiles import parse_profile
+from kernelmgr.kube.manifests import (
+    CHECKPOINT_MOUNT,
+    ENV_KEY_MOUNTED,
+    KERNEL_ID_LABEL,
+    OWNER_ANNOTATION,
+    SIZE_ANNOTATION,
+    PodTemplate,
+    checkpoint_sub_path,
+    make_kernel_pod,
+    make_kernel_secret,
+    make_warm_pod,
+    make_warm_secret,
+    owner_reference,
+)
+from kernelmgr.kube.settings import KubeSettings
+from kernelmgr.kube.warm_pod import ENV_TOKEN_FILE
+
+WHOLE = parse_profile("one", {"gpu_fraction": 1})
+AGENT_ENV = {
+    "ELASTIC_CHECKPOINT_DIR": "/server/side/path/alice/k-1",
+    "ELASTIC_CHECKPOINT_KEY_FILE": "/etc/elastic/checkpoint.key",
+    "ELASTIC_KERNEL_ID": "k-1",
+    "ELASTIC_OWNER": "alice",
+    "ELASTIC_RESTORE": "0",
+}
+
+
+def kernel_pod(template: PodTemplate, profile: Any = WHOLE, sub_path: str | None = "alice") -> dict[str, Any]:
+    return make_kernel_pod(
+        template,
+        name="kernel-k-1",
+        kernel_id="k-1",
+        cmd=["python", "-m", "kernelmgr.kube.pod_kernel"],
+        agent_env=AGENT_ENV,
+        owner="alice",
+        kernelspec="python3-one",
+        profile=profile,
+        checkpoint_sub_path=sub_path,
+    )
+
+
+def env_of(pod: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_kernel_pod_carries_identity_security_and_the_pods_own_paths() -> None:
+    template = KubeSettings(checkpoint_claim="ck", extra_labels={"team": "a"}).pod_template()
+    pod = kernel_pod(template)
+    meta = pod["metadata"]
+    assert meta["labels"] == {
+        "team": "a",
+        "app.kubernetes.io/name": "jupyter-elastic-kernels",
+        "component": "kernel",
+        KERNEL_ID_LABEL: "k-1",
+        "elastic.jupyter.org/gpu-size": "one",  # the slice backend's
+    }
+    assert meta["annotations"][OWNER_ANNOTATION] == "alice" and meta["annotations"][SIZE_ANNOTATION] == "one"
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never" and spec["terminationGracePeriodSeconds"] == 60
+    assert spec["automountServiceAccountToken"] is False and "serviceAccountName" not in spec
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    container = spec["containers"][0]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    env = env_of(pod)
+    # The agent's paths are the pod's, not the server's.
+    assert env["ELASTIC_CHECKPOINT_DIR"] == f"{CHECKPOINT_MOUNT}/k-1" and env[ENV_KEY_MOUNTED] == "1"
+    assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["HOME"] == "/home/kernel" and env["TMPDIR"] == "/tmp"
+    assert [p["containerPort"] for p in container["ports"]] == [52000, 52001, 52002, 52003, 52004]
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["checkpoints"]["subPath"] == "alice" and mounts["connection"]["readOnly"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["checkpoints"] == {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "ck"}}
+    assert volumes["connection"]["secret"] == {"secretName": "kernel-k-1", "defaultMode": 0o440}
+    # The GPU kernels' default cpu/memory beside the size's own resource (its slice backend's).
+    assert container["resources"] == {
+        "requests": {"cpu": "1", "memory": "4Gi"},
+        "limits": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "1"},
+    }
+
+
+def test_kernel_pod_without_a_claim_or_a_gpu() -> None:
+    pod = kernel_pod(KubeSettings().pod_template(), profile=None, sub_path=None)
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["checkpoints"] == {"name": "checkpoints", "emptyDir": {}}
+    mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert "subPath" not in mounts["checkpoints"]
+    assert SIZE_ANNOTATION not in pod["metadata"]["annotations"]
+    assert pod["spec"]["containers"][0]["resources"] == {
+        "requests": {"cpu": "250m", "memory": "1Gi"},
+        "limits": {"cpu": "2", "memory": "4Gi"},
+    }
+
+
+def test_size_resources_replace_the_default_for_their_size_only() -> None:
+    whole = {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}}
+    template = KubeSettings(size_resources={"one": whole}).pod_template()
+    assert kernel_pod(template)["spec"]["containers"][0]["resources"] == {
+        "requests": {"cpu": "4"},
+        "limits": {"memory": "64Gi", "nvidia.com/gpu": "1"},
+    }
+    assert template.resources(None)["limits"] == {"cpu": "2", "memory": "4Gi"}
+
+
+def test_node_lost_tolerations_are_added_unless_configured() -> None:
+    own = {"key": "node.kubernetes.io/unreachable", "operator": "Exists", "effect": "NoExecute"}
+    template = KubeSettings(node_lost_seconds=30, tolerations=[own]).pod_template()
+    tolerations = kernel_pod(template)["spec"]["tolerations"]
+    assert own in tolerations
+    not_ready = [t for t in tolerations if t["key"] == "node.kubernetes.io/not-ready"]
+    assert not_ready == [
+        {
+            "key": "node.kubernetes.io/not-ready",
+            "operator": "Exists",
+            "effect": "NoExecute",
+            "tolerationSeconds": 30,
+        }
+    ]
+    assert sum(t["key"] == "node.kubernetes.io/unreachable" for t in tolerations) == 1
+
+
+def test_a_slice_variable_in_the_pod_is_refused() -> None:
+    # KubeSettings refuses it as configuration; a template made some other way is refused here.
+    template = PodTemplate(extra_env={"NVIDIA_VISIBLE_DEVICES": "all"})
+    with pytest.raises(ConfigError, match="may not set NVIDIA_VISIBLE_DEVICES"):
+        kernel_pod(template)
+
+
+def test_building_is_pure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same inputs, same dict; the inputs are left as they were; nothing is touched on disk."""
+    monkeypatch.chdir(tmp_path)
+    template = KubeSettings(checkpoint_claim="ck", checkpoint_claim_path="/deep/root").pod_template()
+    agent_env = copy.deepcopy(AGENT_ENV)
+    first, second = kernel_pod(template), kernel_pod(template)
+    assert first == second and first is not second
+    assert agent_env == AGENT_ENV
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_kernel_secret_holds_the_connection_and_the_owners_key() -> None:
+    info = {"shell_port": 52000, "key": b"abc", "ip": "", "transport": "tcp"}
+    secret = make_kernel_secret(
+        name="kernel-k-1", kernel_id="k-1", connection_info=info, checkpoint_key=b"\1" * 32
+    )
+    assert secret["metadata"]["labels"][KERNEL_ID_LABEL] == "k-1"
+    connection = json.loads(secret["stringData"]["connection.json"])
+    assert connection == {"shell_port": 52000, "key": "abc", "ip": "0.0.0.0", "transport": "tcp"}
+    assert secret["stringData"]["checkpoint.key"] == "01" * 32 + "\n"
+    assert info["key"] == b"abc"  # the caller's connection info is not changed
+
+
+def test_warm_pod_has_no_owner_and_answers_on_the_port_after_the_kernels() -> None:
+    template = KubeSettings(first_port=40000).pod_template()
+    pod = make_warm_pod(template, name="warm-one-1", profile=WHOLE, preload=("numpy",))
+    assert pod["metadata"]["labels"]["component"] == "warm-kernel"
+    assert OWNER_ANNOTATION not in pod["metadata"]["annotations"]
+    container = pod["spec"]["containers"][0]
+    assert container["command"] == ["python", "-m", "kernelmgr.kube.warm_pod", "--port", "40005", "numpy"]
+    assert {"name": "warm", "containerPort": 40005} in container["ports"]
+    assert env_of(pod)[ENV_TOKEN_FILE] == "/etc/elastic/warm-token"
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["checkpoints"] == {"name": "checkpoints", "emptyDir": {}}
+    assert make_warm_secret("warm-one-1", "t")["stringData"] == {"warm-token": "t"}
+
+
+def test_sub_path_and_owner_reference() -> None:
+    assert checkpoint_sub_path("", "alice") == "alice"
+    assert checkpoint_sub_path("/team/ck/", "alice") == "team/ck/alice"
+    ref = owner_reference("kernel-k-1", "uid-1")["metadata"]["ownerReferences"]
+    assert ref == [{"apiVersion": "v1", "kind": "Pod", "name": "kernel-k-1", "uid": "uid-1"}]
+
+
+def test_settings_read_the_documented_section_and_their_own() -> None:
+    """``ElasticKubernetesProvisioner.<key>`` (what configs and the Helm chart write) still applies;
+    ``KubeSettings.<key>`` too, and the documented section wins where both set a key."""
+    from kernelmgr.provisioners.kubernetes import ElasticKubernetesProvisioner
+
+    config = Config(
+        {
+            "ElasticKubernetesProvisioner": {"image": "documented:1", "first_port": 41000},
+            "KubeSettings": {"image": "new:1", "namespace": "kernels"},
+        }
+    )
+    settings = KubeSettings(config=config)
+    assert (settings.image, settings.first_port, settings.namespace) == ("documented:1", 41000, "kernels")
+    assert settings.pod_template().warm_pod_port == 41005
+    from jupyter_client.kernelspec import KernelSpec
+
+    spec = KernelSpec(argv=["python"], display_name="k", language="python")
+    provisioner = ElasticKubernetesProvisioner(kernel_id="k", kernel_spec=spec, config=config, image="spec:1")
+    assert (provisioner.image, provisioner.first_port, provisioner.namespace) == ("spec:1", 41000, "kernels")
