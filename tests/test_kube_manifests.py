@@ -34,6 +34,8 @@ from kernelmgr.kube.manifests import (
 from kernelmgr.kube.settings import KubeSettings
 from kernelmgr.kube.warm_pod import ENV_TOKEN_FILE
 
+pytestmark = pytest.mark.pure
+
 WHOLE = parse_profile("one", {"gpu_fraction": 1})
 AGENT_ENV = {
     "ELASTIC_CHECKPOINT_DIR": "/server/side/path/alice/k-1",
