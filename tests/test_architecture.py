@@ -293,3 +293,60 @@ def test_the_globals_rule_catches_a_client_cache(tmp_path: Path) -> None:
         "single.py: module-level API = client.CoreV1Api()",
         "single.py: module-level _shared = client.ApiClient | None None",
     ]
+
+
+def import_cycles(root: Path) -> list[list[str]]:
+    """Groups of ``kernelmgr`` modules that import each other, directly or not (every import
+    counts: at the top, inside functions, and for type checking only)."""
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        names = imported_modules(path) | imported_from(path)
+        graph[module] = {name for name in names if name.startswith(root.name + ".")}
+    for module, names in graph.items():
+        graph[module] = {name for name in names if name in graph and name != module}
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:  # Tarjan's strongly connected components
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for name in graph[module]:
+            if name not in order:
+                visit(name)
+                low[module] = min(low[module], low[name])
+            elif name in stack:
+                low[module] = min(low[module], order[name])
+        if low[module] == order[module]:
+            group = []
+            while True:
+                name = stack.pop()
+                group.append(name)
+                if name == module:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycle() -> None:
+    """The layers depend one way: server/ on lifecycle/ through KernelHost, never back."""
+    assert import_cycles(PACKAGE) == []
+
+
+def test_the_cycle_rule_catches_a_cycle(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg import b\n")
+    (package / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.a import x\n"
+    )
+    (package / "c.py").write_text("import pkg.a\n")
+    assert import_cycles(package) == [["pkg.a", "pkg.b"]]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube.manifests import (
@@ -30,13 +30,45 @@ from kernelmgr.kube.pods import finished, pod_failure, running
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
 
 if TYPE_CHECKING:
-    from kernelmgr.provisioners.kubernetes import ElasticKubernetesProvisioner
+    from kernelmgr.config import ElasticRuntime
+
+
+class WarmKernel(Protocol):
+    """What the hand-off reads of its kernel's provisioner (a protocol: no import of it here)."""
+
+    kernel_id: str
+    connection_info: Any
+
+    @property
+    def extra_annotations(self) -> Any: ...
+    @property
+    def launch_timeout(self) -> Any: ...
+    @property
+    def warm_pod_port(self) -> Any: ...
+    @property
+    def command(self) -> list[str]: ...
+    @property
+    def log(self) -> Any: ...
+    @property
+    def runtime(self) -> ElasticRuntime: ...
+    @property
+    def record(self) -> Any: ...
+    @property
+    def core(self) -> Any: ...
+    @property
+    def informer(self) -> Any: ...
+    @property
+    def pod_name(self) -> str: ...
+    @property
+    def pod_namespace(self) -> str: ...
+    @property
+    def has_process(self) -> bool: ...
 
 
 class WarmHandoff:
     """The warm-pod side of one kernel's provisioner."""
 
-    def __init__(self, kernel: ElasticKubernetesProvisioner) -> None:
+    def __init__(self, kernel: WarmKernel) -> None:
         self.kernel = kernel
         #: The running pod was a warm pod: its checkpoints are collected from it over HTTP.
         self.origin = False

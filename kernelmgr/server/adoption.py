@@ -22,7 +22,8 @@ hibernated from its checkpoint (the provisioner's loss path), still running, it 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import logging
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.lifecycle import KernelState
@@ -32,17 +33,34 @@ from kernelmgr.kube.nodes import NodeInventorySync
 from kernelmgr.kube.pods import FoundKernel
 
 if TYPE_CHECKING:
-    from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
+    from kernelmgr.config import ElasticRuntime
+    from kernelmgr.lifecycle.service import Hibernator
 
 
-def cluster_of(mkm: ElasticMappingKernelManager) -> KubeCluster:
+class PodAdopter(Protocol):
+    """What adoption needs of the kernel manager (kept to a protocol: no import of it here)."""
+
+    @property
+    def log(self) -> logging.Logger: ...
+
+    @property
+    def elastic_runtime(self) -> ElasticRuntime | None: ...
+
+    @property
+    def hibernator(self) -> Hibernator | None: ...
+
+    def adopt_running(self, pod: FoundKernel) -> Any:
+        """List the kernel of a running pod, connected to it."""
+
+
+def cluster_of(mkm: PodAdopter) -> KubeCluster:
     """The server's cluster (made by the extension in Kubernetes mode)."""
     runtime = mkm.elastic_runtime
     assert runtime is not None and isinstance(runtime.kube, KubeCluster)
     return runtime.kube
 
 
-async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
+async def adopt_kernel_pods(mkm: PodAdopter) -> list[str]:
     """Adopt the running kernel pods, clean up the others; returns the kernel ids adopted."""
     hibernator = mkm.hibernator
     assert hibernator is not None
@@ -100,7 +118,7 @@ async def adopt_kernel_pods(mkm: ElasticMappingKernelManager) -> list[str]:
     return adopted
 
 
-def _kernel_namespaces(mkm: ElasticMappingKernelManager) -> list[str]:
+def _kernel_namespaces(mkm: PodAdopter) -> list[str]:
     """Where kernel pods may be: the configured namespace, and with ``namespace_template`` the
     namespace of every owner the previous server had kernels of (from its registry)."""
     settings = cluster_of(mkm).settings
@@ -118,21 +136,20 @@ def _kernel_namespaces(mkm: ElasticMappingKernelManager) -> list[str]:
     return namespaces
 
 
-def start_node_inventory(mkm: ElasticMappingKernelManager) -> NodeInventorySync:
+def start_node_inventory(runtime: ElasticRuntime, log: logging.Logger) -> NodeInventorySync:
     """Keep the allocator's inventory equal to the cluster's schedulable GPUs (one node watch)."""
-    runtime = mkm.elastic_runtime
-    assert runtime is not None
+    assert isinstance(runtime.kube, KubeCluster)
 
     def lost(slices: Any) -> None:
         for granted in slices:
-            mkm.log.warning(
+            log.warning(
                 "Kernel %s: the node of its GPU slice (%s) left the inventory; the kernel follows its pod",
                 granted.kernel_id,
                 ", ".join(granted.device_uuids),
             )
 
     return NodeInventorySync(
-        cluster_of(mkm).api(),
+        runtime.kube.api(),
         runtime.allocator,
         on_lost=lost,  # logs only: fine on the watch thread
     ).start()

@@ -41,7 +41,7 @@ from kernelmgr.kube.node_agents import (
 )
 
 if TYPE_CHECKING:
-    from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
+    from kernelmgr.kube.cluster import KubeCluster
 
 ORIGIN = "node-agents"
 
@@ -164,11 +164,8 @@ class ClusterGpuSampler:
         return GpuActivity(True, "", utilization, memory, idle, kernel_track.last_busy, now, ORIGIN)
 
 
-def start_cluster_sampler(mkm: ElasticMappingKernelManager, busy_threshold: float) -> ClusterGpuSampler:
+def start_cluster_sampler(cluster: KubeCluster, busy_threshold: float) -> ClusterGpuSampler:
     """The sampler for a server in Kubernetes mode, with the cluster's settings."""
-    from kernelmgr.server.adoption import cluster_of
-
-    cluster = cluster_of(mkm)
     settings = cluster.settings
     namespace = settings.node_agent_namespace or settings.namespace
     instance = settings.node_agent_instance

@@ -123,7 +123,7 @@ class ElasticKernelsExtension(ExtensionApp):
         )
         km.hibernator.recover()
         if runtime.inventory_source == "kubernetes":
-            self.node_sync = start_node_inventory(km)
+            self.node_sync = start_node_inventory(runtime, self.log)
         if runtime.mode.in_pods:
             # Once the loop runs (the pod watch must sync first); the server starts meanwhile.
             ioloop.IOLoop.current().add_callback(adopt_kernel_pods, km)
@@ -131,7 +131,7 @@ class ElasticKernelsExtension(ExtensionApp):
         if runtime.mode.in_pods:
             # The kernels run on other nodes: their GPU activity comes from the node agents.
             try:
-                sampler = start_cluster_sampler(km, policy.defaults.gpu_idle_threshold)
+                sampler = start_cluster_sampler(runtime.kube, policy.defaults.gpu_idle_threshold)
             except ConfigError as exc:
                 self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", exc.message)
                 sys.exit(CONFIG_ERROR_EXIT)
