@@ -58,7 +58,7 @@ from kernelmgr.server import metrics
 from kernelmgr.server.events import LifecycleEvents
 from kernelmgr.server.metrics import ReleasedSliceSeconds, size_label
 from kernelmgr.server.persistence import KernelRecord, KernelStateFile, WriteBehind
-from kernelmgr.server.starting import BIND_ERROR, BIND_RETRIES, stderr_tail
+from kernelmgr.server.starting import BIND_ERROR, BIND_RETRIES, check_agent, stderr_tail
 
 #: The pod provisioner's entry-point name (kernels in pods can outlive the server).
 KUBERNETES_PROVISIONER = "elastic-kubernetes-provisioner"
@@ -380,7 +380,14 @@ class JupyterKernelPlatform:
         try:
             # One kernel_info round trip proves the kernel serves requests (the agent has
             # restored by then: it runs at extension load, before the first request).
-            await self.h._reply(client, client.kernel_info(), timeout, km, self.h._pid(km), launching=True)
+            info = await self.h._reply(
+                client, client.kernel_info(), timeout, km, self.h._pid(km), launching=True
+            )
+            refusal = check_agent(
+                self.h.mkm.log, str(getattr(km, "kernel_id", "")), dict(info.get("content") or {})
+            )
+            if refusal:
+                raise HibernationError(refusal, 500)
             record = self.h.records.get(continue_count_of) if continue_count_of else None
             if record is not None and record.execution_count > 0:
                 # The notebook's cell numbers go on where they stopped (silently: no output).
