@@ -13,8 +13,10 @@ with ``ELASTIC_REQUIRE_NODE=1`` (CI).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,14 +26,15 @@ import pytest
 
 from kernelmgr import __version__
 from kernelmgr.checkpoint.version import KERNEL_INFO_KEY
-from tests.support.kube import ControlPlane, require_envtest, wait_for
+from tests.support.kube import ControlPlane, free_port, require_envtest, wait_for
 
 require_envtest(module_level=True)
 
 from kubernetes import client  # noqa: E402
 
-from tests.support.node import LABEL, TAINT, Node, pod_tolerating_the_node, require_node  # noqa: E402
-from tests.support.server import RunningServer, start_server  # noqa: E402
+from tests.support.containerd import require_node_tools  # noqa: E402
+from tests.support.node import HOW, LABEL, TAINT, Node, pod_tolerating_the_node, require_node  # noqa: E402
+from tests.support.server import TOKEN, RunningServer, start_server  # noqa: E402
 from tests.test_images import images_script  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
@@ -47,11 +50,23 @@ SERVE_VERSION = (
 
 
 @pytest.fixture(scope="module")
-def node(kube_plane: ControlPlane) -> Iterator[Node]:
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A local registry (Debian's docker-registry, plain HTTP on 127.0.0.1), as scripts/images.sh runs it."""
+    require_node()
+    require_node_tools(("docker-registry", "skopeo"), what="the local registry", how=HOW)
+    directory = tmp_path_factory.mktemp("registry")
+    try:
+        yield images_script("registry-start", str(directory), str(free_port())).strip()
+    finally:
+        images_script("registry-stop", str(directory))
+
+
+@pytest.fixture(scope="module")
+def node(kube_plane: ControlPlane, registry: str) -> Iterator[Node]:
     paths = require_node()
     directory = Path(f"/tmp/ekn-{os.getpid()}")  # short: shim sockets and mount options are length-limited
     try:
-        with Node(directory, kube_plane.admin_kubeconfig, paths=paths) as running:
+        with Node(directory, kube_plane.admin_kubeconfig, paths=paths, registry=registry) as running:
             yield running
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -176,7 +191,23 @@ def test_a_kernel_pod_started_by_the_provisioner_runs_a_cell_in_the_container(
     )
     specs = server.get("/api/kernelspecs")["kernelspecs"]
     size = next(name for name in specs if name.endswith("gpu-whole"))
-    kernel_id = server.start_kernel(size)
+    # The start waits for the pod to run (schedule, sandbox, container): longer than a request's 60 s
+    # on a loaded machine, so with its own timeout, and what the cluster said when it fails.
+    request = urllib.request.Request(
+        f"{server.url}/api/kernels",
+        data=json.dumps({"name": size}).encode(),
+        method="POST",
+        headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            kernel_id = json.loads(reply.read())["id"]
+    except Exception as exc:
+        events = [
+            f"{e.involved_object.name} {e.reason}: {e.message}"
+            for e in core.list_namespaced_event(NAMESPACE).items
+        ]
+        raise AssertionError(f"the start failed: {exc}\nevents: {events}\n{server.log()[-3000:]}") from None
     try:
         pods = [
             p
@@ -198,3 +229,40 @@ def test_a_kernel_pod_started_by_the_provisioner_runs_a_cell_in_the_container(
     finally:
         server.shutdown_kernel(kernel_id)
     wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the kernel pod to be gone")
+
+
+def test_the_node_pulls_the_kernel_image_from_the_local_registry(
+    node: Node, core: Any, registry: str
+) -> None:
+    archive = Path(images_script("export").split()[0])
+    image = f"{registry}/jupyter-elastic-kernels-kernel:{__version__}"
+    subprocess.run(
+        [
+            "skopeo",
+            "copy",
+            "--quiet",
+            "--dest-tls-verify=false",
+            f"oci-archive:{archive}",
+            f"docker://{image}",
+        ],
+        check=True,
+        timeout=600,
+    )
+    pod = pod_tolerating_the_node(
+        "pulled", image, ["python", "-c", "import kernelmgr; print(kernelmgr.__version__)"]
+    )
+    pod["spec"]["containers"][0]["imagePullPolicy"] = "Always"
+    core.create_namespaced_pod(NAMESPACE, pod)
+    try:
+        wait_for(
+            lambda: core.read_namespaced_pod("pulled", NAMESPACE).status.phase == "Succeeded", 300, "the pod"
+        )
+        assert core.read_namespaced_pod_log("pulled", NAMESPACE) == f"{__version__}\n"
+        reasons = [
+            e.reason
+            for e in core.list_namespaced_event(NAMESPACE, field_selector="involvedObject.name=pulled").items
+        ]
+        assert "Pulled" in reasons
+    finally:
+        core.delete_namespaced_pod("pulled", NAMESPACE, grace_period_seconds=0)
+        wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the pod to be gone")
