@@ -151,9 +151,28 @@ class Containerd:
         done = self.ctr("namespaces", "list", "--quiet", check=False)
         return [line.strip() for line in done.stdout.splitlines() if line.strip()]
 
+    def _network_namespaces(self, namespace: str, container: str) -> list[str]:
+        """The network namespace files a container joins (the CRI pins each pod's under /run/netns)."""
+        done = self.ctr("containers", "info", container, namespace=namespace, check=False)
+        try:
+            spec = json.loads(done.stdout).get("Spec") or {}
+        except json.JSONDecodeError:
+            return []
+        found = spec.get("linux", {}).get("namespaces", [])
+        return [ns["path"] for ns in found if ns.get("type") == "network" and "/netns/" in ns.get("path", "")]
+
     def _remove_everything_running(self) -> None:
-        """Kill and delete every task and container, in every namespace (the shims exit with them)."""
+        """Kill and delete every task and container, in every namespace (the shims exit with them).
+
+        Also removes the pods' network namespaces (and so their veths): the CRI pins them under
+        /run/netns, outside this containerd's folders, and removes them only through its own API.
+        """
+        pinned: set[str] = set()
         for namespace in self._namespaces():
+            for container in self.ctr(
+                "containers", "list", "--quiet", namespace=namespace, check=False
+            ).stdout.split():
+                pinned.update(self._network_namespaces(namespace, container))
             tasks = self.ctr("tasks", "list", "--quiet", namespace=namespace, check=False).stdout.split()
             for task in tasks:
                 self.ctr(
@@ -168,6 +187,10 @@ class Containerd:
             containers = self.ctr("containers", "list", "--quiet", namespace=namespace, check=False).stdout
             for container in containers.split():
                 self.ctr("containers", "delete", container, namespace=namespace, check=False)
+        for path in sorted(pinned):
+            subprocess.run(["umount", path], capture_output=True, check=False)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
