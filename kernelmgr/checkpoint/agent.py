@@ -79,6 +79,7 @@ from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
 from kernelmgr.checkpoint.recompute import DEFAULT_LIMIT, replay
 from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
 from kernelmgr.checkpoint.verify import load_verified_manifest
+from kernelmgr.checkpoint.version import advertise
 from kernelmgr.checkpoint.writer import describe_error, write_checkpoint
 
 ENV_DIR = "ELASTIC_CHECKPOINT_DIR"
@@ -639,6 +640,8 @@ def load_ipython_extension(ipython: Any) -> None:
                 os.environ.pop(name, None)
     _AGENT = _Agent(ipython, config)
     _AGENT.config_error = config_error
+    # The server checks the agent's version and checkpoint format in kernel_info (issue 27).
+    advertise(getattr(ipython, "kernel", None))
     if config is not None:
         _keep_config(ipython, config)
     if config is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import os
 import signal
 import time
@@ -24,6 +25,7 @@ from jupyter_core.utils import ensure_async
 
 from kernelmgr.activity.jupyter import JupyterActivity
 from kernelmgr.checkpoint.agent import CHECKPOINT_CODE
+from kernelmgr.checkpoint.version import compare
 from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.errors import CapacityError
 from kernelmgr.core.kernels import Committed, ManagedKernel
@@ -65,6 +67,16 @@ def try_send(send: Callable[[], str]) -> str | None:
         return send()
     except zmq.Again:
         return None
+
+
+def check_agent(log: logging.Logger, kernel_id: str, kernel_info: dict[str, Any]) -> str | None:
+    """Log the agent handshake's warnings (:mod:`kernelmgr.checkpoint.version`); its refusal, if any."""
+    check = compare(kernel_info)
+    for warning in check.warnings:
+        log.warning("kernel %s: %s", kernel_id, warning)
+    if check.refusal:
+        log.error("kernel %s: %s", kernel_id, check.refusal)
+    return check.refusal
 
 
 def stderr_tail(km: Any) -> str:
@@ -338,7 +350,12 @@ class JupyterKernelPlatform:
         try:
             # One kernel_info round trip proves the kernel serves requests (the agent has
             # restored by then: it runs at extension load, before the first request).
-            await self.reply(client, client.kernel_info, timeout, km, self.pid_of(km), launching=True)
+            info = await self.reply(client, client.kernel_info, timeout, km, self.pid_of(km), launching=True)
+            refusal = check_agent(
+                self.host.log, str(getattr(km, "kernel_id", "")), dict(info.get("content") or {})
+            )
+            if refusal:
+                raise LifecycleError(refusal, 500)
             record = self.records.get(continue_count_of) if continue_count_of else None
             if record is not None and record.execution_count > 0:
                 # The notebook's cell numbers go on where they stopped (silently: no output).

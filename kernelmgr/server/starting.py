@@ -30,7 +30,7 @@ import zmq
 from jupyter_client.multikernelmanager import MultiKernelManager
 from jupyter_core.utils import ensure_async
 
-from kernelmgr.lifecycle.platform import BIND_RETRIES, shell_client, stderr_tail, try_send
+from kernelmgr.lifecycle.platform import BIND_RETRIES, check_agent, shell_client, stderr_tail, try_send
 from kernelmgr.provisioners.local import BIND_ERROR
 from kernelmgr.server.errors import http_error
 
@@ -82,9 +82,9 @@ def _with_stderr(message: str, tail: str) -> str:
     return f"{message}. Its last stderr lines:\n{tail}" if tail else f"{message} (it wrote nothing to stderr)"
 
 
-async def _first_reply(km: Any, deadline: float) -> str:
-    """``up`` once the kernel answers kernel_info; ``exited`` if its process ends; ``bind error``
-    if it wrote one (and hangs); ``timeout``."""
+async def _first_reply(km: Any, deadline: float, reply: dict[str, Any] | None = None) -> str:
+    """``up`` once the kernel answers kernel_info (its content put in ``reply``); ``exited`` if its
+    process ends; ``bind error`` if it wrote one (and hangs); ``timeout``."""
     client = shell_client(km)
     try:
         msg_id = None
@@ -107,6 +107,8 @@ async def _first_reply(km: Any, deadline: float) -> str:
                     return "bind error"
                 continue
             if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                if reply is not None:
+                    reply.update(msg.get("content") or {})
                 return "up"
     finally:
         client.stop_channels()
@@ -123,10 +125,15 @@ async def wait_until_up(mkm: Any, kernel_id: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     relaunches = 0
     while True:
-        outcome = await _first_reply(km, deadline)
+        info: dict[str, Any] = {}
+        outcome = await _first_reply(km, deadline, info)
         if kernel_id not in mkm or mkm.get_kernel(kernel_id) is not km:
             raise http_error(409, f"kernel {kernel_id} was shut down while it was starting")
         if outcome == "up":
+            refusal = check_agent(mkm.log, kernel_id, info)
+            if refusal:
+                await _stop(mkm, kernel_id)
+                raise http_error(500, f"kernel {kernel_id} refused: {refusal}")
             break
         tail = stderr_tail(km)
         if outcome in ("exited", "bind error") and BIND_ERROR in tail and relaunches < BIND_RETRIES:

@@ -532,6 +532,9 @@ class ControlPlane:
                 # The "kubernetes" Service's endpoints may not be loopback; nothing here needs them.
                 "--endpoint-reconciler-type=none",
                 "--allow-privileged=true",
+                # A real kubelet (tests/support/node.py) registers its node name as its Hostname, which no
+                # DNS resolves here: `kubectl logs` and exec reach it at its InternalIP.
+                "--kubelet-preferred-address-types=InternalIP,Hostname,ExternalIP",
                 f"--cert-dir={s / 'apiserver-certs'}",
             ]
         elif name in ("kube-controller-manager", "kube-scheduler"):

@@ -1,0 +1,268 @@
+"""Kernel pods on a real node: kubelet + containerd + runc + CNI, beside the kwok nodes (issue 27).
+
+The node (:mod:`tests.support.node`, ``scripts/node.sh``) registers with the session's real control
+plane; the kernel image (``scripts/images.sh``) is imported into its containerd as a pull would leave
+it. A plain pod from the image answers on its pod IP from the host; and a real jupyter_server with the
+project's Kubernetes provisioner starts a kernel pod there (read-only root, uid 1000, the connection
+Secret mounted, ipykernel on the pod IP) and runs a cell in it through the websocket, as a notebook
+does.
+
+Needs root, the Debian packages and ``scripts/node.sh build``: skipped without them, failed instead
+with ``ELASTIC_REQUIRE_NODE=1`` (CI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kernelmgr import __version__
+from kernelmgr.checkpoint.version import KERNEL_INFO_KEY
+from tests.support.kube import ControlPlane, free_port, require_envtest, wait_for
+
+require_envtest(module_level=True)
+
+from kubernetes import client  # noqa: E402
+
+from tests.support.containerd import require_node_tools  # noqa: E402
+from tests.support.node import HOW, LABEL, TAINT, Node, pod_tolerating_the_node, require_node  # noqa: E402
+from tests.support.server import TOKEN, RunningServer, start_server  # noqa: E402
+from tests.test_images import images_script  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+NAMESPACE = "elastic-real-node"
+SERVE_VERSION = (
+    "import http.server, kernelmgr\n"
+    "class H(http.server.BaseHTTPRequestHandler):\n"
+    "    def do_GET(self):\n"
+    "        body = ('kernelmgr ' + kernelmgr.__version__).encode()\n"
+    "        self.send_response(200); self.end_headers(); self.wfile.write(body)\n"
+    "http.server.HTTPServer(('0.0.0.0', 8080), H).serve_forever()\n"
+)
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A local registry (Debian's docker-registry, plain HTTP on 127.0.0.1), as scripts/images.sh runs it."""
+    require_node()
+    require_node_tools(("docker-registry", "skopeo"), what="the local registry", how=HOW)
+    directory = tmp_path_factory.mktemp("registry")
+    try:
+        yield images_script("registry-start", str(directory), str(free_port())).strip()
+    finally:
+        images_script("registry-stop", str(directory))
+
+
+@pytest.fixture(scope="module")
+def node(kube_plane: ControlPlane, registry: str) -> Iterator[Node]:
+    paths = require_node()
+    directory = Path(f"/tmp/ekn-{os.getpid()}")  # short: shim sockets and mount options are length-limited
+    try:
+        with Node(directory, kube_plane.admin_kubeconfig, paths=paths, registry=registry) as running:
+            yield running
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def kernel_image(node: Node) -> str:
+    archive = Path(images_script("export").split()[0])
+    names = node.import_image(archive)
+    assert names, "the archive brought no image name"
+    return names[0]
+
+
+@pytest.fixture(scope="module")
+def core(kube_api: Any) -> Iterator[Any]:
+    api = client.CoreV1Api(kube_api)
+    api.create_namespace({"metadata": {"name": NAMESPACE}})
+    wait_for(lambda: api.read_namespaced_service_account("default", NAMESPACE), 60, "default ServiceAccount")
+    yield api
+    api.delete_namespace(NAMESPACE)
+
+
+def running_pod(core: Any, name: str, timeout: float = 300) -> Any:
+    def running() -> Any:
+        pod = core.read_namespaced_pod(name, NAMESPACE)
+        if pod.status.phase in ("Failed", "Succeeded"):
+            raise AssertionError(f"pod {name} ended: {pod.status}")
+        return pod if pod.status.phase == "Running" and pod.status.pod_ip else None
+
+    try:
+        return wait_for(running, timeout, f"pod {name} to run")
+    except TimeoutError as exc:
+        events = core.list_namespaced_event(NAMESPACE, field_selector=f"involvedObject.name={name}").items
+        said = "; ".join(f"{e.reason}: {e.message}" for e in events)
+        raise AssertionError(f"{exc}; its events: {said}") from None
+
+
+def test_the_node_is_real_and_kept_for_pods_that_ask(node: Node, core: Any) -> None:
+    found = core.read_node(node.name)
+    assert found.status.node_info.container_runtime_version.startswith("containerd://")
+    assert found.status.node_info.kubelet_version.startswith("v1.36")
+    assert found.metadata.labels[LABEL[0]] == LABEL[1]
+    assert [t.key for t in found.spec.taints or []] == [TAINT["key"]]
+    assert found.status.addresses[0].address == node.gateway_ip
+
+
+def test_a_pod_from_the_kernel_image_answers_on_its_ip_from_the_host(
+    node: Node, core: Any, kernel_image: str
+) -> None:
+    name = "serve-version"
+    core.create_namespaced_pod(
+        NAMESPACE, pod_tolerating_the_node(name, kernel_image, ["python", "-c", SERVE_VERSION])
+    )
+    try:
+        pod = running_pod(core, name)
+        assert pod.spec.node_name == node.name
+        assert pod.status.pod_ip.startswith("10.88.")
+
+        def answer() -> str:
+            with urllib.request.urlopen(f"http://{pod.status.pod_ip}:8080/", timeout=5) as reply:
+                return str(reply.read().decode())
+
+        assert wait_for(answer, 60, "the pod's HTTP answer") == f"kernelmgr {__version__}"
+        # The container's output reaches `kubectl logs` (the API server asks the kubelet).
+        core.create_namespaced_pod(
+            NAMESPACE,
+            pod_tolerating_the_node(
+                "says-hello", kernel_image, ["python", "-c", "print('hello from', 6 * 7)"]
+            ),
+        )
+        wait_for(
+            lambda: core.read_namespaced_pod("says-hello", NAMESPACE).status.phase == "Succeeded",
+            300,
+            "the pod to end",
+        )
+        assert core.read_namespaced_pod_log("says-hello", NAMESPACE) == "hello from 42\n"
+    finally:
+        for pod in core.list_namespaced_pod(NAMESPACE).items:
+            core.delete_namespaced_pod(pod.metadata.name, NAMESPACE, grace_period_seconds=0)
+        wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the pods to be gone")
+
+
+def server_config(kube_plane: ControlPlane, image: str) -> dict[str, Any]:
+    return {
+        "ElasticKernels": {
+            "profiles": {"whole": {"gpu_fraction": 1}},
+            "gpu_inventory": [{"uuid": "GPU-real-0000", "name": "Test A100", "memory_mib": 40960}],
+            "reap_interval": 1,
+            "kernel_provisioner": "elastic-kubernetes-provisioner",
+        },
+        "ElasticKubernetesProvisioner": {
+            "namespace": NAMESPACE,
+            "kubeconfig": str(kube_plane.admin_kubeconfig),
+            "image": image,
+            "node_selector": {LABEL[0]: LABEL[1]},
+            "tolerations": [{**TAINT, "operator": "Equal"}],
+            "run_as_user": 1000,
+            "launch_timeout": 240.0,
+        },
+    }
+
+
+@pytest.fixture
+def server(
+    node: Node, core: Any, kube_plane: ControlPlane, kernel_image: str, tmp_path: Path
+) -> Iterator[RunningServer]:
+    running = start_server(tmp_path, server_config(kube_plane, kernel_image))
+    yield running
+    running.stop()
+
+
+def test_a_kernel_pod_started_by_the_provisioner_runs_a_cell_in_the_container(
+    server: RunningServer, core: Any, node: Node
+) -> None:
+    # The node has no GPU: it advertises one as an extended resource (what a device plugin would do),
+    # so the GPU size's pod is scheduled there; the kernel does not touch it.
+    core.patch_node_status(node.name, {"status": {"capacity": {"nvidia.com/gpu": "1"}}})
+    wait_for(
+        lambda: core.read_node(node.name).status.allocatable.get("nvidia.com/gpu") == "1",
+        60,
+        "the GPU advertised",
+    )
+    specs = server.get("/api/kernelspecs")["kernelspecs"]
+    size = next(name for name in specs if name.endswith("gpu-whole"))
+    # The start waits for the pod to run (schedule, sandbox, container): longer than a request's 60 s
+    # on a loaded machine, so with its own timeout, and what the cluster said when it fails.
+    request = urllib.request.Request(
+        f"{server.url}/api/kernels",
+        data=json.dumps({"name": size}).encode(),
+        method="POST",
+        headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            kernel_id = json.loads(reply.read())["id"]
+    except Exception as exc:
+        events = [
+            f"{e.involved_object.name} {e.reason}: {e.message}"
+            for e in core.list_namespaced_event(NAMESPACE).items
+        ]
+        raise AssertionError(f"the start failed: {exc}\nevents: {events}\n{server.log()[-3000:]}") from None
+    try:
+        pods = [
+            p
+            for p in core.list_namespaced_pod(NAMESPACE).items
+            if p.metadata.labels.get("kernel_id") == kernel_id
+        ]
+        assert len(pods) == 1 and pods[0].spec.node_name == node.name
+        with server.channel(kernel_id, timeout=300) as chan:
+            info = chan.request("kernel_info_request", {})
+            assert info["content"][KERNEL_INFO_KEY]["version"] == __version__
+            result = chan.execute(
+                "import os, sys, kernelmgr; print(sys.executable, os.getuid(), os.environ['POD_IP'], 6 * 7)",
+                timeout=300,
+            )
+        assert not result.error, result.error
+        executable, uid, pod_ip, answer = result.stdout.split()
+        assert (executable, uid, answer) == ("/opt/elastic/bin/python", "1000", "42")
+        assert pod_ip == core.read_namespaced_pod(pods[0].metadata.name, NAMESPACE).status.pod_ip
+    finally:
+        server.shutdown_kernel(kernel_id)
+    wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the kernel pod to be gone")
+
+
+def test_the_node_pulls_the_kernel_image_from_the_local_registry(
+    node: Node, core: Any, registry: str
+) -> None:
+    archive = Path(images_script("export").split()[0])
+    image = f"{registry}/jupyter-elastic-kernels-kernel:{__version__}"
+    subprocess.run(
+        [
+            "skopeo",
+            "copy",
+            "--quiet",
+            "--dest-tls-verify=false",
+            f"oci-archive:{archive}",
+            f"docker://{image}",
+        ],
+        check=True,
+        timeout=600,
+    )
+    pod = pod_tolerating_the_node(
+        "pulled", image, ["python", "-c", "import kernelmgr; print(kernelmgr.__version__)"]
+    )
+    pod["spec"]["containers"][0]["imagePullPolicy"] = "Always"
+    core.create_namespaced_pod(NAMESPACE, pod)
+    try:
+        wait_for(
+            lambda: core.read_namespaced_pod("pulled", NAMESPACE).status.phase == "Succeeded", 300, "the pod"
+        )
+        assert core.read_namespaced_pod_log("pulled", NAMESPACE) == f"{__version__}\n"
+        reasons = [
+            e.reason
+            for e in core.list_namespaced_event(NAMESPACE, field_selector="involvedObject.name=pulled").items
+        ]
+        assert "Pulled" in reasons
+    finally:
+        core.delete_namespaced_pod("pulled", NAMESPACE, grace_period_seconds=0)
+        wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the pod to be gone")
