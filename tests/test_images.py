@@ -151,7 +151,7 @@ def test_a_cell_runs_in_a_real_ipykernel_in_the_kernel_container(
 
         result = client.execute_interactive(
             "import sys, os, kernelmgr; print(sys.executable, os.getuid(), kernelmgr.__version__, 6 * 7)",
-            timeout=120,
+            timeout=300,  # a budget for a stuck kernel: the full suite's load once took it past 120 s
             output_hook=collect,
         )
         assert result["content"]["status"] == "ok", result

@@ -344,7 +344,8 @@ def test_deleting_a_kernel_while_it_resumes_in_a_warm_pod_frees_everything(
     with serving(cluster, tmp_path, warm_config(cluster)) as server:
         warm_ready(server, 1)
         kernel_id = server.start_kernel(SIZE)
-        server.execute(kernel_id, slow_to_load_cell(15))  # its resume takes 15 s: one to cut into
+        # Its resume takes 90 s: one to cut into, even on a loaded machine (the delete cancels it).
+        server.execute(kernel_id, slow_to_load_cell(90))
         hibernate(server, cluster, kernel_id)
         warm_ready(server, 1)
         with ThreadPoolExecutor(1) as background:
