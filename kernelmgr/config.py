@@ -4,7 +4,7 @@
 plain ``jupyter_server_config.json`` — or a Helm ConfigMap holding one — configures the
 project. :meth:`ElasticKernels.build` validates everything once, at start-up, and returns an
 :class:`ElasticRuntime`: the validated profiles, the inventory, the allocator and the kernel
-registry that the provisioner, the server extension and (later) the gateway share.
+registry that the provisioners, the server extension and the gateway share.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ for good. :class:`LifecycleController` is the single place that
   task so that a delete can cancel it, and concurrent callers of the same resume share it;
 * moves the :class:`~kernelmgr.core.lifecycle.Lifecycle` only through its table, and in an
   order that keeps the invariants below whatever fails or is cancelled;
-* asks a :class:`KernelPlatform` (the adapter: local processes today, pods next) to do the
+* asks a :class:`KernelPlatform` (the adapter: one for local processes and pods alike) to do the
   work: checkpoint, stop, kill, launch, release the slice.
 
 Invariants (``tests/test_lifecycle_properties.py`` drives random interleavings against them):
