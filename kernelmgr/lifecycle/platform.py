@@ -46,11 +46,12 @@ STARTING_PROBE_SECONDS = 5.0
 BIND_RETRIES = 3
 
 
-#: No request to a kernel blocks the server's event loop longer than this (milliseconds). A
-#: kernel that failed to bind its shell port leaves another process's socket on that port (often
-#: another kernel's IOPub pipe); ZeroMQ then drops the client's only connection at the refused
-#: handshake, and a plain send waits for a peer forever: the whole server stalled (issue 34).
-SEND_TIMEOUT_MS = 200
+#: A request to a kernel never blocks the server's event loop: its send fails at once (milliseconds)
+#: when the socket has no peer, and the caller retries after an asynchronous wait. A kernel that
+#: failed to bind its shell port leaves another process's socket on that port (often another
+#: kernel's IOPub pipe); ZeroMQ then drops the client's only connection at the refused handshake,
+#: and a plain send waited for a peer forever: the whole server stalled (issue 34).
+SEND_TIMEOUT_MS = 0
 
 
 def shell_client(km: Any) -> Any:
@@ -409,6 +410,7 @@ class JupyterKernelPlatform:
                     assert callable(request)
                     msg_id = try_send(request)
                     if msg_id is None:
+                        await asyncio.sleep(min(0.2, remaining))
                         raise TimeoutError  # nothing sent: check on the process, as for no reply
                 msg: dict[str, Any] = await client.get_shell_msg(timeout=min(1.0, remaining))
             except Exception:  # queue.Empty from jupyter_client: no message this second
