@@ -1,4 +1,4 @@
-"""Isolation per size: what each backend enforces, in the API and in the README's table (pure, no server)."""
+"""Isolation per size: what each backend enforces, in the API and in docs/kubernetes.md (pure, no server)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kernelmgr.server.models import profiles_model
 
 pytestmark = pytest.mark.pure
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ISOLATION_PAGE = Path(__file__).resolve().parents[1] / "docs" / "kubernetes.md"
 
 
 def size(backend: str, fraction: float = 0.25, **options: Any) -> Any:
@@ -65,10 +65,10 @@ def test_table_covers_every_backend_and_local() -> None:
     assert mechanisms == {*BACKENDS, "local"}
 
 
-def test_readme_table_says_what_the_code_says() -> None:
-    """The README's isolation table is the code's, row by row, so an admin reads what the API reports."""
-    text = README.read_text()
-    section = text.split("### Isolation per size", 1)[1].split("\n### ", 1)[0]
+def test_the_isolation_table_says_what_the_code_says() -> None:
+    """The documented isolation table is the code's, row by row, so an admin reads what the API reports."""
+    text = ISOLATION_PAGE.read_text()
+    section = text.split("## Isolation per size", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| (?!size |---)(.+?) \| (\w+) \| (\w+) \| (.+?) \|$", section, flags=re.M)
     assert rows == [(name, i.memory, i.compute, i.why) for name, i in table()]
 
