@@ -5,6 +5,9 @@ plain ``jupyter_server_config.json`` — or a Helm ConfigMap holding one — con
 project. :meth:`ElasticKernels.build` validates everything once, at start-up, and returns an
 :class:`ElasticRuntime`: the validated profiles, the inventory, the allocator and the kernel
 registry that the provisioners, the server extension and the gateway share.
+
+Long because it is the one place every traitlet is declared and validated: split, a setting's help
+and its check would live in different files.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from traitlets.config import LoggingConfigurable
 from kernelmgr.activity.nvml import Nvml, PynvmlNvml, discover_inventory
 from kernelmgr.backends.kubernetes import profile_resource, validate_backend_options
 from kernelmgr.checkpoint.integrity import load_or_create_secret, migrate_secret
-from kernelmgr.checkpoint.store import CheckpointStore
+from kernelmgr.checkpoint_store import CheckpointStore
 from kernelmgr.core.allocator import STRATEGIES, InventoryChange, SliceAllocator
 from kernelmgr.core.controller import KernelStates
 from kernelmgr.core.errors import ConfigError, UnknownProfileError

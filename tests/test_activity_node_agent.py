@@ -35,7 +35,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kernelmgr.activity.nvml_double import NvmlDouble
-from kernelmgr.checkpoint.store import CheckpointStore
+from kernelmgr.checkpoint_store import CheckpointStore
 from kernelmgr.core.inventory import GpuDevice
 from kernelmgr.kube.node_agents import (
     AGENT_COMPONENT_LABEL,

@@ -163,6 +163,81 @@ def test_only_the_controller_module_moves_a_lifecycle() -> None:
     assert moves == []
 
 
+def execution_state_writes(root: Path) -> list[str]:
+    """Every assignment to an ``execution_state`` attribute (or ``setattr`` of one) under ``root``."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = [t for target in node.targets for t in ast.walk(target)]
+            elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+                targets = [node.target]
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) == "setattr" and len(node.args) > 1:
+                targets = [ast.Attribute(value=node.args[0], attr=str(getattr(node.args[1], "value", "")))]
+            if any(isinstance(t, ast.Attribute) and t.attr == "execution_state" for t in targets):
+                found.append(f"{path.relative_to(root.parent)}:{node.lineno}")
+    return found
+
+
+#: The one writer of jupyter_server's execution_state: the observer of the lifecycle's transitions.
+EXECUTION_STATE_WRITER = "kernelmgr/server/execution_state.py"
+
+
+def test_only_the_transition_observer_sets_jupyters_execution_state() -> None:
+    """jupyter's execution_state follows the lifecycle (``server/execution_state.py`` observes
+    ``KernelStates``); no path sets it by hand as a third state machine."""
+    writes = execution_state_writes(PACKAGE) + execution_state_writes(PACKAGE.parent / "gateway")
+    assert [w for w in writes if not w.startswith(EXECUTION_STATE_WRITER + ":")] == []
+
+
+def test_the_execution_state_rule_catches_a_write(tmp_path: Path) -> None:
+    fake = tmp_path / "lifecycle"
+    fake.mkdir()
+    (fake / "bad.py").write_text(
+        "def f(km):\n    km.execution_state = 'idle'\n    a = km.execution_state = 'x'\n"
+        "    setattr(km, 'execution_state', 'dead')\n    print(km.execution_state == 'idle')\n"
+    )
+    assert execution_state_writes(fake) == ["lifecycle/bad.py:2", "lifecycle/bad.py:3", "lifecycle/bad.py:4"]
+
+
+#: Past this many lines a module says in its docstring why it stays whole.
+LONG_MODULE_LINES = 500
+
+
+def long_modules_without_a_reason(root: Path) -> list[str]:
+    """Modules over :data:`LONG_MODULE_LINES` lines whose docstring has no paragraph starting
+    "Long because" (why it stays one module rather than two)."""
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines <= LONG_MODULE_LINES:
+            continue
+        doc = ast.get_docstring(ast.parse(text, filename=str(path))) or ""
+        if not any(paragraph.startswith("Long because") for paragraph in doc.split("\n\n")):
+            bad.append(f"{path.relative_to(root.parent)} ({lines} lines)")
+    return bad
+
+
+def test_no_long_module_without_a_reason() -> None:
+    """A module over 500 lines does two jobs (split it) or says why it stays whole."""
+    assert (
+        long_modules_without_a_reason(PACKAGE) + long_modules_without_a_reason(PACKAGE.parent / "gateway")
+        == []
+    )
+
+
+def test_the_long_module_rule_catches_one(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    filler = "x = 1\n" * LONG_MODULE_LINES
+    (package / "long.py").write_text('"""Two jobs."""\n' + filler)
+    (package / "reasoned.py").write_text('"""One job.\n\nLong because it is one job."""\n' + filler)
+    (package / "short.py").write_text(filler)
+    assert long_modules_without_a_reason(package) == [f"pkg/long.py ({LONG_MODULE_LINES + 1} lines)"]
+
+
 def imported_from(path: Path) -> set[str]:
     """``pkg.name`` of each ``from pkg import name`` (``name`` may be a module)."""
     tree = ast.parse(path.read_text(), filename=str(path))
@@ -183,6 +258,68 @@ def imports_of(directory: Path, prefix: str) -> list[str]:
         for module in sorted(imported_modules(path) | imported_from(path))
         if module == prefix or module.startswith(f"{prefix}.")
     ]
+
+
+#: What a module that may run inside the kernel (``checkpoint/``) may import from ``kernelmgr``:
+#: its own package, the manifest types and errors of the core, and the package version.
+IN_KERNEL_MAY_IMPORT = ("kernelmgr.checkpoint", "kernelmgr.core.manifest", "kernelmgr.core.errors")
+#: Frameworks of the server process, never loaded into a kernel. (Not tornado: ipykernel runs on
+#: a tornado loop, and the SIGTERM guard installs itself there.)
+SERVER_FRAMEWORKS = ("jupyter_server", "kubernetes", "prometheus_client", "gateway")
+
+
+def in_kernel_violations(directory: Path) -> list[str]:
+    """Imports under ``directory`` of a server-side ``kernelmgr`` module or a server framework
+    (type-checking and function-level imports included)."""
+    bad = violations(directory, SERVER_FRAMEWORKS)
+    for path in sorted(directory.rglob("*.py")):
+        for module in sorted(imported_modules(path) | imported_from(path)):
+            if module.split(".")[0] != "kernelmgr" or module in ("kernelmgr", "kernelmgr.__version__"):
+                continue
+            if not any(
+                module == allowed or module.startswith(f"{allowed}.") for allowed in IN_KERNEL_MAY_IMPORT
+            ):
+                bad.append(f"{path.relative_to(directory.parent)} imports {module}")
+    return bad
+
+
+def test_in_kernel_modules_import_nothing_of_the_server() -> None:
+    """``checkpoint/`` is what runs inside the kernel (the agent and the format): it imports no
+    server-side module and no server framework; the server's store is ``checkpoint_store.py``."""
+    assert in_kernel_violations(PACKAGE / "checkpoint") == []
+
+
+def test_the_in_kernel_rule_catches_a_violation(tmp_path: Path) -> None:
+    fake = tmp_path / "checkpoint"
+    fake.mkdir()
+    (fake / "ok.py").write_text(
+        "from kernelmgr import __version__\nfrom kernelmgr.checkpoint.errors import X\n"
+        "from kernelmgr.core.manifest import Manifest\n"
+    )
+    (fake / "bad.py").write_text(
+        "import jupyter_server\ndef f():\n    from kernelmgr.checkpoint_store import CheckpointStore\n"
+    )
+    assert in_kernel_violations(fake) == [
+        "checkpoint/bad.py imports jupyter_server",
+        "checkpoint/bad.py imports kernelmgr.checkpoint_store",
+        "checkpoint/bad.py imports kernelmgr.checkpoint_store.CheckpointStore",
+    ]
+
+
+def test_no_product_module_imports_the_nvml_double() -> None:
+    """The NVML test double ships (a test configuration names it in ``ElasticKernels.nvml_class``),
+    clearly named as one; no product module imports it, so it is used only where a test asks."""
+    double = "kernelmgr.activity.nvml_double"
+    users = [
+        f"{path.relative_to(PACKAGE.parent)}"
+        for root in (PACKAGE, PACKAGE.parent / "gateway")
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "nvml_double.py"
+        and any(
+            m == double or m.startswith(f"{double}.") for m in imported_modules(path) | imported_from(path)
+        )
+    ]
+    assert users == []
 
 
 def test_kube_imports_no_provisioner() -> None:

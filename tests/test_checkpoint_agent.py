@@ -27,7 +27,7 @@ from kernelmgr.checkpoint.agent import CHECKPOINT_CODE, AgentConfig, format_repo
 from kernelmgr.checkpoint.errors import CheckpointFailed
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, key_file_path, private_key_dir, write_key_file
 from kernelmgr.checkpoint.layout import read_current
-from kernelmgr.checkpoint.store import CheckpointStore
+from kernelmgr.checkpoint_store import CheckpointStore
 
 pytestmark = pytest.mark.pure
 

@@ -25,7 +25,7 @@ from kernelmgr.checkpoint import fidelity
 from kernelmgr.checkpoint.agent import CHECKPOINT_CODE, format_report
 from kernelmgr.checkpoint.format import restore_checkpoint, write_checkpoint
 from kernelmgr.checkpoint.integrity import owner_key
-from kernelmgr.checkpoint.store import CheckpointStore
+from kernelmgr.checkpoint_store import CheckpointStore
 from kernelmgr.core.manifest import Manifest, VariableRecord
 from tests import test_checkpoint_agent as agent_tests
 from tests.support.libraries import require

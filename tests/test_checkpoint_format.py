@@ -43,7 +43,7 @@ from kernelmgr.checkpoint.integrity import (
     owner_key,
 )
 from kernelmgr.checkpoint.serialize import RestoreContext, _rebuild_storage, restoring
-from kernelmgr.checkpoint.store import CheckpointStore
+from kernelmgr.checkpoint_store import CheckpointStore
 from kernelmgr.core.manifest import FORMAT, GroupRecord, Manifest, ManifestError, VariableRecord
 
 pytestmark = pytest.mark.pure

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from kernelmgr.checkpoint.errors import CheckpointRefused
-from kernelmgr.checkpoint.store import RESTORE_REPORT_CAP, CheckpointStore
 from kernelmgr.checkpoint.writer import write_checkpoint
+from kernelmgr.checkpoint_store import RESTORE_REPORT_CAP, CheckpointStore
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
 from tests.test_kube_warm_pod_protocol import OWNER, SECRET, LocalWarmPod
 

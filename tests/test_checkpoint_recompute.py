@@ -18,7 +18,7 @@ import pytest
 from kernelmgr.checkpoint import agent
 from kernelmgr.checkpoint.cells import CellRecord, analyze, plan_recompute
 from kernelmgr.checkpoint.layout import read_current
-from kernelmgr.checkpoint.store import CheckpointStore
+from kernelmgr.checkpoint_store import CheckpointStore
 from tests.test_checkpoint_agent import (
     CHECKPOINT_CODE,
     KERNEL,

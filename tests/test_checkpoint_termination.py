@@ -19,13 +19,13 @@ import pytest
 from kernelmgr.checkpoint.agent import CHECKPOINT_CODE
 from kernelmgr.checkpoint.keys import key_file_path, private_key_dir, write_key_file
 from kernelmgr.checkpoint.layout import read_current
-from kernelmgr.checkpoint.store import CheckpointStore
 from kernelmgr.checkpoint.termination import (
     ENV_CHECKPOINT_ON_SIGTERM,
     EXIT_AFTER_SIGTERM,
     TerminationGuard,
     install,
 )
+from kernelmgr.checkpoint_store import CheckpointStore
 
 pytestmark = pytest.mark.pure
 

@@ -349,26 +349,9 @@ def test_failed_scheduled_hibernation_backs_off(tmp_path: Path) -> None:
         await settle(lambda: fake.gates.started == ["k"])
         await fake.gates.release("k")
         await culler.hibernations.join()
-        state = culler.states["k"]
+        state = culler.runtime.kernels.get("k").cull  # type: ignore[union-attr]
         assert state.failures == 1 and state.retry_at is not None and state.retry_at > time.time()
         assert await culler.tick() == [], "no retry before the back-off ends"
-
-    asyncio.run(scenario())
-
-
-def test_states_of_gone_kernels_are_pruned(tmp_path: Path) -> None:
-    culler, _fake, _ = build_culler(tmp_path, POLICY, {"stays": 1, "goes": 1})
-    forgotten: list[str] = []
-    culler.sampler = SimpleNamespace(forget=forgotten.append)  # type: ignore[assignment]
-    culler._sampled.update({"stays", "goes"})
-
-    async def scenario() -> None:
-        await culler.tick()
-        assert set(culler.states) == {"stays", "goes"}
-        culler.runtime.kernels.remove("goes")
-        await culler.tick()
-        assert set(culler.states) == {"stays"}, "the state of a kernel that is gone is dropped"
-        assert forgotten == ["goes"] and culler._sampled == {"stays"}
 
     asyncio.run(scenario())
 
@@ -400,7 +383,7 @@ def test_ttl_removal_is_scheduled_and_leaves_a_tombstone(tmp_path: Path) -> None
         assert [d.action for _k, d in decided] == [Action.REMOVE]
         assert "old" in culler.removals, "the removal runs after the tick, not inside it"
         await culler.removals.join()
-        assert "old" not in culler.runtime.kernels and "old" not in culler.states
+        assert "old" not in culler.runtime.kernels
         assert "hibernated_ttl" in culler.tombstones["old"]
 
     asyncio.run(scenario())

@@ -26,8 +26,8 @@ from jupyter_client import BlockingKernelClient
 from kernelmgr.checkpoint.agent import CHECKPOINT_CODE
 from kernelmgr.checkpoint.keys import owner_key
 from kernelmgr.checkpoint.layout import read_current
-from kernelmgr.checkpoint.store import CheckpointStore
 from kernelmgr.checkpoint.verify import load_verified_manifest
+from kernelmgr.checkpoint_store import CheckpointStore
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
 from tests.support.kernel_pods import free_port_block
 

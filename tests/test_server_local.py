@@ -345,8 +345,8 @@ def test_a_lost_kernel_resumes_from_a_checkpoint_committed_after_the_server_read
     the kernel, still answering its SIGTERM, commits another. The resume takes the newer one (the
     kernel would refuse the one the server named, now superseded), never an older one."""
     from kernelmgr.checkpoint.integrity import load_or_create_secret
-    from kernelmgr.checkpoint.store import CheckpointStore
     from kernelmgr.checkpoint.writer import write_checkpoint
+    from kernelmgr.checkpoint_store import CheckpointStore
 
     checkpoints = tmp_path / "checkpoints"
     running = start_server(tmp_path, elastic_config(checkpoints))

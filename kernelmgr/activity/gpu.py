@@ -22,48 +22,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from kernelmgr.activity.nvml import Nvml, NvmlUnavailable
 from kernelmgr.activity.process_tree import children_map, descendants
+from kernelmgr.core.activity import GpuActivity
 
 KernelProcesses = Mapping[str, tuple[int, Sequence[str]]]
 """kernel_id -> (PID of the kernel process, UUIDs of the devices in its GPU slice)."""
-
-
-@dataclass
-class GpuActivity:
-    """What NVML says about one kernel at one sample.
-
-    ``utilization`` is the highest SM % over the kernel's processes and measurable devices in
-    the latest sample (0 when nothing ran); ``idle_seconds`` is the time since it was last above
-    the busy threshold, counted from when the kernel was first measured if it never was.
-    """
-
-    available: bool
-    reason: str = ""
-    utilization: float | None = None
-    memory_mib: int | None = None
-    idle_seconds: float | None = None
-    last_busy: float | None = None
-    sampled_at: float | None = None
-    #: Where the numbers come from: "nvml" (local), "node-agents" (Kubernetes).
-    origin: str = "nvml"
-
-    @property
-    def source(self) -> str:
-        """A short human-readable origin for the numbers, shown by the API."""
-        if not self.available:
-            return f"unavailable: {self.reason}"
-        return f"{self.origin}: {self.reason}" if self.reason else self.origin
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "gpu_utilization": None if self.utilization is None else round(self.utilization, 1),
-            "gpu_memory_mib": self.memory_mib,
-            "gpu_idle_seconds": None if self.idle_seconds is None else round(self.idle_seconds, 1),
-            "gpu_activity_source": self.source,
-        }
 
 
 @dataclass
@@ -204,6 +169,10 @@ class GpuActivitySampler:
     def sample(self, kernels: KernelProcesses) -> dict[str, GpuActivity]:
         """One NVML pass over every device in use; the activity of each kernel given."""
         now = self._clock()
+        for gone in (
+            self._kernels.keys() - kernels.keys()
+        ):  # hibernated or removed: a new process starts afresh
+            del self._kernels[gone]
         for kernel_id, (pid, _) in kernels.items():
             track(self._kernels, kernel_id, pid)
         in_use = list(dict.fromkeys(uuid for _, devices in kernels.values() for uuid in devices))

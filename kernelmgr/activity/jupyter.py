@@ -13,53 +13,31 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from kernelmgr.core.activity import ExecutionActivity
+from kernelmgr.core.kernels import KernelRegistry
 
-@dataclass
-class ExecutionActivity:
-    """Timestamps (epoch seconds) of one kernel's executions."""
-
-    started: float
-    last_execution_start: float | None = None
-    last_execution_end: float | None = None
-    busy_since: float | None = None
-    #: The execution count of the latest cell (so a resumed kernel continues the numbering).
-    execution_count: int = 0
-
-    @property
-    def last_execution(self) -> float | None:
-        stamps = [s for s in (self.last_execution_start, self.last_execution_end) if s is not None]
-        return max(stamps) if stamps else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "last_execution_start": self.last_execution_start,
-            "last_execution_end": self.last_execution_end,
-            "busy_since": self.busy_since,
-        }
+__all__ = ["ExecutionActivity", "JupyterActivity"]
 
 
 class JupyterActivity:
-    """Execution activity of every kernel, fed with IOPub messages."""
+    """Execution activity of the elastic kernels, fed with IOPub messages.
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    Each kernel's timestamps are on its record (``ManagedKernel.activity``), so they go with it;
+    a kernel without a record (not elastic) is not tracked.
+    """
+
+    def __init__(self, kernels: KernelRegistry, clock: Callable[[], float] = time.time) -> None:
+        self.kernels = kernels
         self.clock = clock
         self._lock = threading.Lock()
-        self._kernels: dict[str, ExecutionActivity] = {}
         self._internal: set[str] = set()
 
     def get(self, kernel_id: str) -> ExecutionActivity:
-        with self._lock:
-            activity = self._kernels.get(kernel_id)
-            if activity is None:
-                activity = self._kernels[kernel_id] = ExecutionActivity(started=self.clock())
-            return activity
-
-    def forget(self, kernel_id: str) -> None:
-        with self._lock:
-            self._kernels.pop(kernel_id, None)
+        """The kernel's activity; for a kernel with no record, an empty one that is not kept."""
+        record = self.kernels.get(kernel_id)
+        return record.activity if record is not None else ExecutionActivity(started=self.clock())
 
     def internal(self, msg_id: str) -> None:
         """Ignore everything caused by this request (the server's own)."""
@@ -91,6 +69,8 @@ class JupyterActivity:
                 activity.busy_since = None
 
     def restarted(self, kernel_id: str) -> None:
-        """A new process (start, restart, resume): nothing is running in it."""
+        """A new process (start, restart, resume) is up: nothing runs in it, and a kernel that
+        never ran a cell is idle from now (not from its registration, before a slow launch)."""
         activity = self.get(kernel_id)
         activity.busy_since = None
+        activity.started = self.clock()

@@ -1,10 +1,12 @@
-"""Checkpoints of a kernel's variables: the on-disk format, the server's store, the in-kernel agent.
+"""Checkpoints of a kernel's variables: the in-kernel agent and the on-disk format.
 
-Hibernating a kernel frees its GPU only if its variables can come back. This package writes
-a kernel's user namespace to a directory (``format``), reads it back into a fresh kernel,
-and lets the server find, summarise and remove checkpoints (``store``) without unpickling
-anything. The agent (``agent``) is the IPython extension that runs inside every managed
-kernel and does the writing and reading there, where the objects live.
+Everything in this package may run inside the kernel process, and imports nothing the server
+runs (``tests/test_architecture.py``). Hibernating a kernel frees its GPU only if its variables
+can come back: the agent (``agent``) is the IPython extension that runs inside every managed
+kernel and writes its user namespace to a directory (``writer``, ``format``) and reads it back
+into a fresh kernel (``reader``), where the objects live. The server finds, summarises and
+removes checkpoints without unpickling anything through :mod:`kernelmgr.checkpoint_store`,
+which lives outside this package because it runs in the server only.
 
 Layout of one kernel directory, ``<root>/<owner>/<kernel_id>/``::
 
@@ -14,6 +16,7 @@ Layout of one kernel directory, ``<root>/<owner>/<kernel_id>/``::
     quarantine/<ckpt-id>/        failed verification; kept with reason.txt for inspection
     restore-report.json          what the last restore brought back, for the server
 
-Only ``integrity`` and ``store`` are imported by the server; ``format`` and ``agent`` pull
-in the pickling machinery and are meant for the kernel process.
+The server imports only the format's shared modules (``layout``, ``verify``, ``integrity``,
+``keys``, ``safedir``, ``progress``) and ``agent.CHECKPOINT_CODE``; ``format``, ``writer``,
+``reader`` and the rest pull in the pickling machinery and are meant for the kernel process.
 """

@@ -49,6 +49,9 @@ was not.
 After a restore, the first user cell shows a short report (what came back, what did not
 and why); the full report is also written to ``restore-report.json`` for the server. The
 agent prints nothing else: everything else goes to the kernel's log.
+
+Long because it is everything the kernel does around a checkpoint (load, checkpoint, restore,
+report, IPython hooks) on one ``_Agent``'s state; the format itself is in the modules it imports.
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ subprocess modules, no ``input()``, no magics or shell escapes, no ``exec``-like
 no unseeded randomness (a ``random``/``np.random``/``torch`` draw is allowed only when the
 same cell seeds it: a seed set in an earlier cell has been consumed since). Reading files is allowed:
 that is how an open file handle is rebuilt.
+
+Long because the cell record and the re-run rule read the same AST walk; much of the length is the
+tables of calls with side effects.
 """
 
 from __future__ import annotations

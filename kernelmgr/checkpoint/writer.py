@@ -20,6 +20,9 @@ the group started (truncate, and restore the running digest from a copy taken th
 retries its variables one by one, so everything that can be saved is. An ``OSError`` from
 the disk aborts the whole checkpoint instead: the partial directory is removed, ``current``
 is untouched, and :class:`CheckpointFailed` says what happened and where.
+
+Long because the streaming write, the rewind of a failed group and the commit protocol share one
+open file and its running digest.
 """
 
 from __future__ import annotations

@@ -22,12 +22,16 @@ Invariants (``tests/test_lifecycle_properties.py`` drives random interleavings a
 4. a removed kernel has no process, no slice and no checkpoint.
 
 Pure asyncio and the core model: no jupyter, tornado or Kubernetes import.
+
+Long because the controller's operations and ``KernelStates``, the one writer of states, stay in
+one module: the architecture test allows state writes here only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -98,31 +102,70 @@ class KernelPlatform(Protocol):
         """Record the kernel's state durably, best effort (must not raise)."""
 
 
+@dataclass(frozen=True)
+class Transition:
+    """A kernel's state changed; ``before`` is ``None`` when it was registered in ``after``."""
+
+    record: ManagedKernel
+    before: KernelState | None
+    after: KernelState
+    reason: str
+    #: ``dead`` for good: no restarter brings it back (a crash's ``dead`` may be restarted).
+    final: bool = False
+
+
+#: Called after every transition, on the thread that made it; must not raise (logged if it does).
+Observer = Callable[[Transition], None]
+
+
 class KernelStates:
     """The one writer of every kernel's lifecycle state.
 
     The controller's operations (hibernate, resume, loss, removal) move states through it, and
     so do the facts provisioners report: a start began, the process serves, it ended. Nothing
     else calls :meth:`~kernelmgr.core.lifecycle.Lifecycle.move` (tests/test_architecture.py).
+    Side effects of a transition (jupyter_server's execution state) observe it through
+    ``observers`` instead of being written on each path.
     """
 
     def __init__(self, registry: KernelRegistry) -> None:
         self.registry = registry
+        self.observers: list[Observer] = []
+
+    def _moved(
+        self, record: ManagedKernel, before: KernelState | None, reason: str, final: bool = False
+    ) -> None:
+        transition = Transition(record, before, record.state, reason, final)
+        for observer in list(self.observers):
+            try:
+                observer(transition)
+            except Exception:  # an observer must not undo a transition that has happened
+                logging.getLogger(__name__).exception("transition observer failed for %s", record.kernel_id)
 
     def move(self, record: ManagedKernel, state: KernelState, reason: str) -> None:
+        before = record.state
         record.lifecycle.move(state, reason)
+        self._moved(record, before, reason)
+
+    def adopted(
+        self, kernel_id: str, kernelspec: str, profile: str | None, owner: str, state: KernelState
+    ) -> ManagedKernel:
+        """A kernel a previous server left is listed again in ``state`` (no process started)."""
+        record = self.registry.register(kernel_id, kernelspec, profile, owner, state=state)
+        self._moved(record, None, "adopted")
+        return record
 
     def starting(self, kernel_id: str, kernelspec: str, profile: str | None, owner: str) -> ManagedKernel:
         """A launch begins: a new kernel is registered ``starting``; a restart goes back to it; a
         resume's launch keeps ``resuming`` (the controller decides how a resume ends)."""
         record = self.registry.register(kernel_id, kernelspec, profile, owner)
         if record.state not in (S.RESUMING, S.STARTING):
-            record.lifecycle.move(S.STARTING, "launch")
+            self.move(record, S.STARTING, "launch")
         return record
 
     def start_refused(self, record: ManagedKernel, why: str) -> None:
         """A new kernel's start was refused before anything ran (no slice): dead and forgotten."""
-        record.lifecycle.move(S.DEAD, why)
+        self.move(record, S.DEAD, why)
         record.last_error = why
         self.registry.remove(record.kernel_id)
 
@@ -132,7 +175,7 @@ class KernelStates:
         if record is not None:
             record.launches += 1
             if record.state is S.STARTING:
-                record.lifecycle.move(S.RUNNING, how)
+                self.move(record, S.RUNNING, how)
 
     def ended(self, kernel_id: str, reason: str) -> None:
         """The process of a starting or running kernel is gone (crash, kill, failed launch).
@@ -142,12 +185,14 @@ class KernelStates:
         """
         record = self.registry.get(kernel_id)
         if record is not None and record.state in (S.STARTING, S.RUNNING):
-            record.lifecycle.move(S.DEAD, reason)
+            self.move(record, S.DEAD, reason)
 
     def dead(self, record: ManagedKernel, reason: str) -> None:
         """The kernel is gone for good, from whatever state allows it."""
         if record.lifecycle.can(S.DEAD):
+            before = record.state
             record.lifecycle.move(S.DEAD, reason)
+            self._moved(record, before, reason, final=True)
 
 
 def restore_timeout(base: float, checkpoint_bytes: int) -> float:

@@ -17,7 +17,9 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kernelmgr.core.activity import ExecutionActivity, GpuActivity
 from kernelmgr.core.lifecycle import KernelState, Lifecycle
+from kernelmgr.core.policy import CullState
 
 if TYPE_CHECKING:
     from kernelmgr.core.allocator import Slice
@@ -47,6 +49,15 @@ class Loss:
     why: str
     committed: Committed
     stop_began: float | None = None
+
+
+@dataclass(frozen=True)
+class ReleasedSince:
+    """A hibernated kernel's released slice, for the released GPU-seconds metric."""
+
+    size: str
+    fraction: float
+    since: float
 
 
 @dataclass
@@ -86,6 +97,14 @@ class ManagedKernel:
     #: Set while Kubernetes stops the kernel's pod and the kernel checkpoints itself; done
     #: once the server has taken it over (or it ended otherwise).
     stopping: asyncio.Future[None] | None = None
+    #: Its executions, from Jupyter's IOPub messages (the cull policy's Jupyter signal).
+    activity: ExecutionActivity = field(default_factory=lambda: ExecutionActivity(started=time.time()))
+    #: The latest GPU sample of its processes (``None``: not sampled, e.g. it holds no slice).
+    gpu: GpuActivity | None = None
+    #: What the culler remembers between ticks: the warning given, failed hibernations.
+    cull: CullState = field(default_factory=CullState)
+    #: While hibernated: the slice it does not hold, counted by the released GPU-seconds metric.
+    released_since: ReleasedSince | None = None
 
     @property
     def state(self) -> KernelState:

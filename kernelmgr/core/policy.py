@@ -33,6 +33,18 @@ _FIELDS = ("idle_timeout", "gpu_idle_threshold", "warn_before", "hibernated_ttl"
 _OVERRIDABLE = ("idle_timeout", "warn_before", "hibernated_ttl", "busy_gpu_idle_warning")
 
 
+@dataclass
+class CullState:
+    """What the culler remembers about one kernel between ticks (on its record)."""
+
+    warned_at: float | None = None
+    deadline: float | None = None
+    warning: str = ""
+    busy_warned: bool = False
+    failures: int = 0
+    retry_at: float | None = None
+
+
 @dataclass(frozen=True)
 class Thresholds:
     """The numbers that apply to one GPU size."""

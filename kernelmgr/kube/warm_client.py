@@ -30,10 +30,10 @@ from kernelmgr.checkpoint.layout import (
     read_current,
 )
 from kernelmgr.checkpoint.safedir import SafeDir, UnsafePath
-from kernelmgr.checkpoint.store import RESTORE_REPORT_CAP
+from kernelmgr.checkpoint_store import RESTORE_REPORT_CAP
 
 if TYPE_CHECKING:
-    from kernelmgr.checkpoint.store import CheckpointStore
+    from kernelmgr.checkpoint_store import CheckpointStore
 
 _CHUNK = 8 * 2**20
 #: What the server reads of a pod's JSON answers (status, listings, replies): they are small.

@@ -7,7 +7,7 @@ import asyncio
 import logging
 from typing import Any
 
-from kernelmgr.checkpoint.store import CheckpointStore
+from kernelmgr.checkpoint_store import CheckpointStore
 from kernelmgr.core.kernels import Committed
 
 

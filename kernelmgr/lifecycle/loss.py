@@ -132,7 +132,6 @@ class KernelLoss:
         if manifest is None:
             self.platform.release_slice(kernel_id)
             self.runtime.states.dead(record, f"lost ({why}) with no readable checkpoint")
-            km.execution_state = "dead"
             return
         committed = committed_of(manifest)
         try:
@@ -141,7 +140,6 @@ class KernelLoss:
         except LifecycleError as exc:
             self.host.log.error("Kernel %s was lost and could not be hibernated: %s", kernel_id, exc.message)
             return
-        km.execution_state = "hibernated"
         record.loss = Loss(why, committed, stop_began)
         self.records.remember(
             kernel_id, pid=None, hibernated_at=time.time(), checkpoint_id=committed.checkpoint_id

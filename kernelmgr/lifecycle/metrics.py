@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kernelmgr.core.kernels import KernelRegistry, ManagedKernel, ReleasedSince
 from kernelmgr.core.lifecycle import KernelState
 
 if TYPE_CHECKING:
@@ -81,27 +82,34 @@ def size_label(profile: str | None) -> str:
 
 
 class ReleasedSliceSeconds:
-    """GPU-seconds not held because kernels were hibernated: fraction × time hibernated."""
+    """GPU-seconds not held because kernels were hibernated: fraction × time hibernated.
 
-    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+    The open intervals are on the records (``ManagedKernel.released_since``); only the closed
+    totals per size are kept here.
+    """
+
+    def __init__(self, kernels: KernelRegistry, clock: Callable[[], float] = time.time) -> None:
+        self.kernels = kernels
         self.clock = clock
         self._closed: dict[str, float] = {}
-        self._open: dict[str, tuple[str, float, float]] = {}
 
-    def hibernated(self, kernel_id: str, size: str, fraction: float) -> None:
-        self._open[kernel_id] = (size, fraction, self.clock())
+    def hibernated(self, record: ManagedKernel, size: str, fraction: float) -> None:
+        record.released_since = ReleasedSince(size, fraction, self.clock())
 
-    def woke(self, kernel_id: str) -> None:
-        entry = self._open.pop(kernel_id, None)
+    def woke(self, record: ManagedKernel) -> None:
+        """It holds a slice again, or is removed: its interval is closed into the totals."""
+        entry, record.released_since = record.released_since, None
         if entry is not None:
-            size, fraction, since = entry
-            self._closed[size] = self._closed.get(size, 0.0) + fraction * (self.clock() - since)
+            closed = entry.fraction * (self.clock() - entry.since)
+            self._closed[entry.size] = self._closed.get(entry.size, 0.0) + closed
 
     def totals(self) -> dict[str, float]:
         now = self.clock()
         totals = dict(self._closed)
-        for size, fraction, since in self._open.values():
-            totals[size] = totals.get(size, 0.0) + fraction * (now - since)
+        for record in self.kernels.all():
+            entry = record.released_since
+            if entry is not None:
+                totals[entry.size] = totals.get(entry.size, 0.0) + entry.fraction * (now - entry.since)
         return totals
 
 

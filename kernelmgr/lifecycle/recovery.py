@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kernelmgr.core.controller import LifecycleController
 from kernelmgr.core.kernels import Committed, Loss
@@ -158,9 +158,6 @@ class Recovery:
                 if kernel_id in self.host:
                     self.host.remove_kernel(kernel_id)
                 return None
-            km: Any = self.host.get_kernel(kernel_id) if kernel_id in self.host else None
-            if km is not None:
-                km.execution_state = "hibernated"
             self.records.remember(kernel_id, pid=None, checkpoint_id=manifest.checkpoint_id)
             return committed_of(manifest)
 

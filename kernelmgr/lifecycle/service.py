@@ -79,9 +79,9 @@ class Hibernator:
     ) -> None:
         self.mkm = mkm
         self.runtime = runtime
-        self.activity = activity or JupyterActivity()
+        self.activity = activity or JupyterActivity(runtime.kernels)
         self.events = events or LifecycleEvents(None)
-        self.released = ReleasedSliceSeconds()
+        self.released = ReleasedSliceSeconds(runtime.kernels)
         self.start_timeout = start_timeout
         self._pruning: set[asyncio.Future[Any]] = set()
         self.records = KernelRecords(state_file, runtime.kernels, mkm.log, self._cwd_of)
@@ -159,8 +159,6 @@ class Hibernator:
             ) from None
         if committed is None:
             return  # it was hibernated already
-        km: Any = self.mkm.get_kernel(kernel_id)
-        km.execution_state = "hibernated"
         self._prune_later(record.owner, kernel_id)
         self.runtime.checkpoints.forget_cached(record.owner, kernel_id)
         self.records.remember(
@@ -177,7 +175,7 @@ class Hibernator:
         metrics.CHECKPOINT_BYTES.labels(size).observe(committed.size)
         released, record.released = record.released, None
         if released is not None:
-            self.released.hibernated(kernel_id, size, sum(p.fraction for p in released.placements))
+            self.released.hibernated(record, size, sum(p.fraction for p in released.placements))
         self.events.emit(
             "hibernate",
             kernel_id,
@@ -297,16 +295,9 @@ class Hibernator:
         with admitted:  # the quota place is held until the resume has ended, either way
             if lost is not None and restore and record is not None:
                 await self.loss.take_newer_checkpoint(kernel_id, record, lost)
-            try:
-                await self.controller.resume(kernel_id, reason, notify, restore)
-            except LifecycleError:
-                if km is not None and self.is_hibernated(kernel_id):
-                    km.execution_state = "hibernated"
-                raise
+            await self.controller.resume(kernel_id, reason, notify, restore)
         if record is None or km is None:
             return
-        if km.execution_state == "hibernated":
-            km.execution_state = "idle"
         if lost is not None and record.loss is lost and notify is not None:
             record.loss = None
             told = notify(lost_note(lost.why, lost.committed, lost.stop_began))
@@ -323,7 +314,7 @@ class Hibernator:
         metrics.RESUMES.labels(reason, size).inc()
         metrics.RESUME_SECONDS.labels(size).observe(took)
         metrics.RESUME_PATH_SECONDS.labels(size, record.launch_path).observe(took)
-        self.released.woke(kernel_id)
+        self.released.woke(record)
         self.events.emit(
             "resume",
             kernel_id,
@@ -367,18 +358,20 @@ class Hibernator:
         return (getattr(km, "_launch_args", {}) or {}).get("cwd") if km is not None else None
 
     async def forget(self, kernel_id: str) -> None:
-        """The kernel was shut down for good: drop its record, bookkeeping and checkpoints.
+        """The kernel was shut down for good: drop its record, its operation slot and checkpoints.
 
-        The files go in a worker thread (a GiB takes a while), but before this returns: a
-        delete that answered 204 has left nothing behind.
+        Every per-kernel fact is on the record (activity, culler state, GPU sample, released
+        slice), so removing it forgets them (tests/test_forget_leaves_nothing.py). The files go in a
+        worker thread (a GiB takes a while), but before this returns: a delete that answered 204
+        has left nothing behind.
         """
-        self.released.woke(kernel_id)
-        self.activity.forget(kernel_id)
         self.controller.forget(kernel_id)
         self.loss.stopped(kernel_id)
         managed = self.runtime.kernels.get(kernel_id)
-        if managed is not None and managed.orphan_pid is not None:
-            kill_pid(managed.orphan_pid)
+        if managed is not None:
+            self.released.woke(managed)  # its released seconds so far stay counted
+            if managed.orphan_pid is not None:
+                kill_pid(managed.orphan_pid)
         record = self.records.pop(kernel_id, None)
         managed = self.runtime.kernels.remove(kernel_id)
         owner = record.owner if record else managed.owner if managed else None

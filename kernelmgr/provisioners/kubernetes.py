@@ -18,6 +18,9 @@ server refuses to hibernate such kernels (it could not read the checkpoint).
 
 Rights, namespaces and pod security (one namespace or one per owner, Pod Security "restricted",
 no CUDA_*/NVIDIA_* from configuration): ``deploy/kubernetes/`` and docs/architecture.md.
+
+Long because it implements jupyter_client's whole provisioner interface for a pod (launch, poll,
+signals, cleanup, adoption); the cluster side is already in ``kube/``.
 """
 
 from __future__ import annotations

@@ -114,6 +114,9 @@ class ClusterGpuSampler:
         result = await self.client.collect(urls, self.uid_to_kernel(pods)) if urls else ClusterActivity()
         self.last = result
         now = self._clock()
+        # A kernel not in this sample (hibernated, removed) starts afresh with its next pod.
+        for gone in self._tracks.keys() - kernels.keys():
+            del self._tracks[gone]
         return {
             kernel_id: self._activity(kernel_id, devices, pods, result, now)
             for kernel_id, devices in kernels.items()

@@ -19,8 +19,9 @@ The tick never waits for a hibernation or a removal. It *schedules* them on a
 already queued or hibernating is never scheduled twice. A queued hibernation asks the policy
 again when its turn comes (the user may have run a cell meanwhile).
 
-Nothing here grows with the kernels ever seen: the state of a kernel that is gone is dropped
-at every tick, finished jobs are forgotten as they finish, and the tombstones that explain
+Nothing here grows with the kernels ever seen: what the culler knows of a kernel is on its
+record (``ManagedKernel.cull`` and ``.gpu``) and goes with it, the GPU samplers keep only the
+kernels of their last sample, finished jobs are forgotten as they finish, and the tombstones that explain
 a removed kernel's 404 are kept for the newest :data:`MAX_TOMBSTONES` removals, at most
 :data:`TOMBSTONE_TTL` seconds each.
 
@@ -35,17 +36,17 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, MutableMapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tornado import ioloop
 
-from kernelmgr.activity.gpu import GpuActivity, GpuActivitySampler
+from kernelmgr.activity.gpu import GpuActivitySampler
 from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.kernels import ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.policy import (
     Action,
+    CullState,
     Decision,
     KernelSnapshot,
     Policy,
@@ -70,18 +71,6 @@ MAX_TOMBSTONES = 1000
 TOMBSTONE_TTL = 7 * 24 * 3600.0
 #: Removals (shutdown of a hibernated kernel, deletion of its checkpoint) running at once.
 MAX_CONCURRENT_REMOVALS = 4
-
-
-@dataclass
-class CullState:
-    """What the culler remembers about one kernel between ticks."""
-
-    warned_at: float | None = None
-    deadline: float | None = None
-    warning: str = ""
-    busy_warned: bool = False
-    failures: int = 0
-    retry_at: float | None = None
 
 
 Broadcast = Callable[[str, str], int]
@@ -166,8 +155,6 @@ class Culler:
         self.broadcast = broadcast
         self.sample_interval = sample_interval
         self.clock = clock
-        self.states: dict[str, CullState] = {}
-        self.gpu: dict[str, GpuActivity] = {}
         self.tombstones = Tombstones(clock=clock)
         #: Policy hibernations queued or running, at most ``max_concurrent_hibernations`` at once.
         self.hibernations = BoundedScheduler(
@@ -176,7 +163,6 @@ class Culler:
         self.removals = BoundedScheduler(MAX_CONCURRENT_REMOVALS, mkm.log, "removal")
         self._callbacks: list[ioloop.PeriodicCallback] = []
         self._sampling = False
-        self._sampled: set[str] = set()
 
     # -- timers ----------------------------------------------------------------------------
 
@@ -206,16 +192,9 @@ class Culler:
         await self.hibernations.join()
         await self.removals.join()
 
-    def prune(self, known: set[str]) -> None:
-        """Forget what is remembered about kernels that are gone (``known``: those that exist)."""
-        for gone in self.states.keys() - known:
-            del self.states[gone]
-        for gone in self.gpu.keys() - known:
-            del self.gpu[gone]
-        if self.sampler is not None:
-            for gone in self._sampled - known:
-                self.sampler.forget(gone)
-        self._sampled &= known
+    def prune(self) -> None:
+        """Drop old tombstones. What the culler knows of a kernel is on its record
+        (``ManagedKernel.cull``, ``.gpu``) and goes with it."""
         self.tombstones.prune()
 
     # -- GPU activity ----------------------------------------------------------------------
@@ -249,14 +228,11 @@ class Culler:
         self._sampling = True
         try:
             if isinstance(self.sampler, ClusterGpuSampler):
-                slices = self._kernel_slices()
-                self._sampled.update(slices)
-                self.gpu = await self.sampler.sample(slices)
+                sampled = await self.sampler.sample(self._kernel_slices())
             else:
-                kernels = self._kernel_processes()
-                self._sampled.update(kernels)
-                self.gpu = await asyncio.to_thread(self.sampler.sample, kernels)
-            self.prune({r.kernel_id for r in self.runtime.kernels.all()})
+                sampled = await asyncio.to_thread(self.sampler.sample, self._kernel_processes())
+            for record in self.runtime.kernels.all():
+                record.gpu = sampled.get(record.kernel_id)
         except Exception:
             self.mkm.log.exception("GPU activity sampling failed; the policy falls back to Jupyter activity")
         finally:
@@ -265,9 +241,9 @@ class Culler:
     # -- the policy ------------------------------------------------------------------------
 
     def snapshot(self, record: ManagedKernel, now: float) -> KernelSnapshot:
-        state = self.states.get(record.kernel_id, CullState())
-        activity = self.hibernator.activity.get(record.kernel_id)
-        gpu = self.gpu.get(record.kernel_id)
+        state = record.cull
+        activity = record.activity
+        gpu = record.gpu
         km = self.mkm.get_kernel(record.kernel_id) if record.kernel_id in self.mkm else None
         hibernated = self.hibernator.records.get(record.kernel_id)
         return KernelSnapshot(
@@ -296,10 +272,10 @@ class Culler:
         now = self.clock()
         decided: list[tuple[str, Decision]] = []
         records = self.runtime.kernels.all()
-        self.prune({record.kernel_id for record in records})
+        self.prune()
         for record in records:
             snapshot = self.snapshot(record, now)
-            state = self.states.setdefault(record.kernel_id, CullState())
+            state = record.cull
             reviewed = review(self.policy, snapshot, now)
             if reviewed.warning_cancelled:
                 state.warned_at, state.deadline, state.warning = None, None, ""
@@ -383,9 +359,10 @@ class Culler:
             message = exc.message if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, LifecycleError):
                 self.mkm.log.exception("Policy hibernation of kernel %s raised", kernel_id)
-            if self.runtime.kernels.get(kernel_id) is None:
+            record = self.runtime.kernels.get(kernel_id)
+            if record is None:
                 return  # gone meanwhile: nothing to retry
-            state = self.states.setdefault(kernel_id, CullState())
+            state = record.cull
             state.failures += 1
             delay = min(MAX_BACKOFF, self.policy.interval * 2**state.failures)
             state.retry_at = self.clock() + delay
@@ -399,19 +376,20 @@ class Culler:
             return
         finally:
             self.mkm.log.info("Policy hibernation of kernel %s finished", kernel_id)
-        if self.runtime.kernels.get(kernel_id) is not None:
-            self.states[kernel_id] = CullState()
+        record = self.runtime.kernels.get(kernel_id)
+        if record is not None:
+            record.cull = CullState()
 
     async def _remove(self, kernel_id: str) -> None:
         """A scheduled TTL removal: shut the hibernated kernel down and delete its checkpoint."""
         if kernel_id in self.mkm:
             await self.mkm.shutdown_kernel(kernel_id)
-        self.states.pop(kernel_id, None)
 
     def cancel_warning(self, kernel_id: str) -> None:
         """The user asked to keep the kernel (an API call): drop its warning now, not at the next tick."""
-        state = self.states.get(kernel_id)
-        if state is not None:
+        record = self.runtime.kernels.get(kernel_id)
+        if record is not None:
+            state = record.cull
             state.warned_at, state.deadline, state.warning = None, None, ""
 
     # -- what the API shows ----------------------------------------------------------------
@@ -419,7 +397,7 @@ class Culler:
     def activity_model(self, kernel_id: str) -> dict[str, Any]:
         now = self.clock()
         record = self.runtime.kernels.get(kernel_id)
-        gpu = self.gpu.get(kernel_id)
+        gpu = record.gpu if record is not None else None
         model: dict[str, Any] = {
             "gpu_utilization": None,
             "gpu_memory_mib": None,
@@ -434,7 +412,7 @@ class Culler:
             idle, signals = idle_seconds(self.snapshot(record, now), now)
             model["idle_seconds"] = round(idle, 1)
             model["idle_signals"] = signals
-        state = self.states.get(kernel_id)
+        state = record.cull if record is not None else None
         model["warning"] = (
             {"message": state.warning, "hibernate_at": state.deadline} if state and state.warning else None
         )

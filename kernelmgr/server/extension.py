@@ -33,6 +33,7 @@ from kernelmgr.server.adoption import adopt_kernel_pods, start_node_inventory
 from kernelmgr.server.background import BackgroundCheckpoints
 from kernelmgr.server.cluster_activity import ClusterGpuSampler, start_cluster_sampler
 from kernelmgr.server.culler import Culler
+from kernelmgr.server.execution_state import ExecutionStates
 from kernelmgr.server.gateway_relay import gateway_relay_handlers
 from kernelmgr.server.handlers import elastic_handlers, gateway_mode_handlers
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
@@ -113,6 +114,8 @@ class ElasticKernelsExtension(ExtensionApp):
             os.path.join(runtime.checkpoint_root, f"kernels-{server_identity(self.serverapp.root_dir)}.json")
         )
         events = LifecycleEvents(getattr(self.serverapp, "event_logger", None))
+        # Before the recovery lists hibernated kernels: jupyter's execution_state follows each move.
+        runtime.states.observers.append(ExecutionStates(km))
         km.hibernator = Hibernator(
             km,
             runtime,

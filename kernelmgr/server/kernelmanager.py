@@ -38,6 +38,7 @@ from kernelmgr.lifecycle.records import KernelRecord
 from kernelmgr.lifecycle.scheduler import DEFAULT_LIMIT
 from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.provisioners.accounts import AccountError
+from kernelmgr.server import execution_state
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.errors import http_error, no_such_kernel
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
@@ -305,16 +306,14 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         )
         km.kernel_id = record.kernel_id
         km._launch_args = {"cwd": record.cwd} if record.cwd else {}
-        km.execution_state = "hibernated"
         km.reason = ""
         km.last_activity = utcnow()
         km.ready.set_result(None)  # nothing pending: websockets may connect at once
         km._attempted_start = True  # so the resume's start makes a fresh ``ready`` future
         self._kernels[record.kernel_id] = km
         self._kernel_connections[record.kernel_id] = 0
-        runtime.kernels.register(
-            record.kernel_id, record.kernelspec, record.profile, record.owner, state=state
-        )
+        # Listed in ``state``: the transition observer sets jupyter's execution_state.
+        runtime.states.adopted(record.kernel_id, record.kernelspec, record.profile, record.owner, state)
 
     def adopt_running(self, found: Any) -> None:
         """Register a kernel pod that a previous server started and that still runs.
@@ -342,7 +341,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         km._attempted_start = True
         km.ready.set_result(None)
         km._connect_control_socket()
-        km.execution_state = "idle"
+        execution_state.initial(km, KernelState.RUNNING)
         km.reason = ""
         km.last_activity = utcnow()
         self._kernels[kernel_id] = km

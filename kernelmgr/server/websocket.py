@@ -47,6 +47,10 @@ Bounds, so one user cannot stall or fill the server for everyone:
 Everything else is jupyter_server's own ``ZMQChannelsWebsocketConnection``. The connection
 also disables Nagle's algorithm on its socket, so small kernel messages are not held back
 ~40 ms waiting for an ACK.
+
+Long because one connection class holds, refuses, answers and delivers a kernel's messages around
+a resume, all on its one queue; the replies a hibernated kernel gives are in
+:mod:`kernelmgr.server.hibernated_replies`.
 """
 
 from __future__ import annotations
@@ -55,7 +59,6 @@ import asyncio
 import contextlib
 import json
 import socket
-import sys
 from typing import Any, ClassVar
 
 from jupyter_client.jsonutil import json_default
@@ -70,22 +73,11 @@ from traitlets import Integer
 from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.lifecycle.service import Hibernator
+from kernelmgr.server import execution_state
+from kernelmgr.server.hibernated_replies import ANSWERED_WHILE_HIBERNATED, CHECK_TIMEOUT, checker, local_reply
 from kernelmgr.server.ownership import SETTINGS_KEY
 
 V1 = "v1.kernel.websocket.jupyter.org"
-
-#: Answered without waking the kernel: a frontend sends these on open and while typing.
-ANSWERED_WHILE_HIBERNATED = frozenset(
-    {
-        "kernel_info_request",
-        "complete_request",
-        "inspect_request",
-        "is_complete_request",
-        "history_request",
-        "comm_info_request",
-    }
-)
-
 
 #: How the state of a kernel that a connection holds messages for reads in a message.
 _WAITING_FOR = {
@@ -95,109 +87,8 @@ _WAITING_FOR = {
 }
 
 
-#: The checker process (``is_complete`` for Python source, without a kernel): reads one JSON
-#: string (the code) per line, writes one JSON status per line.
-_CHECKER = """
-import codeop, json, sys, warnings
-warnings.simplefilter("ignore")
-for line in sys.stdin:
-    try:
-        compiled = codeop.compile_command(json.loads(line), symbol="exec")
-        status = "incomplete" if compiled is None else "complete"
-    except (SyntaxError, ValueError, OverflowError):
-        status = "invalid"
-    sys.stdout.write(json.dumps(status) + "\\n")
-    sys.stdout.flush()
-"""
-
-
-class CompileChecker:
-    """:func:`is_complete`, in a child process the event loop waits for without blocking.
-
-    Compiling user code holds the GIL for as long as it takes (2 MiB: seconds), so neither the
-    loop nor a thread may do it. One process per server, started on first use, one check at a
-    time; a check that takes longer than ``timeout`` kills it (the next check starts another).
-    """
-
-    def __init__(self) -> None:
-        self._process: asyncio.subprocess.Process | None = None
-        self._lock: asyncio.Lock | None = None
-        #: Checks waiting for the process; past :data:`MAX_WAITING` the answer is ``unknown``.
-        self.waiting = 0
-
-    async def _started(self) -> asyncio.subprocess.Process:
-        process = self._process
-        if process is None or process.returncode is not None:
-            process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-I",
-                "-c",
-                _CHECKER,
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.DEVNULL,
-            )
-            self._process = process
-        return process
-
-    async def check(self, code: str, timeout: float) -> str:
-        """``complete``, ``incomplete``, ``invalid``, or ``unknown`` (too busy, too slow, failed)."""
-        if self.waiting >= MAX_WAITING:
-            return "unknown"
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        self.waiting += 1
-        try:
-            async with self._lock:
-                process = await self._started()
-                assert process.stdin is not None and process.stdout is not None
-                try:
-                    process.stdin.write(json.dumps(code).encode() + b"\n")
-                    await asyncio.wait_for(process.stdin.drain(), timeout)
-                    line = await asyncio.wait_for(process.stdout.readline(), timeout)
-                    status = json.loads(line)
-                except (OSError, ValueError, asyncio.TimeoutError):
-                    status = None
-                if status not in ("complete", "incomplete", "invalid"):
-                    with contextlib.suppress(ProcessLookupError):
-                        process.kill()
-                    await process.wait()
-                    self._process = None
-                    return "unknown"
-                return str(status)
-        finally:
-            self.waiting -= 1
-
-
-#: How many ``is_complete`` checks may wait for the checker process, server-wide.
-MAX_WAITING = 16
-#: Seconds one check may take before the checker is killed and the answer is ``unknown``.
-CHECK_TIMEOUT = 10.0
-_checker = CompileChecker()
 #: Strong references to answers being computed (a task nobody holds may be collected).
 _background: set[asyncio.Future[None]] = set()
-
-
-def local_reply(msg_type: str, content: dict[str, Any], kernel_info: dict[str, Any]) -> dict[str, Any]:
-    """Reply content for a request answered on behalf of a hibernated kernel."""
-    if msg_type == "kernel_info_request":
-        return kernel_info or {
-            "status": "ok",
-            "protocol_version": "5.3",
-            "implementation": "ipython",
-            "language_info": {"name": "python", "file_extension": ".py", "mimetype": "text/x-python"},
-            "banner": "Hibernated kernel (the next cell resumes it)",
-        }
-    if msg_type == "complete_request":
-        cursor = int(content.get("cursor_pos", 0) or 0)
-        return {"status": "ok", "matches": [], "cursor_start": cursor, "cursor_end": cursor, "metadata": {}}
-    if msg_type == "inspect_request":
-        return {"status": "ok", "found": False, "data": {}, "metadata": {}}
-    if msg_type == "is_complete_request":  # compiled off the loop: ``_answer_is_complete``
-        return {"status": "unknown"}
-    if msg_type == "history_request":
-        return {"status": "ok", "history": []}
-    return {"status": "ok", "comms": {}}  # comm_info_request
 
 
 class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
@@ -541,7 +432,7 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         if isinstance(code, str) and not self._checking and len(code) <= self.max_is_complete_bytes:
             self._checking = True
             try:
-                status = await _checker.check(code, CHECK_TIMEOUT)
+                status = await checker.check(code, CHECK_TIMEOUT)
             finally:
                 self._checking = False
         reply: dict[str, Any] = {"status": status}
@@ -753,12 +644,8 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         state = getattr(km, "execution_state", None)
         if state != "busy":
             return self.nudge()
-        km.execution_state = "idle"  # only for the check at the top of nudge(): no await between
-        try:
+        with execution_state.reading_idle(km):  # only for the check at the top of nudge(): no await
             return self.nudge()
-        finally:
-            if km.execution_state == "idle":
-                km.execution_state = state
 
     def _fail_queue(self, reason: str) -> None:
         """Tell every queued execution why it will not run, so no cell hangs."""

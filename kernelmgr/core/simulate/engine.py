@@ -22,6 +22,9 @@ wait their turn with the kernel still running (holding its slice, its cells runn
 and ask the policy again when it comes (a cell run meanwhile drops them). What is not modelled:
 failed hibernations, GPU sampling delay (GPU activity is known exactly), and users who give up
 while waiting.
+
+Long because the three policies run on one event loop and one simulated clock: a policy is a
+branch of the culler tick, not a module of its own.
 """
 
 from __future__ import annotations

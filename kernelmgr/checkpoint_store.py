@@ -1,5 +1,8 @@
 """The server's view of checkpoints: one directory per kernel under a root, per owner.
 
+Runs in the server only, so it lives outside :mod:`kernelmgr.checkpoint` (whose modules may
+run inside the kernel and never import this one).
+
 The server never unpickles: it locates kernel directories, derives each owner's key for
 the agent, reads verified manifests for the REST API, reads the agent's restore report,
 and deletes a kernel's checkpoints when the kernel is shut down for good. Everything here

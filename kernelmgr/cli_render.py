@@ -1,0 +1,191 @@
+"""What ``jupyter elastic`` prints: plain-text tables of the REST API's JSON models."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+MIB = 1024 * 1024
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Left-aligned columns, two spaces apart; ``-`` for missing values."""
+    cells = [[("-" if value in (None, "") else str(value)) for value in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def _gib(mib: Any) -> str:
+    return "-" if mib is None else f"{mib / 1024:g} GiB"
+
+
+def _fraction(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{int(value)} GPU" if value >= 1 else f"{value:.0%}"
+
+
+def _isolation(isolation: dict[str, Any] | None) -> str:
+    """``hard/soft``: what the platform enforces for the size's memory and compute (``-`` if unknown)."""
+    if not isolation:
+        return "-"
+    return f"{isolation.get('memory', '?')}/{isolation.get('compute', '?')}"
+
+
+def render_profiles(doc: dict[str, Any]) -> str:
+    rows = [
+        [
+            p["name"],
+            p["display_name"],
+            _fraction(p["gpu_fraction"]),
+            _gib(p["memory_mib"]),
+            p["backend"],
+            _isolation(p.get("isolation")),
+            "yes" if p.get("fits_now") else "no",
+            ", ".join(p.get("kernelspecs", [])),
+        ]
+        for p in doc.get("profiles", [])
+    ]
+    headers = [
+        "SIZE",
+        "DISPLAY NAME",
+        "GPU",
+        "MEMORY",
+        "BACKEND",
+        "ENFORCED MEM/COMPUTE",
+        "FITS NOW",
+        "KERNELSPECS",
+    ]
+    out = table(headers, rows)
+    if not doc.get("gpus_available", True):
+        out += f"\n\n{doc.get('message', 'No GPUs.')}"
+    return out
+
+
+def render_gpus(doc: dict[str, Any]) -> str:
+    def holders(slices: list[dict[str, Any]], others: dict[str, Any] | None) -> str:
+        warm = sum(1 for s in slices if s.get("warm"))
+        kernels = str(len(slices) - warm)
+        if others and others.get("slices"):  # a gateway user: other users' slices, counted only
+            kernels += f" (+{others['slices']} of other users)"
+        return f"{kernels} (+{warm} warm)" if warm else kernels
+
+    rows = [
+        [
+            d["index"],
+            d["uuid"],
+            d["name"],
+            _gib(d["memory_mib"]),
+            _fraction(d["used_fraction"]) if d["used_fraction"] else "0%",
+            _gib(d["free_memory_mib"]),
+            holders(d["slices"], d.get("other_users")),
+        ]
+        for d in doc.get("devices", [])
+    ]
+    head = f"{doc.get('message', '')} (placement: {doc.get('strategy', '-')})"
+    out = head + "\n" + table(["#", "UUID", "NAME", "MEMORY", "USED", "FREE MEMORY", "KERNELS"], rows)
+    pools = doc.get("warm_pods") or {}
+    if pools:
+        each = ", ".join(
+            f"{size}: {c['ready']} ready, {c['starting']} starting" for size, c in sorted(pools.items())
+        )
+        out += f"\n\nWarm pods (each holds a slice, given up to any kernel that needs it): {each}"
+    return out
+
+
+def _duration(seconds: Any) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
+
+
+def render_kernels(kernels: list[dict[str, Any]]) -> str:
+    rows = []
+    for k in kernels:
+        activity = k.get("activity") or {}
+        devices = [d["uuid"] for d in (k.get("slice") or {}).get("devices", [])]
+        utilization = activity.get("gpu_utilization")
+        memory = activity.get("gpu_memory_mib")
+        checkpoint = k.get("checkpoint") or {}
+        rows.append(
+            [
+                k["id"],
+                k.get("profile") or "cpu",
+                k.get("state"),
+                k.get("execution_state"),
+                _duration(activity.get("idle_seconds")),
+                "-" if utilization is None else f"{utilization:.0f}%",
+                "-" if memory is None else f"{memory} MiB",
+                _duration(activity.get("gpu_idle_seconds")),
+                ",".join(devices),
+                _gib(checkpoint["bytes"] / MIB) if checkpoint.get("bytes") else "-",
+                k.get("owner"),
+            ]
+        )
+    if not rows:
+        return "no kernels"
+    headers = [
+        "KERNEL",
+        "SIZE",
+        "STATE",
+        "EXECUTION",
+        "IDLE",
+        "GPU",
+        "GPU MEM",
+        "GPU IDLE",
+        "GPUS",
+        "CHECKPOINT",
+        "OWNER",
+    ]
+    return table(headers, rows)
+
+
+def render_kernel(kernel: dict[str, Any]) -> str:
+    """One kernel after hibernate/resume: a line that says where it stands."""
+    line = f"kernel {kernel['id']} is {kernel.get('state')}"
+    checkpoint = kernel.get("checkpoint") or {}
+    if kernel.get("state") == "hibernated" and checkpoint:
+        not_saved = ", ".join(v["name"] for v in checkpoint.get("not_saved", [])) or "none"
+        saved = len(checkpoint.get("saved", []))
+        size = _gib(checkpoint.get("bytes", 0) / MIB)
+        line += f": {saved} variable(s) saved ({size}), not saved: {not_saved}"
+    elif kernel.get("slice"):
+        line += " on " + ", ".join(d["uuid"] for d in kernel["slice"]["devices"])
+    return line
+
+
+def render_report(doc: dict[str, Any]) -> str:
+    """``jupyter elastic report``: the last restore, one fact a line."""
+    report = doc.get("restore_report")
+    kernel = doc.get("id")
+    if not report:
+        return f"kernel {kernel} has not been resumed from a checkpoint yet"
+    if report.get("error"):  # the server did not read it (too large, or a link)
+        return f"kernel {kernel}: {report['error']}"
+    if report.get("refused"):
+        return f"kernel {kernel} resumed without its variables: {report['refused']}"
+    lines = [
+        f"kernel {kernel} resumed from {report.get('checkpoint')} (saved {report.get('created')})",
+        f"restored: {', '.join(report.get('restored', [])) or 'none'}",
+    ]
+    recomputed = report.get("recomputed") or []
+    if recomputed:
+        cells = sorted({c for item in recomputed for c in item.get("cells", [])})
+        names = ", ".join(item["name"] for item in recomputed)
+        lines.append(f"recomputed: {names} (re-ran cells {', '.join(map(str, cells))})")
+    for item in report.get("not_restored", []):
+        stage = "not saved" if item.get("stage") == "save" else "failed to load"
+        line = f"{stage}: {item['name']} ({item.get('reason', '')})"
+        if item.get("not_recomputed"):
+            line += f"; not recomputed: {item['not_recomputed']}"
+        lines.append(line)
+    for name, why in (report.get("differs") or {}).items():
+        lines.append(f"restored with differences: {name} ({why})")
+    return "\n".join(lines)
