@@ -52,6 +52,8 @@ SOURCES: dict[str, str] = {
     "tests.support.pod_cluster.": "cluster",
     "tests.support.kernel_pods.kernel_manager": "cluster",
     "tests.support.rbac.apply": "cluster",
+    # a real S3-compatible server (SeaweedFS, built from Go modules like the control plane)
+    "tests.support.s3.": "cluster",
     # a real browser
     "playwright.": "browser",
 }

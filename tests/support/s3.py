@@ -1,0 +1,140 @@
+"""A real S3-compatible server for the tests: SeaweedFS (``scripts/s3.sh build``), one per session.
+
+``weed server -s3`` runs SeaweedFS's master, volume server, filer and S3 gateway in one process on
+free loopback ports, with one admin identity (the server's credential) and one identity that may
+only read (to show a credential that is not the server's gets nothing written). Its data lives in
+a temporary folder. Skipped when the binary is missing, failed instead under ``ELASTIC_REQUIRE_S3``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from kernelmgr.objectstore.client import Bucket, ObjectStoreError
+from kernelmgr.objectstore.sigv4 import Credentials
+from tests.support.kube import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUIRE_ENV = "ELASTIC_REQUIRE_S3"
+#: Starting four servers in one process takes seconds; minutes on two loaded cores.
+START_SECONDS = 180.0
+
+
+def weed_binary() -> Path:
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "s3.sh"), "path"], capture_output=True, text=True)
+    return Path(out.stdout.strip())
+
+
+def require_s3() -> Path:
+    """The ``weed`` binary; skips (or fails under ``ELASTIC_REQUIRE_S3``) when it is not built."""
+    import pytest
+
+    binary = weed_binary()
+    if binary.is_file():
+        return binary
+    if os.environ.get(REQUIRE_ENV):
+        pytest.fail(f"{REQUIRE_ENV} is set but {binary} is missing: run scripts/s3.sh build", pytrace=False)
+    pytest.skip("no S3 server built: run `bash scripts/s3.sh build` (needs Go; a few minutes)")
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+    admin: Credentials
+    reader: Credentials
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def bucket(self, name: str, credentials: Credentials | None = None) -> Bucket:
+        return Bucket(self.endpoint, name, credentials or self.admin)
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _ports(count: int) -> list[int]:
+    """Free ports whose gRPC twins (port + 10000, SeaweedFS's convention) are free as well."""
+    found: list[int] = []
+    while len(found) < count:
+        port = free_port()
+        if port < 55000 and port not in found:
+            found.append(port)
+    return found
+
+
+@contextmanager
+def running_s3(workdir: Path) -> Iterator[S3Server]:
+    binary = require_s3()
+    admin = Credentials("elastic-admin", secrets.token_hex(20))
+    reader = Credentials("elastic-reader", secrets.token_hex(20))
+    config = {
+        "identities": [
+            {
+                "name": "admin",
+                "credentials": [{"accessKey": admin.access_key, "secretKey": admin.secret_key}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            },
+            {
+                "name": "reader",
+                "credentials": [{"accessKey": reader.access_key, "secretKey": reader.secret_key}],
+                "actions": ["Read", "List"],
+            },
+        ]
+    }
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "data").mkdir(exist_ok=True)
+    config_path = workdir / "s3.json"
+    config_path.write_text(json.dumps(config))
+    config_path.chmod(0o600)
+    master, volume, filer, s3 = _ports(4)
+    log_path = workdir / "weed.log"
+    args = [
+        str(binary), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir / 'data'}",
+        f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
+        "-s3", f"-s3.port={s3}", f"-s3.config={config_path}", "-master.telemetry=false",
+        "-master.volumeSizeLimitMB=64", "-volume.max=0",
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = S3Server(f"http://127.0.0.1:{s3}", admin, reader, proc, log_path)
+    try:
+        _wait_ready(server)
+        yield server
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _wait_ready(server: S3Server) -> None:
+    """Until a bucket can be created and an object written and read back (the volume server is up)."""
+    probe = server.bucket("ready-probe")
+    deadline = time.monotonic() + START_SECONDS
+    last = ""
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"weed exited with {server.process.returncode}:\n{server.log_tail()}")
+        try:
+            probe.create()
+            probe.put("probe", b"ok")
+            if probe.get("probe") == b"ok":
+                return
+        except (OSError, ObjectStoreError) as exc:
+            last = str(exc)
+        time.sleep(0.5)
+    raise RuntimeError(
+        f"the S3 server did not come up in {START_SECONDS:.0f} s ({last}):\n{server.log_tail()}"
+    )
