@@ -16,8 +16,8 @@ from pathlib import Path
 
 try:
     import tomllib
-except ModuleNotFoundError:  # Python 3.10: the script runs under any interpreter
-    import tomli as tomllib  # type: ignore[no-redef]
+except ModuleNotFoundError:  # Python 3.10: pip vendors a TOML reader
+    from pip._vendor import tomli as tomllib  # type: ignore[no-redef]
 
 #: The extras whose floors are part of what the package claims to run on.
 RUNTIME_EXTRAS = ("gateway", "kubernetes")  # those missing are skipped

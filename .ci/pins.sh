@@ -31,6 +31,8 @@ fi
 grep -iE '^(jupyter[-_]server|jupyter[-_]client|ipykernel|tornado|traitlets|kubernetes|jupyterhub)==' \
     "$venv/installed.txt" | tr '\n' ' '
 echo
+# The tests run `jupyter`, `jupyter-elastic`, ... from PATH: this venv's.
+export PATH="$PWD/$venv/bin:$PATH" VIRTUAL_ENV="$PWD/$venv"
 # The pure checks that depend on the versions (private names, tornado's HTTPError), then the server tests.
 "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_compat.py tests/test_server_errors.py
 "$venv/bin/python" -m pytest -m server -p no:cacheprovider "$@"
