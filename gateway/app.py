@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Generator
 from typing import Any
 
 from jupyter_server.serverapp import ServerApp
@@ -40,6 +41,13 @@ from kernelmgr.server.ownership import SETTINGS_KEY
 CONFIG_ERROR_EXIT = 2
 #: Where JupyterHub puts a service's API token (current and legacy names).
 HUB_SECRET_VARIABLES = ("JUPYTERHUB_API_TOKEN", "JPY_API_TOKEN")
+NO_HUB_TOKEN = (
+    "ElasticGateway.auth is 'jupyterhub' but there is no Hub API token (JUPYTERHUB_API_TOKEN, which "
+    "JupyterHub sets for a service it starts, or HubAuth.api_token): run the gateway as a JupyterHub "
+    "service, or set ElasticGateway.auth = 'token' for a single-tenant gateway"
+)
+#: What ``--help`` shows in full: the gateway's own settings (ServerApp's are in ``--help-all``).
+OWN_SETTINGS = (ElasticGateway, ElasticQuota)
 
 
 class ElasticGatewayApp(ServerApp):
@@ -59,6 +67,27 @@ class ElasticGatewayApp(ServerApp):
         ElasticQuota,
         HubIdentityProvider,
     ]
+
+    def emit_help(self, classes: bool = False) -> Generator[str, None, None]:
+        """``--help``: the gateway's own settings, not jupyter server's flags (``--help-all`` has all)."""
+        if classes:
+            yield from super().emit_help(classes=True)
+            return
+        yield from self.emit_description()
+        yield "The gateway's own settings (in the config file, or on the command line as shown):"
+        yield ""
+        for configurable in OWN_SETTINGS:
+            yield configurable.class_get_help()
+        yield (
+            "Kernels, GPU sizes and the cull policy are the extension's (ElasticKernels.*, CullPolicy.*; "
+            "see `jupyter elastic-gateway --help-all`), and so are jupyter server's own options "
+            "(--ServerApp.port, --ServerApp.ip, ...)."
+        )
+        yield ""
+        yield "Example:"
+        yield ""
+        yield "    jupyter elastic-gateway --config=/etc/jupyter-elastic/jupyter_server_config.json"
+        yield ""
 
     @default("extra_services")
     def _default_extra_services(self) -> list[str]:
@@ -137,6 +166,9 @@ class ElasticGatewayApp(ServerApp):
             quotas = ElasticQuota(parent=self).build(list(runtime.profiles))
         except ConfigError as exc:
             self.log.critical("elastic-gateway: invalid configuration: %s", exc.message)
+            sys.exit(CONFIG_ERROR_EXIT)
+        if not identity.hub_auth.api_token:
+            self.log.critical("elastic-gateway: %s", NO_HUB_TOKEN)
             sys.exit(CONFIG_ERROR_EXIT)
         _keep_hub_token_from_kernels(identity)
         if per_user(self.gateway_settings, ElasticKernels(parent=self)):

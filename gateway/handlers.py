@@ -27,6 +27,7 @@ from jupyter_server.utils import ensure_async
 from tornado import web
 
 from gateway.access import GatewayAccess
+from kernelmgr import compat
 from kernelmgr.core.kernels import requesting_owner
 from kernelmgr.server.errors import http_error, no_such_kernel
 from kernelmgr.server.events import OwnEventsWebsocket
@@ -203,8 +204,7 @@ class MetricsHandler(JupyterHandler):
         )
 
 
-_KERNEL = kernel_handlers._kernel_id_regex
-_ACTION = kernel_handlers._kernel_action_regex
+_KERNEL, _ACTION = compat.kernel_id_patterns()
 
 default_handlers = [
     (r"/api/kernels", MainKernelHandler),

@@ -18,6 +18,8 @@ from jupyter_server.auth.identity import IdentityProvider, User
 from jupyterhub.services.auth import HubAuth
 from traitlets import Instance, default
 
+from kernelmgr import compat
+
 
 class HubIdentityProvider(IdentityProvider):
     """Identify requests as JupyterHub users; no login page (the Hub does logins)."""
@@ -71,7 +73,7 @@ class HubIdentityProvider(IdentityProvider):
                 sorted(self.hub_auth.access_scopes),
             )
             return None
-        handler._token_authenticated = True  # token auth: no cookie, no XSRF check
+        compat.mark_token_authenticated(handler)  # token auth: no cookie, no XSRF check
         name = str(model["name"])
         self.hub_users[name] = model
         return User(username=name)

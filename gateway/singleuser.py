@@ -36,6 +36,8 @@ from jupyter_server.gateway.managers import GatewayMappingKernelManager, Gateway
 from tornado.escape import json_decode
 from traitlets import Bool
 
+from kernelmgr import compat
+
 
 class ElasticGatewayMappingKernelManager(GatewayMappingKernelManager):
     """Knows every kernel the gateway holds for this user, not only those this process started."""
@@ -49,14 +51,14 @@ class ElasticGatewayMappingKernelManager(GatewayMappingKernelManager):
 
     async def adopt(self, kernel_id: str) -> bool:
         """Track a kernel the gateway has for this user; ``False`` if the gateway does not have it."""
-        if kernel_id in self._kernels:
+        if kernel_id in compat.kernels(self):
             return True
         km = self.kernel_manager_factory(parent=self, log=self.log)
         # With an id, the stock manager only fetches the kernel's model (None: a 404), starting nothing.
         await km.start_kernel(kernel_id=kernel_id)
         if km.kernel is None:
             return False
-        self._kernels[kernel_id] = km
+        compat.kernels(self)[kernel_id] = km
         self.log.info("Kernel %s at the gateway adopted (%s)", kernel_id, km.kernel.get("execution_state"))
         return True
 
@@ -64,7 +66,7 @@ class ElasticGatewayMappingKernelManager(GatewayMappingKernelManager):
         """The gateway's list is this user's kernels: adopt those this process does not know yet."""
         response = await gateway_request(self.kernels_url, method="GET")
         for model in json_decode(response.body):
-            if model["id"] not in self._kernels:
+            if model["id"] not in compat.kernels(self):
                 await self.adopt(model["id"])
         models: list[dict[str, Any]] = await super().list_kernels(**kwargs)
         return models
@@ -73,9 +75,10 @@ class ElasticGatewayMappingKernelManager(GatewayMappingKernelManager):
         if self.shutdown_kernels_on_stop:
             await super().shutdown_all(now=now)
             return
-        if self._kernels:
-            self.log.info("Leaving %d kernel(s) at the gateway: they outlive this server", len(self._kernels))
-        self._kernels.clear()
+        kernels = compat.kernels(self)
+        if kernels:
+            self.log.info("Leaving %d kernel(s) at the gateway: they outlive this server", len(kernels))
+        kernels.clear()
 
 
 class ElasticGatewaySessionManager(GatewaySessionManager):

@@ -483,6 +483,13 @@ class CullPolicy(LoggingConfigurable):
         server stops; the others wait their turn. A slow checkpoint then holds up no other kernel's
         warning or hibernation, and many idle kernels do not all write checkpoints at once.""",
     )
+    start_grace = Float(
+        300.0,
+        config=True,
+        help="""Seconds after its start that a kernel which never became idle (started by REST and never
+        connected to, so it stays "starting") counts as busy; after that the policy counts it idle
+        from its start, and warns and hibernates it like any idle kernel.""",
+    )
     rules = List(
         Dict(),
         default_value=[],
@@ -503,4 +510,5 @@ class CullPolicy(LoggingConfigurable):
             rules=self.rules,
             known_profiles=known_profiles,
             max_concurrent_hibernations=self.max_concurrent_hibernations,
+            start_grace=self.start_grace,
         )

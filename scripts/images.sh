@@ -124,6 +124,7 @@ stage_context() {
     local deps_key deps_dir
     deps_key="$({
         sed -n '/^dependencies = \[/,/^\]/p' "${REPO_ROOT}/pyproject.toml"
+        sed -n '/^kubernetes = \[/p; /^gateway = \[/p' "${REPO_ROOT}/pyproject.toml"  # the gateway image's extras
         echo "${python_version} $(uname -m)"
     } | sha256sum | cut -c1-16)"
     deps_dir="${CACHE_DIR}/wheels/deps-${deps_key}"
@@ -139,7 +140,8 @@ stage_context() {
         local abi="cp$(echo "${python_version}" | cut -d. -f1,2 | tr -d .)"
         "${PYTHON}" -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
             --python-version "${python_version}" --implementation cp --abi "${abi}" --abi abi3 --abi none \
-            $(platform_flags) -d "${deps_dir}" "${project_dir}"/*.whl >&2
+            $(platform_flags) -d "${deps_dir}" \
+            "jupyter-elastic-kernels[gateway,kubernetes] @ file://$(ls "${project_dir}"/*.whl)" >&2
         rm -f "${deps_dir}"/jupyter_elastic_kernels-*.whl
         touch "${deps_dir}/.complete"
     fi

@@ -92,6 +92,24 @@ def test_busy_but_gpu_idle_gets_one_warning_when_configured() -> None:
     assert decide(policy(), busy, now=3000.0).action is Action.NOTHING
 
 
+def test_a_kernel_that_never_became_idle_counts_idle_after_the_start_grace() -> None:
+    """Started by REST and never connected to: it stays "starting" and must not hold its GPU for ever."""
+    never = snap(execution_state="starting", started=0.0, last_execution=None)
+    p = policy(idle_timeout=45, warn_before=15, start_grace=120)
+    assert decide(p, never, now=119.0).action is Action.NOTHING  # still in its grace: maybe starting
+    warn = decide(p, never, now=120.0)
+    assert warn.action is Action.WARN and "idle for 120s" in warn.reason
+    assert decide(p, replace(never, warned_at=120.0), now=135.0).action is Action.HIBERNATE
+    busy = replace(never, execution_state="busy")  # a running cell stays safe whatever its age
+    assert decide(p, busy, now=10_000.0).action is Action.NOTHING
+
+
+def test_the_start_grace_is_checked_and_shown() -> None:
+    with pytest.raises(ConfigError, match=r"CullPolicy\.start_grace must be >= 0"):
+        policy(start_grace=-1)
+    assert policy().to_dict()["start_grace"] == 300.0
+
+
 def test_without_gpu_measurement_jupyter_activity_decides_and_says_so() -> None:
     decision = decide(policy(warn_before=0), snap(gpu_available=False, gpu_idle_seconds=None), now=700.0)
     assert decision.action is Action.HIBERNATE

@@ -168,3 +168,37 @@ def test_help_lists_the_gateways_own_settings() -> None:
     assert shown.returncode == 0, shown.stderr[-2000:]
     for name in ("--ElasticQuota.default", "--ElasticGateway.auth", "--ElasticKernels.profiles"):
         assert name in shown.stdout, name
+
+
+def test_help_shows_the_gateways_own_settings() -> None:
+    """``--help`` (not only ``--help-all``) documents the gateway, not jupyter server's flags."""
+    import subprocess
+    import sys
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "gateway.app", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    for name in ("--ElasticGateway.auth", "--ElasticGateway.admin_users", "--ElasticQuota.default"):
+        assert name in shown.stdout, name
+    assert "--pylab" not in shown.stdout and "--help-all" in shown.stdout
+
+
+def test_hub_mode_without_a_hub_token_refuses_to_start_in_one_line(tmp_path: Path) -> None:
+    """Outside a Hub, a gateway in Hub mode used to start and answer every request with 500."""
+    proc, log_path, _url, _env = launch(
+        tmp_path / "gateway", elastic_config(tmp_path / "checkpoints"), app_module="gateway.app"
+    )
+    try:
+        assert proc.wait(timeout=120) == 2, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = log_path.read_text()
+    refusals = [line for line in log.splitlines() if "elastic-gateway:" in line]
+    assert (
+        len(refusals) == 1
+        and "ElasticGateway.auth is 'jupyterhub' but there is no Hub API token" in refusals[0]
+    )
+    assert "ElasticGateway.auth = 'token'" in refusals[0] and "Traceback" not in log

@@ -295,3 +295,29 @@ def test_failed_policy_hibernation_backs_off_and_keeps_the_kernel(tmp_path: Path
             assert running.execute(kernel_id, "print(len(big))").strip() == str(16 * 1024 * 1024)
         finally:
             running.stop()
+
+
+def test_a_kernel_nobody_connected_to_is_hibernated_after_the_start_grace(tmp_path: Path) -> None:
+    """Started by REST and left alone (a crashed papermill, an API client), it gives its GPU back.
+    Issue 32 saw such a kernel stay "starting" for ever; here the server's start handshake makes a
+    local kernel report idle, so the policy's start grace (``CullPolicy.start_grace``, counting a
+    never-idle kernel idle; tests/test_core_policy.py) is checked to reach the server's policy."""
+    policy = {"idle_timeout": 3, "warn_before": 0, "interval": 1, "start_grace": 4}
+    config = {
+        "ElasticKernels": {
+            "profiles": PROFILES,
+            "gpu_inventory": INVENTORY,
+            "checkpoint_root": str(tmp_path / "checkpoints"),
+        },
+        "CullPolicy": policy,
+    }
+    running = start_server(tmp_path / "home", config)
+    try:
+        kernel_id = running.start_kernel("python3-gpu-small")
+        wait_for(
+            lambda: state(running, kernel_id) == "hibernated", timeout=90, what="the never-idle kernel to go"
+        )
+        assert running.get(f"/api/elastic/kernels/{kernel_id}")["slice"] is None
+        assert running.get("/api/elastic/policy")["start_grace"] == 4
+    finally:
+        running.stop()

@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import elastic_config as config
 from tests.support.disk import small_disk
-from tests.support.gate import slow_to_load_cell
+from tests.support.gate import Gate, slow_to_load_cell
 from tests.support.server import Reply, RunningServer, start_server, wait_for
 
 pytest.importorskip("numpy")
@@ -151,13 +151,13 @@ def test_a_server_gone_during_a_long_cell_keeps_the_cells_result(tmp_path: Path,
     checkpoints = tmp_path / "checkpoints"
     first = start_server(tmp_path, config(checkpoints))
     kernel_id = first.start_kernel("python3-gpu-small")
+    gate = Gate(tmp_path / "gate")  # the cell runs until the second server has seen it running
     with first.channel(kernel_id) as chan:
         chan.execute("before = 1")
         chan.send(
-            "execute_request",
-            {"code": "import time; time.sleep(6); made_by_long_cell = 42", "silent": False},
+            "execute_request", {"code": gate.cell(limit=600) + "made_by_long_cell = 42", "silent": False}
         )
-        wait_for(lambda: first.get(f"/api/kernels/{kernel_id}")["execution_state"] == "busy", what="busy")
+        wait_for(gate.is_reached, what="the long cell to be running")
     if how == "killed":
         os.kill(first.process.pid, signal.SIGKILL)
         first.process.wait()
@@ -169,6 +169,7 @@ def test_a_server_gone_during_a_long_cell_keeps_the_cells_result(tmp_path: Path,
     try:
         if how == "killed":
             assert state(second, kernel_id) == "hibernating"  # the cell is still running
+        gate.open()
         wait_for(
             lambda: state(second, kernel_id) == "hibernated", timeout=60, what="the kernel's own checkpoint"
         )

@@ -83,6 +83,9 @@ class Policy:
     #: Hibernations (checkpoints) running at once, by the culler and at server shutdown: one
     #: slow checkpoint must not hold up the others, and fifty at once would saturate disk and memory.
     max_concurrent_hibernations: int = 4
+    #: Seconds after its start that a kernel which never reported ``idle`` (started by REST and
+    #: never connected to: it stays "starting") still counts as busy; after that it counts as idle.
+    start_grace: float = 300.0
 
     @property
     def enabled(self) -> bool:
@@ -102,6 +105,7 @@ class Policy:
             "interval": self.interval,
             "enabled": self.enabled,
             "max_concurrent_hibernations": self.max_concurrent_hibernations,
+            "start_grace": self.start_grace,
             "rules": [r.to_dict() for r in self.rules],
         }
 
@@ -133,6 +137,7 @@ def build_policy(
     rules: Sequence[Any],
     known_profiles: Sequence[str] = (),
     max_concurrent_hibernations: Any = 4,
+    start_grace: Any = 300.0,
 ) -> Policy:
     """Validate the ``CullPolicy.*`` settings into a :class:`Policy`, naming any bad key."""
     defaults = _check_thresholds(
@@ -146,6 +151,7 @@ def build_policy(
         },
     )
     every = _number("CullPolicy.interval", interval, 1.0)
+    grace = _number("CullPolicy.start_grace", start_grace)
     if (
         isinstance(max_concurrent_hibernations, bool)
         or not isinstance(max_concurrent_hibernations, int)
@@ -199,6 +205,7 @@ def build_policy(
         interval=every,
         rules=tuple(parsed),
         max_concurrent_hibernations=max_concurrent_hibernations,
+        start_grace=grace,
     )
 
 
@@ -249,6 +256,13 @@ def idle_seconds(snapshot: KernelSnapshot, now: float) -> tuple[float, str]:
     return jupyter_idle, "no cell run; GPU activity not measurable here"
 
 
+def never_idle(policy: Policy, snapshot: KernelSnapshot, now: float) -> bool:
+    """A kernel still "starting" ``start_grace`` seconds after its start: nobody ever talked to it
+    (papermill crashed, an API client left), so nothing runs in it; counting it busy would hold its
+    GPU slice for ever."""
+    return snapshot.execution_state == "starting" and now - snapshot.started >= policy.start_grace
+
+
 def decide(policy: Policy, snapshot: KernelSnapshot, now: float) -> Decision:
     """What to do with one kernel now."""
     limits = policy.for_profile(snapshot.profile)
@@ -266,7 +280,7 @@ def decide(policy: Policy, snapshot: KernelSnapshot, now: float) -> Decision:
         return NOTHING
     if snapshot.state is not KernelState.RUNNING or limits.idle_timeout <= 0:
         return NOTHING
-    if snapshot.execution_state != "idle":
+    if snapshot.execution_state != "idle" and not never_idle(policy, snapshot, now):
         if (
             snapshot.execution_state == "busy"
             and limits.busy_gpu_idle_warning > 0

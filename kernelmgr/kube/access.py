@@ -17,15 +17,25 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
 
-#: Where the RBAC manifests live in the repository (named in error messages).
-RBAC_FILE = "deploy/kubernetes/rbac.yaml"
-RBAC_NAMESPACES_FILE = "deploy/kubernetes/rbac-namespaces.yaml"
+
+def _shipped(name: str) -> str:
+    """An RBAC manifest as error messages name it: its place in the repository and the copy every
+    install has (the wheel puts deploy/kubernetes/ under ``<prefix>/share/jupyter-elastic-kernels``)."""
+    installed = os.path.join(sys.prefix, "share", "jupyter-elastic-kernels", "kubernetes", name)
+    return f"deploy/kubernetes/{name}, installed as {installed}"
+
+
+#: Where the RBAC manifests are (named in error messages); the chart's templates/rbac.yaml holds the same.
+RBAC_FILE = _shipped("rbac.yaml")
+RBAC_NAMESPACES_FILE = _shipped("rbac-namespaces.yaml")
 
 _VERBS = {
     "create": "create",

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from jupyter_core.utils import ensure_async
 
+from kernelmgr import compat
 from kernelmgr.activity.jupyter import JupyterActivity
 from kernelmgr.checkpoint.agent import CHECKPOINT_CODE
 from kernelmgr.checkpoint.version import compare
@@ -279,12 +280,7 @@ class JupyterKernelPlatform:
             return
         km.shutting_down = True
         km.stop_restarter()
-        if graceful:
-            await km._async_request_shutdown(restart=True)
-        else:
-            await km._async_kill_kernel(restart=True)
-        await km._async_finish_shutdown(pollinterval=0.01, restart=True)
-        await km._async_cleanup_resources(restart=True)
+        await compat.stop_for_restart(km, graceful)
 
     async def launch(self, kernel_id: str, restore: Committed | None, timeout: float) -> None:
         km = self._km(kernel_id)

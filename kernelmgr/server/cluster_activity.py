@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 from kernelmgr.activity.gpu import GpuActivity, IdleTrack, track
 from kernelmgr.core.errors import ConfigError
-from kernelmgr.kube.informer import Informer
 from kernelmgr.kube.node_agents import (
     DEFAULT_INSTANCE,
     ClusterActivity,
@@ -40,8 +39,9 @@ from kernelmgr.kube.node_agents import (
     agent_urls,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the Kubernetes client is an extra: imported where a sampler is started
     from kernelmgr.kube.cluster import KubeCluster
+    from kernelmgr.kube.informer import Informer
 
 ORIGIN = "node-agents"
 

@@ -1,12 +1,17 @@
 """HTTP errors whose JSON ``message`` is exactly the text we wrote.
 
-tornado (6.5+) hands out ``HTTPError.log_message`` with every ``%`` doubled when the error
-has no format arguments, and jupyter_server's API handlers send ``log_message`` to the client
-as is, so "25% of a GPU" would reach users as "25%% of a GPU". This subclass returns the
-message untouched.
+jupyter_server's API handlers send ``HTTPError.log_message`` to the client as is. tornado 6.5+
+hands it out with every ``%`` doubled when the error has no format arguments (a read-only
+property over ``_log_message``); tornado 6.3 and 6.4 double it in ``__init__`` and store it in a
+plain attribute. Either way "25% of a GPU" would reach users as "25%% of a GPU". This subclass
+keeps the literal message and answers it on every tornado the package allows; the property has a
+setter because tornado before 6.5 assigns ``log_message`` in ``HTTPError.__init__`` (without one,
+every error became a 500 with a traceback).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from tornado import web
 
@@ -14,9 +19,21 @@ from tornado import web
 class ClearHTTPError(web.HTTPError):
     """An ``HTTPError`` whose ``log_message`` is the literal message."""
 
+    def __init__(self, status_code: int = 500, log_message: str | None = None, *args: Any, **kwargs: Any):
+        self._clear_message = log_message % args if log_message and args else log_message
+        super().__init__(status_code, log_message, *args, **kwargs)
+
     @property
     def log_message(self) -> str | None:
-        return self.get_message()
+        return self._clear_message
+
+    @log_message.setter
+    def log_message(self, value: str | None) -> None:
+        """tornado < 6.5 assigns its escaped copy here; the literal message stays."""
+
+    def __str__(self) -> str:
+        """tornado < 6.5 formats ``log_message % args``, which the literal message must not meet."""
+        return f"HTTP {self.status_code}: {self._clear_message}"
 
 
 def http_error(status: int, message: str) -> web.HTTPError:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jupyter_server.extension.application import ExtensionApp
 from jupyter_server.gateway.gateway_client import GatewayClient
@@ -24,14 +24,13 @@ from kernelmgr.activity.gpu import GpuActivitySampler
 from kernelmgr.backends.local import MANAGED_VARIABLES
 from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
 from kernelmgr.core.errors import ConfigError
+from kernelmgr.kube import optional as kube_optional
 from kernelmgr.lifecycle.events import LifecycleEvents
 from kernelmgr.lifecycle.metrics import install_collector
 from kernelmgr.lifecycle.records import KernelStateFile
 from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.provisioners.local import HANDED_OVER
-from kernelmgr.server.adoption import adopt_kernel_pods, start_node_inventory
 from kernelmgr.server.background import BackgroundCheckpoints
-from kernelmgr.server.cluster_activity import ClusterGpuSampler, start_cluster_sampler
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.execution_state import ExecutionStates
 from kernelmgr.server.gateway_relay import gateway_relay_handlers
@@ -41,6 +40,9 @@ from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.sessions import ElasticSessionManager, server_identity
 from kernelmgr.server.websocket import ElasticWebsocketConnection
 from kernelmgr.warm.pool import WarmPools
+
+if TYPE_CHECKING:  # the Kubernetes modules load only in Kubernetes mode (the client is an extra)
+    from kernelmgr.server.cluster_activity import ClusterGpuSampler
 
 CONFIG_ERROR_EXIT = 2
 
@@ -126,13 +128,19 @@ class ElasticKernelsExtension(ExtensionApp):
         )
         km.hibernator.recover()
         if runtime.inventory_source == "kubernetes":
+            from kernelmgr.server.adoption import start_node_inventory
+
             self.node_sync = start_node_inventory(runtime, self.log)
         if runtime.mode.in_pods:
+            from kernelmgr.server.adoption import adopt_kernel_pods
+
             # Once the loop runs (the pod watch must sync first); the server starts meanwhile.
             ioloop.IOLoop.current().add_callback(adopt_kernel_pods, km)
         sampler: GpuActivitySampler | ClusterGpuSampler | None = None
         if runtime.mode.in_pods:
             # The kernels run on other nodes: their GPU activity comes from the node agents.
+            from kernelmgr.server.cluster_activity import start_cluster_sampler
+
             try:
                 sampler = start_cluster_sampler(runtime.kube, policy.defaults.gpu_idle_threshold)
             except ConfigError as exc:
@@ -179,6 +187,11 @@ class ElasticKernelsExtension(ExtensionApp):
         """The server's KubeCluster, its settings (pod resources, their sizes) checked at start: a
         bad one is exit code 2 and one line, not a failure at the first kernel. The kernel manager
         stops its watches once the kernels are shut down."""
+        try:
+            kube_optional.require()
+        except ConfigError as exc:
+            self.log.critical("jupyter-elastic-kernels: %s", exc.message)
+            sys.exit(CONFIG_ERROR_EXIT)
         from kernelmgr.kube.cluster import KubeCluster
         from kernelmgr.kube.settings import KubeSettings
 

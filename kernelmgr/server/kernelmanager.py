@@ -21,19 +21,20 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
+from datetime import datetime, timezone
 from typing import Any
 
 from jupyter_client.kernelspec import NoSuchKernel
 from jupyter_client.provisioning import KernelProvisionerFactory as KPF
 from jupyter_core.utils import ensure_async
-from jupyter_server._tz import utcnow
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 
+from kernelmgr import compat
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.errors import CapacityError, UnknownProfileError
 from kernelmgr.core.lifecycle import KernelState
-from kernelmgr.kube.access import KubeRefused
+from kernelmgr.kube import optional as kube_optional
 from kernelmgr.lifecycle.records import KernelRecord
 from kernelmgr.lifecycle.scheduler import DEFAULT_LIMIT
 from kernelmgr.lifecycle.service import Hibernator
@@ -57,7 +58,7 @@ def _answered_as_http(what: str) -> Iterator[None]:
         yield
     except LifecycleError as exc:
         raise http_error(exc.status, exc.message) from None
-    except KubeRefused as exc:
+    except kube_optional.refusals() as exc:
         raise http_error(500, f"could not {what}: {exc}") from None
 
 
@@ -85,14 +86,14 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
     def ports_changed(self, kernel_id: str) -> None:
         """The kernel was relaunched on new ports (a resume that lost a port): watch the new ones."""
         self.stop_watching_activity(kernel_id)
-        self._kernel_ports[kernel_id] = self._kernels[kernel_id].ports
+        compat.set_ports(self, kernel_id, compat.kernels(self)[kernel_id].ports)
         self.start_watching_activity(kernel_id)
 
     def start_watching_activity(self, kernel_id: str) -> None:
         """jupyter_server's IOPub watcher, also feeding execution activity to the cull policy."""
         super().start_watching_activity(kernel_id)
         hibernator = self.hibernator
-        kernel = self._kernels[kernel_id]
+        kernel = compat.kernels(self)[kernel_id]
         stream = getattr(kernel, "_activity_stream", None)
         original = getattr(stream, "_recv_callback", None)
         if hibernator is None or stream is None or original is None:
@@ -158,7 +159,8 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             raise http_error(409, exc.message) from None
         except UnknownProfileError as exc:
             raise http_error(400, exc.message) from None
-        except KubeRefused as exc:  # the server's RBAC or an admission policy: the admin's to fix
+        # the server's RBAC or an admission policy: the admin's to fix
+        except kube_optional.refusals() as exc:
             raise http_error(500, f"could not start the kernel: {exc}") from None
         except AccountError as exc:  # a multi-user gateway: no OS account for this user's kernels
             raise http_error(403, exc.message) from None
@@ -257,8 +259,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         self.stop_watching_activity(kernel_id)
         self.stop_buffering(kernel_id)
         km = self.remove_kernel(kernel_id)
-        self._kernel_connections.pop(kernel_id, None)
-        self._kernel_ports.pop(kernel_id, None)
+        compat.forget(self, kernel_id)
         return km
 
     async def interrupt_kernel(self, kernel_id: str, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
@@ -305,13 +306,11 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             kernel_spec_manager=self.kernel_spec_manager,
         )
         km.kernel_id = record.kernel_id
-        km._launch_args = {"cwd": record.cwd} if record.cwd else {}
         km.reason = ""
-        km.last_activity = utcnow()
+        km.last_activity = datetime.now(timezone.utc)
         km.ready.set_result(None)  # nothing pending: websockets may connect at once
-        km._attempted_start = True  # so the resume's start makes a fresh ``ready`` future
-        self._kernels[record.kernel_id] = km
-        self._kernel_connections[record.kernel_id] = 0
+        compat.mark_started(km, {"cwd": record.cwd} if record.cwd else {})
+        compat.register(self, record.kernel_id, km, ports=False)
         # Listed in ``state``: the transition observer sets jupyter's execution_state.
         runtime.states.adopted(record.kernel_id, record.kernelspec, record.profile, record.owner, state)
 
@@ -336,17 +335,14 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         info = km.provisioner.adopt(found)
         with contextlib.suppress(FileNotFoundError):  # the previous server's copy: the Secret is the truth
             os.remove(km.connection_file)
-        km._reconcile_connection_info(info)
-        km._launch_args = {}
-        km._attempted_start = True
+        compat.adopt_connection(km, info)
+        compat.mark_started(km, {})
         km.ready.set_result(None)
-        km._connect_control_socket()
+        compat.connect_control(km)
         execution_state.initial(km, KernelState.RUNNING)
         km.reason = ""
-        km.last_activity = utcnow()
-        self._kernels[kernel_id] = km
-        self._kernel_connections[kernel_id] = 0
-        self._kernel_ports[kernel_id] = km.ports
+        km.last_activity = datetime.now(timezone.utc)
+        compat.register(self, kernel_id, km)
         self.start_watching_activity(kernel_id)
         self.add_restart_callback(kernel_id, lambda: self._handle_kernel_died(kernel_id), "dead")
         km.start_restarter()

@@ -30,6 +30,7 @@ import zmq
 from jupyter_client.multikernelmanager import MultiKernelManager
 from jupyter_core.utils import ensure_async
 
+from kernelmgr import compat
 from kernelmgr.lifecycle.platform import BIND_RETRIES, check_agent, shell_client, stderr_tail, try_send
 from kernelmgr.provisioners.local import BIND_ERROR
 from kernelmgr.server.errors import http_error
@@ -74,7 +75,7 @@ class StartWithoutReadyRace(MultiKernelManager):
         except BaseException:
             km.autorestart = km_._elastic_autorestart
             raise
-        self._kernels[kernel_id] = km
+        compat.kernels(self)[kernel_id] = km
         return kernel_id
 
 
@@ -196,6 +197,6 @@ async def _relaunch_with_new_ports(mkm: Any, kernel_id: str, km: Any) -> None:
     choose = getattr(km.provisioner, "choose_new_ports", None)
     if callable(choose):
         choose()
-    await ensure_async(km.start_kernel(**km._launch_args))
-    mkm._kernel_ports[kernel_id] = km.ports
+    await ensure_async(km.start_kernel(**compat.launch_args(km)))
+    compat.set_ports(mkm, kernel_id, km.ports)
     mkm.start_watching_activity(kernel_id)
