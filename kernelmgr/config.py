@@ -73,17 +73,6 @@ class ElasticRuntime:
     kernels: KernelRegistry = field(default_factory=KernelRegistry)
     #: The one writer of the kernels' lifecycle states (provisioners report starts and exits to it).
     states: KernelStates = field(init=False)
-    #: Set by the server: a provisioner calls it when a running kernel vanished without being asked
-    #: (its pod deleted, evicted, lost with its node) with the reason and, when known, the time
-    #: (epoch seconds) Kubernetes began stopping it (a checkpoint committed after that is one the
-    #: kernel wrote at SIGTERM; ``0.0``: the newest checkpoint was written at SIGTERM, as a local
-    #: kernel's exit status says); ``True`` means the server takes the kernel over (hibernated from
-    #: its last checkpoint), ``False`` that it has none.
-    kernel_lost: Callable[[str, str, float | None], bool] | None = None
-    #: Set by the server: a provisioner calls it when Kubernetes began stopping a running kernel's
-    #: pod unasked and the kernel is checkpointing itself (SIGTERM): until the kernel is taken over
-    #: (``kernel_lost``) or gone, the notebook's messages are held, not sent to a process about to end.
-    kernel_stopping: Callable[[str], None] | None = None
 
     #: Where devices come from at run time: "declared", "nvml", or "kubernetes" (the cluster's
     #: nodes, kept current by :class:`kernelmgr.kube.nodes.NodeInventorySync`, which the server

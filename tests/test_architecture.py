@@ -487,3 +487,79 @@ def test_the_cycle_rule_catches_a_cycle(tmp_path: Path) -> None:
     )
     (package / "c.py").write_text("import pkg.a\n")
     assert import_cycles(package) == [["pkg.a", "pkg.b"]]
+
+
+#: The configuration objects: validated settings, made once at start-up and shared.
+CONFIGURATION = ("config.py", "warm/settings.py")
+
+
+def is_dataclass_node(node: ast.ClassDef) -> bool:
+    return any(
+        (isinstance(d, ast.Name) and d.id == "dataclass")
+        or (isinstance(d, ast.Call) and isinstance(d.func, ast.Name) and d.func.id == "dataclass")
+        for d in node.decorator_list
+    )
+
+
+def callable_fields(path: Path) -> list[str]:
+    """Fields of the dataclasses in ``path`` typed as a callable (a slot a component could assign
+    a callback to after construction, wiring the server by mutation)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [
+        f"{path.name}:{item.lineno} {node.name}.{ast.unparse(item.target)}: {ast.unparse(item.annotation)}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and is_dataclass_node(node)
+        for item in node.body
+        if isinstance(item, ast.AnnAssign) and "Callable" in ast.unparse(item.annotation)
+    ]
+
+
+def resolved_callables(cls: type) -> list[str]:
+    """Fields of dataclass ``cls`` whose resolved type is, or unions with, a callable (an alias too)."""
+    import collections.abc
+    import dataclasses
+    import typing
+
+    def has_callable(hint: object) -> bool:
+        if typing.get_origin(hint) is collections.abc.Callable or hint is collections.abc.Callable:
+            return True
+        return any(has_callable(arg) for arg in typing.get_args(hint) if not isinstance(arg, list))
+
+    hints = typing.get_type_hints(cls)
+    return [f.name for f in dataclasses.fields(cls) if has_callable(hints[f.name])]
+
+
+def test_no_callbacks_stored_in_the_configuration() -> None:
+    """Components get what they call as an explicit dependency (provisioners report losses to the
+    server's ``kernel_losses``, found on their parents), never as a callable assigned into the
+    configuration after it was built."""
+    from kernelmgr.config import ElasticRuntime
+    from kernelmgr.warm.settings import WarmPoolSettings
+
+    assert [bad for name in CONFIGURATION for bad in callable_fields(PACKAGE / name)] == []
+    assert resolved_callables(ElasticRuntime) == []
+    assert resolved_callables(WarmPoolSettings) == []
+
+
+def test_the_callback_rule_catches_a_callable_field(tmp_path: Path) -> None:
+    import dataclasses
+    from collections.abc import Callable
+
+    config = tmp_path / "config.py"
+    config.write_text(
+        "from dataclasses import dataclass, field\n"
+        "@dataclass\nclass Runtime:\n"
+        "    name: str = ''\n"
+        "    kernel_lost: Callable[[str], bool] | None = None\n"
+        "@dataclass(frozen=True)\nclass Other:\n"
+        "    hooks: list[Callable[[], None]] = field(default_factory=list)\n"
+        "class NotData:\n"
+        "    call: Callable[[], None]\n"
+    )
+    assert callable_fields(config) == [
+        "config.py:5 Runtime.kernel_lost: Callable[[str], bool] | None",
+        "config.py:8 Other.hooks: list[Callable[[], None]]",
+    ]
+    report = Callable[[str, str, float | None], bool]  # an alias hides the word from the source
+    runtime = dataclasses.make_dataclass("Runtime", [("kernel_lost", report | None, None), ("name", str, "")])
+    assert resolved_callables(runtime) == ["kernel_lost"]

@@ -35,7 +35,7 @@ from kernelmgr.checkpoint.layout import publish_current, read_current
 from kernelmgr.checkpoint.reader import restore_checkpoint
 from kernelmgr.checkpoint.writer import write_checkpoint
 from kernelmgr.config import ElasticKernels
-from kernelmgr.core.kernels import ManagedKernel
+from kernelmgr.core.kernels import LaunchPlan, ManagedKernel
 from kernelmgr.provisioners.local import agent_environment
 from tests.conftest import INVENTORY, PROFILES
 from tests.conftest import elastic_config as config
@@ -161,11 +161,11 @@ def test_the_provisioner_writes_only_the_owners_key_to_a_private_file(tmp_path: 
     )
     runtime = settings.build()
     record = ManagedKernel(kernel_id=KERNEL, kernelspec="python3-gpu-small", profile="small", owner=OWNER)
-    record.restore_on_start, record.restore_checkpoint = True, "ckpt-20240101T000000000000-00000000"
+    plan = LaunchPlan(restore=True, checkpoint="ckpt-20240101T000000000000-00000000")
     key_file = key_file_path(private_key_dir(tmp_path / "runtime"), KERNEL)
-    env = agent_environment(runtime, record, key_file)
+    env = agent_environment(runtime, record, plan, key_file)
     assert env[ENV_KEY_FILE] == str(key_file)
-    assert env["ELASTIC_RESTORE"] == "1" and env["ELASTIC_RESTORE_CHECKPOINT"] == record.restore_checkpoint
+    assert env["ELASTIC_RESTORE"] == "1" and env["ELASTIC_RESTORE_CHECKPOINT"] == plan.checkpoint
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     secret = (tmp_path / "secret" / "checkpoint-secret").read_bytes()
     assert read_key_file(key_file) == owner_key(secret, OWNER)

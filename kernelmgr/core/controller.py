@@ -159,6 +159,8 @@ class KernelStates:
         """A launch begins: a new kernel is registered ``starting``; a restart goes back to it; a
         resume's launch keeps ``resuming`` (the controller decides how a resume ends)."""
         record = self.registry.register(kernel_id, kernelspec, profile, owner)
+        record.taken_over = None  # a new process: what the last one's end left no longer applies
+        record.stop_began = None
         if record.state not in (S.RESUMING, S.STARTING):
             self.move(record, S.STARTING, "launch")
         return record
@@ -174,6 +176,7 @@ class KernelStates:
         record = self.registry.get(kernel_id)
         if record is not None:
             record.launches += 1
+            record.restarting = False
             if record.state is S.STARTING:
                 self.move(record, S.RUNNING, how)
 
@@ -193,6 +196,41 @@ class KernelStates:
             before = record.state
             record.lifecycle.move(S.DEAD, reason)
             self._moved(record, before, reason, final=True)
+
+    def restart_requested(self, kernel_id: str, restart: bool) -> None:
+        """Its process was asked to end, for a restart (``restart``: the process comes back, the
+        slice stays) or for good."""
+        record = self.registry.get(kernel_id)
+        if record is not None:
+            record.restarting = restart
+
+    def stop_seen(self, record: ManagedKernel, began: float | None) -> None:
+        """Kubernetes began stopping the running kernel's pod at ``began`` (the first sighting counts)."""
+        if record.stop_began is None:
+            record.stop_began = began
+
+    def taken_over(self, record: ManagedKernel, why: str) -> None:
+        """Its process or pod vanished and the server took it over (:class:`LossReports`): no exit
+        is reported until the next launch."""
+        record.taken_over = why
+
+
+class LossReports(Protocol):
+    """Where provisioners report a running kernel's process or pod going without being asked.
+
+    The server that owns the kernels provides it (the lifecycle's
+    :class:`~kernelmgr.lifecycle.loss.KernelLoss`), found like the runtime on the provisioner's
+    parents (``kernel_losses``); none: nothing takes a vanished kernel over.
+    """
+
+    def stopping(self, kernel_id: str) -> None:
+        """Kubernetes began stopping the kernel's pod, and the kernel checkpoints itself: until it
+        is taken over or gone, what notebooks send is held."""
+
+    def vanished(self, kernel_id: str, why: str, stop_began: float | None = None) -> bool:
+        """The kernel is gone (``why``; ``stop_began``: when it was told to stop, ``0.0``: its
+        newest checkpoint was written at SIGTERM): ``True`` if the server takes it over
+        (hibernated from its last checkpoint), ``False`` if it has none."""
 
 
 def restore_timeout(base: float, checkpoint_bytes: int) -> float:

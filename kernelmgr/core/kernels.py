@@ -40,6 +40,29 @@ class Committed:
     size: int = 0
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What a kernel's next launch does, handed by a resume to that launch and taken once.
+
+    ``restore``: the agent restores a checkpoint before the kernel serves; ``checkpoint``: the
+    id the server verified, the only one the kernel may restore (an older checkpoint put back in
+    place is refused). :data:`FRESH_START` (nothing handed) starts the kernel empty: a new
+    kernel, a restart, a relaunch after a crash.
+    """
+
+    restore: bool = False
+    checkpoint: str | None = None
+
+    @classmethod
+    def restoring(cls, committed: Committed | None) -> LaunchPlan:
+        """Restore ``committed`` (``None``: start empty, its checkpoints discarded)."""
+        return cls(True, committed.checkpoint_id) if committed is not None else FRESH_START
+
+
+#: The plan of every launch no resume handed one to.
+FRESH_START = LaunchPlan()
+
+
 @dataclass
 class Loss:
     """Why a running kernel was hibernated without being asked (its pod or process vanished),
@@ -72,11 +95,9 @@ class ManagedKernel:
     created: float = field(default_factory=time.time)
     launches: int = 0
     last_error: str = ""
-    #: Set while resuming: the next launch restores the committed checkpoint.
-    restore_on_start: bool = False
-    #: With ``restore_on_start``: the checkpoint id the server verified, the only one the
-    #: kernel may restore (an older checkpoint put back in place is refused).
-    restore_checkpoint: str | None = None
+    #: The plan a resume handed to the next launch, until that launch takes it
+    #: (:meth:`hand_launch_plan`, :meth:`take_launch_plan`).
+    _launch_plan: LaunchPlan | None = field(default=None, repr=False)
     #: How the last launch started its process: ``cold`` (a new process) or ``warm`` (a warm
     #: pool's, with the frameworks already imported); the resume metrics are split by it.
     launch_path: str = "cold"
@@ -97,6 +118,16 @@ class ManagedKernel:
     #: Set while Kubernetes stops the kernel's pod and the kernel checkpoints itself; done
     #: once the server has taken it over (or it ended otherwise).
     stopping: asyncio.Future[None] | None = None
+    #: When Kubernetes began stopping the running pod unasked (epoch seconds), once a
+    #: provisioner saw it; told with the loss. Cleared by the next launch.
+    stop_began: float | None = None
+    #: Why the process or pod vanished, once the server took the kernel over (hibernated from
+    #: its checkpoint): until the next launch there is no process, and a poll must not report an
+    #: exit (the restarter would start the kernel again, empty). Cleared by the next launch.
+    taken_over: str | None = None
+    #: Its process was asked to end for a restart (or a hibernation's stop): the exit a poll
+    #: sees meanwhile is no crash, and the slice stays. Cleared when the next launch serves.
+    restarting: bool = False
     #: Its executions, from Jupyter's IOPub messages (the cull policy's Jupyter signal).
     activity: ExecutionActivity = field(default_factory=lambda: ExecutionActivity(started=time.time()))
     #: The latest GPU sample of its processes (``None``: not sampled, e.g. it holds no slice).
@@ -109,6 +140,17 @@ class ManagedKernel:
     @property
     def state(self) -> KernelState:
         return self.lifecycle.state
+
+    def hand_launch_plan(self, plan: LaunchPlan | None) -> None:
+        """The resume's side: what the next launch must do (``None``: withdraw a plan no launch
+        took, so a later restart starts empty)."""
+        self._launch_plan = plan
+
+    def take_launch_plan(self) -> LaunchPlan:
+        """The launch's side, once per launch: the plan handed to it, now cleared, or
+        :data:`FRESH_START` when none was (a new kernel, a restart)."""
+        plan, self._launch_plan = self._launch_plan or FRESH_START, None
+        return plan
 
 
 class KernelRegistry:

@@ -1,11 +1,12 @@
 """A running kernel whose process or pod vanished without being asked: hibernated from its
 last checkpoint, so the next cell resumes it and is told what (if anything) was lost.
 
-Provisioners report the facts (``ElasticRuntime.kernel_stopping``: Kubernetes began stopping
-the pod and the kernel checkpoints itself; ``ElasticRuntime.kernel_lost``: it is gone); the
-state moves through :meth:`~kernelmgr.core.controller.LifecycleController.lost`. The same path
-serves a local kernel that exited after checkpointing at SIGTERM and a pod deleted, evicted or
-lost with its node.
+Provisioners report the facts to :class:`KernelLoss`, their
+:class:`~kernelmgr.core.controller.LossReports` (``stopping``: Kubernetes began stopping the pod
+and the kernel checkpoints itself; ``vanished``: it is gone); the state moves through
+:meth:`~kernelmgr.core.controller.LifecycleController.lost`. The same path serves a local
+kernel that exited after checkpointing at SIGTERM and a pod deleted, evicted or lost with its
+node.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ class KernelLoss:
 
     def stopping(self, kernel_id: str) -> None:
         """A provisioner saw Kubernetes begin stopping a running kernel's pod (see
-        ``ElasticRuntime.kernel_stopping``); the kernel is checkpointing itself. Until it is taken
-        over or gone, what a notebook sends is held, and a resume waits."""
+        :class:`~kernelmgr.core.controller.LossReports`); the kernel is checkpointing itself.
+        Until it is taken over or gone, what a notebook sends is held, and a resume waits."""
         record = self.runtime.kernels.get(kernel_id)
         if record is None or record.stopping is not None or record.state is not KernelState.RUNNING:
             return

@@ -29,7 +29,7 @@ from kernelmgr.checkpoint.agent import CHECKPOINT_CODE
 from kernelmgr.checkpoint.version import compare
 from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.errors import CapacityError
-from kernelmgr.core.kernels import Committed, ManagedKernel
+from kernelmgr.core.kernels import Committed, LaunchPlan, ManagedKernel
 from kernelmgr.lifecycle.checkpoints import committed_of, newer_checkpoint
 from kernelmgr.lifecycle.host import KernelHost
 from kernelmgr.lifecycle.records import KernelRecords
@@ -323,14 +323,17 @@ class JupyterKernelPlatform:
     async def _start_process(
         self, km: Any, record: ManagedKernel, restore: Committed | None, deadline: float
     ) -> None:
-        """Start the kernel's process, asking it to restore ``restore`` (every launch must ask:
-        the provisioner reads the request at launch, and it is cleared after)."""
-        record.restore_on_start = restore is not None
-        # The only checkpoint the kernel may restore: the one the server verified.
-        record.restore_checkpoint = restore.checkpoint_id if restore is not None else None
+        """Start the kernel's process, handing it the plan to restore ``restore``.
+
+        The one place a plan is handed: each attempt hands it again (the launch takes it once,
+        in :func:`~kernelmgr.provisioners.common.claim_slice`), and one no launch took is
+        withdrawn after, so a later restart starts empty.
+        """
+        plan = LaunchPlan.restoring(restore)
         launch_args = dict(getattr(km, "_launch_args", {}) or {})
         try:
             while True:
+                record.hand_launch_plan(plan)
                 try:
                     await km.start_kernel(**launch_args)
                     break
@@ -339,8 +342,7 @@ class JupyterKernelPlatform:
                         raise
                     await asyncio.sleep(0.5)
         finally:
-            record.restore_on_start = False
-            record.restore_checkpoint = None
+            record.hand_launch_plan(None)
 
     async def _wait_ready(self, km: Any, continue_count_of: str | None, timeout: float) -> None:
         client = shell_client(km)

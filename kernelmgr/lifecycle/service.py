@@ -108,8 +108,6 @@ class Hibernator:
         #: Called with the kernel id when a resume has finished (once per resume): the
         #: websocket layer attaches the notebooks that were opened while it slept.
         self.on_resumed: list[Callable[[str], Any]] = []
-        runtime.kernel_lost = self.loss.vanished
-        runtime.kernel_stopping = self.loss.stopping
 
     # -- queries -------------------------------------------------------------------------
 

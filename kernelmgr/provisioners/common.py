@@ -9,11 +9,12 @@ Keeping it here means the two provisioners cannot drift apart.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.allocator import Slice
-from kernelmgr.core.kernels import ManagedKernel, requesting_owner
+from kernelmgr.core.controller import LossReports
+from kernelmgr.core.kernels import LaunchPlan, ManagedKernel, requesting_owner
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.modes import LOCAL_PROVISIONER
 
@@ -41,11 +42,32 @@ def find_runtime(start: Any, provisioner_name: str = LOCAL_PROVISIONER) -> Elast
     )
 
 
+def find_loss_reports(start: Any) -> LossReports | None:
+    """Where this kernel's losses are reported: the ``kernel_losses`` of the server that owns the
+    kernels, on the traitlets ``parent`` chain like the runtime; ``None`` without one (a
+    provisioner used on its own: nothing takes a vanished kernel over)."""
+    node = start
+    while node is not None:
+        losses = getattr(node, "kernel_losses", None)
+        if losses is not None:
+            return cast(LossReports, losses)
+        node = getattr(node, "parent", None)
+    return None
+
+
 def profile_name_of(kernel_spec: Any) -> str | None:
     """The GPU size a kernelspec asks for (``metadata.elastic.profile``), ``None`` for a CPU kernel."""
     elastic = (getattr(kernel_spec, "metadata", None) or {}).get("elastic") or {}
     profile = elastic.get("profile")
     return str(profile) if profile else None
+
+
+class Claim(NamedTuple):
+    """What a launch begins with: the kernel's record, its slice, and the plan a resume handed it."""
+
+    record: ManagedKernel
+    granted: Slice | None
+    plan: LaunchPlan
 
 
 def claim_slice(
@@ -54,18 +76,22 @@ def claim_slice(
     kernelspec_name: str,
     profile_name: str | None,
     take_over: str | None = None,
-) -> tuple[ManagedKernel, Slice | None]:
-    """Register the kernel (or find it, for a resume) and take its slice, before anything starts.
+) -> Claim:
+    """Register the kernel (or find it, for a resume), take the launch's plan and its slice,
+    before anything starts.
 
-    A size that does not fit raises here; a new kernel is then marked dead and forgotten, while a
-    resume keeps its record and checkpoint (the hibernator decides what a failed resume means).
-    ``take_over`` names a warm holder whose slice the kernel takes instead of booking a new one.
+    The one place a launch takes its plan (:meth:`ManagedKernel.take_launch_plan`): once, so the
+    next launch (a restart) starts empty unless a resume hands it another. A size that does not
+    fit raises here; a new kernel is then marked dead and forgotten, while a resume keeps its
+    record and checkpoint (the hibernator decides what a failed resume means). ``take_over``
+    names a warm holder whose slice the kernel takes instead of booking a new one.
     """
     owner = requesting_owner.get() or runtime.owner  # a gateway starts kernels for many users
     record = runtime.states.starting(kernel_id, kernelspec_name, profile_name, owner)
+    plan = record.take_launch_plan()
     resuming = record.state is KernelState.RESUMING
     if profile_name is None:
-        return record, None
+        return Claim(record, None, plan)
     try:
         granted = runtime.allocator.transfer(take_over, kernel_id) if take_over else None
         if granted is None:
@@ -74,15 +100,11 @@ def claim_slice(
         if not resuming:
             runtime.states.start_refused(record, str(exc))
         raise
-    return record, granted
+    return Claim(record, granted, plan)
 
 
 def mark_launched(runtime: ElasticRuntime, kernel_id: str, how: str) -> None:
-    """The kernel serves: count the launch, forget the restore request, starting → running."""
-    record = runtime.kernels.get(kernel_id)
-    if record is not None:
-        record.restore_on_start = False
-        record.restore_checkpoint = None
+    """The kernel serves: count the launch, starting → running."""
     runtime.states.launched(kernel_id, how)
 
 

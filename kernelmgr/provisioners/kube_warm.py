@@ -31,6 +31,7 @@ from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
 
 if TYPE_CHECKING:
     from kernelmgr.config import ElasticRuntime
+    from kernelmgr.core.kernels import LaunchPlan
 
 
 class WarmKernel(Protocol):
@@ -53,6 +54,8 @@ class WarmKernel(Protocol):
     def runtime(self) -> ElasticRuntime: ...
     @property
     def record(self) -> Any: ...
+    @property
+    def plan(self) -> LaunchPlan: ...
     @property
     def core(self) -> Any: ...
     @property
@@ -113,7 +116,7 @@ class WarmHandoff:
         the checkpoint to restore, then its connection, its owner's key and the agent's variables
         (:mod:`kernelmgr.kube.warm_pod`); the pod as the watch last saw it, running."""
         k = self.kernel
-        core, record, store = k.core, k.record, k.runtime.checkpoints
+        core, record, plan, store = k.core, k.record, k.plan, k.runtime.checkpoints
         self.origin = True
         annotations = {
             **k.extra_annotations,
@@ -138,18 +141,18 @@ class WarmHandoff:
             raise RuntimeError(f"warm pod {warm.name} ended: {pod_failure(seen)}")
         pod_client = WarmPodClient(seen.status.pod_ip, k.warm_pod_port, warm.token)
         store.kernel_dir(record.owner, k.kernel_id)  # refuses unsafe owner names and kernel ids
-        if record.restore_on_start and record.restore_checkpoint:
+        if plan.restore and plan.checkpoint:
             # Verified again with the owner's key, right before it is sent (refused: WarmPodError).
             sent = await asyncio.to_thread(
-                pod_client.push_checkpoint, k.kernel_id, store, record.owner, record.restore_checkpoint
+                pod_client.push_checkpoint, k.kernel_id, store, record.owner, plan.checkpoint
             )
             k.log.info("kernel %s: checkpoint (%d bytes) sent to warm pod %s", k.kernel_id, sent, warm.name)
         agent_env = store.agent_env(
             record.owner,
             k.kernel_id,
             key_file="(written by the warm pod)",
-            restore=record.restore_on_start,
-            restore_checkpoint=record.restore_checkpoint,
+            restore=plan.restore,
+            restore_checkpoint=plan.checkpoint,
         )
         for name in ("ELASTIC_CHECKPOINT_DIR", "ELASTIC_CHECKPOINT_KEY_FILE"):
             agent_env.pop(name)  # paths inside the pod: the pod sets them

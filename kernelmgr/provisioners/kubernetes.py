@@ -38,7 +38,7 @@ from kubernetes import client
 
 from kernelmgr.backends.kubernetes import render_pod_fragment
 from kernelmgr.config import ElasticRuntime
-from kernelmgr.core.kernels import ManagedKernel
+from kernelmgr.core.kernels import FRESH_START, LaunchPlan, ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.modes import KUBERNETES_PROVISIONER
 from kernelmgr.kube.cluster import KubeCluster
@@ -69,6 +69,7 @@ from kernelmgr.kube.warm_client import WarmPodError
 from kernelmgr.provisioners.common import (
     AGENT_EXTENSION,
     claim_slice,
+    find_loss_reports,
     find_runtime,
     mark_launched,
     profile_name_of,
@@ -93,19 +94,17 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         super().__init__(**kwargs)
         # Signals cannot reach a pod: jupyter_client must interrupt with a control message.
         self.kernel_spec.interrupt_mode = "message"
-        self._restarting = False
         self._pod_name = f"kernel-{self.kernel_id}"
         #: The namespace of this kernel's pod (namespace_template: its owner's).
         self._namespace = self.namespace
         self._launched = False
-        #: Why the kernel's pod vanished while it ran, once the server took the kernel over
-        #: (hibernated from its checkpoint): until the next launch there is no process, and
-        #: ``poll()`` must not report an exit (the restarter would start it again, empty).
-        self._lost: str | None = None
-        #: We asked the pod to go (shutdown, restart, hibernation): its end is no loss.
+        #: We asked this pod to go (shutdown, restart, hibernation, a failed launch): its end is
+        #: no loss. The pod handle's, not the kernel's: a warm pod given up for a cold one resets it.
+        #: (The kernel's facts, a restart asked for, a stop seen and a loss taken over, are on its
+        #: record: ``restarting``, ``stop_began``, ``taken_over``.)
         self._stopping = False
-        #: When Kubernetes began stopping the running pod unasked (epoch seconds), once seen.
-        self._stop_began: float | None = None
+        #: The plan this launch took from the record (``claim_slice``): read by the pod, cold or warm.
+        self._plan = FRESH_START
         #: The warm pod this launch took (:mod:`kernelmgr.kube.warm_pods`), until it serves.
         self._warm: Any = None
         #: The hand-off to (and checkpoints from) the warm pod this kernel's pod was.
@@ -147,6 +146,11 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         return self._record
 
     @property
+    def plan(self) -> LaunchPlan:
+        """What this launch does (restore which checkpoint), taken once by ``pre_launch``."""
+        return self._plan
+
+    @property
     def has_process(self) -> bool:
         """A pod was created and not cleaned up yet (ended or not: ``poll()`` says which), as a
         local provisioner's process object outlives the process until ``cleanup()``."""
@@ -155,9 +159,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
     # ---- launch
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
-        self._lost = None
         self._stopping = False
-        self._stop_began = None
         self._pod_name = f"kernel-{self.kernel_id}"
         self.warm.reset()
         runtime = self.runtime
@@ -165,7 +167,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         size = profile_name_of(self.kernel_spec)
         self._warm = self.warm.take(size)
         try:
-            self._record, self._granted = claim_slice(
+            self._record, self._granted, self._plan = claim_slice(
                 runtime,
                 self.kernel_id,
                 kernelspec_name,
@@ -241,8 +243,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             record.owner,
             self.kernel_id,
             key_file=f"{SECRET_MOUNT}/{KEY_FILE}",
-            restore=record.restore_on_start,
-            restore_checkpoint=record.restore_checkpoint,
+            restore=self._plan.restore,
+            restore_checkpoint=self._plan.checkpoint,
             # A pod evicted, preempted or drained gets SIGTERM and its grace period: the kernel
             # checkpoints what changed onto the volume, and the server resumes it from there.
             checkpoint_on_sigterm=True,
@@ -283,7 +285,6 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             self._launched = False
             release_slice(self.runtime, self.kernel_id, "kernel pod failed to start", self.log)
             raise
-        self._restarting = False
         mark_launched(self.runtime, self.kernel_id, "pod running")
         return info
 
@@ -365,7 +366,9 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         assert found.connection_info is not None
         self._namespace = found.namespace
         runtime = self.runtime
-        self._record, self._granted = claim_slice(runtime, self.kernel_id, found.kernelspec, found.size)
+        self._record, self._granted, self._plan = claim_slice(
+            runtime, self.kernel_id, found.kernelspec, found.size
+        )
         if self._record.owner != found.owner:
             self._record.owner = found.owner
         self.connection_info = found.connection_info  # type: ignore[assignment]
@@ -379,24 +382,27 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
     # ---- life and death
 
     async def poll(self) -> int | None:
-        if self._lost is not None:
+        runtime = self.runtime
+        record = runtime.kernels.get(self.kernel_id)
+        if record is not None and record.taken_over is not None:
             return None  # the server hibernated it from its checkpoint; the next cell resumes it
         if not self._launched:
             return 0
         pod = self.informer.get(self.kernel_id)
         if not finished(pod) and not evicted(pod):
             return None
-        if self._stop_began is None:  # a pod deleted between two polls: its last state tells
-            self._stop_began = stop_began(
-                pod if pod is not None else self.informer.last_deleted(self.kernel_id)
-            )
+        if record is not None and record.stop_began is None:
+            # A pod deleted between two polls: its last state tells.
+            began = stop_began(pod if pod is not None else self.informer.last_deleted(self.kernel_id))
+            runtime.states.stop_seen(record, began)
         if not self._stopping and stopping_gracefully(pod, dt.datetime.now(dt.timezone.utc)):
             # Stopped by Kubernetes: the kernel checkpoints itself within its grace period; the
             # notebook's messages wait for the resume instead of going to a process about to end.
-            if self.runtime.kernel_stopping is not None:
-                self.runtime.kernel_stopping(self.kernel_id)
+            losses = find_loss_reports(self.parent)
+            if losses is not None:
+                losses.stopping(self.kernel_id)
             return None
-        if not self._restarting:
+        if record is None or not record.restarting:
             if await self._taken_over_as_lost(pod):
                 return None
             release_slice(self.runtime, self.kernel_id, "kernel pod ended", self.log)
@@ -411,14 +417,15 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         """
         runtime = self.runtime
         record = runtime.kernels.get(self.kernel_id)
-        if self._stopping or runtime.kernel_lost is None:
+        losses = find_loss_reports(self.parent)
+        if self._stopping or losses is None:
             return False
         if record is None or record.state is not KernelState.RUNNING:
             return False
         why = loss(pod)
-        if not runtime.kernel_lost(self.kernel_id, why, self._stop_began):
+        if not losses.vanished(self.kernel_id, why, record.stop_began):
             return False
-        self._lost = why
+        runtime.states.taken_over(record, why)
         self.log.warning("Kernel %s lost its pod %s: %s", self.kernel_id, self._pod_name, why)
         with contextlib.suppress(client.ApiException, TimeoutError):
             await self._delete_pod(grace=0, wait=False)
@@ -488,7 +495,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
                 self.log.warning("could not delete Secret %s: %s", self._pod_name, exc.reason)
 
     async def shutdown_requested(self, restart: bool = False) -> None:
-        self._restarting = restart
+        self.runtime.states.restart_requested(self.kernel_id, restart)
         self._stopping = True
 
     async def cleanup(self, restart: bool = False) -> None:

@@ -45,13 +45,14 @@ from kernelmgr.checkpoint.keys import (
 )
 from kernelmgr.checkpoint.termination import EXIT_AFTER_SIGTERM
 from kernelmgr.config import ElasticRuntime
-from kernelmgr.core.kernels import ManagedKernel
+from kernelmgr.core.kernels import LaunchPlan, ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.modes import LOCAL_PROVISIONER
 from kernelmgr.provisioners.accounts import AccountError, KernelAccount
 from kernelmgr.provisioners.common import (
     AGENT_EXTENSION,
     claim_slice,
+    find_loss_reports,
     find_runtime,
     mark_launched,
     profile_name_of,
@@ -78,7 +79,11 @@ def base_kernel_of(kernel_spec: Any, kernel_name: str) -> str | None:
 
 
 def agent_environment(
-    runtime: ElasticRuntime, record: ManagedKernel, key_file: Path, account: KernelAccount | None = None
+    runtime: ElasticRuntime,
+    record: ManagedKernel,
+    plan: LaunchPlan,
+    key_file: Path,
+    account: KernelAccount | None = None,
 ) -> dict[str, str]:
     """What the in-kernel agent needs: where its checkpoints go, whether (and what) to restore,
     and where its owner's key is.
@@ -92,8 +97,8 @@ def agent_environment(
         record.owner,
         record.kernel_id,
         key_file=key_file,
-        restore=record.restore_on_start,
-        restore_checkpoint=record.restore_checkpoint,
+        restore=plan.restore,
+        restore_checkpoint=plan.checkpoint,
         # Only the kernel's own account (the server's, or its owner's in a multi-user gateway)
         # can rewrite its checkpoint files: mapping the arrays gives no one else a way in
         # (kernel pods share volumes, so they read).
@@ -109,15 +114,8 @@ def agent_environment(
 class ElasticLocalProvisioner(LocalProvisioner):
     """Local kernel process + GPU slice bookkeeping."""
 
-    #: True between a restart's shutdown request and the relaunch, so the exit seen by
-    #: ``poll()`` during a restart does not give the slice away.
-    _restarting = False
     #: Set by ``pre_launch``: ``resume`` or ``start``, what a warm process would be used for.
     _warm_use = "start"
-    #: Why the process ended on its own after checkpointing itself at SIGTERM, once the server
-    #: took the kernel over (hibernated from that checkpoint): until the next launch ``poll()``
-    #: must not report an exit (the restarter would start the kernel again, empty).
-    _lost: str | None = None
     #: The OS account the kernel runs as (a multi-user gateway), ``None``: the server's own.
     _account: KernelAccount | None = None
 
@@ -177,10 +175,9 @@ class ElasticLocalProvisioner(LocalProvisioner):
         return profile_name_of(self.kernel_spec)
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
-        self._lost = None
         runtime = self.runtime
         kernelspec_name = getattr(self.parent, "kernel_name", "") or ""
-        record, granted = claim_slice(runtime, self.kernel_id, kernelspec_name, self.profile_name)
+        record, granted, plan = claim_slice(runtime, self.kernel_id, kernelspec_name, self.profile_name)
         self._warm_use = "resume" if record.state is KernelState.RESUMING else "start"
         slice_env = cpu_environment()
         if granted is not None:
@@ -199,7 +196,7 @@ class ElasticLocalProvisioner(LocalProvisioner):
             if account is not None:
                 env = self._as_account(account, env, kwargs)
             env.update(slice_env)
-            env.update(agent_environment(runtime, record, self.key_file, account))
+            env.update(agent_environment(runtime, record, plan, self.key_file, account))
         except BaseException:
             self._release("launch preparation failed")
             raise
@@ -257,7 +254,6 @@ class ElasticLocalProvisioner(LocalProvisioner):
         except BaseException:
             self._release("kernel process failed to launch")
             raise
-        self._restarting = False
         mark_launched(self.runtime, self.kernel_id, "process launched")
         return info
 
@@ -314,10 +310,12 @@ class ElasticLocalProvisioner(LocalProvisioner):
         return self.connection_info
 
     async def poll(self) -> int | None:
-        if self._lost is not None:
+        record = self.runtime.kernels.get(self.kernel_id)
+        if record is not None and record.taken_over is not None:
             return None  # hibernated from its own checkpoint; the next cell resumes it
         status = await super().poll()
-        if status is not None and self.process is not None and not self._restarting:
+        restarting = record is not None and record.restarting
+        if status is not None and self.process is not None and not restarting:
             if status == EXIT_AFTER_SIGTERM and self._taken_over_as_lost():
                 return None
             # The process is gone without a shutdown: a crash or an external kill -9.
@@ -331,20 +329,21 @@ class ElasticLocalProvisioner(LocalProvisioner):
         status) restarts it empty, as in plain Jupyter."""
         runtime = self.runtime
         record = runtime.kernels.get(self.kernel_id)
-        if runtime.kernel_lost is None or record is None or record.state is not KernelState.RUNNING:
+        losses = find_loss_reports(self.parent)
+        if losses is None or record is None or record.state is not KernelState.RUNNING:
             return False
         why = "its process was sent SIGTERM"
         # 0.0 as the stop's start: the exit status says the newest checkpoint was written at it.
-        if not runtime.kernel_lost(self.kernel_id, why, 0.0):
+        if not losses.vanished(self.kernel_id, why, 0.0):
             return False
-        self._lost = why
+        runtime.states.taken_over(record, why)
         self.process = None  # exited and reaped: nothing left for the server's stop to wait for
         self._remove_key_file()
         self.log.warning("Kernel %s: %s; hibernated from that checkpoint", self.kernel_id, why)
         return True
 
     async def shutdown_requested(self, restart: bool = False) -> None:
-        self._restarting = restart
+        self.runtime.states.restart_requested(self.kernel_id, restart)
         await super().shutdown_requested(restart=restart)
 
     async def cleanup(self, restart: bool = False) -> None:

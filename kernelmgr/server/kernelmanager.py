@@ -31,7 +31,7 @@ from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelMana
 
 from kernelmgr import compat
 from kernelmgr.config import ElasticRuntime
-from kernelmgr.core.controller import LifecycleError
+from kernelmgr.core.controller import LifecycleError, LossReports
 from kernelmgr.core.errors import CapacityError, UnknownProfileError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube import optional as kube_optional
@@ -76,6 +76,12 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         raise_socket_limit(self.context, self.log)
         #: Kernels launched but not yet answering: a server stop shuts them down, never leaves them.
         self.starting_kernels: set[str] = set()
+
+    @property
+    def kernel_losses(self) -> LossReports | None:
+        """Where the provisioners of these kernels report a process or pod gone unasked (found on
+        their ``parent`` chain): the lifecycle's loss service, once the extension has made it."""
+        return self.hibernator.loss if self.hibernator is not None else None
 
     def _check_kernel_id(self, kernel_id: str) -> None:
         culler = self.culler
