@@ -20,7 +20,8 @@ version = __version__
 extensions = ["myst_parser", "reference_pages"]
 source_suffix = {".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build", "images/*.md"]
+# pypi.md is the package's long description on PyPI (absolute links), not a page of the site.
+exclude_patterns = ["_build", "images/*.md", "pypi.md"]
 # GitHub-style anchors, so links written for GitHub (`page.md#a-heading`) work on the site too.
 myst_heading_anchors = 4
 myst_enable_extensions = ["colon_fence"]

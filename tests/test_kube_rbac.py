@@ -471,7 +471,7 @@ def test_a_403_is_explained_by_what_refused_it() -> None:
         "the server's Kubernetes identity (system:serviceaccount:hub:server) may not delete secrets in "
         'namespace jupyter-alice: add {apiGroups: [""], resources: ["secrets"], verbs: ["delete"]} to the '
         "Role (or ClusterRole) bound to it in jupyter-alice (the shipped rules are in "
-        f"deploy/kubernetes/rbac.yaml). The API server said: {rbac_said}"
+        f"{access._shipped('rbac.yaml')}). The API server said: {rbac_said}"
     )
     assert denied.value.status == 403 and isinstance(denied.value, client.ApiException)
 
