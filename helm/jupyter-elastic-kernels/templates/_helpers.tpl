@@ -27,6 +27,13 @@ app.kubernetes.io/name: jupyter-elastic-kernels
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* gateway.podLabels, less the selector's keys (the chart's own labels always win). */}}
+{{- define "jek.podLabels" -}}
+{{- with omit .Values.gateway.podLabels "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" }}
+{{- toYaml . }}
+{{- end }}
+{{- end -}}
+
 {{- define "jek.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag }}
 {{- end -}}
