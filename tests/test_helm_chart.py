@@ -282,6 +282,28 @@ def test_helm_test_pod_asks_the_gateways_service_and_the_hub(tmp_path: Path) -> 
     assert env == {"GATEWAY_URL": "http://10.1.2.3:8888/api"}  # no Hub to check in token mode
 
 
+def test_default_images_are_the_projects_at_the_charts_version(tmp_path: Path) -> None:
+    """Unset, the gateway and kernel images are the two scripts/images.sh builds, at the package version."""
+    from kernelmgr import __version__
+
+    docs = render({}, tmp_path)
+    gateway = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    kernel = server_config(docs)["ElasticKubernetesProvisioner"]["image"]
+    assert (gateway, kernel) == (
+        f"jupyter-elastic-kernels:{__version__}",
+        f"jupyter-elastic-kernels-kernel:{__version__}",
+    )
+    built = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "images.sh"), "names"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert sorted(name.removeprefix("localhost/") for name in built) == sorted([gateway, kernel])
+    # A registry and tag move both; kernels.image still names any other kernel image.
+    moved = render({"image": {"repository": "registry.example/jek", "tag": "7"}}, tmp_path)
+    assert server_config(moved)["ElasticKubernetesProvisioner"]["image"] == "registry.example/jek-kernel:7"
+    own = render({"kernels": {"image": "registry.example/mine:1"}}, tmp_path)
+    assert server_config(own)["ElasticKubernetesProvisioner"]["image"] == "registry.example/mine:1"
+
+
 def test_kernel_pods_get_the_grace_period_to_checkpoint_at_sigterm(tmp_path: Path) -> None:
     provisioner = server_config(render({}, tmp_path))["ElasticKubernetesProvisioner"]
     assert provisioner["stop_grace_seconds"] == 60
