@@ -118,6 +118,8 @@ def server_config(root: Path, plane: ControlPlane, nodes: list[str]) -> dict[str
             "image": "python:3.12",
             "node_selector": NODE_LABEL,
             "launch_timeout": 600.0,
+            # kwok nodes run no kernel: nothing would ever answer the first kernel_info.
+            "wait_for_first_reply": False,
         },
     }
 

@@ -64,7 +64,7 @@ HELM = helm_binary()
 
 
 def helm(
-    *args: str, check: bool = True, env: dict[str, str] | None = None
+    *args: str, check: bool = True, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     home = {"HELM_CACHE_HOME": "/tmp/elastic-helm/cache", "HELM_CONFIG_HOME": "/tmp/elastic-helm/config"}
     result = subprocess.run(
@@ -72,7 +72,7 @@ def helm(
         capture_output=True,
         text=True,
         env={**os.environ, **home, **(env or {})},
-        timeout=120,
+        timeout=timeout,
     )
     if check:
         assert result.returncode == 0, f"helm {' '.join(args)} failed:\n{result.stderr}"
@@ -133,6 +133,11 @@ def test_lint_strict() -> None:
         ({"kernels": {"cpuResources": {"limits": {"nvidia.com/gpu": 1}}}}, "nvidia.com/gpu"),
         ({"kernels": {"resources": {"requests": {"memory": "lots"}}}}, "memory"),
         ({"networkPolicy": {"kernels": {"egressAllowRules": {"metadata": True}}}}, "metadata"),
+        # A claim every kernel pod and the gateway mount from several nodes: ReadWriteMany or nothing.
+        ({"checkpoints": {"accessModes": ["ReadWriteOnce"]}}, "accessModes"),
+        # Label values are strings: an unquoted true is refused, not rendered into a broken pod.
+        ({"gateway": {"podLabels": {"hub.jupyter.org/network-access-hub": True}}}, "podLabels"),
+        ({"tests": {"gatewayUrl": "gateway:8888"}}, "gatewayUrl"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(values: dict[str, Any], named: str, tmp_path: Path) -> None:
@@ -183,6 +188,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
         "prePuller": {"enabled": True},
         "jupyterhub": {"apiTokenSecret": "hub-service-token"},
+        "checkpoints": {"storageClassName": "nfs-rwx"},
         "gpu": {
             "inventorySource": "declared",
             "inventory": [{"uuid": "GPU-1", "name": "A100", "memory_mib": 40960}],
@@ -216,6 +222,86 @@ def test_template_renders_valid_objects_and_an_accepted_config(name: str, tmp_pa
     assert config["ElasticKernels"]["checkpoint_root"] in {
         m["mountPath"] for m in pod["containers"][0]["volumeMounts"]
     }
+
+
+Z2JH_HUB_ACCESS = ("hub.jupyter.org/network-access-hub", "true")
+
+
+def test_gateway_pods_carry_the_z2jh_hub_access_label(tmp_path: Path) -> None:
+    """z2jh's hub NetworkPolicy admits only pods with this label: the gateway checks every token there."""
+    docs = render({}, tmp_path)
+    deployment = only(docs, "Deployment")
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert labels[Z2JH_HUB_ACCESS[0]] == Z2JH_HUB_ACCESS[1]
+    # The helm test pod has the same labels (the same policies admit it), but is not the Service's.
+    hook = only(docs, "Pod")
+    assert hook["metadata"]["labels"][Z2JH_HUB_ACCESS[0]] == Z2JH_HUB_ACCESS[1]
+    selector = only(docs, "Service")["spec"]["selector"]
+    assert not selector.items() <= hook["metadata"]["labels"].items()
+    # More labels are added; the selector's own labels cannot be replaced through podLabels.
+    own = {"team": "ml", "app.kubernetes.io/component": "other", "app.kubernetes.io/instance": "x"}
+    changed = only(render({"gateway": {"podLabels": own}}, tmp_path), "Deployment")["spec"]
+    assert changed["template"]["metadata"]["labels"]["team"] == "ml"
+    assert Z2JH_HUB_ACCESS[0] in changed["template"]["metadata"]["labels"]  # merged with the default
+    assert changed["selector"]["matchLabels"].items() <= changed["template"]["metadata"]["labels"].items()
+    # Outside z2jh the label goes with a null (helm drops null keys).
+    dropped = render({"gateway": {"podLabels": {Z2JH_HUB_ACCESS[0]: None}}}, tmp_path)
+    assert Z2JH_HUB_ACCESS[0] not in only(dropped, "Deployment")["spec"]["template"]["metadata"]["labels"]
+
+
+def test_checkpoint_claim_takes_the_default_storage_class_unless_named(tmp_path: Path) -> None:
+    claim = only(render({}, tmp_path), "PersistentVolumeClaim")["spec"]
+    assert "storageClassName" not in claim  # the cluster's default class provisions it
+    assert claim["accessModes"] == ["ReadWriteMany"]
+    named = render({"checkpoints": {"storageClassName": "nfs-rwx"}}, tmp_path)
+    assert only(named, "PersistentVolumeClaim")["spec"]["storageClassName"] == "nfs-rwx"
+    # "-": no class at all, so only a pre-provisioned volume of no class binds.
+    none = render({"checkpoints": {"storageClassName": "-"}}, tmp_path)
+    assert only(none, "PersistentVolumeClaim")["spec"]["storageClassName"] == ""
+    # More modes are fine as long as ReadWriteMany is one of them.
+    both = {"checkpoints": {"accessModes": ["ReadWriteOnce", "ReadWriteMany"]}}
+    assert only(render(both, tmp_path), "PersistentVolumeClaim")["spec"]["accessModes"][1] == "ReadWriteMany"
+
+
+def test_helm_test_pod_asks_the_gateways_service_and_the_hub(tmp_path: Path) -> None:
+    docs = render({}, tmp_path)
+    hook = only(docs, "Pod")
+    assert hook["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (container,) = hook["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    service = only(docs, "Service")
+    base_url = server_config(docs)["ServerApp"]["base_url"]
+    port = service["spec"]["ports"][0]["port"]
+    assert env["GATEWAY_URL"] == f"http://{service['metadata']['name']}.jupyter.svc:{port}{base_url}api"
+    assert env["JUPYTERHUB_API_URL"] == "http://hub:8081/hub/api"
+    assert (
+        container["image"] == only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    )
+    token = render({"gateway": {"auth": "token"}, "tests": {"gatewayUrl": "http://10.1.2.3:8888/"}}, tmp_path)
+    env = {e["name"]: e["value"] for e in only(token, "Pod")["spec"]["containers"][0]["env"]}
+    assert env == {"GATEWAY_URL": "http://10.1.2.3:8888/api"}  # no Hub to check in token mode
+
+
+def test_default_images_are_the_projects_at_the_charts_version(tmp_path: Path) -> None:
+    """Unset, the gateway and kernel images are the two scripts/images.sh builds, at the package version."""
+    from kernelmgr import __version__
+
+    docs = render({}, tmp_path)
+    gateway = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    kernel = server_config(docs)["ElasticKubernetesProvisioner"]["image"]
+    assert (gateway, kernel) == (
+        f"jupyter-elastic-kernels:{__version__}",
+        f"jupyter-elastic-kernels-kernel:{__version__}",
+    )
+    built = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "images.sh"), "names"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert sorted(name.removeprefix("localhost/") for name in built) == sorted([gateway, kernel])
+    # A registry and tag move both; kernels.image still names any other kernel image.
+    moved = render({"image": {"repository": "registry.example/jek", "tag": "7"}}, tmp_path)
+    assert server_config(moved)["ElasticKubernetesProvisioner"]["image"] == "registry.example/jek-kernel:7"
+    own = render({"kernels": {"image": "registry.example/mine:1"}}, tmp_path)
+    assert server_config(own)["ElasticKubernetesProvisioner"]["image"] == "registry.example/mine:1"
 
 
 def test_kernel_pods_get_the_grace_period_to_checkpoint_at_sigterm(tmp_path: Path) -> None:
@@ -857,6 +943,59 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
         release["core"].read_namespaced_persistent_volume_claim(release["claim"], namespace).metadata.uid
         == claim_uid
     )
+
+
+@pytest.mark.timeout(600)
+def test_helm_test_hook_passes_when_the_gateway_answers_and_names_what_does_not(
+    kube_plane: Any, kube_api: Any, kube_runner: Any, release: dict[str, Any], tmp_path: Path
+) -> None:
+    """``helm test`` runs the chart's hook pod (on the node runner, from the gateway's command line)."""
+    namespace = release["namespace"]
+    gateway = start_gateway(tmp_path, kube_plane, kube_api, release, "hook")
+    hook = f"{RELEASE}-test-gateway"
+
+    def upgrade_then_test(changes: dict[str, Any]) -> tuple[subprocess.CompletedProcess[str], str]:
+        values = json.loads(json.dumps(release["values"]))
+        # The gateway runs here, not as a pod; its test pod runs on the runner and reaches it on
+        # 127.0.0.1 (the runner's pods are local processes with no cluster DNS).
+        values["gateway"].update({"replicas": 0, "nodeSelector": {"elastic.test/node-runner": "true"}})
+        values["tests"] = {"gatewayUrl": gateway.url}
+        for key, value in changes.items():
+            values.setdefault(key, {}).update(value)
+        upgrade = ["upgrade", RELEASE, str(CHART), "-n", namespace, *release["kubeconfig"]]
+        helm(*upgrade, *values_args(values, tmp_path))
+        tested = helm(
+            "test",
+            RELEASE,
+            "-n",
+            namespace,
+            "--timeout",
+            "300s",
+            *release["kubeconfig"],
+            check=False,
+            timeout=360,
+        )
+        running = kube_runner.pod(namespace, hook)
+        assert running is not None, (tested.stdout, tested.stderr)
+        return tested, running.log_path.read_text()
+
+    try:
+        tested, said = upgrade_then_test({})
+        assert tested.returncode == 0, said + tested.stderr
+        assert f"the gateway answers at {gateway.url}/api version" in said, said
+        # The pod stays for `kubectl logs` until the next test run replaces it.
+        assert release["core"].read_namespaced_pod(hook, namespace).status.phase == "Succeeded"
+        # A Hub the gateway cannot reach (z2jh's policy without the label, a wrong apiUrl) fails the test
+        # with its URL; so does a gateway URL that answers 404 (here: the Hub service's base_url).
+        from tests.support.server import free_port
+
+        hub = f"http://127.0.0.1:{free_port()}/hub/api"
+        tested, said = upgrade_then_test({"gateway": {"auth": "jupyterhub"}, "jupyterhub": {"apiUrl": hub}})
+        assert tested.returncode != 0, (tested.stdout, said)
+        assert f"the Hub API (jupyterhub.apiUrl) at {hub} does not answer" in said, said
+        assert f"the gateway at {gateway.url}/services/elastic-gateway/api answered HTTP 404" in said, said
+    finally:
+        gateway.stop()
 
 
 def test_z2jh_example_points_at_the_charts_gateway(tmp_path: Path) -> None:

@@ -162,6 +162,84 @@ def test_unpullable_image_fails_with_the_kubelet_reason(
     assert pod_names(core, kube_namespace) == []
 
 
+IMPORT_ERROR = (
+    "Traceback (most recent call last):\n"
+    '  File "<frozen runpy>", line 189, in _run_module_as_main\n'
+    "ModuleNotFoundError: No module named 'kernelmgr'\n"
+)
+
+
+def test_failed_kernel_container_start_error_quotes_its_last_output(
+    tmp_path: Path,
+    kube_plane: ControlPlane,
+    kube_api: Any,
+    kube_namespace: str,
+    runtime: ElasticRuntime,
+    informers: KubeCluster,
+) -> None:
+    """The pod is deleted when its start fails: its exit code and last log lines (the termination
+    message a kubelet writes with FallbackToLogsOnError) reach the start error instead."""
+    import threading
+
+    from tests.support.kube import wait_for
+
+    core = client.CoreV1Api(kube_api)
+    # No node takes the pod: this test writes its status as the kubelet of a node would.
+    km = kernel_manager(
+        tmp_path,
+        kube_plane,
+        kube_namespace,
+        runtime,
+        "one",
+        node_selector={"elastic.test/no-such-node": "true"},
+        launch_timeout=120.0,
+    )
+    patched: dict[str, Any] = {}
+
+    def kubelet_reports_the_crash() -> None:
+        pods = wait_for(lambda: core.list_namespaced_pod(kube_namespace).items, 60, "the kernel pod")
+        pod = pods[0]
+        patched["policy"] = pod.spec.containers[0].termination_message_policy
+        terminated = {
+            "exitCode": 1,
+            "reason": "Error",
+            "message": "".join(f"line {n}\n" for n in range(30)) + IMPORT_ERROR,
+            "startedAt": "2026-01-01T00:00:00Z",
+            "finishedAt": "2026-01-01T00:00:01Z",
+        }
+        status = {
+            "phase": "Failed",
+            "containerStatuses": [
+                {
+                    "name": "kernel",
+                    "image": pod.spec.containers[0].image,
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"terminated": terminated},
+                }
+            ],
+        }
+        core.patch_namespaced_pod_status(pod.metadata.name, kube_namespace, {"status": status})
+
+    reporter = threading.Thread(target=kubelet_reports_the_crash)
+
+    async def scenario() -> None:
+        reporter.start()
+        with pytest.raises(RuntimeError) as failed:
+            await km.start_kernel()
+        message = str(failed.value)
+        assert "container kernel exited with code 1; its last output:" in message, message
+        assert "ModuleNotFoundError: No module named 'kernelmgr'" in message, message
+        assert "line 13\n" in message and "line 12\n" not in message, message  # the last 20 lines
+        assert runtime.allocator.slices() == []
+
+    asyncio.run(scenario())
+    reporter.join(60)
+    assert patched["policy"] == "FallbackToLogsOnError"
+    assert pod_names(core, kube_namespace) == []
+
+
 def test_informer_sees_pods_and_lists_again_after_410_gone(
     kube_plane: ControlPlane, kube_api: Any, kube_namespace: str
 ) -> None:

@@ -231,6 +231,44 @@ def test_a_kernel_pod_started_by_the_provisioner_runs_a_cell_in_the_container(
     wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the kernel pod to be gone")
 
 
+def start_request(server: RunningServer, size: str) -> tuple[int, dict[str, Any]]:
+    """POST /api/kernels with a long timeout (the start waits for the pod): status and JSON body."""
+    import urllib.error
+
+    request = urllib.request.Request(
+        f"{server.url}/api/kernels",
+        data=json.dumps({"name": size}).encode(),
+        method="POST",
+        headers={"Authorization": f"token {TOKEN}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def test_a_kernel_that_fails_at_import_says_why_in_the_start_error(
+    node: Node, core: Any, kube_plane: ControlPlane, kernel_image: str, tmp_path: Path
+) -> None:
+    """The container's last log lines (its termination message) reach the user: its pod is gone."""
+    config = server_config(kube_plane, kernel_image)
+    # As a kernel image without the package: the kernel's command fails at its first import.
+    config["ElasticKubernetesProvisioner"]["command"] = ["python", "-c", "import kernelmgr_not_in_this_image"]
+    server = start_server(tmp_path, config)
+    try:
+        specs = server.get("/api/kernelspecs")["kernelspecs"]
+        # A CPU kernel (no GPU to advertise), as the node's own pods run it.
+        status, body = start_request(server, next(name for name in specs if name.endswith("-cpu")))
+        assert status >= 500, (status, body, server.log()[-3000:])
+        message = body.get("message", "")
+        assert "exited with code 1; its last output:" in message, (message, server.log()[-3000:])
+        assert "ModuleNotFoundError: No module named 'kernelmgr_not_in_this_image'" in message, message
+        wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the failed pod to be gone")
+    finally:
+        server.stop()
+
+
 def test_the_node_pulls_the_kernel_image_from_the_local_registry(
     node: Node, core: Any, registry: str
 ) -> None:

@@ -230,6 +230,9 @@ def _pod(
                 "name": "kernel",
                 "image": template.image,
                 "command": cmd,
+                # A kernel that fails (exits non-zero) leaves its last log lines in its status, where
+                # the start error quotes them: its pod is deleted at once, and `kubectl logs` with it.
+                "terminationMessagePolicy": "FallbackToLogsOnError",
                 "env": env,
                 "ports": [
                     {"name": n.split("_")[0], "containerPort": template.first_port + i}

@@ -25,13 +25,31 @@ def pod_failure(pod: Any, events: list[Any] | None = None) -> str:
             reasons.append(f"container {container.name}: {waiting.reason}: {waiting.message or ''}".strip())
         terminated = container.state.terminated if container.state else None
         if terminated is not None:
-            reasons.append(f"container {container.name} exited with code {terminated.exit_code}")
+            reasons.append(_terminated(container.name, terminated))
     for event in events or []:
         said = any(str(event.message) in known for known in reasons)  # the scheduler says it twice
         if event.type == "Warning" and not said:
             reasons.append(f"{event.reason}: {event.message}")
     phase = status.phase if status else "Unknown"
     return f"phase {phase}; " + ("; ".join(reasons) if reasons else "no condition or event says why")
+
+
+#: At most this much of a failed container's termination message (its last log lines) is quoted.
+MESSAGE_TAIL_LINES = 20
+MESSAGE_TAIL_CHARS = 2000
+
+
+def _terminated(name: str, terminated: Any) -> str:
+    """ "container X exited with code N (reason)", and what it said last: the termination message,
+    its last log lines with ``terminationMessagePolicy: FallbackToLogsOnError``."""
+    said = f"container {name} exited with code {terminated.exit_code}"
+    if terminated.reason and terminated.reason not in ("Error", "Completed"):
+        said += f" ({terminated.reason})"  # OOMKilled, ContainerCannotRun, StartError ...
+    message = (terminated.message or "").strip()
+    if message:
+        tail = "\n".join(message.splitlines()[-MESSAGE_TAIL_LINES:])[-MESSAGE_TAIL_CHARS:]
+        said += f"; its last output:\n{tail}\n"
+    return said
 
 
 def running(pod: Any) -> bool:

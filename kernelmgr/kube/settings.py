@@ -213,6 +213,14 @@ class KubeSettings(LoggingConfigurable):
         agents' --token-file): sent with every /activity request; an agent refuses requests without it.
         Empty: none is sent (agents started with --no-token only).""",
     )
+    wait_for_first_reply = Bool(
+        True,
+        config=True,
+        help="""A new kernel's start waits, once its pod runs, for the kernel's first kernel_info reply
+        (within ElasticKernels.start_timeout): a container that exits at once (an image without the
+        package, a failing import) is then a failed start quoting its last log lines, not a kernel
+        that dies after the 201. Off only where nodes run no kernels (kwok simulations).""",
+    )
     warm_pods = Dict(
         config=True,
         help="""Warm pods per GPU size, e.g. {"gpu-1": {"count": 1, "preload": ["torch"], "starts": false}}:

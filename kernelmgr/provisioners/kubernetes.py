@@ -61,6 +61,7 @@ from kernelmgr.kube.pods import (
     exit_code,
     finished,
     loss,
+    pod_failure,
     stop_began,
     stopping_gracefully,
 )
@@ -107,6 +108,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         self._plan = FRESH_START
         #: The warm pod this launch took (:mod:`kernelmgr.kube.warm_pods`), until it serves.
         self._warm: Any = None
+        #: The uid of the last pod whose unasked failure was logged (once per pod, not per poll).
+        self._failure_logged: str | None = None
         #: The hand-off to (and checkpoints from) the warm pod this kernel's pod was.
         self.warm = WarmHandoff(self)
 
@@ -406,7 +409,12 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             if await self._taken_over_as_lost(pod):
                 return None
             release_slice(self.runtime, self.kernel_id, "kernel pod ended", self.log)
-        return exit_code(pod)
+        code = exit_code(pod)
+        if code != 0 and not self._stopping and pod is not None and pod.metadata.uid != self._failure_logged:
+            # The pod is deleted when the kernel restarts or stops: its last output stays here.
+            self._failure_logged = pod.metadata.uid
+            self.log.warning("Kernel %s's pod %s ended: %s", self.kernel_id, self._pod_name, pod_failure(pod))
+        return code
 
     async def _taken_over_as_lost(self, pod: Any) -> bool:
         """The pod of a running kernel vanished unasked: offer the kernel to the server.
@@ -432,6 +440,18 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         await self._delete_secret()
         self._launched = False
         return True
+
+    def stderr_tail(self) -> str:
+        """Why the kernel's pod ended, with the container's last log lines (its termination message):
+        what the server quotes when a kernel exits before its first answer (start or resume)."""
+        pod = self.informer.get(self.kernel_id) or self.informer.last_deleted(self.kernel_id)
+        return pod_failure(pod) if finished(pod) and pod is not None else ""
+
+    @property
+    def first_reply_at_start(self) -> bool:
+        """The server waits for this kernel's first reply before its start answers
+        (:func:`kernelmgr.server.starting.wait_until_up`)."""
+        return bool(self.wait_for_first_reply)
 
     async def wait(self) -> int | None:
         if not self._launched:

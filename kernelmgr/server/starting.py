@@ -118,9 +118,11 @@ async def _first_reply(km: Any, deadline: float, reply: dict[str, Any] | None = 
 async def wait_until_up(mkm: Any, kernel_id: str, timeout: float) -> None:
     """Wait until the kernel just started answers; stop it and raise an HTTP error otherwise."""
     km = mkm.get_kernel(kernel_id)
-    if not callable(getattr(km.provisioner, "choose_new_ports", None)):
-        # Only the elastic local provisioner's kernels are waited for: a kernel pod's launch has
-        # already waited for the pod to run (``launch_timeout``), and a simulated node runs none.
+    relaunchable = callable(getattr(km.provisioner, "choose_new_ports", None))
+    if not relaunchable and not getattr(km.provisioner, "first_reply_at_start", False):
+        # The elastic local provisioner's kernels are waited for, and kernel pods unless their
+        # nodes run nothing (kwok; ElasticKubernetesProvisioner.wait_for_first_reply): a real
+        # kubelet reports a container Running before a failing import ends it.
         _start_restarter(km)
         return
     deadline = time.monotonic() + timeout
@@ -137,7 +139,12 @@ async def wait_until_up(mkm: Any, kernel_id: str, timeout: float) -> None:
                 raise http_error(500, f"kernel {kernel_id} refused: {refusal}")
             break
         tail = stderr_tail(km)
-        if outcome in ("exited", "bind error") and BIND_ERROR in tail and relaunches < BIND_RETRIES:
+        if (
+            relaunchable
+            and outcome in ("exited", "bind error")
+            and BIND_ERROR in tail
+            and relaunches < BIND_RETRIES
+        ):
             relaunches += 1
             mkm.log.warning(
                 "Kernel %s could not bind its port (taken since it was chosen): relaunching it with new "
@@ -158,7 +165,8 @@ async def wait_until_up(mkm: Any, kernel_id: str, timeout: float) -> None:
             http_status = 503
         elif outcome == "exited":
             status = getattr(getattr(km.provisioner, "process", None), "returncode", None)
-            message = _with_stderr(f"kernel {kernel_id} exited (status {status}) before it answered", tail)
+            exited = f"exited (status {status})" if status is not None else "exited"  # a pod: in the tail
+            message = _with_stderr(f"kernel {kernel_id} {exited} before it answered", tail)
             http_status = 500
         else:
             message = _with_stderr(

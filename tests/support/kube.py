@@ -481,7 +481,9 @@ class ControlPlane:
         pki.issue(
             "serving", "kube-apiserver",
             server_names=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"],
-            server_ips=["127.0.0.1", "10.96.0.1"],
+            # 10.88.0.1: the real node's bridge (tests/support/node.py), where its pods reach this API
+            # server through tests/support/forward.py (with in-cluster configuration and TLS checks).
+            server_ips=["127.0.0.1", "10.96.0.1", "10.88.0.1"],
         )  # fmt: skip
         pki.service_account_keys()
         for name, cn, orgs in (

@@ -27,8 +27,21 @@ app.kubernetes.io/name: jupyter-elastic-kernels
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 
+{{/* gateway.podLabels, less the selector's keys (the chart's own labels always win). */}}
+{{- define "jek.podLabels" -}}
+{{- with omit .Values.gateway.podLabels "app.kubernetes.io/name" "app.kubernetes.io/instance" "app.kubernetes.io/component" }}
+{{- toYaml . }}
+{{- end }}
+{{- end -}}
+
 {{- define "jek.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag }}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* The kernel image: kernels.image, else the project's kernel image beside the gateway's
+(<image.repository>-kernel, the same tag: scripts/images.sh builds and pushes both so). */}}
+{{- define "jek.kernelImage" -}}
+{{- .Values.kernels.image | default (printf "%s-kernel:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion)) -}}
 {{- end -}}
 
 {{- define "jek.claimName" -}}
@@ -173,7 +186,7 @@ items:
   "kernel_provisioner" "elastic-kubernetes-provisioner" -}}
 {{- $provisioner := dict
   "namespace" (include "jek.kernelNamespace" .)
-  "image" $v.kernels.image
+  "image" (include "jek.kernelImage" .)
   "run_as_user" $v.kernels.runAsUser
   "node_selector" $v.kernels.nodeSelector
   "tolerations" $v.kernels.tolerations
