@@ -143,7 +143,9 @@ def test_the_installed_wheel_serves_the_readme_run_command(installed: Path, tmp_
 
         body = wait_for(profiles, timeout=START_SECONDS, what="/api/elastic/profiles from the wheel")
         assert [p["name"] for p in body["profiles"]] == ["small", "medium", "whole"]
-        located = run(installed / "python", "-c", "import kernelmgr; print(kernelmgr.__file__)", cwd=tmp_path)
+        located = run(
+            installed / "python", "-c", "import kernelmgr; print(kernelmgr.__file__)", cwd=tmp_path, env=env
+        )
         assert str(installed.parent) in located and str(ROOT) not in located
     finally:
         server.terminate()
