@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -66,9 +67,18 @@ def _ports(count: int) -> list[int]:
     found: list[int] = []
     while len(found) < count:
         port = free_port()
-        if port < 55000 and port not in found:
+        if port < 55000 and port not in found and _bindable(port + 10000):
             found.append(port)
     return found
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @contextmanager
