@@ -35,6 +35,7 @@ from kernelmgr.core.kernels import KernelRegistry
 from kernelmgr.core.modes import KernelMode
 from kernelmgr.core.policy import Policy, build_policy
 from kernelmgr.core.profiles import GpuProfile, parse_profiles
+from kernelmgr.core.queue import SliceQueue
 from kernelmgr.provisioners.accounts import KernelAccounts
 from kernelmgr.warm.pool import WarmPools
 from kernelmgr.warm.settings import WarmPoolConfigError, WarmPoolSettings, parse_warm_pool
@@ -71,6 +72,10 @@ class ElasticRuntime:
     mode: KernelMode = KernelMode.LOCAL
     background_checkpoint_interval: float = 0.0
     kernels: KernelRegistry = field(default_factory=KernelRegistry)
+    #: The kernels waiting for a GPU slice, in the order they are served (resumes).
+    slice_queue: SliceQueue = field(default_factory=SliceQueue)
+    #: ``ElasticKernels.max_slice_wait``: seconds a resume waits in the queue (0: until interrupted).
+    max_slice_wait: float = 0.0
     #: The one writer of the kernels' lifecycle states (provisioners report starts and exits to it).
     states: KernelStates = field(init=False)
 
@@ -203,6 +208,13 @@ class ElasticKernels(LoggingConfigurable):
         "its checkpoint (a big state takes longer to read). Past it the resume fails, the process "
         "it started is stopped, and the kernel stays hibernated.",
     )
+    max_slice_wait = Float(
+        0.0,
+        config=True,
+        help="Seconds a resume waits in the queue for a free GPU slice before it fails, saying so "
+        "(0: it waits until the user interrupts). Waiting kernels are served by their size's "
+        "queue_priority, each user's first before anyone's second, then in arrival order.",
+    )
     start_timeout = Float(
         120.0,
         config=True,
@@ -325,6 +337,10 @@ class ElasticKernels(LoggingConfigurable):
             raise ConfigError(f"ElasticKernels.resume_timeout must be > 0 seconds, got {self.resume_timeout}")
         if self.start_timeout <= 0:
             raise ConfigError(f"ElasticKernels.start_timeout must be > 0 seconds, got {self.start_timeout}")
+        if self.max_slice_wait < 0:
+            raise ConfigError(
+                f"ElasticKernels.max_slice_wait must be >= 0 seconds (0: no limit), got {self.max_slice_wait}"
+            )
         if self.reap_interval <= 0:
             raise ConfigError(f"ElasticKernels.reap_interval must be > 0 seconds, got {self.reap_interval}")
         if not self.base_kernels:
@@ -348,6 +364,7 @@ class ElasticKernels(LoggingConfigurable):
             checkpoint_timeout=self.checkpoint_timeout,
             resume_timeout=self.resume_timeout,
             start_timeout=self.start_timeout,
+            max_slice_wait=self.max_slice_wait,
             hibernate_on_shutdown=self.hibernate_on_shutdown,
             nvml=nvml,
             gpu_sample_interval=self.gpu_sample_interval,

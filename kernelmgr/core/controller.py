@@ -42,6 +42,7 @@ from kernelmgr.core.errors import CapacityError, ElasticError
 from kernelmgr.core.kernels import Committed, KernelRegistry, ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.profiles import GpuProfile
+from kernelmgr.core.queue import SliceQueue
 
 S = KernelState
 
@@ -246,6 +247,8 @@ class _Slot:
     task: asyncio.Task[Committed | None] | None = None
     operation: str = ""
     cancel_wait: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Set when capacity may have come free (or the wait was cancelled): a waiter looks again.
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False
 
 
@@ -261,6 +264,8 @@ class LifecycleController:
         start_timeout: float = 120.0,
         busy_retry: float = 0.5,
         states: KernelStates | None = None,
+        queue: SliceQueue | None = None,
+        max_wait: float = 0.0,
     ) -> None:
         self.registry = registry
         self.states = states or KernelStates(registry)
@@ -269,6 +274,9 @@ class LifecycleController:
         self.platform = platform
         self.start_timeout = start_timeout
         self.busy_retry = busy_retry
+        #: Who gets the next free slice; ``max_wait`` bounds a wait in it (0: none).
+        self.queue = queue if queue is not None else SliceQueue()
+        self.max_wait = max_wait
         self._slots: dict[str, _Slot] = {}
 
     # -- queries ---------------------------------------------------------------------------
@@ -313,7 +321,14 @@ class LifecycleController:
         if slot is None or slot.operation != "resume" or slot.task is None or slot.task.done():
             return False
         slot.cancel_wait.set()
+        slot.wake.set()
         return True
+
+    def nudge(self) -> None:
+        """Capacity may have come free (a slice was released): every waiter looks again now
+        instead of at its next poll."""
+        for slot in self._slots.values():
+            slot.wake.set()
 
     async def cancel(self, kernel_id: str) -> None:
         """Cancel the operation in flight (for a delete) and wait until it has cleaned up.
@@ -492,6 +507,7 @@ class LifecycleController:
             self.platform.release_slice(kernel_id)
             self._move(record, S.HIBERNATED, reason)
             record.last_error = ""
+            self.nudge()
         return committed
 
     async def _resume(self, kernel_id: str, reason: str, notify: Notify | None, restore: bool) -> None:
@@ -523,36 +539,77 @@ class LifecycleController:
             if isinstance(exc, LifecycleError | asyncio.CancelledError):
                 raise
             raise LifecycleError(f"resume of kernel {kernel_id} failed: {message}", 500) from exc
+        finally:
+            self.queue.settle(kernel_id)
+            self.nudge()
         self._move(record, S.RUNNING, reason)
         return None
 
     async def _wait_for_slice(self, kernel_id: str, record: ManagedKernel, notify: Notify | None) -> None:
+        """Wait in :attr:`queue` until it is this kernel's turn and its size fits.
+
+        Polls every ``busy_retry`` seconds as well as on :meth:`nudge`: slices also come free
+        where the controller does not see it (a kernel shut down, a node added).
+        """
         if record.profile is None:
             return
         profile = self.profile(record.profile)
         slot = self._slot(kernel_id)
+        began = time.monotonic()
         told = False
-        while True:
-            try:
-                self.allocator.check(profile)
-                return
-            except CapacityError as exc:
-                record.waiting_for_slice = True
+
+        def fits(size: str) -> bool:
+            return self.allocator.fits(self.profile(size))
+
+        def claimed(key: str) -> bool:
+            other = self.registry.get(key)
+            return other is None or other.state is not S.RESUMING or self.allocator.slice_of(key) is not None
+
+        try:
+            while True:
+                slot.wake.clear()
+                if self.queue.may_take(kernel_id, fits, claimed) and fits(profile.name):
+                    self.queue.granted(kernel_id, time.monotonic())
+                    return
                 if not self.allocator.ever_fits(profile):
-                    raise LifecycleError(exc.message) from None
+                    raise LifecycleError(self._no_fit(profile))
+                record.waiting_for_slice = True
+                now = time.monotonic()
+                self.queue.join(kernel_id, record.owner, profile.name, now, profile.queue_priority)
+                waited = time.monotonic() - began
+                if self.max_wait and waited >= self.max_wait:
+                    raise LifecycleError(
+                        f"No GPU slice of size {profile.display_name} came free in {waited:.0f} s "
+                        f"(ElasticKernels.max_slice_wait) to resume kernel {kernel_id}, which was number "
+                        f"{self.queue.position(kernel_id)} in the queue. Run a cell to try again later, "
+                        "or ask for a smaller size.",
+                        409,
+                    )
                 if not told and notify is not None:
                     told = True
                     waiting = notify(
                         f"Waiting for a GPU slice of size {profile.display_name} to resume this kernel: "
-                        f"{exc.message} Interrupt the kernel to stop waiting."
+                        f"{self._no_fit(profile)} It is number {self.queue.position(kernel_id)} in the "
+                        "queue. Interrupt the kernel to stop waiting."
                     )
                     if waiting is not None:
                         await waiting
-            try:
-                await asyncio.wait_for(slot.cancel_wait.wait(), timeout=self.busy_retry)
-            except asyncio.TimeoutError:
-                continue
-            raise WaitCancelled(f"resume of kernel {kernel_id} cancelled while waiting for a GPU slice")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(slot.wake.wait(), timeout=self.busy_retry)
+                if slot.cancel_wait.is_set():
+                    raise WaitCancelled(
+                        f"resume of kernel {kernel_id} cancelled while waiting for a GPU slice"
+                    )
+        except BaseException:
+            self.queue.leave(kernel_id)
+            raise
+
+    def _no_fit(self, profile: GpuProfile) -> str:
+        try:
+            self.allocator.check(profile)
+        except CapacityError as exc:
+            return exc.message
+        return "another kernel ahead in the queue goes first."
 
     # -- helpers ---------------------------------------------------------------------------
 

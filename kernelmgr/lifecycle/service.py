@@ -93,6 +93,8 @@ class Hibernator:
             self.platform,
             start_timeout=start_timeout,
             states=runtime.states,
+            queue=runtime.slice_queue,
+            max_wait=runtime.max_slice_wait,
         )
         self.loss = KernelLoss(
             mkm, runtime, self.controller, self.platform, self.records, self.events, self._pruning

@@ -71,13 +71,22 @@ MIB = 1024 * 1024
 def _resume_progress(
     runtime: ElasticRuntime, record: ManagedKernel, has_slice: bool, waiting_for_slice: bool
 ) -> dict[str, Any]:
-    """Where a resume is: waiting for a GPU slice, starting the process, or reading N of M MiB.
+    """Where a resume is: waiting for a GPU slice (its place in the queue, of how many, and a
+    guess of the wait from the recent time between grants), starting the process, or reading
+    N of M MiB.
 
     The reading phase comes from the file the kernel's agent writes while it reads its
     checkpoint (:mod:`kernelmgr.checkpoint.progress`); one small read, only when asked.
     """
     if waiting_for_slice and not has_slice:
-        return {"phase": "waiting_for_slice"}
+        queue = runtime.slice_queue
+        estimate = queue.estimate(record.kernel_id)
+        return {
+            "phase": "waiting_for_slice",
+            "position": queue.position(record.kernel_id),
+            "waiting": len(queue),
+            "estimate_s": None if estimate is None else round(estimate),
+        }
     progress = runtime.checkpoints.restore_progress(record.owner, record.kernel_id, record.lifecycle.since)
     if progress is None:
         return {"phase": "starting"}

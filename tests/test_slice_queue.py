@@ -1,0 +1,108 @@
+"""Resumes that do not fit wait in one queue and are served in order, each told its place (issue 29).
+
+Real server, real kernels: two whole GPUs held by two kernels, three hibernated kernels asking to
+resume one after the other, the last of a size with a higher ``queue_priority``; each freed GPU goes
+to the first in line (the urgent one, then by arrival), never to whoever looks first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import PROFILES
+from tests.conftest import elastic_config as config
+from tests.support.server import RunningServer, start_server, wait_for
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    home = tmp_path_factory.mktemp("queue")
+    sizes = {**PROFILES, "urgent": {"gpu_fraction": 1, "queue_priority": 5}}
+    running = start_server(home, config(home / "checkpoints", profiles=sizes))
+    yield running
+    running.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_kernels_left(server: RunningServer) -> Iterator[None]:
+    yield
+    server.shutdown_all_kernels()
+
+
+def model(server: RunningServer, kernel_id: str) -> dict[str, Any]:
+    return server.get(f"/api/elastic/kernels/{kernel_id}")
+
+
+def place(server: RunningServer, kernel_id: str) -> Any:
+    resume = model(server, kernel_id)["resume"]
+    return resume.get("position") if resume else None
+
+
+class Resume(threading.Thread):
+    """``POST .../resume`` in the background (it answers once the kernel runs or the wait fails)."""
+
+    def __init__(self, server: RunningServer, kernel_id: str) -> None:
+        super().__init__(daemon=True)
+        self.server, self.kernel_id = server, kernel_id
+        self.reply: Any = None
+        self.start()
+
+    def run(self) -> None:
+        self.reply = self.server.request("POST", f"/api/elastic/kernels/{self.kernel_id}/resume")
+
+
+def hibernated_with(server: RunningServer, value: int, size: str = "whole") -> str:
+    kernel_id = server.start_kernel(f"python3-gpu-{size}")
+    server.execute(kernel_id, f"x = {value}")
+    assert server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate").status == 200
+    return kernel_id
+
+
+def test_waiting_resumes_are_served_in_order_and_told_their_place(server: RunningServer) -> None:
+    first, second = hibernated_with(server, 0), hibernated_with(server, 1)
+    urgent = hibernated_with(server, 2, size="urgent")
+    hogs = [server.start_kernel("python3-gpu-whole") for _ in range(2)]  # both GPUs taken
+    resumes = {}
+    for kernel_id, places in ((first, [first]), (second, [first, second]), (urgent, [urgent, first, second])):
+        resumes[kernel_id] = Resume(server, kernel_id)
+        for n, waiting in enumerate(places, start=1):
+            wait_for(lambda k=waiting, n=n: place(server, k) == n, timeout=60, what=f"{waiting} at place {n}")
+    assert model(server, second)["resume"]["waiting"] == 3
+
+    server.shutdown_kernel(hogs[0])  # the urgent size goes first although it came last
+    resumes[urgent].join(timeout=180)
+    assert resumes[urgent].reply is not None and resumes[urgent].reply.status == 200, resumes[urgent].reply
+    wait_for(lambda: place(server, first) == 1, timeout=30, what="the first moving up")
+    assert place(server, second) == 2
+
+    server.shutdown_kernel(hogs[1])
+    resumes[first].join(timeout=180)
+    assert resumes[first].reply.status == 200, resumes[first].reply
+    assert model(server, second)["state"] == "resuming"
+
+    server.shutdown_kernel(urgent)
+    resumes[second].join(timeout=180)
+    assert resumes[second].reply.status == 200, resumes[second].reply
+    assert server.execute(first, "print(x)").strip() == "0"
+    assert server.execute(second, "print(x)").strip() == "1"
+
+
+def test_a_wait_past_max_slice_wait_fails_saying_why(tmp_path: Path) -> None:
+    running = start_server(tmp_path, config(tmp_path / "checkpoints", max_slice_wait=2))
+    try:
+        sleeper = hibernated_with(running, 7)
+        hogs = [running.start_kernel("python3-gpu-whole") for _ in range(2)]
+        reply = running.request("POST", f"/api/elastic/kernels/{sleeper}/resume")
+        assert reply.status == 409, reply
+        message = reply.body["message"]
+        assert "ElasticKernels.max_slice_wait" in message and "number 1 in the queue" in message, message
+        assert model(running, sleeper)["state"] == "hibernated"
+        running.shutdown_kernel(hogs[0])
+        assert running.execute(sleeper, "print(x)", timeout=120).strip() == "7"
+    finally:
+        running.stop()
