@@ -111,6 +111,14 @@ class ElasticRuntime:
         """Swap in new devices; returns what changed, with the slices lost on removed devices."""
         return self.allocator.replace_inventory(inventory)
 
+    def slices_held_by(self, owner: str) -> int:
+        """GPU slices the owner's kernels hold now (the slice queue's fair share counts them)."""
+        return sum(
+            1
+            for granted in self.allocator.slices()
+            if (record := self.kernels.get(granted.kernel_id)) is not None and record.owner == owner
+        )
+
     @property
     def gpus_available(self) -> bool:
         return len(self.inventory) > 0
@@ -496,6 +504,14 @@ class CullPolicy(LoggingConfigurable):
         connected to, so it stays "starting") counts as busy; after that the policy counts it idle
         from its start, and warns and hibernates it like any idle kernel.""",
     )
+    pressure_idle_minimum = Float(
+        0.0,
+        config=True,
+        help="""Seconds of idleness after which a kernel may be hibernated early, before idle_timeout,
+        because another kernel waits in the queue for a GPU slice (0: never). The longest-idle
+        kernels go first, one per waiting kernel, warned warn_before seconds ahead as usual; a busy
+        kernel never. Must be longer than warn_before.""",
+    )
     rules = List(
         Dict(),
         default_value=[],
@@ -517,4 +533,5 @@ class CullPolicy(LoggingConfigurable):
             known_profiles=known_profiles,
             max_concurrent_hibernations=self.max_concurrent_hibernations,
             start_grace=self.start_grace,
+            pressure_idle_minimum=self.pressure_idle_minimum,
         )

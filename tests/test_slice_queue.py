@@ -106,3 +106,30 @@ def test_a_wait_past_max_slice_wait_fails_saying_why(tmp_path: Path) -> None:
         assert running.execute(sleeper, "print(x)", timeout=120).strip() == "7"
     finally:
         running.stop()
+
+
+def test_a_waiting_kernel_gets_the_gpu_of_the_longest_idle_one_under_pressure(tmp_path: Path) -> None:
+    """No idle timeout at all, only ``pressure_idle_minimum``: nothing is culled until someone waits,
+    then the longest-idle kernel is warned and hibernated, and only that one."""
+    settings = config(tmp_path / "checkpoints")
+    settings["CullPolicy"] = {"interval": 1, "idle_timeout": 0, "warn_before": 1, "pressure_idle_minimum": 2}
+    running = start_server(tmp_path, settings)
+    try:
+        sleeper = hibernated_with(running, 9)
+        hogs = [running.start_kernel("python3-gpu-whole") for _ in range(2)]
+        for hog in hogs:  # idle from here on (a cell ran, so they are "idle", not "starting")
+            running.execute(hog, "pass")
+        for hog in hogs:  # a few ticks with nobody waiting: nothing is culled
+            wait_for(
+                lambda hog=hog: model(running, hog)["activity"]["idle_seconds"] >= 4,
+                timeout=60,
+                what="the kernels idle past the pressure minimum",
+            )
+        assert [model(running, hog)["state"] for hog in hogs] == ["running", "running"]
+        reply = running.request("POST", f"/api/elastic/kernels/{sleeper}/resume")
+        assert reply.status == 200, reply
+        assert [model(running, hog)["state"] for hog in hogs] == ["hibernated", "running"]
+        assert running.execute(sleeper, "print(x)").strip() == "9"
+        assert running.execute(hogs[0], "print('back')").strip() == "back"  # waits for a slice again
+    finally:
+        running.stop()

@@ -42,7 +42,7 @@ from kernelmgr.core.errors import CapacityError, ElasticError
 from kernelmgr.core.kernels import Committed, KernelRegistry, ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.profiles import GpuProfile
-from kernelmgr.core.queue import SliceQueue
+from kernelmgr.core.queue import Held, SliceQueue
 
 S = KernelState
 
@@ -266,6 +266,7 @@ class LifecycleController:
         states: KernelStates | None = None,
         queue: SliceQueue | None = None,
         max_wait: float = 0.0,
+        held: Held | None = None,
     ) -> None:
         self.registry = registry
         self.states = states or KernelStates(registry)
@@ -277,6 +278,8 @@ class LifecycleController:
         #: Who gets the next free slice; ``max_wait`` bounds a wait in it (0: none).
         self.queue = queue if queue is not None else SliceQueue()
         self.max_wait = max_wait
+        #: Slices an owner holds now, for the queue's fair share.
+        self.held: Held = held or (lambda _owner: 0)
         self._slots: dict[str, _Slot] = {}
 
     # -- queries ---------------------------------------------------------------------------
@@ -568,8 +571,8 @@ class LifecycleController:
         try:
             while True:
                 slot.wake.clear()
-                if self.queue.may_take(kernel_id, fits, claimed) and fits(profile.name):
-                    self.queue.granted(kernel_id, time.monotonic())
+                if self.queue.may_take(kernel_id, fits, claimed, self.held) and fits(profile.name):
+                    self.queue.granted(kernel_id, time.monotonic(), self.held)
                     return
                 if not self.allocator.ever_fits(profile):
                     raise LifecycleError(self._no_fit(profile))
@@ -577,11 +580,12 @@ class LifecycleController:
                 now = time.monotonic()
                 self.queue.join(kernel_id, record.owner, profile.name, now, profile.queue_priority)
                 waited = time.monotonic() - began
+                place = self.queue.position(kernel_id, self.held)
                 if self.max_wait and waited >= self.max_wait:
                     raise LifecycleError(
                         f"No GPU slice of size {profile.display_name} came free in {waited:.0f} s "
                         f"(ElasticKernels.max_slice_wait) to resume kernel {kernel_id}, which was number "
-                        f"{self.queue.position(kernel_id)} in the queue. Run a cell to try again later, "
+                        f"{place} in the queue. Run a cell to try again later, "
                         "or ask for a smaller size.",
                         409,
                     )
@@ -589,7 +593,7 @@ class LifecycleController:
                     told = True
                     waiting = notify(
                         f"Waiting for a GPU slice of size {profile.display_name} to resume this kernel: "
-                        f"{self._no_fit(profile)} It is number {self.queue.position(kernel_id)} in the "
+                        f"{self._no_fit(profile)} It is number {place} in the "
                         "queue. Interrupt the kernel to stop waiting."
                     )
                     if waiting is not None:

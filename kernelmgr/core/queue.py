@@ -5,8 +5,9 @@ look first after a release won: a small size slipped into every gap and a whole-
 wait for ever. Here waiters are ordered by
 
 1. priority (per GPU size, higher first),
-2. fair share: each owner's first waiter before anyone's second (one user's ten notebooks do not
-   push another user's one to the back),
+2. fair share: the owner with fewer kernels holding or waiting ahead goes first (each owner's
+   first before anyone's second, counting the slices they hold already, so one user's ten
+   notebooks do not push another user's one to the back),
 3. arrival.
 
 A waiter behind one that does not fit may take a slice that fits it (backfill: the GPU would
@@ -22,6 +23,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+#: How many slices an owner holds now (the caller knows; the queue only sees waiters).
+Held = Callable[[str], int]
+
+
+def _none_held(_owner: str) -> int:
+    return 0
+
 
 #: How often a waiter may be overtaken by smaller ones before freed capacity is held for it.
 DEFAULT_MAX_BYPASS = 3
@@ -68,25 +77,29 @@ class SliceQueue:
         """``key`` stops waiting without a slice (cancelled, timed out, removed)."""
         self._waiters.pop(key, None)
 
-    def order(self) -> list[Waiter]:
+    def order(self, held: Held = _none_held) -> list[Waiter]:
         """The waiters in the order they are served."""
         share: dict[tuple[int, str], int] = {}
         ranked = []
         for waiter in sorted(self._waiters.values(), key=lambda w: w.seq):
-            nth = share.get((waiter.priority, waiter.owner), 0)
+            nth = share.get((waiter.priority, waiter.owner), held(waiter.owner))
             share[(waiter.priority, waiter.owner)] = nth + 1
             ranked.append(((-waiter.priority, nth, waiter.seq), waiter))
         return [waiter for _rank, waiter in sorted(ranked, key=lambda pair: pair[0])]
 
-    def position(self, key: str) -> int | None:
+    def position(self, key: str, held: Held = _none_held) -> int | None:
         """1 for the next to be served; ``None`` if ``key`` is not waiting."""
-        for place, waiter in enumerate(self.order(), start=1):
+        for place, waiter in enumerate(self.order(held), start=1):
             if waiter.key == key:
                 return place
         return None
 
     def may_take(
-        self, key: str, fits: Callable[[str], bool], claimed: Callable[[str], bool] = lambda _key: True
+        self,
+        key: str,
+        fits: Callable[[str], bool],
+        claimed: Callable[[str], bool] = lambda _key: True,
+        held: Held = _none_held,
     ) -> bool:
         """Whether ``key`` may take a slice now: nobody let through before is still claiming
         theirs, it fits, no waiter ahead of it fits, and none ahead of it has been overtaken
@@ -96,20 +109,20 @@ class SliceQueue:
             return False
         if key not in self._waiters:
             return not self._waiters
-        for waiter in self.order():
+        for waiter in self.order(held):
             if waiter.key == key:
                 return fits(waiter.size)
             if fits(waiter.size) or waiter.bypassed >= self.max_bypass:
                 return False
         return False
 
-    def granted(self, key: str, now: float) -> None:
+    def granted(self, key: str, now: float, held: Held = _none_held) -> None:
         """``key`` goes for its slice: it leaves the line (claiming until ``claimed`` says so or it
         settles), and every waiter it overtook counts one bypass."""
         self._claiming.add(key)
         if key not in self._waiters:
             return
-        for waiter in self.order():
+        for waiter in self.order(held):
             if waiter.key == key:
                 break
             waiter.bypassed += 1
@@ -125,10 +138,10 @@ class SliceQueue:
         self._claiming.discard(key)
         self._waiters.pop(key, None)
 
-    def estimate(self, key: str) -> float | None:
+    def estimate(self, key: str, held: Held = _none_held) -> float | None:
         """Seconds until ``key`` is served, from the recent time between grants; ``None`` until
         two grants have been seen (no basis for a guess)."""
-        place = self.position(key)
+        place = self.position(key, held)
         if place is None or self._grant_interval is None:
             return None
         return place * self._grant_interval

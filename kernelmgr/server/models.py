@@ -80,10 +80,10 @@ def _resume_progress(
     """
     if waiting_for_slice and not has_slice:
         queue = runtime.slice_queue
-        estimate = queue.estimate(record.kernel_id)
+        estimate = queue.estimate(record.kernel_id, runtime.slices_held_by)
         return {
             "phase": "waiting_for_slice",
-            "position": queue.position(record.kernel_id),
+            "position": queue.position(record.kernel_id, runtime.slices_held_by),
             "waiting": len(queue),
             "estimate_s": None if estimate is None else round(estimate),
         }
