@@ -76,6 +76,8 @@ class ElasticRuntime:
     slice_queue: SliceQueue = field(default_factory=SliceQueue)
     #: ``ElasticKernels.max_slice_wait``: seconds a resume waits in the queue (0: until interrupted).
     max_slice_wait: float = 0.0
+    #: ``ElasticKernels.start_queue_wait``: seconds a new kernel waits in the queue (0: refused at once).
+    start_queue_wait: float = 0.0
     #: The one writer of the kernels' lifecycle states (provisioners report starts and exits to it).
     states: KernelStates = field(init=False)
 
@@ -223,6 +225,13 @@ class ElasticKernels(LoggingConfigurable):
         "(0: it waits until the user interrupts). Waiting kernels are served by their size's "
         "queue_priority, each user's first before anyone's second, then in arrival order.",
     )
+    start_queue_wait = Float(
+        0.0,
+        config=True,
+        help="Seconds a new kernel whose GPU size does not fit now waits in the queue for a slice "
+        "(behind the resumes and starts already waiting) before its start fails with 409 saying so. "
+        "0: such a start is refused at once, as a size that does not fit has always been.",
+    )
     start_timeout = Float(
         120.0,
         config=True,
@@ -345,6 +354,11 @@ class ElasticKernels(LoggingConfigurable):
             raise ConfigError(f"ElasticKernels.resume_timeout must be > 0 seconds, got {self.resume_timeout}")
         if self.start_timeout <= 0:
             raise ConfigError(f"ElasticKernels.start_timeout must be > 0 seconds, got {self.start_timeout}")
+        if self.start_queue_wait < 0:
+            raise ConfigError(
+                "ElasticKernels.start_queue_wait must be >= 0 seconds (0: no queue), "
+                f"got {self.start_queue_wait}"
+            )
         if self.max_slice_wait < 0:
             raise ConfigError(
                 f"ElasticKernels.max_slice_wait must be >= 0 seconds (0: no limit), got {self.max_slice_wait}"
@@ -373,6 +387,7 @@ class ElasticKernels(LoggingConfigurable):
             resume_timeout=self.resume_timeout,
             start_timeout=self.start_timeout,
             max_slice_wait=self.max_slice_wait,
+            start_queue_wait=self.start_queue_wait,
             hibernate_on_shutdown=self.hibernate_on_shutdown,
             nvml=nvml,
             gpu_sample_interval=self.gpu_sample_interval,

@@ -53,7 +53,7 @@ class Resume(threading.Thread):
         self.start()
 
     def run(self) -> None:
-        self.reply = self.server.request("POST", f"/api/elastic/kernels/{self.kernel_id}/resume")
+        self.reply = self.server.request("POST", f"/api/elastic/kernels/{self.kernel_id}/resume", timeout=900)
 
 
 def hibernated_with(server: RunningServer, value: int, size: str = "whole") -> str:
@@ -126,10 +126,69 @@ def test_a_waiting_kernel_gets_the_gpu_of_the_longest_idle_one_under_pressure(tm
                 what="the kernels idle past the pressure minimum",
             )
         assert [model(running, hog)["state"] for hog in hogs] == ["running", "running"]
-        reply = running.request("POST", f"/api/elastic/kernels/{sleeper}/resume")
+        reply = running.request("POST", f"/api/elastic/kernels/{sleeper}/resume", timeout=900)
         assert reply.status == 200, reply
         assert [model(running, hog)["state"] for hog in hogs] == ["hibernated", "running"]
         assert running.execute(sleeper, "print(x)").strip() == "9"
         assert running.execute(hogs[0], "print('back')").strip() == "back"  # waits for a slice again
+    finally:
+        running.stop()
+
+
+class Start(threading.Thread):
+    """``POST /api/kernels`` in the background (a queued start answers once it has its slice)."""
+
+    def __init__(self, server: RunningServer, kernelspec: str) -> None:
+        super().__init__(daemon=True)
+        self.server, self.kernelspec = server, kernelspec
+        self.reply: Any = None
+        self.start()
+
+    def run(self) -> None:
+        self.reply = self.server.request("POST", "/api/kernels", {"name": self.kernelspec}, timeout=900)
+
+
+def test_starts_wait_in_the_queue_behind_a_waiting_resume(tmp_path: Path) -> None:
+    """With ``start_queue_wait`` a start that does not fit waits (listed in /api/elastic/queue)
+    instead of a 409, behind the resume that came first; past the limit it fails saying so."""
+    running = start_server(tmp_path, config(tmp_path / "checkpoints", start_queue_wait=120))
+    try:
+        sleeper = hibernated_with(running, 3)
+        hogs = [running.start_kernel("python3-gpu-whole") for _ in range(2)]
+        resume = Resume(running, sleeper)
+        wait_for(lambda: place(running, sleeper) == 1, timeout=60, what="the resume in the queue")
+        start = Start(running, "python3-gpu-whole")
+        queued = lambda: running.get("/api/elastic/queue")["waiting"] == 2  # noqa: E731
+        wait_for(queued, timeout=60, what="the start in the queue")
+        entries = running.get("/api/elastic/queue")["entries"]
+        assert [(e["position"], e["kind"], e["size"]) for e in entries] == [
+            (1, "resume", "whole"),
+            (2, "start", "whole"),
+        ], entries
+        running.shutdown_kernel(hogs[0])
+        resume.join(timeout=180)
+        assert resume.reply.status == 200, resume.reply
+        assert start.is_alive() and running.get("/api/elastic/queue")["entries"][0]["kind"] == "start"
+        running.shutdown_kernel(hogs[1])
+        start.join(timeout=180)
+        assert start.reply.status == 201, start.reply
+        started = start.reply.body["id"]
+        assert running.execute(started, "print(40 + 2)").strip() == "42"
+        assert running.get("/api/elastic/queue") == {"waiting": 0, "entries": []}
+    finally:
+        running.stop()
+
+
+def test_a_queued_start_past_its_limit_fails_saying_why(tmp_path: Path) -> None:
+    running = start_server(tmp_path, config(tmp_path / "checkpoints", start_queue_wait=2))
+    try:
+        for _ in range(2):
+            running.start_kernel("python3-gpu-whole")
+        reply = running.request("POST", "/api/kernels", {"name": "python3-gpu-whole"})
+        assert reply.status == 409, reply
+        assert "ElasticKernels.start_queue_wait" in reply.body["message"], reply.body
+        assert running.get("/api/elastic/queue")["waiting"] == 0
+        too_big = running.request("POST", "/api/kernels", {"name": "python3-gpu-huge"})
+        assert too_big.status == 409 and "start_queue_wait" not in too_big.body["message"], too_big
     finally:
         running.stop()

@@ -43,6 +43,7 @@ from kernelmgr.core.kernels import Committed, KernelRegistry, ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.profiles import GpuProfile
 from kernelmgr.core.queue import Held, SliceQueue
+from kernelmgr.core.waiting import SliceWaits, WaitTimedOut
 
 S = KernelState
 
@@ -247,8 +248,6 @@ class _Slot:
     task: asyncio.Task[Committed | None] | None = None
     operation: str = ""
     cancel_wait: asyncio.Event = field(default_factory=asyncio.Event)
-    #: Set when capacity may have come free (or the wait was cancelled): a waiter looks again.
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
     removed: bool = False
 
 
@@ -275,11 +274,13 @@ class LifecycleController:
         self.platform = platform
         self.start_timeout = start_timeout
         self.busy_retry = busy_retry
-        #: Who gets the next free slice; ``max_wait`` bounds a wait in it (0: none).
-        self.queue = queue if queue is not None else SliceQueue()
+        #: Who gets the next free slice (resumes here, queued starts in the server); ``max_wait``
+        #: bounds a resume's wait (0: none).
+        self.waits = SliceWaits(
+            queue if queue is not None else SliceQueue(), allocator, profile, held, poll=busy_retry
+        )
+        self.queue = self.waits.queue
         self.max_wait = max_wait
-        #: Slices an owner holds now, for the queue's fair share.
-        self.held: Held = held or (lambda _owner: 0)
         self._slots: dict[str, _Slot] = {}
 
     # -- queries ---------------------------------------------------------------------------
@@ -324,14 +325,13 @@ class LifecycleController:
         if slot is None or slot.operation != "resume" or slot.task is None or slot.task.done():
             return False
         slot.cancel_wait.set()
-        slot.wake.set()
+        self.waits.wake(kernel_id)
         return True
 
     def nudge(self) -> None:
         """Capacity may have come free (a slice was released): every waiter looks again now
         instead of at its next poll."""
-        for slot in self._slots.values():
-            slot.wake.set()
+        self.waits.nudge()
 
     async def cancel(self, kernel_id: str) -> None:
         """Cancel the operation in flight (for a delete) and wait until it has cleaned up.
@@ -549,71 +549,38 @@ class LifecycleController:
         return None
 
     async def _wait_for_slice(self, kernel_id: str, record: ManagedKernel, notify: Notify | None) -> None:
-        """Wait in :attr:`queue` until it is this kernel's turn and its size fits.
-
-        Polls every ``busy_retry`` seconds as well as on :meth:`nudge`: slices also come free
-        where the controller does not see it (a kernel shut down, a node added).
-        """
+        """Wait in the slice queue until it is this kernel's turn and its size fits (the cell is
+        told once, with its place); an interrupt cancels."""
         if record.profile is None:
             return
         profile = self.profile(record.profile)
         slot = self._slot(kernel_id)
-        began = time.monotonic()
-        told = False
 
-        def fits(size: str) -> bool:
-            return self.allocator.fits(self.profile(size))
-
-        def claimed(key: str) -> bool:
-            other = self.registry.get(key)
-            return other is None or other.state is not S.RESUMING or self.allocator.slice_of(key) is not None
+        def told(place: int | None, why: str) -> Awaitable[None] | None:
+            record.waiting_for_slice = True
+            if notify is None:
+                return None
+            return notify(
+                f"Waiting for a GPU slice of size {profile.display_name} to resume this kernel: {why} "
+                f"It is number {place} in the queue. Interrupt the kernel to stop waiting."
+            )
 
         try:
-            while True:
-                slot.wake.clear()
-                if self.queue.may_take(kernel_id, fits, claimed, self.held) and fits(profile.name):
-                    self.queue.granted(kernel_id, time.monotonic(), self.held)
-                    return
-                if not self.allocator.ever_fits(profile):
-                    raise LifecycleError(self._no_fit(profile))
-                record.waiting_for_slice = True
-                now = time.monotonic()
-                self.queue.join(kernel_id, record.owner, profile.name, now, profile.queue_priority)
-                waited = time.monotonic() - began
-                place = self.queue.position(kernel_id, self.held)
-                if self.max_wait and waited >= self.max_wait:
-                    raise LifecycleError(
-                        f"No GPU slice of size {profile.display_name} came free in {waited:.0f} s "
-                        f"(ElasticKernels.max_slice_wait) to resume kernel {kernel_id}, which was number "
-                        f"{place} in the queue. Run a cell to try again later, "
-                        "or ask for a smaller size.",
-                        409,
-                    )
-                if not told and notify is not None:
-                    told = True
-                    waiting = notify(
-                        f"Waiting for a GPU slice of size {profile.display_name} to resume this kernel: "
-                        f"{self._no_fit(profile)} It is number {place} in the "
-                        "queue. Interrupt the kernel to stop waiting."
-                    )
-                    if waiting is not None:
-                        await waiting
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(slot.wake.wait(), timeout=self.busy_retry)
-                if slot.cancel_wait.is_set():
-                    raise WaitCancelled(
-                        f"resume of kernel {kernel_id} cancelled while waiting for a GPU slice"
-                    )
-        except BaseException:
-            self.queue.leave(kernel_id)
-            raise
-
-    def _no_fit(self, profile: GpuProfile) -> str:
-        try:
-            self.allocator.check(profile)
+            await self.waits.wait(
+                kernel_id,
+                record.owner,
+                profile,
+                self.max_wait,
+                "ElasticKernels.max_slice_wait",
+                told,
+                slot.cancel_wait,
+            )
+        except WaitTimedOut as exc:
+            raise LifecycleError(f"Resume of kernel {kernel_id}: {exc.message}", 409) from None
         except CapacityError as exc:
-            return exc.message
-        return "another kernel ahead in the queue goes first."
+            raise LifecycleError(exc.message) from None
+        if slot.cancel_wait.is_set():
+            raise WaitCancelled(f"resume of kernel {kernel_id} cancelled while waiting for a GPU slice")
 
     # -- helpers ---------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from kernelmgr.config import ElasticRuntime
 from kernelmgr.server.errors import http_error, no_such_kernel
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
-from kernelmgr.server.models import gpus_model, profiles_model
+from kernelmgr.server.models import gpus_model, profiles_model, queue_model
 from kernelmgr.server.ownership import access_of
 
 AUTH_RESOURCE = "kernels"
@@ -174,6 +174,17 @@ class ActivityHandler(ElasticHandler):
         self.write_json(self.elastic_kernel_manager.keep_running(kernel_id))
 
 
+class QueueHandler(ElasticHandler):
+    """The kernels waiting for a GPU slice: all for an admin, a user's own otherwise."""
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        admin = access_of(self.settings).is_admin_request(self)
+        user = getattr(self.current_user, "username", None)
+        self.write_json(queue_model(self.runtime, user, admin))
+
+
 class MeHandler(ElasticHandler):
     """Who is asking: whether they are an admin, and (for admins) the GPU-hours hibernation released.
 
@@ -271,4 +282,5 @@ def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:
         (r"/api/sessions", SessionsPreflightHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/activity", ActivityHandler),
         (r"/api/elastic/me", MeHandler),
+        (r"/api/elastic/queue", QueueHandler),
     ]
