@@ -7,7 +7,10 @@ resources (what the device plugins advertise; it does not go down as pods use it
 :class:`NodeInventorySync` keeps the allocator's inventory equal to the union of those records.
 
 What a node contributes (its devices are ``closed`` while it is cordoned, ``spec.unschedulable``, or
-its ``Ready`` condition is not ``True``: no new slice goes there, and the kernels already there keep
+its ``Ready`` condition is not ``True``, or when kernel pods cannot land there at all: a taint
+their tolerations do not tolerate, or labels their node selector does not match (a
+:class:`Placement`), so the allocator never says "fits" where kube-scheduler would leave the pod
+Pending. No new slice goes to a closed device, and the kernels already there keep
 theirs, since cordoning stops new pods, not running ones, and a node that misses heartbeats for a
 moment usually comes back with its pods still running; dropping their slices would count those
 GPUs free when it does. A kernel whose pod is evicted or lost ends, and gives its slice back, the
@@ -139,14 +142,53 @@ def node_ready(node: Any) -> bool:
     return False
 
 
-def node_devices(node: Any) -> tuple[GpuDevice, ...]:
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where kernel pods may land, as kube-scheduler filters nodes: their ``nodeSelector`` and
+    tolerations (those of the pod manifest, node-lost ones included)."""
+
+    node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+
+    def admits(self, node: Any) -> bool:
+        """The node's labels match the selector and every NoSchedule/NoExecute taint is tolerated
+        (PreferNoSchedule only steers the scheduler: it does not filter)."""
+        labels = _field(_field(node, "metadata"), "labels") or {}
+        if any(labels.get(key) != value for key, value in self.node_selector.items()):
+            return False
+        for taint in _field(_field(node, "spec"), "taints") or ():
+            effect = _field(taint, "effect")
+            if effect in ("NoSchedule", "NoExecute") and not any(
+                _tolerates(toleration, taint) for toleration in self.tolerations
+            ):
+                return False
+        return True
+
+
+def _tolerates(toleration: Mapping[str, Any], taint: Any) -> bool:
+    """Kubernetes' rule: same effect (or none named), same key (or none named with ``Exists``),
+    and ``Exists``, or ``Equal`` (the default) with the same value."""
+    effect = toleration.get("effect") or ""
+    if effect and effect != _field(taint, "effect"):
+        return False
+    key = toleration.get("key") or ""
+    operator = toleration.get("operator") or "Equal"
+    if not key:
+        return operator == "Exists"
+    if key != _field(taint, "key"):
+        return False
+    return operator == "Exists" or (toleration.get("value") or "") == (_field(taint, "value") or "")
+
+
+def node_devices(node: Any, placement: Placement | None = None) -> tuple[GpuDevice, ...]:
     """The GPU devices ``node`` contributes (see the module docstring): ``closed`` ones (no new
-    slices, the old ones kept) while it is cordoned or not Ready."""
+    slices, the old ones kept) while it is cordoned or not Ready, or where ``placement`` says
+    kernel pods cannot land."""
     name = node_name(node)
     if not name:
         return ()
     devices = _advertised_devices(node, name)
-    if not node_schedulable(node):
+    if not node_schedulable(node) or (placement is not None and not placement.admits(node)):
         return tuple(dataclasses.replace(d, closed=True) for d in devices)
     return devices
 
@@ -315,7 +357,10 @@ def cluster_inventory(
     )
     if closed:
         closed_nodes = len({d.node for d in devices if d.closed})
-        note += f"; {closed} more on {closed_nodes} cordoned or NotReady node(s), closed to new kernels"
+        note += (
+            f"; {closed} more on {closed_nodes} node(s) cordoned, NotReady or out of the kernels' "
+            "node selector and tolerations, closed to new kernels"
+        )
     return GpuInventory(devices, source="kubernetes", note=note)
 
 
@@ -353,8 +398,10 @@ class NodeInventorySync:
         loop: asyncio.AbstractEventLoop | None = None,
         watch_timeout: int = 300,
         retry_delay: float = 1.0,
+        placement: Placement | None = None,
     ) -> None:
         self.allocator = allocator
+        self.placement = placement
         self.on_lost = on_lost
         self.loop = loop
         kwargs = {"label_selector": label_selector} if label_selector else {}
@@ -391,7 +438,7 @@ class NodeInventorySync:
         with self._cond:
             dirty = self.updates == 0  # the first list always yields a snapshot, even an empty one
             for name, node in changes.items():
-                devices = node_devices(node) if node is not None else ()
+                devices = node_devices(node, self.placement) if node is not None else ()
                 if node is not None and node_schedulable(node):
                     self._schedulable.add(name)
                 else:

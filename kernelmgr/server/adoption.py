@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube.cluster import KubeCluster
+from kernelmgr.kube.manifests import tolerations
 from kernelmgr.kube.namespaces import namespace_for
-from kernelmgr.kube.nodes import NodeInventorySync
+from kernelmgr.kube.nodes import NodeInventorySync, Placement
 from kernelmgr.kube.pods import FoundKernel
 
 if TYPE_CHECKING:
@@ -148,8 +149,11 @@ def start_node_inventory(runtime: ElasticRuntime, log: logging.Logger) -> NodeIn
                 ", ".join(granted.device_uuids),
             )
 
+    template = runtime.kube.settings.pod_template()
+    placement = Placement(dict(template.node_selector), tuple(tolerations(template)))
     return NodeInventorySync(
         runtime.kube.api(),
         runtime.allocator,
         on_lost=lost,  # logs only: fine on the watch thread
+        placement=placement,
     ).start()
