@@ -8,6 +8,7 @@ other nodes (the node runner, other tests' nodes) never show up here. The runtim
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import threading
 import time
@@ -28,6 +29,7 @@ from kernelmgr.config import ElasticKernels, ElasticRuntime  # noqa: E402
 from kernelmgr.core.allocator import Slice  # noqa: E402
 from kernelmgr.core.inventory import GpuInventory  # noqa: E402
 from kernelmgr.kube.nodes import NodeInventorySync, Placement  # noqa: E402
+from kernelmgr.kube.other_gpu_pods import OtherGpuPods  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 WAIT = 60.0
@@ -384,3 +386,49 @@ def test_only_nodes_the_scheduler_would_use_for_a_kernel_pod_take_new_kernels(
                 cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
     finally:
         cluster.close()
+
+
+def test_gpus_of_pods_that_are_not_kernels_are_not_offered_to_kernels(cluster: Cluster) -> None:
+    """A training job takes one of a node's two GPUs: one kernel fits, not two; when the job ends
+    its GPU is offered again. A pod labelled as this project's (a kernel's) is not counted twice."""
+    runtime, alloc = cluster.runtime, cluster.runtime.allocator
+    node = cluster.add("shared", gpus=2, labels=GFD)
+    others = OtherGpuPods(cluster.api, alloc)
+    cluster.sync.after_change.append(others.retry)
+    cluster.sync.companions.append(others)
+    cluster.sync.start()
+    others.start()
+    cluster.wait(has(f"{node}/gpu-0", f"{node}/gpu-1"), "the node's GPUs")
+    one = runtime.profile("one")
+
+    def pod(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+        return {
+            "metadata": {"name": name, "labels": labels or {}},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "containers": [{"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+            },
+        }
+
+    job, kernel_like = f"job-{cluster.tag}", f"kern-{cluster.tag}"
+    cluster.core.create_namespaced_pod("default", pod(job))
+    cluster.core.create_namespaced_pod(
+        "default", pod(kernel_like, {"app.kubernetes.io/name": "jupyter-elastic-kernels"})
+    )
+    try:
+        holder = f"pod:default/{job}"
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline and alloc.slice_of(holder) is None:
+            time.sleep(0.1)
+        assert alloc.slice_of(holder) is not None, "the job's GPU was not booked"
+        assert alloc.slice_of(f"pod:default/{kernel_like}") is None  # a kernel's pod: booked by its kernel
+        alloc.allocate("k1", one)
+        assert not alloc.fits(one)  # two GPUs: the job's and k1's
+        cluster.core.delete_namespaced_pod(job, "default", grace_period_seconds=0)
+        while time.monotonic() < deadline and alloc.slice_of(holder) is not None:
+            time.sleep(0.1)
+        assert alloc.fits(one), "the job ended but its GPU is still booked"
+    finally:
+        for name in (job, kernel_like):
+            with contextlib.suppress(client.ApiException):
+                cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)

@@ -46,8 +46,8 @@ way any ended kernel does. Only a deleted node, or one advertising fewer GPUs, t
   ``tencent.com/vcuda-core`` with ``U * 256 / N`` MiB each.
 
 Kernel pods consume node resources that the allocator already tracks by kernel id, so nothing
-here subtracts pod requests: the allocator's slices *are* the usage. (Pods that are not elastic
-kernels but use GPUs on the same nodes are not seen: see docs/architecture.md.)
+here subtracts pod requests: the allocator's slices *are* the usage. The whole GPUs of pods that
+are not kernels are booked by :mod:`kernelmgr.kube.other_gpu_pods`.
 """
 
 from __future__ import annotations
@@ -417,6 +417,10 @@ class NodeInventorySync:
         self.informer.add_listener(self._apply)
         #: How many times a new inventory was swapped in (tests and metrics read it).
         self.updates = 0
+        #: Called on the watch thread after each new inventory (e.g. to book other GPU pods again).
+        self.after_change: list[Callable[[], None]] = []
+        #: Watches that live and stop with this one (:class:`~kernelmgr.kube.other_gpu_pods.OtherGpuPods`).
+        self.companions: list[Any] = []
         self._by_node: dict[str, tuple[GpuDevice, ...]] = {}
         self._schedulable: set[str] = set()
         self._cond = threading.Condition()
@@ -427,6 +431,8 @@ class NodeInventorySync:
 
     def stop(self) -> None:
         self.informer.stop()
+        for companion in self.companions:
+            companion.stop()
 
     @property
     def synced(self) -> bool:
@@ -457,6 +463,11 @@ class NodeInventorySync:
             self.updates += 1
             self._cond.notify_all()
         self._report(change)
+        for hook in self.after_change:
+            try:
+                hook()
+            except Exception:  # one bad hook must not stop the node watch
+                log.exception("after-change hook of the node inventory failed")
 
     def _report(self, change: InventoryChange) -> None:
         if change.added or change.removed:
