@@ -322,9 +322,8 @@ class SliceAllocator:
             return moved
 
     def occupy(self, holder: str, profile: GpuProfile, node: str) -> Slice | None:
-        """Book what a workload already running on ``node`` uses (a GPU pod that is not a kernel),
-        closed devices included; the booking there already is kept. ``None`` when ``node`` has no
-        room left in this view (the caller says so and tries again when something changes)."""
+        """Book what a workload running on ``node`` uses (a GPU pod that is not a kernel), closed
+        devices included; ``None`` when ``node`` has no room left in this view."""
         with self._lock:
             held = self._slices.get(holder)
             if held is not None:
