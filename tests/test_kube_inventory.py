@@ -28,8 +28,9 @@ from kubernetes import client  # noqa: E402
 from kernelmgr.config import ElasticKernels, ElasticRuntime  # noqa: E402
 from kernelmgr.core.allocator import Slice  # noqa: E402
 from kernelmgr.core.inventory import GpuInventory  # noqa: E402
-from kernelmgr.kube.nodes import NodeInventorySync, Placement  # noqa: E402
+from kernelmgr.kube.nodes import NodeInventorySync  # noqa: E402
 from kernelmgr.kube.other_gpu_pods import OtherGpuPods  # noqa: E402
+from kernelmgr.kube.placement import Placement  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 WAIT = 60.0

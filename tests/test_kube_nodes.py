@@ -12,7 +12,8 @@ from kernelmgr.backends.kubernetes import profile_resource
 from kernelmgr.core.allocator import SliceAllocator
 from kernelmgr.core.inventory import GpuInventory
 from kernelmgr.core.profiles import parse_profile
-from kernelmgr.kube.nodes import Placement, node_devices
+from kernelmgr.kube.nodes import node_devices
+from kernelmgr.kube.placement import Placement
 
 pytestmark = pytest.mark.pure
 

@@ -7,14 +7,13 @@ resources (what the device plugins advertise; it does not go down as pods use it
 :class:`NodeInventorySync` keeps the allocator's inventory equal to the union of those records.
 
 What a node contributes (its devices are ``closed`` while it is cordoned, ``spec.unschedulable``, or
-its ``Ready`` condition is not ``True``, or when kernel pods cannot land there at all: a taint
-their tolerations do not tolerate, or labels their node selector does not match (a
-:class:`Placement`), so the allocator never says "fits" where kube-scheduler would leave the pod
-Pending. No new slice goes to a closed device, and the kernels already there keep
-theirs, since cordoning stops new pods, not running ones, and a node that misses heartbeats for a
-moment usually comes back with its pods still running; dropping their slices would count those
-GPUs free when it does. A kernel whose pod is evicted or lost ends, and gives its slice back, the
-way any ended kernel does. Only a deleted node, or one advertising fewer GPUs, takes slices away):
+its ``Ready`` condition is not ``True``, or kernel pods cannot land there (:mod:`.placement`), so
+"fits" never counts a GPU kube-scheduler would not give a kernel. No new slice goes to a closed
+device, and the kernels already there keep theirs, since cordoning stops new pods, not running
+ones, and a node that misses heartbeats for a moment usually comes back with its pods still
+running; dropping their slices would count those GPUs free when it does. A kernel whose pod is
+evicted or lost ends, and gives its slice back, the way any ended kernel does. Only a deleted
+node, or one advertising fewer GPUs, takes slices away):
 
 * **Whole GPUs / time-slicing / MPS** (NVIDIA device plugin): ``nvidia.com/gpu: N`` gives
   ``N / replicas`` devices ``<node>/gpu-<i>`` (``nvidia.com/gpu.replicas`` is the time-slicing
@@ -67,7 +66,9 @@ from kubernetes import client
 
 from kernelmgr.core.allocator import InventoryChange, Slice, SliceAllocator
 from kernelmgr.core.inventory import GpuDevice, GpuInventory
+from kernelmgr.kube.fields import field_of as _field
 from kernelmgr.kube.informer import Informer
+from kernelmgr.kube.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -91,15 +92,6 @@ MIG_RESOURCE_RE = re.compile(r"^nvidia\.com/mig-(?P<profile>[1-7]g\.(?P<gb>[0-9]
 
 
 # ---- reading a Node (a kubernetes client model, or the same as a plain dict)
-
-
-def _field(obj: Any, name: str) -> Any:
-    if obj is None:
-        return None
-    if isinstance(obj, Mapping):
-        camel = re.sub(r"_([a-z])", lambda m: m.group(1).upper(), name)
-        return obj.get(name, obj.get(camel))
-    return getattr(obj, name, None)
 
 
 def node_name(node: Any) -> str:
@@ -140,44 +132,6 @@ def node_ready(node: Any) -> bool:
         if _field(condition, "type") == "Ready":
             return _field(condition, "status") == "True"
     return False
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where kernel pods may land, as kube-scheduler filters nodes: their ``nodeSelector`` and
-    tolerations (those of the pod manifest, node-lost ones included)."""
-
-    node_selector: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    tolerations: tuple[Mapping[str, Any], ...] = ()
-
-    def admits(self, node: Any) -> bool:
-        """The node's labels match the selector and every NoSchedule/NoExecute taint is tolerated
-        (PreferNoSchedule only steers the scheduler: it does not filter)."""
-        labels = _field(_field(node, "metadata"), "labels") or {}
-        if any(labels.get(key) != value for key, value in self.node_selector.items()):
-            return False
-        for taint in _field(_field(node, "spec"), "taints") or ():
-            effect = _field(taint, "effect")
-            if effect in ("NoSchedule", "NoExecute") and not any(
-                _tolerates(toleration, taint) for toleration in self.tolerations
-            ):
-                return False
-        return True
-
-
-def _tolerates(toleration: Mapping[str, Any], taint: Any) -> bool:
-    """Kubernetes' rule: same effect (or none named), same key (or none named with ``Exists``),
-    and ``Exists``, or ``Equal`` (the default) with the same value."""
-    effect = toleration.get("effect") or ""
-    if effect and effect != _field(taint, "effect"):
-        return False
-    key = toleration.get("key") or ""
-    operator = toleration.get("operator") or "Equal"
-    if not key:
-        return operator == "Exists"
-    if key != _field(taint, "key"):
-        return False
-    return operator == "Exists" or (toleration.get("value") or "") == (_field(taint, "value") or "")
 
 
 def node_devices(node: Any, placement: Placement | None = None) -> tuple[GpuDevice, ...]:

@@ -26,9 +26,10 @@ from kubernetes import client
 
 from kernelmgr.core.allocator import OTHER_POD_PREFIX, SliceAllocator
 from kernelmgr.core.profiles import GpuProfile
+from kernelmgr.kube.fields import field_of as _field
 from kernelmgr.kube.informer import Informer
 from kernelmgr.kube.manifests import APP_LABELS
-from kernelmgr.kube.nodes import GPU, _field
+from kernelmgr.kube.nodes import GPU
 
 log = logging.getLogger(__name__)
 

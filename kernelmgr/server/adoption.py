@@ -30,8 +30,9 @@ from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube.cluster import KubeCluster
 from kernelmgr.kube.manifests import tolerations
 from kernelmgr.kube.namespaces import namespace_for
-from kernelmgr.kube.nodes import NodeInventorySync, Placement
+from kernelmgr.kube.nodes import NodeInventorySync
 from kernelmgr.kube.other_gpu_pods import OtherGpuPods
+from kernelmgr.kube.placement import Placement
 from kernelmgr.kube.pods import FoundKernel
 
 if TYPE_CHECKING:
