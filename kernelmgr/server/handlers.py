@@ -165,6 +165,15 @@ class ResumeHandler(ElasticHandler):
         self.write_json(await self.elastic_kernel_manager.resume(kernel_id, "api"))
 
 
+class CancelHandler(ElasticHandler):
+    """Stop a resume that is waiting for a free GPU slice; the kernel stays hibernated."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        self.write_json(await self.elastic_kernel_manager.cancel_wait(kernel_id))
+
+
 class ActivityHandler(ElasticHandler):
     """ "Keep running": counts as activity and cancels the idle warning (JupyterLab's button)."""
 
@@ -268,6 +277,7 @@ def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:
         (r"/api/elastic/policy", PolicyHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/resume", ResumeHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/report", ReportHandler),
+        (rf"/api/elastic/kernels/{_KERNEL_ID}/cancel", CancelHandler),
         (r"/api/sessions", SessionsPreflightHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/activity", ActivityHandler),
         (r"/api/elastic/me", MeHandler),

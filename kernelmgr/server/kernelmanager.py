@@ -465,6 +465,28 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             await self._require_hibernator().resume(kernel_id, reason)
         return self.elastic_model(kernel_id)
 
+    async def cancel_wait(self, kernel_id: str) -> dict[str, Any]:
+        """``POST /api/elastic/kernels/{id}/cancel``: a resume waiting for a free GPU slice stops
+        waiting and the kernel stays hibernated (what an interrupt does; a CLI's Ctrl-C). Cells
+        held for the kernel are cancelled too. 409 when no resume is waiting: one that got its
+        slice runs to the end (shut the kernel down to stop it)."""
+        runtime = self._require_runtime()
+        if kernel_id not in self:
+            raise no_such_kernel(kernel_id)
+        record = runtime.kernels.get(kernel_id)
+        if record is None or not record.waiting_for_slice:
+            state = record.state.value if record else "not an elastic kernel"
+            raise http_error(
+                409,
+                f"kernel {kernel_id} is {state} and not waiting for a GPU slice: nothing to cancel "
+                "(a resume that has its slice goes on; shut the kernel down to stop it)",
+            )
+        from kernelmgr.server.websocket import ElasticWebsocketConnection
+
+        ElasticWebsocketConnection.interrupt_waiting(kernel_id, "waiting for a GPU slice")
+        await self._require_hibernator().stop_waiting(kernel_id)
+        return self.elastic_model(kernel_id)
+
     def _require_hibernator(self) -> Hibernator:
         if self.hibernator is None:
             raise http_error(503, "the kernelmgr extension has not finished loading; try again")
