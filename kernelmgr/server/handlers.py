@@ -16,7 +16,7 @@ from jupyter_server.services.sessions.handlers import SessionRootHandler
 from tornado import web
 
 from kernelmgr.config import ElasticRuntime
-from kernelmgr.server.errors import http_error, no_such_kernel
+from kernelmgr.server.errors import gateway_refusal, http_error, no_such_kernel
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import gpus_model, profiles_model
@@ -254,8 +254,11 @@ class GatewaySessionsHandler(SessionRootHandler):
         except web.HTTPError as err:
             cause = err.__cause__
             if err.status_code == 500 and isinstance(cause, web.HTTPError) and 400 <= cause.status_code < 500:
-                # GatewayClient's error: "Error from Gateway: [<message>] <reason>..." with the
-                # gateway's own JSON message as the first argument.
+                # GatewayClient's error ("Error from Gateway: [%s] %s...") or the singleuser
+                # manager's translation of it: the gateway's own message, with its status.
+                refusal = gateway_refusal(cause)
+                if refusal is not None:
+                    raise refusal from None
                 message = str(cause.args[0]) if cause.args else str(cause.log_message)
                 raise http_error(cause.status_code, message) from None
             raise
