@@ -464,10 +464,11 @@ class SliceAllocator:
         )
         if len(eligible) > len(shown):
             free += f" (the {len(shown)} with most room of {len(eligible)})"
+        # What to do first, the figures after: a dialog that cuts a long message still says it.
         return (
-            f"GPU size {size} does not fit right now. Free: {free}. "
+            f"GPU size {size} does not fit right now. "
             "Pick a smaller size, shut down (or hibernate) a GPU kernel you no longer need, "
-            "or try again later."
+            f"or try again later. Free: {free}."
         )
 
 

@@ -9,7 +9,7 @@
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
-import { INotebookTracker } from '@jupyterlab/notebook';
+import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { ServerConnection } from '@jupyterlab/services';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Signal } from '@lumino/signaling';
@@ -25,6 +25,7 @@ import {
   reportText,
   RestoreReport,
   statusText,
+  toolbarText,
   warningText
 } from './model';
 
@@ -48,6 +49,43 @@ async function showReport(notebook: string | undefined, report: RestoreReport | 
   });
 }
 
+/**
+ * The notebook toolbar's word beside the kernel's circle: "Hibernated", "Resuming…" (the circle
+ * itself only knows idle and busy, and looks idle while the kernel is hibernated).
+ */
+class ToolbarState extends Widget {
+  constructor() {
+    super({ node: document.createElement('span') });
+    this.addClass('jp-ElasticToolbarState');
+    this.node.title = 'State of this notebook\'s elastic kernel (jupyter-elastic-kernels)';
+    this.hide();
+  }
+
+  show_(text: string, state: string): void {
+    this.node.textContent = text;
+    this.node.dataset.state = state;
+    this.setHidden(!text);
+  }
+}
+
+/**
+ * JupyterLab's own kernel status item ("Python 3 · GPU small | Idle") says nothing of
+ * hibernation; while this extension's item shows the kernel, the stock one is hidden, so the
+ * status bar shows one state. It is found by its text (the kernel's display name), since the
+ * status bar gives its items no id.
+ */
+function hideStockKernelStatus(ours: HTMLElement, displayName: string | null): void {
+  const siblings = Array.from(ours.parentElement?.children ?? []);
+  for (const node of siblings) {
+    if (node === ours) {
+      continue;
+    }
+    const text = node.textContent ?? '';
+    const stock = !!displayName && (text === displayName || text.startsWith(`${displayName} | `));
+    node.classList.toggle('jp-ElasticStatus-replaced', stock);
+  }
+}
+
 /** The status bar item; the status bar shows it only while `active` (a kernel with a GPU size). */
 class StatusItem extends Widget {
   readonly activeChanged = new Signal<this, void>(this);
@@ -56,7 +94,8 @@ class StatusItem extends Widget {
   constructor() {
     super();
     this.addClass('jp-ElasticStatus');
-    this.node.title = 'GPU size, GPU use and state of this notebook\'s kernel (jupyter-elastic-kernels)';
+    this.node.title =
+      'GPU size, GPU use and state of this notebook\'s kernel (jupyter-elastic-kernels); click to change the kernel';
   }
 
   show_(text: string | null, state: string): void {
@@ -123,10 +162,20 @@ const plugin: JupyterFrontEndPlugin<void> = {
       countdowns.set(kernelId, window.setInterval(tick, 1000));
     };
 
+    const badges = new Map<NotebookPanel, ToolbarState>();
     const renderStatus = (): void => {
+      const current = tracker.currentWidget;
       const id = currentKernelId();
       const kernel = id ? poller.kernels.get(id) : undefined;
-      item.show_(statusText(kernel), kernel?.state ?? '');
+      const text = statusText(kernel, undefined, current?.sessionContext.kernelDisplayStatus);
+      item.show_(text, kernel?.state ?? '');
+      hideStockKernelStatus(item.node, text ? (current?.sessionContext.kernelDisplayName ?? null) : null);
+      for (const [panel, badge] of badges) {
+        const kid = panel.sessionContext.session?.kernel?.id;
+        const k = kid ? poller.kernels.get(kid) : undefined;
+        badge.show_(toolbarText(k), k?.state ?? '');
+        panel.node.dataset.elasticState = k?.profile ? k.state : '';
+      }
     };
 
     poller.onUpdate((p, previous) => {
@@ -182,8 +231,25 @@ const plugin: JupyterFrontEndPlugin<void> = {
         if (kernel && kernel.state !== 'running' && poller.available) {
           void poller.refresh();
         }
+        if (notebook === tracker.currentWidget) {
+          renderStatus(); // busy / idle as JupyterLab sees it, at once
+        }
+      });
+      const badge = new ToolbarState();
+      badges.set(notebook, badge);
+      notebook.disposed.connect(() => badges.delete(notebook));
+      void notebook.revealed.then(() => {
+        if (!notebook.toolbar.insertAfter('kernelName', 'elasticState', badge)) {
+          notebook.toolbar.addItem('elasticState', badge);
+        }
+        renderStatus();
       });
     });
+    item.node.onclick = () => {
+      if (app.commands.hasCommand('notebook:change-kernel')) {
+        void app.commands.execute('notebook:change-kernel');
+      }
+    };
     if (statusBar) {
       statusBar.registerStatusItem('jupyter-elastic-kernels:status', {
         item,
@@ -197,7 +263,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       if (poller.available !== true) {
         return; // no /api/elastic here: nothing appears
       }
-      panel = new GpusPanel(poller, serverFetch);
+      panel = new GpusPanel(poller, serverFetch, notebookOf);
       app.shell.add(panel, 'left', { rank: 700 });
       poller.start();
     });

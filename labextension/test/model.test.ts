@@ -3,12 +3,16 @@ import { describe, expect, it, vi } from 'vitest';
 import {
   changes,
   ElasticKernel,
+  formatBytes,
+  formatGpuHours,
+  kernelLabel,
   KernelPoller,
   reportSummary,
   reportText,
   resumeText,
   secondsLeft,
   statusText,
+  toolbarText,
   warningText
 } from '../src/model';
 
@@ -28,16 +32,21 @@ function kernel(over: Partial<ElasticKernel> = {}): ElasticKernel {
 }
 
 describe('statusText', () => {
-  it('shows size, use and state of a running kernel', () => {
-    expect(statusText(kernel())).toBe('GPU small · 37% · 2.0 GiB · running');
+  it('shows size, use and the one state of a running kernel', () => {
+    expect(statusText(kernel())).toBe('GPU small · 37% · 2.0 GiB · idle');
+  });
+  it("takes JupyterLab's live status while the kernel runs", () => {
+    expect(statusText(kernel(), undefined, 'busy')).toBe('GPU small · 37% · 2.0 GiB · busy');
+    expect(statusText(kernel(), undefined, 'unknown')).toBe('GPU small · 37% · 2.0 GiB · idle');
+    expect(statusText(kernel({ state: 'hibernated' }), undefined, 'idle')).toBe('GPU small · hibernated');
   });
   it('says how long an idle kernel has been idle', () => {
     const k = kernel({ activity: { gpu_utilization: 0, gpu_memory_mib: 512, idle_seconds: 185 } });
     expect(statusText(k)).toBe('GPU small · 0% · 512 MiB · idle for 3 min');
   });
-  it('a busy kernel is running whatever its idle time', () => {
+  it('a busy kernel is busy whatever its idle time', () => {
     const k = kernel({ execution_state: 'busy', activity: { gpu_utilization: null, gpu_memory_mib: null, idle_seconds: 900 } });
-    expect(statusText(k)).toBe('GPU small · running');
+    expect(statusText(k)).toBe('GPU small · busy');
   });
   it('hibernated and hibernating show no GPU use', () => {
     expect(statusText(kernel({ state: 'hibernated' }))).toBe('GPU small · hibernated');
@@ -51,6 +60,44 @@ describe('statusText', () => {
   it('hides for a kernel without a GPU size, or none', () => {
     expect(statusText(kernel({ profile: null }))).toBeNull();
     expect(statusText(undefined)).toBeNull();
+  });
+});
+
+describe('toolbarText', () => {
+  it('says hibernated / resuming beside the circle, nothing while running', () => {
+    expect(toolbarText(kernel())).toBe('');
+    expect(toolbarText(kernel({ state: 'hibernated' }))).toBe('Hibernated');
+    expect(toolbarText(kernel({ state: 'hibernating' }))).toBe('Hibernating…');
+    expect(toolbarText(kernel({ state: 'resuming', resume: { phase: 'restoring' } }))).toBe('Resuming…');
+    expect(toolbarText(kernel({ state: 'resuming', resume: { phase: 'waiting_for_slice' } }))).toBe(
+      'Resuming: waiting for a GPU…'
+    );
+    expect(toolbarText(kernel({ state: 'hibernated', profile: null }))).toBe('');
+  });
+});
+
+describe('formatBytes and formatGpuHours', () => {
+  it('writes sizes without exponents', () => {
+    expect(formatBytes(80)).toBe('80 B');
+    expect(formatBytes(1536)).toBe('1.5 KiB');
+    expect(formatBytes(300 * 2 ** 20)).toBe('300 MiB');
+    expect(formatBytes(12.34 * 2 ** 30)).toBe('12.3 GiB');
+    expect(formatBytes(undefined)).toBe('');
+  });
+  it('writes GPU time as a person reads it', () => {
+    expect(formatGpuHours(0)).toBe('none yet');
+    expect(formatGpuHours(0.0001)).toBe('under 1 GPU-minute');
+    expect(formatGpuHours(1 / 60)).toBe('1 GPU-minute');
+    expect(formatGpuHours(0.2)).toBe('12 GPU-minutes');
+    expect(formatGpuHours(3.44)).toBe('3.4 GPU-hours');
+  });
+});
+
+describe('kernelLabel', () => {
+  it("names a kernel by its notebook, else by its id's start", () => {
+    const notebooks = new Map([['abcdef12-3456', 'work/analysis.ipynb']]);
+    expect(kernelLabel('abcdef12-3456', notebooks)).toBe('analysis.ipynb');
+    expect(kernelLabel('99999999-0000', notebooks)).toBe('99999999');
   });
 });
 
