@@ -427,6 +427,55 @@ def test_a_kernel_without_a_gpu_size_shows_nothing(
             server.shutdown_all_kernels()
 
 
+def test_launcher_cards_are_ordered_by_size_with_icons_and_short_labels(
+    lab: tuple[RunningServer, GpuScript], tmp_path: Path
+) -> None:
+    """The Notebook cards: no size first, then small, whole (by GPU share, not by name), each
+    size with its own icon, the label without the memory (the icon shows it), on two lines."""
+    from playwright.sync_api import expect
+
+    server, _gpu = lab
+    specs = server.get("/api/kernelspecs")["kernelspecs"]
+    by_share = sorted(server.get("/api/elastic/profiles")["profiles"], key=lambda p: p["gpu_fraction"])
+    expected = [specs["python3"]["spec"]["display_name"]] + [
+        specs[p["kernelspecs"][0]]["spec"]["display_name"] for p in by_share
+    ]
+    sync_playwright = _require_browser()
+    folder = Path(os.environ.get("ELASTIC_UI_SCREENSHOTS") or tmp_path / "screenshots")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--headless", "--no-sandbox"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 720})
+            page.goto(f"{server.url}/lab?reset&token={TOKEN}")  # nothing open: the launcher
+            cards = page.locator(
+                '.jp-Launcher-section[data-category="Notebook"] .jp-LauncherCard, '
+                '.jp-LauncherCard[data-category="Notebook"]'
+            )
+            expect(cards.first).to_be_visible(timeout=60_000)
+            expect(page.locator("#jupyter-elastic-kernels-launcher")).to_have_count(1, timeout=20_000)
+            seen = cards.evaluate_all(
+                "cards => cards.map(c => [c.title, c.getBoundingClientRect().top,"
+                " c.getBoundingClientRect().left, getComputedStyle(c.querySelector('img')).content,"
+                " getComputedStyle(c.querySelector('.jp-LauncherCard-label p'), '::after').content])"
+            )
+            in_order = [title for title, *_ in sorted(seen, key=lambda c: (round(c[1]), c[2]))]
+            assert in_order == expected, seen
+            icons = {title: icon for title, _t, _l, icon, _label in seen}
+            assert icons[expected[0]] in ("normal", "none")  # the kernel's own logo
+            sized_icons = [icons[title] for title in expected[1:]]
+            assert all(i.startswith('url("data:image/svg+xml') for i in sized_icons), sized_icons
+            assert len(set(sized_icons)) == len(sized_icons)  # one icon per size
+            labels = {title: label for title, *_rest, label in seen}
+            assert labels["Python 3 · GPU small (10 GiB)"] == '"Python 3 · GPU small"'
+            time.sleep(0.8)
+            folder.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(folder / "jupyterlab-launcher.png"))
+        finally:
+            browser.close()
+
+
 @pytest.fixture
 def lab_without_server_part(tmp_path: Path) -> Iterator[RunningServer]:
     _require_browser()

@@ -21,6 +21,8 @@ import {
   ElasticKernel,
   Fetcher,
   KernelPoller,
+  launcherCss,
+  Profile,
   reportSummary,
   reportText,
   RestoreReport,
@@ -106,6 +108,29 @@ class StatusItem extends Widget {
       this.activeChanged.emit();
     }
   }
+}
+
+/** The launcher's GPU-size cards: ordered by size, a per-size icon, a short label (see launcherCss). */
+async function styleLauncher(app: JupyterFrontEnd): Promise<void> {
+  const reply = await serverFetch('api/elastic/profiles');
+  if (reply.status !== 200) {
+    return;
+  }
+  const { profiles } = (await reply.json()) as { profiles: Profile[] };
+  const specs = app.serviceManager.kernelspecs;
+  const render = (): void => {
+    const known = specs.specs?.kernelspecs ?? {};
+    let style = document.getElementById('jupyter-elastic-kernels-launcher');
+    if (!style) {
+      style = document.createElement('style');
+      style.id = 'jupyter-elastic-kernels-launcher';
+      document.head.appendChild(style);
+    }
+    style.textContent = launcherCss(profiles, name => known[name]?.display_name);
+  };
+  await specs.ready;
+  render();
+  specs.specsChanged.connect(render);
 }
 
 const plugin: JupyterFrontEndPlugin<void> = {
@@ -263,6 +288,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       if (poller.available !== true) {
         return; // no /api/elastic here: nothing appears
       }
+      void styleLauncher(app);
       panel = new GpusPanel(poller, serverFetch, notebookOf);
       app.shell.add(panel, 'left', { rank: 700 });
       poller.start();

@@ -353,3 +353,78 @@ export class KernelPoller {
     }
   }
 }
+
+/** A GPU size as `GET /api/elastic/profiles` lists it. */
+export interface Profile {
+  name: string;
+  display_name: string;
+  gpu_fraction: number;
+  memory_mib: number | null;
+  kernelspecs?: string[];
+}
+
+/** A launcher icon for a GPU size: the share of the GPU as a filled pie, the memory under it. */
+export function sizeIconSvg(fraction: number, memoryMib: number | null): string {
+  const share = Math.max(0, Math.min(1, fraction));
+  const r = 17;
+  const [cx, cy] = [26, 22];
+  let pie: string;
+  if (share >= 0.999) {
+    pie = `<circle cx="${cx}" cy="${cy}" r="${r}" fill="#f57c00"/>`;
+  } else {
+    const angle = 2 * Math.PI * share;
+    const x = cx + r * Math.sin(angle);
+    const y = cy - r * Math.cos(angle);
+    const large = share > 0.5 ? 1 : 0;
+    pie = `<path d="M${cx} ${cy} L${cx} ${cy - r} A${r} ${r} 0 ${large} 1 ${x.toFixed(2)} ${y.toFixed(2)} Z" fill="#f57c00"/>`;
+  }
+  const memory = memoryMib ? formatMib(memoryMib).replace('.0 ', ' ') : '';
+  return (
+    '<svg xmlns="http://www.w3.org/2000/svg" width="52" height="52" viewBox="0 0 52 52">' +
+    `<circle cx="${cx}" cy="${cy}" r="${r}" fill="#e0e0e0" stroke="#9e9e9e" stroke-width="1"/>` +
+    pie +
+    (memory
+      ? `<text x="26" y="50" text-anchor="middle" font-family="sans-serif" font-size="10" fill="#616161">${memory}</text>`
+      : '') +
+    '</svg>'
+  );
+}
+
+/** "Python 3 · GPU small (10 GiB)" -> "Python 3 · GPU small": the card's icon shows the memory. */
+export function shortLabel(displayName: string): string {
+  return displayName.replace(/\s*\([^)]*\)\s*$/, '') || displayName;
+}
+
+function cssString(text: string): string {
+  return `"${text.replace(/\\/g, '\\\\').replace(/"/g, '\\"').replace(/\n/g, '\\a ')}"`;
+}
+
+/**
+ * The launcher's cards of GPU-size kernelspecs, ordered by size (smallest first, after the
+ * kernels without a size), each with its size's icon and a short label, as a style sheet: the
+ * launcher sorts by name and draws the kernel's own logo, and offers no other hook. The cards
+ * keep their full name as their title (tooltip) and the icon's alt text.
+ */
+export function launcherCss(profiles: Profile[], displayNameOf: (spec: string) => string | undefined): string {
+  const sized = [...profiles].sort(
+    (a, b) => a.gpu_fraction - b.gpu_fraction || (a.memory_mib ?? 0) - (b.memory_mib ?? 0) || a.name.localeCompare(b.name)
+  );
+  const rules: string[] = [];
+  sized.forEach((profile, index) => {
+    const icon = `url("data:image/svg+xml,${encodeURIComponent(sizeIconSvg(profile.gpu_fraction, profile.memory_mib))}")`;
+    for (const spec of profile.kernelspecs ?? []) {
+      const title = displayNameOf(spec);
+      if (!title) {
+        continue;
+      }
+      const card = `.jp-LauncherCard[title=${cssString(title)}]`;
+      rules.push(
+        `${card} { order: ${index + 1}; }`,
+        `${card} .jp-LauncherCard-icon img { content: ${icon}; }`,
+        `${card} .jp-LauncherCard-label p { font-size: 0; }`,
+        `${card} .jp-LauncherCard-label p::after { content: ${cssString(shortLabel(title))}; display: block; font-size: var(--jp-ui-font-size1); line-height: 1.2; }`
+      );
+    }
+  });
+  return rules.join('\n');
+}

@@ -7,6 +7,10 @@ import {
   formatGpuHours,
   kernelLabel,
   KernelPoller,
+  launcherCss,
+  Profile,
+  shortLabel,
+  sizeIconSvg,
   reportSummary,
   reportText,
   resumeText,
@@ -201,5 +205,37 @@ describe('reportSummary', () => {
       reportSummary({ restored: ['a', 'b'], recomputed: [{ name: 'g' }], not_restored: [{ name: 'sock', reason: 'x' }] })
     ).toBe('Kernel resumed: 2 variable(s) restored, 1 recomputed; not restored: sock.');
     expect(reportSummary({ refused: 'bad digest' })).toBe('Kernel resumed empty: its checkpoint was not loaded.');
+  });
+});
+
+describe('launcherCss', () => {
+  const profiles: Profile[] = [
+    { name: 'whole', display_name: 'GPU whole', gpu_fraction: 1, memory_mib: 40960, kernelspecs: ['python3-gpu-whole'] },
+    { name: 'small', display_name: 'GPU small (10 GiB)', gpu_fraction: 0.25, memory_mib: 10240, kernelspecs: ['python3-gpu-small'] },
+    { name: 'medium', display_name: 'GPU medium (20 GiB)', gpu_fraction: 0.5, memory_mib: 20480, kernelspecs: ['python3-gpu-medium', 'gone'] }
+  ];
+  const names: Record<string, string> = {
+    'python3-gpu-whole': 'Python 3 · GPU whole',
+    'python3-gpu-small': 'Python 3 · GPU small (10 GiB)',
+    'python3-gpu-medium': 'Python 3 · GPU "medium" (20 GiB)'
+  };
+  const css = launcherCss(profiles, spec => names[spec]);
+  it('orders the cards by GPU share, smallest first', () => {
+    expect(css).toContain('.jp-LauncherCard[title="Python 3 · GPU small (10 GiB)"] { order: 1; }');
+    expect(css).toContain('.jp-LauncherCard[title="Python 3 · GPU \\"medium\\" (20 GiB)"] { order: 2; }');
+    expect(css).toContain('.jp-LauncherCard[title="Python 3 · GPU whole"] { order: 3; }');
+    expect(css).not.toContain('gone');
+  });
+  it('gives each size its icon and a short label', () => {
+    expect(css).toContain('content: "Python 3 · GPU small"; display: block;');
+    expect(shortLabel('Python 3 · GPU whole')).toBe('Python 3 · GPU whole');
+    expect(css.match(/content: url\("data:image\/svg\+xml,/g)?.length).toBe(3);
+  });
+  it('draws the share as a pie and the memory under it', () => {
+    expect(sizeIconSvg(1, 40960)).toContain('<circle cx="26" cy="22" r="17" fill="#f57c00"/>');
+    expect(sizeIconSvg(1, 40960)).toContain('>40 GiB</text>');
+    expect(sizeIconSvg(0.25, 10240)).toContain('A17 17 0 0 1 43.00 22.00 Z');
+    expect(sizeIconSvg(0.75, null)).toContain(' 0 1 1 ');
+    expect(sizeIconSvg(0.75, null)).not.toContain('<text');
   });
 });
