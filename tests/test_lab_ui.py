@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import INVENTORY, elastic_config
+from tests.conftest import INVENTORY, PROFILES, elastic_config
 from tests.support.server import TOKEN, RunningServer, launch, wait_for
 
 CHROMIUM = os.environ.get("ELASTIC_CHROMIUM", "/usr/bin/chromium")
@@ -36,8 +36,10 @@ POLICY = {
     "warn_before": 11,
     "interval": 1,
     # The whole-GPU kernels that fill the GPUs stay until the test shuts them down.
-    "rules": [{"profiles": ["whole"], "idle_timeout": 3600, "warn_before": 60}],
+    "rules": [{"profiles": ["whole", "medium"], "idle_timeout": 3600, "warn_before": 60}],
 }
+#: The test sizes, and "medium", which the policy leaves alone (the commands test hibernates it itself).
+LAB_PROFILES = {**PROFILES, "medium": {"gpu_fraction": 0.5, "memory_mib": 20480}}
 
 
 def _require_browser() -> Any:
@@ -123,6 +125,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServe
         nvml_class="kernelmgr.activity.nvml_double.FileNvmlDouble",
         gpu_sample_interval=0.5,
     )
+    config["ElasticKernels"]["profiles"] = LAB_PROFILES
     config["CullPolicy"] = POLICY
     config["LabApp"] = {"check_for_updates_class": "jupyterlab.NeverCheckForUpdate"}
     proc, log_path, url, env = launch(
@@ -436,7 +439,10 @@ def test_launcher_cards_are_ordered_by_size_with_icons_and_short_labels(
 
     server, _gpu = lab
     specs = server.get("/api/kernelspecs")["kernelspecs"]
-    by_share = sorted(server.get("/api/elastic/profiles")["profiles"], key=lambda p: p["gpu_fraction"])
+    by_share = sorted(
+        server.get("/api/elastic/profiles")["profiles"],
+        key=lambda p: (p["gpu_fraction"], p["memory_mib"] or 0),
+    )
     expected = [specs["python3"]["spec"]["display_name"]] + [
         specs[p["kernelspecs"][0]]["spec"]["display_name"] for p in by_share
     ]
@@ -474,6 +480,65 @@ def test_launcher_cards_are_ordered_by_size_with_icons_and_short_labels(
             page.screenshot(path=str(folder / "jupyterlab-launcher.png"))
         finally:
             browser.close()
+
+
+def test_kernel_menu_and_palette_hibernate_resume_and_show_the_report(
+    lab: tuple[RunningServer, GpuScript], tmp_path: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    server, _gpu = lab
+    notebook = {
+        **CPU_NOTEBOOK,
+        "cells": [*CPU_NOTEBOOK["cells"], {**CPU_NOTEBOOK["cells"][0], "source": "kept = 7"}],
+        "metadata": {"kernelspec": {"name": "python3-gpu-medium", "display_name": "Python 3 · GPU medium"}},
+    }
+    (server.home / "root" / "commands.ipynb").write_text(json.dumps(notebook))
+    sync_playwright = _require_browser()
+    folder = Path(os.environ.get("ELASTIC_UI_SCREENSHOTS") or tmp_path / "screenshots")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--headless", "--no-sandbox"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 720})
+            shots = Shots(page, folder)
+            cells = _open(page, server, "commands.ipynb")
+            kernel_id = _kernel_of(server, "commands.ipynb")
+            assert kernel_id is not None
+            cells.nth(1).click()
+            page.keyboard.press("Shift+Enter")
+            status = page.locator(".jp-ElasticStatus")
+            expect(status).to_contain_text("GPU medium", timeout=15_000)
+
+            # The Kernel menu: resume and the report are there; only hibernate applies to a running kernel.
+            page.get_by_role("menuitem", name="Kernel", exact=True).click()
+            hibernate = page.get_by_role("menuitem", name=re.compile("^Hibernate Kernel"))
+            expect(hibernate).to_be_enabled()
+            expect(page.get_by_role("menuitem", name="Resume Kernel")).to_be_disabled()
+            shots("jupyterlab-kernel-menu")
+            hibernate.click()
+            expect(status).to_have_text("GPU medium · hibernated", timeout=60_000)
+            assert _model(server, kernel_id)["state"] == "hibernated"
+
+            # The command palette: resume it.
+            page.keyboard.press("Control+Shift+c")
+            page.keyboard.type("Resume Kernel")
+            page.keyboard.press("Enter")
+            expect(status).to_have_text(re.compile(r"^GPU medium · .*idle$"), timeout=60_000)
+            assert _model(server, kernel_id)["state"] == "running"
+
+            # The report, from the menu: the variables by name.
+            page.get_by_role("menuitem", name="Kernel", exact=True).click()
+            page.get_by_role("menuitem", name="Show Restore Report").click()
+            dialog = page.locator(".jp-Dialog", has_text="Restore report")
+            expect(dialog).to_contain_text("Kernel resumed: 1 variable(s) restored.", timeout=10_000)
+            expect(dialog).to_contain_text("Restored: kept.")
+            shots("jupyterlab-restore-report-command")
+            dialog.get_by_role("button", name="Close").click()
+        finally:
+            browser.close()
+            server.shutdown_all_kernels()
 
 
 @pytest.fixture

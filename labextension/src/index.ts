@@ -7,7 +7,7 @@
  * without the extension's server part answers 404 and nothing appears.
  */
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
-import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
+import { Dialog, ICommandPalette, Notification, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { ServerConnection } from '@jupyterlab/services';
@@ -40,10 +40,14 @@ export const serverFetch: Fetcher = async (path, init) => {
 };
 
 /** The restore report in full, in a dialog a person can read at leisure. */
-async function showReport(notebook: string | undefined, report: RestoreReport | null): Promise<void> {
+async function showReport(
+  notebook: string | undefined,
+  report: RestoreReport | null,
+  neverResumed = false
+): Promise<void> {
   const body = document.createElement('pre');
   body.className = 'jp-ElasticReport';
-  body.textContent = reportText(report);
+  body.textContent = neverResumed ? 'This kernel has not been resumed from a checkpoint yet.' : reportText(report);
   await showDialog({
     title: `Restore report${notebook ? ' · ' + notebook : ''}`,
     body: new Widget({ node: body }),
@@ -133,13 +137,25 @@ async function styleLauncher(app: JupyterFrontEnd): Promise<void> {
   specs.specsChanged.connect(render);
 }
 
+/** The commands' ids (Kernel menu: schema/plugin.json; the command palette). */
+const COMMANDS = {
+  hibernate: 'elastic-kernels:hibernate',
+  resume: 'elastic-kernels:resume',
+  report: 'elastic-kernels:show-report'
+};
+
 const plugin: JupyterFrontEndPlugin<void> = {
   id: 'jupyter-elastic-kernels:plugin',
   description: 'GPU size, use, state, idle warnings and resume progress of elastic kernels.',
   autoStart: true,
   requires: [INotebookTracker],
-  optional: [IStatusBar],
-  activate: (app: JupyterFrontEnd, tracker: INotebookTracker, statusBar: IStatusBar | null) => {
+  optional: [IStatusBar, ICommandPalette],
+  activate: (
+    app: JupyterFrontEnd,
+    tracker: INotebookTracker,
+    statusBar: IStatusBar | null,
+    palette: ICommandPalette | null
+  ) => {
     const poller = new KernelPoller(serverFetch, 3000);
     const item = new StatusItem();
     const notified = new Map<string, string>(); // kernel id -> notification id
@@ -205,6 +221,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     poller.onUpdate((p, previous) => {
       renderStatus();
+      for (const command of Object.values(COMMANDS)) {
+        app.commands.notifyCommandChanged(command); // enabled or not follows the kernel's state
+      }
       const now = Date.now() / 1000;
       for (const id of new Set([...previous.keys(), ...p.kernels.keys()])) {
         const before = previous.get(id);
@@ -245,6 +264,58 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
       panel?.update_();
     });
+
+    // Commands on the current notebook's kernel: the Kernel menu and the command palette.
+    const currentElastic = (): ElasticKernel | undefined => {
+      const id = currentKernelId();
+      const kernel = id ? poller.kernels.get(id) : undefined;
+      return kernel?.profile ? kernel : undefined;
+    };
+    const act = async (action: 'hibernate' | 'resume'): Promise<void> => {
+      const kernel = currentElastic();
+      if (!kernel) {
+        return;
+      }
+      const reply = await serverFetch(`api/elastic/kernels/${kernel.id}/${action}`, { method: 'POST' });
+      if (reply.status !== 200) {
+        const body = (await reply.json()) as { message?: string };
+        await showErrorMessage(`Could not ${action} the kernel`, body.message ?? `HTTP ${reply.status}`);
+      }
+      await poller.refresh();
+    };
+    app.commands.addCommand(COMMANDS.hibernate, {
+      label: 'Hibernate Kernel (Save Variables, Free the GPU)',
+      caption: "Checkpoint the kernel's variables, stop it and release its GPU slice; the next cell resumes it",
+      isEnabled: () => currentElastic()?.state === 'running',
+      execute: () => act('hibernate')
+    });
+    app.commands.addCommand(COMMANDS.resume, {
+      label: 'Resume Kernel',
+      caption: 'Bring the hibernated kernel back now, with its variables',
+      isEnabled: () => currentElastic()?.state === 'hibernated',
+      execute: () => act('resume')
+    });
+    app.commands.addCommand(COMMANDS.report, {
+      label: 'Show Restore Report',
+      caption: "What the kernel's last resume restored, recomputed and could not restore, and why",
+      isEnabled: () => currentElastic() !== undefined,
+      execute: async () => {
+        const kernel = currentElastic();
+        if (!kernel) {
+          return;
+        }
+        const reply = await serverFetch(`api/elastic/kernels/${kernel.id}/report`);
+        if (reply.status === 200) {
+          const body = (await reply.json()) as { restore_report: RestoreReport | null };
+          await showReport(notebookOf(kernel.id), body.restore_report, !body.restore_report);
+        }
+      }
+    });
+    if (palette) {
+      for (const command of Object.values(COMMANDS)) {
+        palette.addItem({ command, category: 'Elastic Kernels' });
+      }
+    }
 
     tracker.currentChanged.connect(renderStatus);
     // A cell sent to a hibernated kernel starts its resume: look now rather than at the next poll

@@ -207,6 +207,9 @@ export function reportText(report: RestoreReport | null | undefined): string {
   }
   const restored = report.restored ?? [];
   const lines = [`Kernel resumed: ${restored.length} variable(s) restored.`];
+  if (restored.length) {
+    lines.push(`Restored: ${restored.join(', ')}.`);
+  }
   const recomputed = report.recomputed ?? [];
   if (recomputed.length) {
     const names = recomputed.map(item => (typeof item === 'string' ? item : item.name));

@@ -144,6 +144,7 @@ describe('reportText', () => {
       refused: null
     });
     expect(text).toContain('2 variable(s) restored');
+    expect(text).toContain('Restored: a, b.'); // "Details" names them, not only counts them
     expect(text).toContain('Recomputed by re-running cells: gen.');
     expect(text).toContain('Not restored: f: TextIOWrapper: cannot pickle (not recomputed: the cell writes a file).');
     expect(text).toContain('Restored with differences: m: an attribute was dropped.');
