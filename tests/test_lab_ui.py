@@ -319,6 +319,8 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     expect(status).to_have_text(
         re.compile(r"^GPU small · resuming: restoring 40\d of 40\d MiB$"), timeout=30_000
     )
+    # ... and so does the cell that woke the kernel, in one line updated in place.
+    expect(cells.nth(1).locator(".jp-OutputArea-output", has_text="Resuming the kernel: ")).to_have_count(1)
     shots("jupyterlab-resume-restoring")
     report = page.locator(".Toastify__toast", has_text="Kernel resumed")
     expect(report).to_be_visible(timeout=90_000)
@@ -342,6 +344,9 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     expect(cells.nth(1).locator('.jp-OutputArea-output[data-mime-type="text/plain"]')).to_have_text(
         "42", timeout=30_000
     )
+    # The waiting note and the progress are gone from the cell (and from the saved notebook).
+    expect(cells.nth(1)).not_to_contain_text("Waiting for a GPU slice")
+    expect(cells.nth(1)).not_to_contain_text("Resuming the kernel")
     # A new process (not in the GPU script: 0% of the GPU), running.
     expect(status).to_have_text("GPU small · 0% · 0 MiB · idle", timeout=10_000)
     expect(badge).to_be_hidden()
