@@ -383,3 +383,34 @@ def test_ctrl_c_on_a_waiting_resume_cancels_the_wait_on_the_server(plain_server:
 def test_cancel_of_an_unknown_kernel_is_404(plain_server: RunningServer) -> None:
     answer = plain_server.request("POST", "/api/elastic/kernels/no-such-kernel/cancel")
     assert answer.status == 404 and "no kernel with id 'no-such-kernel'" in answer.body["message"]
+
+
+def test_progress_rewrites_one_line_on_a_terminal_and_prints_changes_elsewhere() -> None:
+    import io
+
+    from kernelmgr.cli import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    shown = Progress(True, terminal)
+    shown.show("k", "resuming: starting the kernel", 1.2)
+    shown.show("k", "resuming: starting the kernel", 2.4)
+    shown.done()
+    assert terminal.getvalue() == (
+        "\r\x1b[Kjupyter elastic: kernel k resuming: starting the kernel (1s)"
+        "\r\x1b[Kjupyter elastic: kernel k resuming: starting the kernel (2s)\r\x1b[K"
+    )
+    log = io.StringIO()
+    lines = Progress(True, log)
+    for text in ("hibernating: writing the checkpoint", "hibernating: writing the checkpoint", "x"):
+        lines.show("k", text, 0)
+    assert log.getvalue().splitlines() == [
+        "jupyter elastic: kernel k hibernating: writing the checkpoint",
+        "jupyter elastic: kernel k x",
+    ]
+    quiet = io.StringIO()
+    Progress(False, quiet).show("k", "x", 0)
+    assert quiet.getvalue() == ""
