@@ -487,10 +487,10 @@ class SliceAllocator:
         )
         if len(eligible) > len(shown):
             free += f" (the {len(shown)} with most room of {len(eligible)})"
-        return (
-            f"GPU size {size} does not fit right now. Free: {free}. "
+        return (  # what to do first, the figures after: a cut-off dialog still says it
+            f"GPU size {size} does not fit right now. "
             "Pick a smaller size, shut down (or hibernate) a GPU kernel you no longer need, "
-            "or try again later."
+            f"or try again later. Free: {free}."
         )
 
 

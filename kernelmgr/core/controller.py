@@ -333,6 +333,15 @@ class LifecycleController:
         instead of at its next poll."""
         self.waits.nudge()
 
+    async def stop_waiting(self, kernel_id: str) -> bool:
+        """:meth:`cancel_wait`, then wait until the resume has given up (the kernel is hibernated
+        again), so a caller answers with the settled state. True if a resume was waiting."""
+        slot = self._slots.get(kernel_id)
+        if not self.cancel_wait(kernel_id) or slot is None or slot.task is None:
+            return False
+        await asyncio.wait([slot.task])
+        return True
+
     async def cancel(self, kernel_id: str) -> None:
         """Cancel the operation in flight (for a delete) and wait until it has cleaned up.
 

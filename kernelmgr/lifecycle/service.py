@@ -335,6 +335,10 @@ class Hibernator:
         """Stop waiting for a slice (the user interrupted). True if a wait was cancelled."""
         return self.controller.cancel_wait(kernel_id)
 
+    async def stop_waiting(self, kernel_id: str) -> bool:
+        """Stop a resume waiting for a slice and wait until the kernel is hibernated again."""
+        return await self.controller.stop_waiting(kernel_id)
+
     async def cancel_operations(self, kernel_id: str) -> None:
         """Cancel a hibernation or resume in flight (the kernel is being deleted)."""
         await self.controller.cancel(kernel_id)

@@ -51,6 +51,7 @@ from kernelmgr.server.starting import (
     wait_for_start_turn,
     wait_until_up,
 )
+from kernelmgr.server.waiting import cancel_waiting_resume
 
 
 @contextlib.contextmanager
@@ -485,6 +486,11 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         """``POST /api/elastic/kernels/{id}/resume``; returns the kernel model."""
         with _answered_as_http(f"resume kernel {kernel_id}"):
             await self._require_hibernator().resume(kernel_id, reason)
+        return self.elastic_model(kernel_id)
+
+    async def cancel_wait(self, kernel_id: str) -> dict[str, Any]:
+        """``POST /api/elastic/kernels/{id}/cancel`` (:mod:`kernelmgr.server.waiting`)."""
+        await cancel_waiting_resume(self, kernel_id)
         return self.elastic_model(kernel_id)
 
     def _require_hibernator(self) -> Hibernator:
