@@ -154,6 +154,14 @@ class ElasticKernels(LoggingConfigurable):
         checkpoint_store "s3", only the kernels' local scratch copies (the bucket holds the
         checkpoints): it need not be shared.""",
     )
+    checkpoint_store_class = Type(
+        default_value=CheckpointStore,
+        klass=CheckpointStore,
+        config=True,
+        help="""The file-system store's class (checkpoint_store "filesystem"): a subclass of
+        kernelmgr.checkpoint_store.CheckpointStore, e.g. one that models a shared file system's
+        view (the tests' lagging view).""",
+    )
     checkpoint_store = Enum(
         ["filesystem", "s3"],
         default_value="filesystem",
@@ -413,7 +421,7 @@ class ElasticKernels(LoggingConfigurable):
             self._retire_old_secret(old_secret, secret_file, secret)
         if self.checkpoint_store == "s3":
             return S3Checkpoints(parent=self).build(root, secret)
-        return CheckpointStore(root, secret)
+        return cast(CheckpointStore, self.checkpoint_store_class(root, secret))
 
     def _retire_old_secret(self, old_secret: str, secret_file: str, secret: bytes) -> None:
         """An older version's ``<checkpoint_root>/.secret`` beside the configured secret file.
