@@ -139,7 +139,7 @@ def test_lint_strict() -> None:
         ({"gateway": {"podLabels": {"hub.jupyter.org/network-access-hub": True}}}, "podLabels"),
         ({"tests": {"gatewayUrl": "gateway:8888"}}, "gatewayUrl"),
         ({"checkpoints": {"store": "gcs"}}, "store"),
-        ({"checkpoints": {"s3": {"partSizeMib": 1}}}, "partSizeMib"),
+        ({"checkpoints": {"objectStore": {"partSizeMib": 1}}}, "partSizeMib"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(values: dict[str, Any], named: str, tmp_path: Path) -> None:
@@ -272,7 +272,7 @@ def test_checkpoints_in_an_object_store_configure_the_gateway_only(tmp_path: Pat
         "region": "eu-west-1",
         "existingSecret": "checkpoint-bucket",
     }
-    docs = render({"checkpoints": {"store": "s3", "s3": s3}}, tmp_path)
+    docs = render({"checkpoints": {"store": "s3", "objectStore": s3}}, tmp_path)
     config = server_config(docs)
     assert config["ElasticKernels"]["checkpoint_store"] == "s3"
     bucket = config["S3Checkpoints"]
@@ -292,10 +292,10 @@ def test_checkpoints_in_an_object_store_configure_the_gateway_only(tmp_path: Pat
     assert "S3Checkpoints" not in server_config(render({}, tmp_path))  # the file system by default
     missing = helm(
         "template", "x", str(CHART), "--kube-version", "1.33.0",
-        *values_args({"checkpoints": {"store": "s3", "s3": {**s3, "existingSecret": ""}}}, tmp_path),
+        *values_args({"checkpoints": {"store": "s3", "objectStore": {**s3, "existingSecret": ""}}}, tmp_path),
         check=False,
     )  # fmt: skip
-    assert missing.returncode != 0 and "checkpoints.s3.existingSecret" in missing.stderr
+    assert missing.returncode != 0 and "checkpoints.objectStore.existingSecret" in missing.stderr
 
 
 def test_helm_test_pod_asks_the_gateways_service_and_the_hub(tmp_path: Path) -> None:

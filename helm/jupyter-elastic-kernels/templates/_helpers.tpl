@@ -235,10 +235,10 @@ serves no files, so the claim's folder is as good a root as any. */ -}}
   "ElasticGateway" $gateway
   "ElasticQuota" $quota -}}
 {{- if eq $v.checkpoints.store "s3" }}
-{{- $s3 := $v.checkpoints.s3 -}}
-{{- $_ := required "checkpoints.s3.endpoint is required with checkpoints.store s3" $s3.endpoint -}}
-{{- $_ := required "checkpoints.s3.bucket is required with checkpoints.store s3" $s3.bucket -}}
-{{- $_ := required "checkpoints.s3.existingSecret (the gateway's credential) is required with checkpoints.store s3" $s3.existingSecret -}}
+{{- $s3 := $v.checkpoints.objectStore -}}
+{{- $_ := required "checkpoints.objectStore.endpoint is required with checkpoints.store s3" $s3.endpoint -}}
+{{- $_ := required "checkpoints.objectStore.bucket is required with checkpoints.store s3" $s3.bucket -}}
+{{- $_ := required "checkpoints.objectStore.existingSecret (the gateway's credential) is required with checkpoints.store s3" $s3.existingSecret -}}
 {{- $_ := set $elastic "checkpoint_store" "s3" -}}
 {{- $_ := set $config "S3Checkpoints" (dict
   "endpoint" $s3.endpoint
