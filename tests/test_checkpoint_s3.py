@@ -300,3 +300,64 @@ def test_pruning_and_removal_delete_objects(
     assert not local_checkpoints(tmp_path, "carol", "k")
     store.remove("carol", "k")  # hibernated_ttl, or shut down for good
     assert bucket.listing("carol/") == []
+
+
+# -- configuration ----------------------------------------------------------------------------
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    ("settings", "env", "says"),
+    [
+        ({"bucket": "b"}, {ID_ENV: "a", KEY_ENV: "s"}, "S3Checkpoints.endpoint '' must be an http"),
+        ({"endpoint": "http://127.0.0.1:9"}, {ID_ENV: "a", KEY_ENV: "s"}, "S3Checkpoints.bucket is empty"),
+        ({"endpoint": "http://127.0.0.1:9", "bucket": "b"}, {}, f"set {ID_ENV} and {KEY_ENV}"),
+        (
+            {"endpoint": "http://127.0.0.1:9", "bucket": "b", "part_size_mib": 1},
+            {ID_ENV: "a", KEY_ENV: "s"},
+            "part_size_mib must be at least 5",
+        ),
+        (
+            {"endpoint": "http://127.0.0.1:9", "bucket": "b", "presign_seconds": 10},
+            {ID_ENV: "a", KEY_ENV: "s"},
+            "presign_seconds must be between 60 and 604800",
+        ),
+        ({"endpoint": "http://127.0.0.1:9", "bucket": "b"}, {ID_ENV: "a", KEY_ENV: "s"}, "is not usable"),
+    ],
+)
+def test_a_bad_object_store_setting_is_one_clear_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, settings: dict[str, Any], env: dict[str, str], says: str
+) -> None:
+    from traitlets.config import Config
+
+    from kernelmgr.config import S3Checkpoints
+    from kernelmgr.core.errors import ConfigError
+
+    for name in (ID_ENV, KEY_ENV):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    config = Config(
+        {"S3Checkpoints": {**settings, "access_key_id_env": ID_ENV, "secret_access_key_env": KEY_ENV}}
+    )
+    with pytest.raises(ConfigError) as refused:
+        S3Checkpoints(config=config).build(str(tmp_path), SECRET)
+    assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_credential_the_store_refuses_stops_the_start(
+    tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest
+) -> None:
+    server = s3_server(tmp_path, s3, bucket_name(request))  # creates the bucket
+    server.stop()
+    config = {
+        "ElasticKernels": {"checkpoint_root": str(tmp_path / "scratch"), "checkpoint_store": "s3"},
+        "S3Checkpoints": {
+            "endpoint": s3.endpoint,
+            "bucket": bucket_name(request),
+            "access_key_id_env": ID_ENV,
+            "secret_access_key_env": KEY_ENV,
+        },
+    }
+    with pytest.raises(RuntimeError, match=r"server exited with 2"):
+        start_server(tmp_path / "wrong", config, env_extra={ID_ENV: s3.admin.access_key, KEY_ENV: "wrong"})
