@@ -87,6 +87,8 @@ class Upload:
     upload_id: str
     urls: list[str]
     part_size: int
+    #: The checkpoint's encryption key for the kernel (hex), or "" (not encrypted).
+    checkpoint_key: str = ""
 
 
 class CheckpointStore:

@@ -487,6 +487,15 @@ class S3Checkpoints(LoggingConfigurable):
         32, config=True, help="Multipart upload part size (MiB, at least 5: S3's minimum part)."
     )
     create_bucket = Bool(False, config=True, help="Create the bucket at start-up if it is missing.")
+    encryption_key_files = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="""Master key files (32 bytes, or 64 hex digits; a mounted Secret, never in the bucket):
+        non-empty encrypts new checkpoints at rest with a key per owner wrapped by the first one.
+        Rotation: put a new key first and keep the older ones after it until every owner's key was
+        re-wrapped (each is, on its next use).""",
+    )
 
     def build(self, root: str, secret: bytes) -> CheckpointStore:
         """The object store, checked: every problem is a :class:`ConfigError` naming the setting."""
@@ -517,6 +526,24 @@ class S3Checkpoints(LoggingConfigurable):
         if self.part_size_mib < 5:
             raise ConfigError(f"S3Checkpoints.part_size_mib must be at least 5, got {self.part_size_mib}")
         bucket = Bucket(self.endpoint, self.bucket, Credentials(access, secret_key, self.region))
+        envelope = None
+        if self.encryption_key_files:
+            from kernelmgr.objectstore.envelope import OwnerKeys, read_master_key
+
+            try:
+                import cryptography  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "S3Checkpoints.encryption_key_files needs the 'cryptography' package: "
+                    "pip install 'jupyter-elastic-kernels[objectstore]'"
+                ) from None
+            masters = []
+            for path in self.encryption_key_files:
+                try:
+                    masters.append(read_master_key(path))
+                except (OSError, ValueError) as exc:
+                    raise ConfigError(f"S3Checkpoints.encryption_key_files: {exc}") from None
+            envelope = OwnerKeys(bucket, self.prefix.strip("/"), masters)
         try:
             if self.create_bucket:
                 bucket.create()
@@ -532,6 +559,7 @@ class S3Checkpoints(LoggingConfigurable):
             prefix=self.prefix,
             presign_seconds=self.presign_seconds,
             part_size=self.part_size_mib * 1024 * 1024,
+            envelope=envelope,
         )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.layout import is_checkpoint_id
 from kernelmgr.checkpoint.writer import write_checkpoint
@@ -44,7 +45,7 @@ def bucket_name(request: pytest.FixtureRequest) -> str:
     return "ck-" + request.node.name.replace("_", "-")[:50].strip("-").lower()
 
 
-def s3_server(home: Path, s3: S3Server, bucket: str) -> RunningServer:
+def s3_server(home: Path, s3: S3Server, bucket: str, key_files: list[str] | None = None) -> RunningServer:
     config: dict[str, Any] = {
         "ElasticKernels": {
             "profiles": PROFILES,
@@ -58,6 +59,7 @@ def s3_server(home: Path, s3: S3Server, bucket: str) -> RunningServer:
             "create_bucket": True,
             "access_key_id_env": ID_ENV,
             "secret_access_key_env": KEY_ENV,
+            "encryption_key_files": key_files or [],
         },
     }
     env = {ID_ENV: s3.admin.access_key, KEY_ENV: s3.admin.secret_key}
@@ -70,7 +72,7 @@ def committed_ids(bucket: Bucket, owner: str, kernel_id: str) -> set[str]:
     return {
         item.key[len(base) :].split("/")[0]
         for item in bucket.listing(base)
-        if item.key.endswith("/manifest.json")
+        if item.key.endswith(("/manifest.json", "/manifest.json.aes"))
     }
 
 
@@ -206,10 +208,18 @@ def write_and_upload(store: ObjectCheckpointStore, owner: str, kernel_id: str, v
 
 
 def upload_parts(store: ObjectCheckpointStore, owner: str, kernel_id: str, reported: str) -> Any:
+    """The kernel's part (as the agent does it, encryption included), given the server's plan."""
     manifest = store.commit(owner, kernel_id, reported)
     upload = store.begin_upload(owner, kernel_id, manifest)
     data = (store.kernel_dir(owner, kernel_id) / manifest.checkpoint_id / "data.bin").read_bytes()
-    etags = transfer.upload_parts(upload.urls, memoryview(data), upload.part_size)
+    crypt = None
+    if upload.checkpoint_key:
+        data_key = cipher.data_key(bytes.fromhex(upload.checkpoint_key))
+
+        def crypt(offset: int, piece: memoryview) -> bytes:
+            return cipher.crypt(data_key, offset, piece)
+
+    etags = transfer.upload_parts(upload.urls, memoryview(data), upload.part_size, transform=crypt)
     return upload, etags
 
 
@@ -361,3 +371,73 @@ def test_a_credential_the_store_refuses_stops_the_start(
     }
     with pytest.raises(RuntimeError, match=r"server exited with 2"):
         start_server(tmp_path / "wrong", config, env_extra={ID_ENV: s3.admin.access_key, KEY_ENV: "wrong"})
+
+
+# -- encryption at rest ------------------------------------------------------------------------
+
+
+def master_key_file(path: Path) -> str:
+    path.write_text(os.urandom(32).hex())
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_checkpoints_are_encrypted_at_rest_and_restored(
+    tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest
+) -> None:
+    name = bucket_name(request)
+    bucket = s3.bucket(name)
+    server = s3_server(tmp_path, s3, name, [master_key_file(tmp_path / "master")])
+    try:
+        kernel_id = server.start_kernel("python3-gpu-small")
+        server.execute(kernel_id, "secret_words = b'PLAINTEXT-MARKER-' * 4096")
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert reply.status == 200, reply
+        owner = reply.body["owner"]
+        committed = current(bucket, owner, kernel_id)
+        stored = {item.key: bucket.get(item.key) or b"" for item in bucket.listing(f"{owner}/")}
+        base = f"{owner}/{kernel_id}/{committed}/"
+        assert {f"{base}data.bin.aes", f"{base}manifest.json.aes"} <= set(stored), sorted(stored)
+        assert not any(key.endswith(("/data.bin", "/manifest.json")) for key in stored)
+        for key, body in stored.items():
+            assert b"PLAINTEXT-MARKER-" not in body and b"secret_words" not in body, key
+        master = (tmp_path / "master").read_text()
+        assert all(master.encode() not in body for body in stored.values())
+        out = server.execute(kernel_id, "print(secret_words[:17], len(secret_words))", timeout=120)
+        assert out.strip() == "b'PLAINTEXT-MARKER-' 69632"
+    finally:
+        server.shutdown_all_kernels()
+        server.stop()
+
+
+def test_a_master_key_rotation_keeps_every_checkpoint_readable(
+    tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest
+) -> None:
+    from kernelmgr.objectstore.envelope import OwnerKeys, fingerprint, read_master_key
+
+    bucket = s3.bucket(bucket_name(request))
+    bucket.create()
+    old, new = master_key_file(tmp_path / "old"), master_key_file(tmp_path / "new")
+
+    def store(*files: str) -> ObjectCheckpointStore:
+        keys = OwnerKeys(bucket, "", [read_master_key(f) for f in files])
+        return ObjectCheckpointStore(tmp_path / "scratch", SECRET, bucket, envelope=keys)
+
+    first = store(old)
+    reported = write_and_upload(first, "dana", "k", {"v": 1})
+    upload, etags = upload_parts(first, "dana", "k", reported)
+    first.finish_upload(upload, etags, reported)
+    committed = first.commit("dana", "k", reported).checkpoint_id
+
+    def wrapped_by() -> str:
+        return str(json.loads(bucket.get("dana/.data-key") or b"{}")["master"])
+
+    assert wrapped_by() == fingerprint(read_master_key(old))
+    rotating = store(new, old)  # the new key first, the old one kept to unwrap
+    latest = rotating.latest("dana", "k")
+    assert latest is not None and latest.checkpoint_id == committed
+    assert wrapped_by() == fingerprint(read_master_key(new))  # re-wrapped on use
+    latest = store(new).latest("dana", "k")  # the old key can go
+    assert latest is not None and latest.checkpoint_id == committed
+    with pytest.raises(CheckpointRefused, match="encryption_key_files"):
+        store(master_key_file(tmp_path / "other")).latest("dana", "k")

@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import Any
 
 import kernelmgr.objectstore.transfer as transfer
+from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.cells import MAX_CELLS, CellRecord, plan_recompute, record_cell
 from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_key_file
@@ -111,6 +112,7 @@ ENV_SERVER_PID = "ELASTIC_SERVER_PID"
 ENV_RECOMPUTE_SECONDS = "ELASTIC_RECOMPUTE_SECONDS"
 ENV_RESTORE_MANIFEST_URL = "ELASTIC_RESTORE_MANIFEST_URL"
 ENV_RESTORE_DATA_URL = "ELASTIC_RESTORE_DATA_URL"
+ENV_RESTORE_KEY = "ELASTIC_RESTORE_KEY"
 
 #: What the server sends (silently) to checkpoint a kernel.
 CHECKPOINT_CODE = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.checkpoint()'
@@ -120,9 +122,10 @@ COMMIT_EXPRESSION = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.l
 UPLOAD_EXPRESSION = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.last_upload()'
 
 
-def upload_code(checkpoint_id: str, urls: list[str], part_size: int) -> str:
-    """The silent cell that sends ``checkpoint_id``'s ``data.bin`` through presigned part URLs."""
-    plan = json.dumps({"checkpoint": checkpoint_id, "urls": urls, "part_size": part_size})
+def upload_code(checkpoint_id: str, urls: list[str], part_size: int, key: str = "") -> str:
+    """The silent cell that sends ``checkpoint_id``'s ``data.bin`` through presigned part URLs
+    (encrypted with the checkpoint's ``key``, hex, when given: :mod:`kernelmgr.checkpoint.cipher`)."""
+    plan = json.dumps({"checkpoint": checkpoint_id, "urls": urls, "part_size": part_size, "key": key})
     return f'__import__("kernelmgr.checkpoint.agent").checkpoint.agent.upload({plan!r})'
 
 
@@ -145,6 +148,8 @@ class AgentConfig:
     #: With an object store: presigned GET URLs of the checkpoint to restore.
     restore_manifest_url: str | None = None
     restore_data_url: str | None = None
+    #: The checkpoint's encryption key (hex) when it is encrypted at rest.
+    restore_key: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> AgentConfig | None:
@@ -179,6 +184,7 @@ class AgentConfig:
             restore_mapped=env.get(ENV_RESTORE_MAPPED, "") == "1",
             restore_manifest_url=env.get(ENV_RESTORE_MANIFEST_URL) or None,
             restore_data_url=env.get(ENV_RESTORE_DATA_URL) or None,
+            restore_key=env.get(ENV_RESTORE_KEY) or None,
         )
 
 
@@ -422,7 +428,16 @@ class _Agent:
                     region = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else None
                 try:
                     view = memoryview(region) if region is not None else memoryview(b"")
-                    etags = transfer.upload_parts(list(plan["urls"]), view, int(plan["part_size"]))
+                    crypt = None
+                    if plan.get("key"):
+                        data_key = cipher.data_key(bytes.fromhex(str(plan["key"])))
+
+                        def crypt(offset: int, piece: memoryview) -> bytes:
+                            return cipher.crypt(data_key, offset, piece)
+
+                    etags = transfer.upload_parts(
+                        list(plan["urls"]), view, int(plan["part_size"]), transform=crypt
+                    )
                     view.release()
                 finally:
                     if region is not None:
@@ -452,6 +467,15 @@ class _Agent:
                 raise CheckpointRefused(
                     f"the manifest of {checkpoint_id} is larger than {MANIFEST_CAP} bytes"
                 )
+            arrived = None
+            if config.restore_key:  # encrypted at rest: decrypted here, verified below
+                checkpoint_key = bytes.fromhex(config.restore_key)
+                text = cipher.crypt(cipher.manifest_key(checkpoint_key), 0, text)
+                data_key = cipher.data_key(checkpoint_key)
+
+                def arrived(offset: int, piece: memoryview) -> None:
+                    cipher.crypt_in_place(data_key, offset, piece)
+
             try:
                 declared = Manifest.from_json(text).data_bytes
                 check_manifest(text, declared, config.key, config.owner, config.kernel_id, checkpoint_id)
@@ -474,7 +498,9 @@ class _Agent:
                     with mmap.mmap(handle.fileno(), declared) as region:
                         view = memoryview(region)
                         try:
-                            transfer.download(config.restore_data_url, view, on_progress=advance)
+                            transfer.download(
+                                config.restore_data_url, view, on_progress=advance, arrived=arrived
+                            )
                         finally:
                             view.release()
             progress(checkpoint_id, declared, declared)
@@ -769,7 +795,7 @@ def load_ipython_extension(ipython: Any) -> None:
             config = None
         finally:
             # Where the key was handed over is of no use to a cell or a child process.
-            for name in (ENV_KEY_FILE, ENV_KEY_REMOVED):
+            for name in (ENV_KEY_FILE, ENV_KEY_REMOVED, ENV_RESTORE_KEY):
                 os.environ.pop(name, None)
     _AGENT = _Agent(ipython, config)
     _AGENT.config_error = config_error

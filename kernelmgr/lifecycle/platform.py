@@ -6,6 +6,10 @@ the in-kernel agent through a private client (kernel_info, the silent checkpoint
 and start the same ``KernelManager`` under the same id and connection, release the slice, and
 keep the on-disk record current. It only reads and writes the kernel's own record; state moves
 are the controller's.
+
+Long because a checkpoint is one conversation with the kernel (the silent request, the commit it
+reports, and with an object store the upload the server then commits) and each of its steps maps a
+kernel's failure to the same errors; split across modules, that mapping would be repeated.
 """
 
 from __future__ import annotations
@@ -269,7 +273,7 @@ class JupyterKernelPlatform:
         except Exception as exc:
             raise LifecycleError(f"the object store refused the upload: {exc}", 502) from None
         try:
-            code = upload_code(manifest.checkpoint_id, upload.urls, upload.part_size)
+            code = upload_code(manifest.checkpoint_id, upload.urls, upload.part_size, upload.checkpoint_key)
             reply = await self._silent(km, code, UPLOAD_EXPRESSION, self.checkpoint_timeout)
             etags = json.loads(_expression(reply, "upload") or "null")
             if not isinstance(etags, list) or not all(isinstance(tag, str) for tag in etags):

@@ -29,6 +29,7 @@ import os
 import threading
 from typing import Any
 
+from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.layout import CURRENT, DATA_FILE, MANIFEST_FILE, is_checkpoint_id, remove_stale
 from kernelmgr.checkpoint.safedir import UnsafePath
@@ -36,11 +37,15 @@ from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest
 from kernelmgr.checkpoint_store import CheckpointStore, Upload, _check_component, log
 from kernelmgr.core.manifest import Manifest
 from kernelmgr.objectstore.client import Bucket
+from kernelmgr.objectstore.envelope import EnvelopeError, OwnerKeys
 from kernelmgr.objectstore.transfer import DEFAULT_PART_SIZE, part_count
 
 #: What the agent's restore reads from the environment (kept in step with ``checkpoint.agent``).
 ENV_RESTORE_MANIFEST_URL = "ELASTIC_RESTORE_MANIFEST_URL"
 ENV_RESTORE_DATA_URL = "ELASTIC_RESTORE_DATA_URL"
+ENV_RESTORE_KEY = "ELASTIC_RESTORE_KEY"
+#: An encrypted checkpoint's objects carry this suffix (``data.bin.aes``, ``manifest.json.aes``).
+ENCRYPTED = ".aes"
 #: S3 allows at most this many parts in one upload.
 MAX_PARTS = 10_000
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -60,6 +65,7 @@ class ObjectCheckpointStore(CheckpointStore):
         prefix: str = "",
         presign_seconds: int = 900,
         part_size: int = DEFAULT_PART_SIZE,
+        envelope: OwnerKeys | None = None,
     ) -> None:
         super().__init__(root, secret)
         if part_size < MIN_PART_SIZE:
@@ -70,7 +76,22 @@ class ObjectCheckpointStore(CheckpointStore):
         self.part_size = part_size
         #: The committed manifest of each (owner, kernel id) this server knows (``None``: none).
         self._known: dict[tuple[str, str], Manifest | None] = {}
+        #: Whether each known committed checkpoint is encrypted (its objects' names say so).
+        self._encrypted: dict[tuple[str, str, str], bool] = {}
         self._lock = threading.Lock()
+        #: Per-owner envelope keys: new checkpoints are encrypted at rest when set.
+        self.envelope = envelope
+
+    def _names(self, encrypted: bool) -> tuple[str, str]:
+        suffix = ENCRYPTED if encrypted else ""
+        return DATA_FILE + suffix, MANIFEST_FILE + suffix
+
+    def _checkpoint_key(self, owner: str, checkpoint_id: str) -> bytes:
+        assert self.envelope is not None
+        try:
+            return self.envelope.checkpoint_key(owner, checkpoint_id)
+        except EnvelopeError as exc:
+            raise CheckpointRefused(str(exc)) from None
 
     def key(self, owner: str, kernel_id: str, *rest: str) -> str:
         parts = [_check_component("owner", owner), _check_component("kernel id", kernel_id), *rest]
@@ -81,10 +102,13 @@ class ObjectCheckpointStore(CheckpointStore):
     def begin_upload(self, owner: str, kernel_id: str, manifest: Manifest) -> Upload:
         size = manifest.data_bytes
         part_size = max(self.part_size, -(-size // MAX_PARTS))
-        key = self.key(owner, kernel_id, manifest.checkpoint_id, DATA_FILE)
+        part_size += -part_size % 16  # whole cipher blocks, so each part encrypts on its own
+        encrypted = self.envelope is not None
+        key = self.key(owner, kernel_id, manifest.checkpoint_id, self._names(encrypted)[0])
+        secret = self._checkpoint_key(owner, manifest.checkpoint_id).hex() if encrypted else ""
         upload_id = self.bucket.start_upload(key)
         urls = self.bucket.part_urls(key, upload_id, part_count(size, part_size), self.presign_seconds)
-        return Upload(owner, kernel_id, manifest.checkpoint_id, key, upload_id, urls, part_size)
+        return Upload(owner, kernel_id, manifest.checkpoint_id, key, upload_id, urls, part_size, secret)
 
     def finish_upload(self, upload: Upload, etags: list[str], reported: str) -> None:
         """Complete ``data.bin``, check its size, then write the manifest (only if new): the commit."""
@@ -102,10 +126,16 @@ class ObjectCheckpointStore(CheckpointStore):
                 f"the manifest says {manifest.data_bytes}"
             )
         base = self.key(upload.owner, upload.kernel_id)
-        self.bucket.put(f"{base}/{upload.checkpoint_id}/{MANIFEST_FILE}", reported.encode(), only_if_new=True)
+        encrypted = bool(upload.checkpoint_key)
+        body = reported.encode()
+        if encrypted:
+            body = cipher.crypt(cipher.manifest_key(bytes.fromhex(upload.checkpoint_key)), 0, body)
+        manifest_name = self._names(encrypted)[1]
+        self.bucket.put(f"{base}/{upload.checkpoint_id}/{manifest_name}", body, only_if_new=True)
         self.bucket.put(f"{base}/{CURRENT}", f"{upload.checkpoint_id}\n".encode())
         with self._lock:
             self._known[(upload.owner, upload.kernel_id)] = manifest
+            self._encrypted[(upload.owner, upload.kernel_id, upload.checkpoint_id)] = encrypted
         self.forget_cached(upload.owner, upload.kernel_id)
 
     def abort_upload(self, upload: Upload) -> None:
@@ -132,8 +162,20 @@ class ObjectCheckpointStore(CheckpointStore):
 
     def _verified(self, owner: str, kernel_id: str, checkpoint_id: str) -> Manifest:
         base = self.key(owner, kernel_id, checkpoint_id)
+        encrypted = False
         text = self.bucket.get(f"{base}/{MANIFEST_FILE}")
-        data = self.bucket.head(f"{base}/{DATA_FILE}")
+        if text is None:
+            text = self.bucket.get(f"{base}/{MANIFEST_FILE}{ENCRYPTED}")
+            encrypted = text is not None
+        data = self.bucket.head(f"{base}/{self._names(encrypted)[0]}")
+        if encrypted and text is not None:
+            if self.envelope is None:
+                raise CheckpointRefused(
+                    f"checkpoint {checkpoint_id} is encrypted at rest: set S3Checkpoints.encryption_key_files"
+                )
+            text = cipher.crypt(cipher.manifest_key(self._checkpoint_key(owner, checkpoint_id)), 0, text)
+        with self._lock:
+            self._encrypted[(owner, kernel_id, checkpoint_id)] = encrypted
         if text is None or data is None:
             raise CheckpointRefused(f"checkpoint {checkpoint_id} is incomplete in the object store ({base}/)")
         if len(text) > MANIFEST_CAP:
@@ -199,12 +241,20 @@ class ObjectCheckpointStore(CheckpointStore):
         )
         if restore and restore_checkpoint:
             base = self.key(owner, kernel_id, restore_checkpoint)
+            with self._lock:
+                encrypted = self._encrypted.get(
+                    (owner, kernel_id, restore_checkpoint), self.envelope is not None
+                )
+            data_name, manifest_name = self._names(encrypted)
             env[ENV_RESTORE_MANIFEST_URL] = self.bucket.presign(
-                "GET", f"{base}/{MANIFEST_FILE}", self.presign_seconds
+                "GET", f"{base}/{manifest_name}", self.presign_seconds
             )
             env[ENV_RESTORE_DATA_URL] = self.bucket.presign(
-                "GET", f"{base}/{DATA_FILE}", self.presign_seconds
+                "GET", f"{base}/{data_name}", self.presign_seconds
             )
+            if encrypted:
+                # Only this checkpoint's key (the owner's key and the master stay in the server).
+                env[ENV_RESTORE_KEY] = self._checkpoint_key(owner, restore_checkpoint).hex()
         return env
 
     # -- deleting ---------------------------------------------------------------------------
