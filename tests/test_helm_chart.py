@@ -289,6 +289,15 @@ def test_checkpoints_in_an_object_store_configure_the_gateway_only(tmp_path: Pat
         (bucket["secret_access_key_env"], "AWS_SECRET_ACCESS_KEY"),
     ):
         assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "checkpoint-bucket", "key": key}
+    assert "encryption_key_files" not in bucket
+    encrypted = {**s3, "encryptionSecret": "checkpoint-keys", "encryptionKeys": ["new", "old"]}
+    docs = render({"checkpoints": {"store": "s3", "objectStore": encrypted}}, tmp_path)
+    files = server_config(docs)["S3Checkpoints"]["encryption_key_files"]
+    pod = only(docs, "Deployment")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "checkpoint-keys"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    assert files == [f"{mount['mountPath']}/new", f"{mount['mountPath']}/old"] and mount["readOnly"]
+    assert [item["key"] for item in volume["secret"]["items"]] == ["new", "old"]
     assert "S3Checkpoints" not in server_config(render({}, tmp_path))  # the file system by default
     missing = helm(
         "template", "x", str(CHART), "--kube-version", "1.33.0",

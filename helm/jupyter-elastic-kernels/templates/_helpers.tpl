@@ -249,6 +249,13 @@ serves no files, so the claim's folder is as good a root as any. */ -}}
   "secret_access_key_env" "ELASTIC_S3_SECRET_ACCESS_KEY"
   "presign_seconds" $s3.presignSeconds
   "part_size_mib" $s3.partSizeMib) -}}
+{{- if $s3.encryptionSecret }}
+{{- $files := list -}}
+{{- range $s3.encryptionKeys }}
+{{- $files = append $files (printf "/etc/jupyter-elastic-encryption/%s" .) -}}
+{{- end }}
+{{- $_ := set (index $config "S3Checkpoints") "encryption_key_files" $files -}}
+{{- end }}
 {{- end }}
 {{- mustMergeOverwrite $config (deepCopy $v.extraConfig) | toPrettyJson -}}
 {{- end -}}
