@@ -45,7 +45,13 @@ def bucket_name(request: pytest.FixtureRequest) -> str:
     return "ck-" + request.node.name.replace("_", "-")[:50].strip("-").lower()
 
 
-def s3_server(home: Path, s3: S3Server, bucket: str, key_files: list[str] | None = None) -> RunningServer:
+def s3_server(
+    home: Path,
+    s3: S3Server,
+    bucket: str,
+    key_files: list[str] | None = None,
+    policy: dict[str, Any] | None = None,
+) -> RunningServer:
     config: dict[str, Any] = {
         "ElasticKernels": {
             "profiles": PROFILES,
@@ -62,6 +68,8 @@ def s3_server(home: Path, s3: S3Server, bucket: str, key_files: list[str] | None
             "encryption_key_files": key_files or [],
         },
     }
+    if policy:
+        config["CullPolicy"] = policy
     env = {ID_ENV: s3.admin.access_key, KEY_ENV: s3.admin.secret_key}
     return start_server(home, config, env_extra=env)
 
@@ -136,6 +144,31 @@ def test_five_cycles_through_the_object_store_keep_the_namespace(
         server.shutdown_all_kernels()
         server.stop()
     assert bucket.listing(f"{owner}/{kernel_id}/") == []  # shut down for good: every object deleted
+
+
+def test_hibernated_ttl_deletes_the_kernels_objects(
+    tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest
+) -> None:
+    name = bucket_name(request)
+    bucket = s3.bucket(name)
+    policy = {"idle_timeout": 3600, "hibernated_ttl": 2, "interval": 1, "warn_before": 0}
+    server = s3_server(tmp_path, s3, name, policy=policy)
+    try:
+        kernel_id = server.start_kernel("python3-gpu-small")
+        server.execute(kernel_id, "x = 1")
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert reply.status == 200, reply
+        owner = reply.body["owner"]
+        assert committed_ids(bucket, owner, kernel_id)
+        wait_for(
+            lambda: bucket.listing(f"{owner}/{kernel_id}/") == [],
+            timeout=120,
+            what="hibernated_ttl to remove the kernel and delete its objects",
+        )
+        assert server.request("GET", f"/api/elastic/kernels/{kernel_id}").status == 404
+    finally:
+        server.shutdown_all_kernels()
+        server.stop()
 
 
 #: Run in the kernel: the next upload's first part announces itself, then hangs until the kernel dies.
