@@ -474,3 +474,26 @@ def test_a_master_key_rotation_keeps_every_checkpoint_readable(
     assert latest is not None and latest.checkpoint_id == committed
     with pytest.raises(CheckpointRefused, match="encryption_key_files"):
         store(master_key_file(tmp_path / "other")).latest("dana", "k")
+
+
+def test_a_prune_leaves_an_upload_in_flight_alone(
+    tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest
+) -> None:
+    """A prune after a background checkpoint may run while the next hibernation commits."""
+    bucket = s3.bucket(bucket_name(request))
+    store = make_store(tmp_path, bucket)
+    reported = write_and_upload(store, "erin", "k", 1)
+    upload, etags = upload_parts(store, "erin", "k", reported)
+    store.finish_upload(upload, etags, reported)
+    first = store.commit("erin", "k", reported).checkpoint_id
+
+    reported = write_and_upload(store, "erin", "k", 2)
+    upload, etags = upload_parts(store, "erin", "k", reported)
+    # The server completed the upload and is about to write the manifest when the prune runs.
+    bucket.complete_upload(upload.key, upload.upload_id, etags)
+    store.prune("erin", "k")
+    assert checkpoint_folders(bucket, "erin", "k") == {first, upload.checkpoint_id}
+    assert (store.kernel_dir("erin", "k") / upload.checkpoint_id / "data.bin").exists()
+    store.abort_upload(upload)  # given up: the next prune takes the leftover
+    store.prune("erin", "k")
+    assert checkpoint_folders(bucket, "erin", "k") == {first}

@@ -31,7 +31,7 @@ from typing import Any
 
 from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.errors import CheckpointRefused
-from kernelmgr.checkpoint.layout import CURRENT, DATA_FILE, MANIFEST_FILE, is_checkpoint_id, remove_stale
+from kernelmgr.checkpoint.layout import CURRENT, DATA_FILE, MANIFEST_FILE, is_checkpoint_id
 from kernelmgr.checkpoint.safedir import UnsafePath
 from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest
 from kernelmgr.checkpoint_store import CheckpointStore, Upload, _check_component, log
@@ -81,6 +81,8 @@ class ObjectCheckpointStore(CheckpointStore):
         self._lock = threading.Lock()
         #: Per-owner envelope keys: new checkpoints are encrypted at rest when set.
         self.envelope = envelope
+        #: Checkpoints being uploaded now: a prune (after a background checkpoint) leaves them be.
+        self._uploading: set[tuple[str, str, str]] = set()
 
     def _names(self, encrypted: bool) -> tuple[str, str]:
         suffix = ENCRYPTED if encrypted else ""
@@ -106,12 +108,21 @@ class ObjectCheckpointStore(CheckpointStore):
         encrypted = self.envelope is not None
         key = self.key(owner, kernel_id, manifest.checkpoint_id, self._names(encrypted)[0])
         secret = self._checkpoint_key(owner, manifest.checkpoint_id).hex() if encrypted else ""
+        with self._lock:
+            self._uploading.add((owner, kernel_id, manifest.checkpoint_id))
         upload_id = self.bucket.start_upload(key)
         urls = self.bucket.part_urls(key, upload_id, part_count(size, part_size), self.presign_seconds)
         return Upload(owner, kernel_id, manifest.checkpoint_id, key, upload_id, urls, part_size, secret)
 
     def finish_upload(self, upload: Upload, etags: list[str], reported: str) -> None:
         """Complete ``data.bin``, check its size, then write the manifest (only if new): the commit."""
+        try:
+            self._finish(upload, etags, reported)
+        finally:
+            with self._lock:
+                self._uploading.discard((upload.owner, upload.kernel_id, upload.checkpoint_id))
+
+    def _finish(self, upload: Upload, etags: list[str], reported: str) -> None:
         manifest = self.commit(upload.owner, upload.kernel_id, reported)
         if manifest.checkpoint_id != upload.checkpoint_id:
             raise ValueError(f"the manifest is {manifest.checkpoint_id}'s, not {upload.checkpoint_id}'s")
@@ -139,6 +150,8 @@ class ObjectCheckpointStore(CheckpointStore):
         self.forget_cached(upload.owner, upload.kernel_id)
 
     def abort_upload(self, upload: Upload) -> None:
+        with self._lock:
+            self._uploading.discard((upload.owner, upload.kernel_id, upload.checkpoint_id))
         self.bucket.abort_upload(upload.key, upload.upload_id)
 
     # -- reading ----------------------------------------------------------------------------
@@ -260,18 +273,29 @@ class ObjectCheckpointStore(CheckpointStore):
     # -- deleting ---------------------------------------------------------------------------
 
     def prune(self, owner: str, kernel_id: str) -> None:
-        """Delete the bucket's superseded checkpoints and uncommitted leftovers, and every local
-        scratch copy (the bucket holds the committed one). Only while the kernel is stopped."""
+        """Delete the bucket's superseded checkpoints and uncommitted leftovers (but uploads in
+        flight), and the local scratch copies up to the committed one (the bucket holds it)."""
         committed = self._committed(owner, kernel_id)
         keep = committed.checkpoint_id if committed is not None else None
         base = self.key(owner, kernel_id) + "/"
+        with self._lock:
+            uploading = {c for o, k, c in self._uploading if (o, k) == (owner, kernel_id)}
         for item in self.bucket.listing(base):
             name = item.key[len(base) :].split("/", 1)[0]
-            if is_checkpoint_id(name) and name != keep and keep is not None:
+            if is_checkpoint_id(name) and name != keep and keep is not None and name not in uploading:
                 self.bucket.delete(item.key)
+        if keep is None:
+            return
         try:
             with self.open_kernel_dir(owner, kernel_id) as directory:
-                remove_stale(directory, keep=None)
+                # Local copies up to the committed one (ids sort by time); a newer one may be in
+                # the making (a hibernation right after a background checkpoint).
+                for name in directory.names():
+                    if is_checkpoint_id(name) and name <= keep:
+                        try:
+                            directory.remove(name)
+                        except OSError as exc:
+                            log.warning("could not remove %s: %s", directory.path / name, exc)
         except FileNotFoundError:
             return
         except UnsafePath as exc:
