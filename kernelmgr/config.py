@@ -165,7 +165,25 @@ class ElasticKernels(LoggingConfigurable):
     )
     checkpoint_root = Unicode(
         config=True,
-        help="Directory that holds kernel checkpoints, one subdirectory per owner and kernel.",
+        help="""Directory that holds kernel checkpoints, one subdirectory per owner and kernel. With
+        checkpoint_store "s3", only the kernels' local scratch copies (the bucket holds the
+        checkpoints): it need not be shared.""",
+    )
+    checkpoint_store_class = Type(
+        default_value=CheckpointStore,
+        klass=CheckpointStore,
+        config=True,
+        help="""The file-system store's class (checkpoint_store "filesystem"): a subclass of
+        kernelmgr.checkpoint_store.CheckpointStore, e.g. one that models a shared file system's
+        view (the tests' lagging view).""",
+    )
+    checkpoint_store = Enum(
+        ["filesystem", "s3"],
+        default_value="filesystem",
+        config=True,
+        help="""Where checkpoints are kept. "filesystem": checkpoint_root (a local disk, or a
+        ReadWriteMany claim shared with the kernel pods). "s3": an S3-compatible bucket
+        (S3Checkpoints.*); kernels upload and download through presigned URLs and hold no credential.""",
     )
     allocation_strategy = Enum(
         list(STRATEGIES),
@@ -441,7 +459,9 @@ class ElasticKernels(LoggingConfigurable):
             )
         if os.path.lexists(old_secret):
             self._retire_old_secret(old_secret, secret_file, secret)
-        return CheckpointStore(root, secret)
+        if self.checkpoint_store == "s3":
+            return S3Checkpoints(parent=self).build(root, secret)
+        return cast(CheckpointStore, self.checkpoint_store_class(root, secret))
 
     def _retire_old_secret(self, old_secret: str, secret_file: str, secret: bytes) -> None:
         """An older version's ``<checkpoint_root>/.secret`` beside the configured secret file.
@@ -467,6 +487,119 @@ class ElasticKernels(LoggingConfigurable):
             f"only with the old one. Put its bytes in {secret_file} (on Kubernetes: kubectl create secret "
             "generic <name> --from-file=secret=<its copy> and set the chart's "
             f"checkpointSecret.existingSecret), or delete {old_secret} to give those checkpoints up"
+        )
+
+
+class S3Checkpoints(LoggingConfigurable):
+    """The bucket checkpoints go to with ``ElasticKernels.checkpoint_store = "s3"``.
+
+    The server's credential comes from its environment (on Kubernetes, a Secret mapped into it);
+    kernels never see it: they get presigned URLs for their own checkpoint's objects only.
+    """
+
+    endpoint = Unicode(
+        "",
+        config=True,
+        help="""The S3 endpoint URL, e.g. https://s3.us-east-1.amazonaws.com,
+        https://storage.googleapis.com, or an in-cluster http://minio:9000. Requests are path-style
+        (endpoint/bucket/key). Kernels must reach it too (they upload and download directly).""",
+    )
+    bucket = Unicode("", config=True, help="The bucket (it must exist unless create_bucket).")
+    region = Unicode("us-east-1", config=True, help="The region requests are signed for.")
+    prefix = Unicode("", config=True, help="A key prefix for every checkpoint object (to share a bucket).")
+    access_key_id_env = Unicode(
+        "AWS_ACCESS_KEY_ID",
+        config=True,
+        help="The environment variable that holds the access key id (never the key in config).",
+    )
+    secret_access_key_env = Unicode(
+        "AWS_SECRET_ACCESS_KEY",
+        config=True,
+        help="The environment variable that holds the secret access key.",
+    )
+    presign_seconds = Integer(
+        900,
+        config=True,
+        help="""How long a presigned URL handed to a kernel stays valid (seconds, 60..604800). It must
+        cover a checkpoint's upload and a resume's download.""",
+    )
+    part_size_mib = Integer(
+        32, config=True, help="Multipart upload part size (MiB, at least 5: S3's minimum part)."
+    )
+    create_bucket = Bool(False, config=True, help="Create the bucket at start-up if it is missing.")
+    encryption_key_files = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="""Master key files (32 bytes, or 64 hex digits; a mounted Secret, never in the bucket):
+        non-empty encrypts new checkpoints at rest with a key per owner wrapped by the first one.
+        Rotation: put a new key first and keep the older ones after it until every owner's key was
+        re-wrapped (each is, on its next use).""",
+    )
+
+    def build(self, root: str, secret: bytes) -> CheckpointStore:
+        """The object store, checked: every problem is a :class:`ConfigError` naming the setting."""
+        from kernelmgr.objectstore.client import Bucket, ObjectStoreError
+        from kernelmgr.objectstore.sigv4 import Credentials
+        from kernelmgr.objectstore.store import ObjectCheckpointStore
+
+        if not self.endpoint.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"S3Checkpoints.endpoint {self.endpoint!r} must be an http:// or https:// URL "
+                '(ElasticKernels.checkpoint_store is "s3")'
+            )
+        if not self.bucket:
+            raise ConfigError('S3Checkpoints.bucket is empty (ElasticKernels.checkpoint_store is "s3")')
+        access, secret_key = (
+            os.environ.get(self.access_key_id_env, ""),
+            os.environ.get(self.secret_access_key_env, ""),
+        )
+        if not access or not secret_key:
+            raise ConfigError(
+                f"the object store's credential is not in the environment: set {self.access_key_id_env} "
+                f"and {self.secret_access_key_env} (S3Checkpoints.access_key_id_env / secret_access_key_env)"
+            )
+        if not 60 <= self.presign_seconds <= 604800:
+            raise ConfigError(
+                f"S3Checkpoints.presign_seconds must be between 60 and 604800, got {self.presign_seconds}"
+            )
+        if self.part_size_mib < 5:
+            raise ConfigError(f"S3Checkpoints.part_size_mib must be at least 5, got {self.part_size_mib}")
+        bucket = Bucket(self.endpoint, self.bucket, Credentials(access, secret_key, self.region))
+        envelope = None
+        if self.encryption_key_files:
+            from kernelmgr.objectstore.envelope import OwnerKeys, read_master_key
+
+            try:
+                import cryptography  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "S3Checkpoints.encryption_key_files needs the 'cryptography' package: "
+                    "pip install 'jupyter-elastic-kernels[objectstore]'"
+                ) from None
+            masters = []
+            for path in self.encryption_key_files:
+                try:
+                    masters.append(read_master_key(path))
+                except (OSError, ValueError) as exc:
+                    raise ConfigError(f"S3Checkpoints.encryption_key_files: {exc}") from None
+            envelope = OwnerKeys(bucket, self.prefix.strip("/"), masters)
+        try:
+            if self.create_bucket:
+                bucket.create()
+            bucket.request("GET", query={"list-type": "2", "max-keys": "1"})  # reachable, ours
+        except (OSError, ObjectStoreError) as exc:
+            raise ConfigError(
+                f"the object store at {self.endpoint} (bucket {self.bucket!r}) is not usable: {exc}"
+            ) from None
+        return ObjectCheckpointStore(
+            root,
+            secret,
+            bucket,
+            prefix=self.prefix,
+            presign_seconds=self.presign_seconds,
+            part_size=self.part_size_mib * 1024 * 1024,
+            envelope=envelope,
         )
 
 
