@@ -214,6 +214,21 @@ def render_report(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def queue_place(progress: dict[str, Any]) -> str:
+    """ ", number 2 of 3 in the queue, about 4 min" (what the server knows of the wait), or ""."""
+    position, waiting, estimate = (
+        progress.get("position"),
+        progress.get("waiting"),
+        progress.get("estimate_s"),
+    )
+    if not position:
+        return ""
+    text = f", number {position} of {waiting} in the queue"
+    if estimate is not None:
+        text += f", about {round(estimate)} s" if estimate < 120 else f", about {round(estimate / 60)} min"
+    return text
+
+
 def render_progress(action: str, model: dict[str, Any] | None) -> str:
     """Where a hibernation or resume stands, from the kernel's model, in a few words."""
     if model is None:
@@ -225,7 +240,8 @@ def render_progress(action: str, model: dict[str, Any] | None) -> str:
         progress = model.get("resume") or {}
         phase = progress.get("phase")
         if phase == "waiting_for_slice":
-            return f"resuming: waiting for a free GPU slice ({model.get('profile')}); Ctrl-C stops waiting"
+            place = f"({model.get('profile')}){queue_place(progress)}"
+            return f"resuming: waiting for a free GPU slice {place}; Ctrl-C stops waiting"
         if phase == "restoring":
             done, total = human_mib(progress.get("restored_mib")), human_mib(progress.get("total_mib"))
             return f"resuming: restoring the variables, {done} of {total} read"

@@ -365,9 +365,10 @@ def test_ctrl_c_on_a_waiting_resume_cancels_the_wait_on_the_server(plain_server:
             f"jupyter elastic: interrupted: the resume of kernel {kernel_id} stopped waiting for a "
             "GPU slice; it stays hibernated"
         ), lines
-        assert f"jupyter elastic: kernel {kernel_id} resuming: waiting for a free GPU slice (small); " in (
-            "\n".join(lines)
-        )
+        assert (
+            f"jupyter elastic: kernel {kernel_id} resuming: waiting for a free GPU slice (small), "
+            "number 1 of 1 in the queue; " in "\n".join(lines)
+        ), lines
         model = plain_server.get(f"/api/elastic/kernels/{kernel_id}")
         assert model["state"] == "hibernated" and model["resume"] is None
         # A slice that frees up now is not taken behind the user's back.

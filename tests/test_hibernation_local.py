@@ -577,7 +577,8 @@ def test_the_cell_that_wakes_the_kernel_shows_the_resume_and_then_only_its_outpu
         msg_id = chan.send("execute_request", {"code": "print(kept)", "silent": False})
         wait_for(
             lambda: (
-                server.get(f"/api/elastic/kernels/{kernel_id}")["resume"] == {"phase": "waiting_for_slice"}
+                (server.get(f"/api/elastic/kernels/{kernel_id}")["resume"] or {}).get("phase")
+                == "waiting_for_slice"
             ),
             timeout=90,
             what="the resume to wait for a slice",

@@ -12,6 +12,23 @@ export interface ResumeProgress {
   phase: 'waiting_for_slice' | 'starting' | 'restoring';
   restored_mib?: number;
   total_mib?: number;
+  /** While waiting: its place in the queue for a GPU slice, of how many, and a guess in seconds. */
+  position?: number | null;
+  waiting?: number;
+  estimate_s?: number | null;
+}
+
+/** " (2 of 3 in the queue, about 4 min)" while a resume waits in line, else "". */
+export function queuePlace(resume: ResumeProgress): string {
+  if (!resume.position) {
+    return '';
+  }
+  let text = `${resume.position} of ${resume.waiting ?? resume.position} in the queue`;
+  const estimate = resume.estimate_s;
+  if (estimate !== null && estimate !== undefined) {
+    text += estimate < 120 ? `, about ${Math.round(estimate)} s` : `, about ${Math.round(estimate / 60)} min`;
+  }
+  return ` (${text})`;
 }
 
 export interface ElasticKernel {
@@ -119,7 +136,7 @@ export function resumeText(resume: ResumeProgress | null | undefined): string {
   }
   switch (resume.phase) {
     case 'waiting_for_slice':
-      return 'resuming: waiting for a free GPU slice';
+      return `resuming: waiting for a free GPU slice${queuePlace(resume)}`;
     case 'starting':
       return 'resuming: starting the kernel';
     case 'restoring':

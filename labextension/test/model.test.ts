@@ -108,6 +108,12 @@ describe('kernelLabel', () => {
 describe('resumeText', () => {
   it('names each phase', () => {
     expect(resumeText({ phase: 'waiting_for_slice' })).toBe('resuming: waiting for a free GPU slice');
+    expect(resumeText({ phase: 'waiting_for_slice', position: 2, waiting: 3, estimate_s: null })).toBe(
+      'resuming: waiting for a free GPU slice (2 of 3 in the queue)'
+    );
+    expect(resumeText({ phase: 'waiting_for_slice', position: 1, waiting: 1, estimate_s: 300 })).toBe(
+      'resuming: waiting for a free GPU slice (1 of 1 in the queue, about 5 min)'
+    );
     expect(resumeText({ phase: 'starting' })).toBe('resuming: starting the kernel');
     expect(resumeText(null)).toBe('resuming');
   });
