@@ -115,6 +115,7 @@ class Hub:
     state: Path
     proc: subprocess.Popen[bytes]
     log_path: Path
+    gateway_port: int = 0
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -203,19 +204,19 @@ def running_hub(
         try:
             up = _wait_up(hub)
         except BaseException:
-            _stop(hub.proc)
+            _stop(hub)
             shutil.rmtree(state, ignore_errors=True)
             raise
         if up:
             break
-        _stop(hub.proc)
+        _stop(hub)
         shutil.rmtree(state, ignore_errors=True)
     else:
         raise AssertionError(f"JupyterHub exited {HUB_STARTS} times:\n{hub.log()[-4000:]}")
     try:
         yield hub
     finally:
-        _stop(hub.proc)
+        _stop(hub)
         shutil.rmtree(state, ignore_errors=True)
 
 
@@ -249,7 +250,8 @@ def _launch(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    return Hub(f"http://127.0.0.1:{hub_port}", "/services/elastic-gateway", state, proc, log_path)
+    url = f"http://127.0.0.1:{hub_port}"
+    return Hub(url, "/services/elastic-gateway", state, proc, log_path, gateway_port)
 
 
 def _wait_up(hub: Hub) -> bool:
@@ -271,11 +273,29 @@ def _wait_up(hub: Hub) -> bool:
     raise AssertionError(f"the Hub or its gateway did not come up:\n{hub.log()[-4000:]}")
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def _stop(hub: Hub) -> None:
     """SIGTERM the Hub (it stops its servers, service and proxy), then kill what is left."""
+    proc = hub.proc
     if proc.poll() is None:
         proc.terminate()
         with suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=60)
     with suppress(ProcessLookupError):
         os.killpg(proc.pid, 9)
+    _kill_gateway(hub.gateway_port)
+
+
+def _kill_gateway(port: int) -> None:
+    """Kill the Hub's gateway on ``port`` if it outlived the Hub: a Hub that gives up on its managed
+    service exits without stopping it, and the service runs in a session of its own."""
+    wanted = f"--ServerApp.port={port}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"gateway.app" in argv and wanted in argv:
+            with suppress(ProcessLookupError):
+                os.kill(int(entry.name), 9)
