@@ -28,7 +28,9 @@ myst_enable_extensions = ["colon_fence"]
 
 html_theme = "pydata_sphinx_theme"
 html_title = "jupyter-elastic-kernels"
-html_theme_options = {"navigation_with_keys": False, "show_toc_level": 2}
+# The project URL, as in pyproject.toml and the chart's Chart.yaml (tests/test_project_urls.py).
+REPOSITORY = "https://github.com/jupyter-elastic-kernels/jupyter-elastic-kernels"
+html_theme_options = {"navigation_with_keys": False, "show_toc_level": 2, "github_url": REPOSITORY}
 html_extra_path = ["openapi.yaml"]
 # Links from a page to files outside docs/ (the chart's README, the examples) are for readers on
 # GitHub; the site renders them as text. Links between pages are checked by tests/test_docs_map.py.

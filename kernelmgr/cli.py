@@ -4,7 +4,7 @@ Talks to the REST API only (never imports the server), so it works the same agai
 server, a remote one or the gateway. Without ``--url`` it finds the newest running local
 server through its runtime file, the way ``jupyter server list`` does.
 
-``node-agent`` and ``simulate`` are different: they run here and talk to no server
+``node-agent``, ``simulate`` and ``demo-config`` are different: they run here and talk to no server
 (:mod:`kernelmgr.cli_local`). The tables are drawn by :mod:`kernelmgr.cli_render`.
 
 ``hibernate`` and ``resume`` wait for the outcome, however long the server allows: a request
@@ -43,12 +43,15 @@ from typing import Any, NoReturn, TextIO
 from jupyter_core.paths import jupyter_runtime_dir
 
 from kernelmgr.cli_local import (
+    DEMO_CONFIG,
     FAILURE,
     NODE_AGENT,
     SIMULATE,
     USAGE_ERROR,
+    add_demo_config,
     add_node_agent,
     add_simulate,
+    run_demo_config,
     run_node_agent,
     run_simulate,
 )
@@ -393,7 +396,9 @@ def build_parser() -> OneLineParser:
     )
     sub = parser.add_subparsers(
         dest="command",
-        metavar="{" + ",".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, NODE_AGENT, SIMULATE]) + "}",
+        metavar="{"
+        + ",".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, NODE_AGENT, SIMULATE, DEMO_CONFIG])
+        + "}",
     )
     for name, (_path, _render, help_text) in COMMANDS.items():
         _json_too(sub.add_parser(name, help=help_text))
@@ -405,6 +410,7 @@ def build_parser() -> OneLineParser:
         action.add_argument("kernel_id", help="the kernel's id (see `jupyter elastic list`)")
     add_node_agent(sub)
     add_simulate(sub)
+    add_demo_config(sub)
     return parser
 
 
@@ -412,12 +418,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
-        parser.error("a command is required: " + ", ".join([*COMMANDS, *KERNEL_ACTIONS, NODE_AGENT]))
+        parser.error(
+            "a command is required: "
+            + ", ".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, NODE_AGENT, SIMULATE, DEMO_CONFIG])
+        )
     if args.command == NODE_AGENT:
         return run_node_agent(parser, args)
     if args.command == SIMULATE:
         args.sim_json = args.sim_json or args.json  # `--json simulate` as well as `simulate --json`
         return run_simulate(parser, args)
+    if args.command == DEMO_CONFIG:
+        return run_demo_config(parser, args)
     if not args.request_timeout > 0:
         parser.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
     method = "GET"

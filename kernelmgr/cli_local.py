@@ -1,6 +1,6 @@
-"""``jupyter elastic node-agent`` and ``jupyter elastic simulate``: the subcommands that run here
-and talk to no server (the node's GPU activity agent, the policy simulator), kept apart from the
-REST client in :mod:`kernelmgr.cli`."""
+"""``jupyter elastic node-agent``, ``simulate`` and ``demo-config``: the subcommands that run here
+and talk to no server (the node's GPU activity agent, the policy simulator, the tour's example
+configuration), kept apart from the REST client in :mod:`kernelmgr.cli`."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ FAILURE = 1
 
 NODE_AGENT = "node-agent"
 SIMULATE = "simulate"
+DEMO_CONFIG = "demo-config"
+#: The tour's configuration: ``examples/local/jupyter_server_config.py`` in a checkout, put into
+#: the wheel at this place in the package by pyproject.toml (``force-include``).
+DEMO_CONFIG_PACKAGED = ("demo", "jupyter_server_config.py")
+DEMO_CONFIG_CHECKOUT = os.path.join("examples", "local", "jupyter_server_config.py")
 DEFAULT_NVML_CLASS = "kernelmgr.activity.nvml.PynvmlNvml"
 
 
@@ -269,4 +274,49 @@ def run_simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         print(json.dumps({mode: result.to_dict() for mode, result in results.items()}, indent=2))
     else:
         print(simulate_cli.render_table(results))
+    return 0
+
+
+def add_demo_config(sub: Any) -> None:
+    demo = sub.add_parser(
+        DEMO_CONFIG,
+        help="print (or write to FILE) the tour's local-mode configuration: three GPU sizes, a cull "
+        "policy, two declared demo GPUs where no NVIDIA driver is found",
+        description="The example configuration of the README's tour, for an installed package: "
+        f"`jupyter elastic {DEMO_CONFIG} demo_config.py && jupyter lab --config=demo_config.py`.",
+    )
+    demo.add_argument("file", nargs="?", metavar="FILE", help="write it here (default: print it)")
+    demo.add_argument("--force", action="store_true", help="replace FILE if it exists")
+
+
+def demo_config_text() -> str:
+    """The tour's configuration: the wheel's packaged copy, else (a checkout, editable or not) the
+    example itself."""
+    from importlib import resources
+
+    folder, name = DEMO_CONFIG_PACKAGED
+    packaged = resources.files("kernelmgr").joinpath(folder).joinpath(name)
+    if packaged.is_file():
+        return packaged.read_text(encoding="utf-8")
+    checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), DEMO_CONFIG_CHECKOUT)
+    with open(checkout, encoding="utf-8") as file:
+        return file.read()
+
+
+def run_demo_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Print the configuration, or write it to a new file (an existing one only with --force)."""
+    text = demo_config_text()
+    if not args.file:
+        sys.stdout.write(text)
+        return 0
+    if os.path.exists(args.file) and not args.force:
+        parser.error(f"{DEMO_CONFIG}: {args.file!r} exists; pass --force to replace it")
+    try:
+        with open(args.file, "w", encoding="utf-8") as file:
+            file.write(text)
+    except OSError as err:
+        reason = err.strerror or err
+        print(f"{parser.prog} {DEMO_CONFIG}: cannot write {args.file!r}: {reason}", file=sys.stderr)
+        return FAILURE
+    print(f"wrote {args.file}; start with: jupyter lab --config={args.file}", file=sys.stderr)
     return 0

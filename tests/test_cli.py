@@ -415,3 +415,33 @@ def test_progress_rewrites_one_line_on_a_terminal_and_prints_changes_elsewhere()
     quiet = io.StringIO()
     Progress(False, quiet).show("k", "x", 0)
     assert quiet.getvalue() == ""
+
+
+EXAMPLE_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "local" / "jupyter_server_config.py"
+
+
+def test_demo_config_prints_the_tours_example(capsys: pytest.CaptureFixture[str]) -> None:
+    """A wheel user has no examples/ folder: `jupyter elastic demo-config` gives them the tour's config
+    (the installed wheel's copy is checked by tests/test_release_artifacts.py)."""
+    from kernelmgr.cli import main
+
+    assert main(["demo-config"]) == 0
+    assert capsys.readouterr().out == EXAMPLE_CONFIG.read_text()
+
+
+def test_demo_config_writes_a_file_and_keeps_an_existing_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kernelmgr.cli import main
+
+    target = tmp_path / "demo_config.py"
+    assert main(["demo-config", str(target)]) == 0
+    assert target.read_text() == EXAMPLE_CONFIG.read_text()
+    assert f"jupyter lab --config={target}" in capsys.readouterr().err
+    target.write_text("# mine\n")
+    with pytest.raises(SystemExit) as refused:
+        main(["demo-config", str(target)])
+    assert refused.value.code == 2 and target.read_text() == "# mine\n"
+    assert "exists; pass --force to replace it" in capsys.readouterr().err
+    assert main(["demo-config", "--force", str(target)]) == 0
+    assert target.read_text() == EXAMPLE_CONFIG.read_text()

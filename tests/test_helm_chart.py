@@ -1058,7 +1058,8 @@ def test_z2jh_example_points_at_the_charts_gateway(tmp_path: Path) -> None:
     assert config["ServerApp"]["base_url"] == f"/services/{hub_service}/"
     assert z2jh["singleuser"]["extraEnv"]["JUPYTER_GATEWAY_URL"] == f"{gateway_url}/services/{hub_service}/"
     scope = f"access:services!service={hub_service}"
-    assert scope in z2jh["hub"]["config"]["JupyterHub"]["extra_user_scopes"]
+    # the user role as JupyterHub 5 reads it (extra_user_scopes is 6.0+), "self" kept
+    assert z2jh["hub"]["loadRoles"]["user"]["scopes"][:2] == ["self", scope]
     assert scope in z2jh["hub"]["config"]["KubeSpawner"]["server_token_scopes"]
     client_config = z2jh["singleuser"]["extraFiles"]["elastic-gateway-client"]["stringData"]
     classes = re.findall(r'_class = "([\w.]+)"', client_config)

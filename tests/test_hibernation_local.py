@@ -326,6 +326,43 @@ def test_busy_kernel_is_not_hibernated(server: RunningServer, tmp_path: Path) ->
     assert server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running"
 
 
+def stale_busy_cell(gate: Gate) -> str:
+    """A cell that leaves a thread behind: once the gate opens, it publishes a "busy" status for
+    the cell (an execute_request, which every jupyter_server tracks) and no "idle" after it."""
+    return (
+        "import os, threading, time\n"
+        "def __stale_busy(parent):\n"
+        f"    deadline = time.monotonic() + 120\n"
+        f"    while not os.path.exists({str(gate.release_file)!r}) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.02)\n"
+        "    kernel = get_ipython().kernel\n"
+        "    kernel.session.send(kernel.iopub_socket, 'status', {'execution_state': 'busy'}, parent=parent,\n"
+        "                        ident=kernel._topic('status'))\n"
+        "threading.Thread(target=__stale_busy, args=(get_ipython().kernel.get_parent('shell'),),\n"
+        "                 daemon=True).start()\n"
+    )
+
+
+def test_a_kernel_the_server_still_calls_busy_but_that_answers_hibernates(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    """jupyter_server's "busy" can outlive the cell: before 2.15 it records the busy of every
+    request (a notebook's kernel_info, the websocket's nudge) and its IOPub watcher trails the kernel
+    on a loaded machine. A kernel that answers kernel_info runs no cell: it hibernates (it was
+    refused with 409 "busy", and a server stop shut it down instead of hibernating it)."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    gate = Gate(tmp_path)
+    server.execute(kernel_id, stale_busy_cell(gate) + "x = 5")
+    gate.open()
+    wait_for(
+        lambda: server.get(f"/api/kernels/{kernel_id}")["execution_state"] == "busy",
+        what="the server to call the idle kernel busy",
+    )
+    reply = hibernate(server, kernel_id)
+    assert reply.status == 200 and reply.body["state"] == "hibernated", reply
+    assert server.execute(kernel_id, "print(x)") == "5\n"
+
+
 def test_a_kernel_no_client_has_talked_to_can_hibernate(server: RunningServer) -> None:
     """Started through /api/kernels and never connected to, jupyter_server may call it "starting"
     however long it has been up (the start's own kernel_info makes it publish a status, which the

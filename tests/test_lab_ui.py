@@ -304,7 +304,10 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     holders = [server.start_kernel("python3-gpu-whole") for _ in range(2)]
     cells.nth(1).click()
     page.keyboard.press("Shift+Enter")
-    expect(status).to_have_text("GPU small · resuming: waiting for a free GPU slice", timeout=15_000)
+    # Its place in the queue for a slice too (issue 29): the only one waiting.
+    expect(status).to_have_text(
+        "GPU small · resuming: waiting for a free GPU slice (1 of 1 in the queue)", timeout=15_000
+    )
     expect(badge).to_have_text("Resuming: waiting for a GPU…")
     # The admin view follows: both GPUs wholly held by the two whole-GPU kernels.
     for index in (0, 1):

@@ -71,6 +71,8 @@ def test_the_wheel_carries_the_license_the_labextension_and_the_server_config(di
     assert "etc/jupyter/jupyter_server_config.d/kernelmgr.json" in data
     # named by Kubernetes-mode RBAC errors (kernelmgr/kube/access.py)
     assert "share/jupyter-elastic-kernels/kubernetes/rbac.yaml" in data
+    # the tour's configuration, for `jupyter elastic demo-config`
+    assert "kernelmgr/demo/jupyter_server_config.py" in names
     install = json.loads(
         zipfile.ZipFile(wheel_of(dist)).read(next(n for n in names if n.endswith("install.json")))
     )
@@ -110,13 +112,16 @@ def test_pip_install_pulls_few_distributions(installed: Path) -> None:
 
 
 def test_the_installed_wheel_serves_the_readme_run_command(installed: Path, tmp_path: Path) -> None:
-    """``jupyter server --config=examples/local/jupyter_server_config.py`` (the README's command, without
-    JupyterLab, which is an extra), from outside the checkout: the extension is enabled by the
-    wheel's own server config and answers ``/api/elastic/profiles``."""
-    shutil.copy(ROOT / "examples" / "local" / "jupyter_server_config.py", tmp_path / "config.py")
+    """``jupyter elastic demo-config config.py`` then ``jupyter server --config=config.py`` (the tour's
+    commands for a wheel user, without JupyterLab, which is an extra), from outside the checkout: the
+    wheel carries the example configuration, its own server config enables the extension, and it
+    answers ``/api/elastic/profiles``."""
     env = isolated_env(tmp_path)
     env.pop("PYTHONPATH", None)
     env["PATH"] = f"{installed}{os.pathsep}{env['PATH']}"
+    run(installed / "jupyter", "elastic", "demo-config", "config.py", cwd=tmp_path, env=env)
+    example = ROOT / "examples" / "local" / "jupyter_server_config.py"
+    assert (tmp_path / "config.py").read_text() == example.read_text()
     port = free_port()
     log = (tmp_path / "server.log").open("wb")
     server = subprocess.Popen(

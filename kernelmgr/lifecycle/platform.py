@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 BUSY_GRACE_SECONDS = 1.0
 #: How long a kernel that looks "starting" gets to answer kernel_info before a hibernation is refused.
 STARTING_PROBE_SECONDS = 5.0
+#: How long a kernel still reported busy after the grace gets to answer kernel_info (an answer
+#: means no cell is running) before a hibernation is refused.
+BUSY_PROBE_SECONDS = 5.0
 #: A relaunch with new ports is tried at most this many times (each choice is fresh: a repeat
 #: collision is a sign of something else, reported then).
 BIND_RETRIES = 3
@@ -161,6 +164,8 @@ class JupyterKernelPlatform:
         execution_state = getattr(km, "execution_state", "unknown")
         if execution_state == "starting":
             execution_state = await self._state_after_kernel_info(km)
+        if execution_state == "busy" and await self._answers_shell(km, BUSY_PROBE_SECONDS):
+            execution_state = "idle"
         if execution_state == "starting":
             raise LifecycleError(f"kernel {kernel_id} is still starting: it can hibernate once it is up")
         if execution_state != "idle":
@@ -168,6 +173,25 @@ class JupyterKernelPlatform:
                 f"kernel {kernel_id} is {execution_state}: it can hibernate once the running cell finishes "
                 "(or after you interrupt it)"
             )
+
+    async def _answers_shell(self, km: Any, timeout: float) -> bool:
+        """Whether the kernel answers a kernel_info within ``timeout``: it runs its shell requests
+        one at a time, so an answer means no cell is running, whatever the server's "busy" says.
+
+        That "busy" can be stale: jupyter_server before 2.15 records the busy/idle of every
+        request (a notebook's kernel_info or comm_info, the websocket's nudge, this probe), and
+        its IOPub watcher can trail the kernel by seconds on a loaded machine. Without this, a
+        hibernation just after a cell was refused (409) and a server stop shut the kernel down
+        instead of hibernating it.
+        """
+        client = shell_client(km)
+        try:
+            await self.reply(client, client.kernel_info, timeout, km, self.pid_of(km))
+        except LifecycleError:  # no answer: a cell is running (or the kernel is gone)
+            return False
+        finally:
+            client.stop_channels()
+        return True
 
     async def _state_after_kernel_info(self, km: Any) -> str:
         """The state of a kernel jupyter_server still calls "starting", after asking it kernel_info.

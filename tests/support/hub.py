@@ -115,6 +115,7 @@ class Hub:
     state: Path
     proc: subprocess.Popen[bytes]
     log_path: Path
+    gateway_port: int = 0
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -136,6 +137,11 @@ class Hub:
             allow_redirects=False,
         )
         assert done.status_code in (302, 303), f"login of {user} failed: {done.status_code} {done.text[:300]}"
+        # A browser goes on to a page, which hands it the XSRF cookie of its logged-in session:
+        # JupyterHub 5.0 and 5.1 set the login response's cookie for the session before its
+        # session cookie existed, so that one fails every later POST ("XSRF cookie does not match").
+        home = session.get(f"{self.url}/hub/home", timeout=30)
+        assert home.status_code == 200, f"{user}'s Hub home page: {home.status_code} {home.text[:300]}"
         made = session.post(
             f"{self.url}/hub/api/users/{user}/tokens",
             json={"note": "elastic test"},
@@ -170,6 +176,13 @@ class Hub:
         )
 
 
+#: JupyterHub 5 gives a managed service a fixed ~10 s to answer, then exits ("Cannot connect to
+#: managed service"); JupyterHub 6 waits ``timeout`` (30 s). On a loaded machine the gateway's start
+#: can take longer than 10 s: the Hub is then started again, at most this many times in all.
+HUB_STARTS = 4
+MANAGED_SERVICE_TIMED_OUT = "Cannot connect to managed service"
+
+
 @contextmanager
 def running_hub(
     tmp: Path,
@@ -180,12 +193,37 @@ def running_hub(
     """The example's Hub and gateway; each user's kernels run as ``ekt-<user>``."""
     proxy = require_proxy()
     ensure_accounts(users.split(","))
-    # Outside pytest's own folders (0700): kernels reach their checkpoints and runtime files here.
-    state = Path(tempfile.mkdtemp(prefix="ekt-hub-"))
-    state.chmod(0o711)
-    make_enterable(state)
-    home = tmp / "jupyter-home"
-    env = isolated_env(home)
+    tmp.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, HUB_STARTS + 1):
+        # Outside pytest's own folders (0700): kernels reach their checkpoints and runtime files here.
+        state = Path(tempfile.mkdtemp(prefix="ekt-hub-"))
+        state.chmod(0o711)
+        make_enterable(state)
+        log_path = tmp / ("hub.log" if attempt == 1 else f"hub-{attempt}.log")
+        hub = _launch(tmp, state, log_path, proxy, quota_users, users, admins)
+        try:
+            up = _wait_up(hub)
+        except BaseException:
+            _stop(hub)
+            shutil.rmtree(state, ignore_errors=True)
+            raise
+        if up:
+            break
+        _stop(hub)
+        shutil.rmtree(state, ignore_errors=True)
+    else:
+        raise AssertionError(f"JupyterHub exited {HUB_STARTS} times:\n{hub.log()[-4000:]}")
+    try:
+        yield hub
+    finally:
+        _stop(hub)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _launch(
+    tmp: Path, state: Path, log_path: Path, proxy: str, quota_users: str, users: str, admins: str
+) -> Hub:
+    env = isolated_env(tmp / "jupyter-home")
     hub_port, api_port, proxy_api_port, gateway_port = (free_port() for _ in range(4))
     env.update(
         ELASTIC_HUB_STATE=str(state),
@@ -203,8 +241,6 @@ def running_hub(
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     )
     env.pop("JUPYTERHUB_API_TOKEN", None)
-    log_path = tmp / "hub.log"
-    tmp.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "jupyterhub", "-f", str(HUB_CONFIG)],
@@ -214,33 +250,52 @@ def running_hub(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    hub = Hub(f"http://127.0.0.1:{hub_port}", "/services/elastic-gateway", state, proc, log_path)
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"JupyterHub exited:\n{hub.log()[-4000:]}"
-            try:
-                if requests.get(f"{hub.url}/services/elastic-gateway/api/status", timeout=5).status_code in (
-                    200,
-                    403,
-                ):
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        else:
-            raise AssertionError(f"the Hub or its gateway did not come up:\n{hub.log()[-4000:]}")
-        yield hub
-    finally:
-        _stop(proc)
-        shutil.rmtree(state, ignore_errors=True)
+    url = f"http://127.0.0.1:{hub_port}"
+    return Hub(url, "/services/elastic-gateway", state, proc, log_path, gateway_port)
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def _wait_up(hub: Hub) -> bool:
+    """True once the Hub routes to its gateway; False when JupyterHub 5 gave up on the gateway's
+    start (to be started again); raises for anything else."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if hub.proc.poll() is not None:
+            if MANAGED_SERVICE_TIMED_OUT in hub.log():
+                return False
+            raise AssertionError(f"JupyterHub exited:\n{hub.log()[-4000:]}")
+        try:
+            status = requests.get(f"{hub.url}/services/elastic-gateway/api/status", timeout=5).status_code
+            if status in (200, 403):
+                return True
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the Hub or its gateway did not come up:\n{hub.log()[-4000:]}")
+
+
+def _stop(hub: Hub) -> None:
     """SIGTERM the Hub (it stops its servers, service and proxy), then kill what is left."""
+    proc = hub.proc
     if proc.poll() is None:
         proc.terminate()
         with suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=60)
     with suppress(ProcessLookupError):
         os.killpg(proc.pid, 9)
+    _kill_gateway(hub.gateway_port)
+
+
+def _kill_gateway(port: int) -> None:
+    """Kill the Hub's gateway on ``port`` if it outlived the Hub: a Hub that gives up on its managed
+    service exits without stopping it, and the service runs in a session of its own."""
+    wanted = f"--ServerApp.port={port}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"gateway.app" in argv and wanted in argv:
+            with suppress(ProcessLookupError):
+                os.kill(int(entry.name), 9)

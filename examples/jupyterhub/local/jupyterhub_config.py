@@ -52,9 +52,13 @@ c.DummyAuthenticator.password = os.environ.get("ELASTIC_HUB_PASSWORD", "elastic-
 c.Authenticator.allowed_users = set(os.environ.get("ELASTIC_HUB_USERS", "alice,bob").split(","))
 c.Authenticator.admin_users = set(filter(None, os.environ.get("ELASTIC_HUB_ADMINS", "").split(",")))
 
-# Users may reach the gateway service; their servers' tokens get that scope too.
+# Users may reach the gateway service; their servers' tokens get that scope too. The default
+# "user" role ("self") is redefined with the two scopes added, which every JupyterHub from 5.0 on
+# reads (JupyterHub.extra_user_scopes says the same but only from 6.0: 5.x ignores it).
 GATEWAY = "elastic-gateway"
-c.JupyterHub.extra_user_scopes = {f"access:services!service={GATEWAY}", "read:users:groups!user"}
+c.JupyterHub.load_roles = [
+    {"name": "user", "scopes": ["self", f"access:services!service={GATEWAY}", "read:users:groups!user"]}
+]
 c.Spawner.server_token_scopes = [
     "users:activity!user",
     "access:servers!server",
