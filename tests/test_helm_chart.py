@@ -297,6 +297,10 @@ def test_default_images_are_the_projects_at_the_charts_version(tmp_path: Path) -
         ["bash", str(ROOT / "scripts" / "images.sh"), "names"], capture_output=True, text=True, check=True
     ).stdout.split()
     assert sorted(name.removeprefix("localhost/") for name in built) == sorted([gateway, kernel])
+    # Outside the chart (a jupyter_server_config.py), the provisioner's default is the same image.
+    from kernelmgr.kube.settings import KubeSettings
+
+    assert KubeSettings().image == kernel
     # A registry and tag move both; kernels.image still names any other kernel image.
     moved = render({"image": {"repository": "registry.example/jek", "tag": "7"}}, tmp_path)
     assert server_config(moved)["ElasticKubernetesProvisioner"]["image"] == "registry.example/jek-kernel:7"
