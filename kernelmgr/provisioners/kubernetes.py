@@ -62,7 +62,6 @@ from kernelmgr.kube.pods import (
     finished,
     loss,
     pod_failure,
-    stop_began,
     stopping_gracefully,
 )
 from kernelmgr.kube.settings import KubeSettings
@@ -396,7 +395,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             return None
         if record is not None and record.stop_began is None:
             # A pod deleted between two polls: its last state tells.
-            began = stop_began(pod if pod is not None else self.informer.last_deleted(self.kernel_id))
+            last = pod if pod is not None else self.informer.last_deleted(self.kernel_id)
+            began = self.informer.stop_began(self.kernel_id, last)
             runtime.states.stop_seen(record, began)
         if not self._stopping and stopping_gracefully(pod, dt.datetime.now(dt.timezone.utc)):
             # Stopped by Kubernetes: the kernel checkpoints itself within its grace period; the
