@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kernelmgr import __version__
 from kernelmgr.backends.kubernetes import render_pod_fragment, validate_backend_options
 from kernelmgr.core.profiles import parse_profiles
 from kernelmgr.kube.namespaces import namespace_for
@@ -233,11 +234,11 @@ def test_gateway_pods_carry_the_z2jh_hub_access_label(tmp_path: Path) -> None:
     deployment = only(docs, "Deployment")
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert labels[Z2JH_HUB_ACCESS[0]] == Z2JH_HUB_ACCESS[1]
-    # The helm test pod has the same labels (the same policies admit it), but is not the Service's.
-    hook = only(docs, "Pod")
-    assert hook["metadata"]["labels"][Z2JH_HUB_ACCESS[0]] == Z2JH_HUB_ACCESS[1]
+    # The helm test pods have the same labels (the same policies admit them), but are not the Service's.
     selector = only(docs, "Service")["spec"]["selector"]
-    assert not selector.items() <= hook["metadata"]["labels"].items()
+    for hook in (d for d in docs if d["kind"] == "Pod"):
+        assert hook["metadata"]["labels"][Z2JH_HUB_ACCESS[0]] == Z2JH_HUB_ACCESS[1]
+        assert not selector.items() <= hook["metadata"]["labels"].items()
     # More labels are added; the selector's own labels cannot be replaced through podLabels.
     own = {"team": "ml", "app.kubernetes.io/component": "other", "app.kubernetes.io/instance": "x"}
     changed = only(render({"gateway": {"podLabels": own}}, tmp_path), "Deployment")["spec"]
@@ -265,7 +266,7 @@ def test_checkpoint_claim_takes_the_default_storage_class_unless_named(tmp_path:
 
 def test_helm_test_pod_asks_the_gateways_service_and_the_hub(tmp_path: Path) -> None:
     docs = render({}, tmp_path)
-    hook = only(docs, "Pod")
+    hook = only(docs, "Pod", "jupyter-elastic-kernels-test-gateway")
     assert hook["metadata"]["annotations"]["helm.sh/hook"] == "test"
     (container,) = hook["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -278,14 +279,40 @@ def test_helm_test_pod_asks_the_gateways_service_and_the_hub(tmp_path: Path) -> 
         container["image"] == only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
     )
     token = render({"gateway": {"auth": "token"}, "tests": {"gatewayUrl": "http://10.1.2.3:8888/"}}, tmp_path)
-    env = {e["name"]: e["value"] for e in only(token, "Pod")["spec"]["containers"][0]["env"]}
+    hook = only(token, "Pod", "jupyter-elastic-kernels-test-gateway")
+    env = {e["name"]: e["value"] for e in hook["spec"]["containers"][0]["env"]}
     assert env == {"GATEWAY_URL": "http://10.1.2.3:8888/api"}  # no Hub to check in token mode
+
+
+def test_helm_test_checks_the_kernel_image_against_the_running_gateways_version(tmp_path: Path) -> None:
+    """The second test pod runs the kernel image where kernels run, and the image check there asks
+    the gateway its version (GET /api/elastic/version): a stale kernel image fails ``helm test``."""
+    placed = {"nodeSelector": {"gpu": "yes"}, "tolerations": [{"key": "gpu", "operator": "Exists"}]}
+    docs = render({"kernels": {"image": "registry.example/mine:1", **placed}}, tmp_path)
+    hook = only(docs, "Pod", "jupyter-elastic-kernels-test-kernel-image")
+    assert hook["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (container,) = hook["spec"]["containers"]
+    assert container["image"] == server_config(docs)["ElasticKubernetesProvisioner"]["image"]
+    assert container["image"] == "registry.example/mine:1"
+    service = only(docs, "Service")
+    base_url = server_config(docs)["ServerApp"]["base_url"].rstrip("/")
+    port = service["spec"]["ports"][0]["port"]
+    gateway = f"http://{service['metadata']['name']}.jupyter.svc:{port}{base_url}"
+    assert container["command"] == [
+        "python",
+        "-m",
+        "kernelmgr.image_check",
+        "check",
+        "--gateway",
+        gateway,
+        "--same-version",
+    ]
+    assert {k: hook["spec"][k] for k in placed} == placed
+    assert hook["spec"]["securityContext"]["runAsUser"] == 1000
 
 
 def test_default_images_are_the_projects_at_the_charts_version(tmp_path: Path) -> None:
     """Unset, the gateway and kernel images are the two scripts/images.sh builds, at the package version."""
-    from kernelmgr import __version__
-
     docs = render({}, tmp_path)
     gateway = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
     kernel = server_config(docs)["ElasticKubernetesProvisioner"]["image"]
@@ -981,12 +1008,16 @@ def test_helm_test_hook_passes_when_the_gateway_answers_and_names_what_does_not(
         )
         running = kube_runner.pod(namespace, hook)
         assert running is not None, (tested.stdout, tested.stderr)
-        return tested, running.log_path.read_text()
+        image = kube_runner.pod(namespace, f"{RELEASE}-test-kernel-image")
+        said = running.log_path.read_text()
+        return tested, said + ("" if image is None else image.log_path.read_text())
 
     try:
         tested, said = upgrade_then_test({})
         assert tested.returncode == 0, said + tested.stderr
         assert f"the gateway answers at {gateway.url}/api version" in said, said
+        # The kernel image's check (the runner runs this checkout) asked the gateway its version.
+        assert f"gateway handshake: gateway {__version__} accepts this agent" in said, said
         # The pod stays for `kubectl logs` until the next test run replaces it.
         assert release["core"].read_namespaced_pod(hook, namespace).status.phase == "Succeeded"
         # A Hub the gateway cannot reach (z2jh's policy without the label, a wrong apiUrl) fails the test
