@@ -1221,3 +1221,14 @@ def test_warm_pods_reach_the_provisioner_and_the_schema_checks_them(tmp_path: Pa
     bad = values_args({"kernels": {"warmPods": {"whole": {"size": 1}}}}, tmp_path)
     refused = helm("template", "jupyter-elastic-kernels", str(CHART), *bad, check=False)
     assert refused.returncode != 0 and "size" in refused.stderr, refused.stderr
+
+
+def test_failed_kernel_pods_are_kept_for_kubectl_logs_by_default(tmp_path: Path) -> None:
+    from kernelmgr.kube.settings import KubeSettings
+
+    config = server_config(render({}, tmp_path))["ElasticKubernetesProvisioner"]
+    assert config["failed_pod_retention"] == KubeSettings().failed_pod_retention == 300
+    off = server_config(render({"kernels": {"failedPodRetention": 0}}, tmp_path))[
+        "ElasticKubernetesProvisioner"
+    ]
+    assert off["failed_pod_retention"] == 0

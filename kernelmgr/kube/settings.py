@@ -179,6 +179,16 @@ class KubeSettings(LoggingConfigurable):
     kernel_home = Unicode(
         "/home/kernel", config=True, help="HOME of the kernel: a writable emptyDir mounted there."
     )
+    failed_pod_retention = Float(
+        300.0,
+        min=0,
+        config=True,
+        help="""Seconds a kernel pod that failed on its own (a container that exited with an error,
+        OOMKilled ...) is kept for ``kubectl logs`` and ``kubectl describe`` before it is deleted; 0
+        deletes it at once. A kept pod leaves the kernels' watch (label component=kernel-failed):
+        it holds no slice, is no kernel, is never adopted, and the kernel's next pod gets another
+        name.""",
+    )
     launch_timeout = Float(300.0, config=True, help="Seconds until a pod must be Running.")
     stop_timeout = Float(60.0, config=True, help="Seconds to wait for a deleted pod to be gone.")
     first_port = Integer(52000, config=True, help="Kernel ports: this one and the four after it.")

@@ -59,6 +59,7 @@ from kernelmgr.kube.pods import (
     FoundKernel,
     evicted,
     exit_code,
+    failed_on_its_own,
     finished,
     loss,
     pod_failure,
@@ -109,6 +110,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         self._warm: Any = None
         #: The uid of the last pod whose unasked failure was logged (once per pod, not per poll).
         self._failure_logged: str | None = None
+        #: Names of this kernel's failed pods kept for ``kubectl logs`` (failed_pod_retention).
+        self._kept_pods: set[str] = set()
         #: The hand-off to (and checkpoints from) the warm pod this kernel's pod was.
         self.warm = WarmHandoff(self)
 
@@ -162,7 +165,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         self._stopping = False
-        self._pod_name = f"kernel-{self.kernel_id}"
+        self._pod_name = self._new_pod_name()
         self.warm.reset()
         runtime = self.runtime
         kernelspec_name = getattr(self.parent, "kernel_name", "") or ""
@@ -311,7 +314,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
                 with contextlib.suppress(client.ApiException, TimeoutError):
                     await self._delete_pod(grace=0, wait=True)
                 self._record.launch_path = "cold"
-                self._pod_name = f"kernel-{self.kernel_id}"
+                self._pod_name = self._new_pod_name()
                 self._launched = self._stopping = False
                 self.warm.reset()
             else:
@@ -473,8 +476,35 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
     async def terminate(self, restart: bool = False) -> None:
         await self._delete_pod(grace=None, wait=True)
 
+    def _new_pod_name(self) -> str:
+        """``kernel-<id>``, or another name while a failed pod of this kernel is kept under it."""
+        name, n = f"kernel-{self.kernel_id}", 0
+        while name in self._kept_pods:
+            n += 1
+            name = f"kernel-{self.kernel_id}-{n}"
+        return name
+
+    async def _keep_if_failed(self) -> bool:
+        """The pod failed on its own (not asked to stop): keep it ``failed_pod_retention`` seconds
+        for ``kubectl logs`` instead of deleting it (:mod:`kernelmgr.kube.failed_pods`). It leaves
+        the kernels' watch at once, so for the kernel it is gone."""
+        pod = self.informer.get(self.kernel_id)
+        if self._stopping or self.failed_pod_retention <= 0 or not failed_on_its_own(pod):
+            return False
+        if pod is None or pod.metadata.name != self._pod_name:
+            return False
+        if not await self.cluster.failed_pods.keep(pod, self.failed_pod_retention, self.kubeconfig):
+            return False
+        self._kept_pods.add(self._pod_name)
+        return True
+
     async def _delete_pod(self, grace: int | None, wait: bool) -> None:
         if not self._launched:
+            return
+        if await self._keep_if_failed():
+            self._stopping = True
+            if wait:
+                await self.informer.wait_for(self.kernel_id, lambda pod: pod is None, self.stop_timeout)
             return
         self._stopping = True
         try:
