@@ -138,7 +138,7 @@ class PlainPods:
         kc.start_channels()
         try:
             kc.wait_for_ready(timeout=600)
-            reply = kc.execute_interactive(code, timeout=900)
+            reply = kc.execute_interactive(code, timeout=900, output_hook=lambda msg: None)
             took = time.perf_counter() - start
             assert reply["content"]["status"] == "ok", reply["content"]
         finally:
