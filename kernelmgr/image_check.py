@@ -8,10 +8,12 @@ what to do. Exit status 0 when everything is there, 1 otherwise.
 
 Usage::
 
-    python -m kernelmgr.image_check [--server-version VERSION] [--json]
+    python -m kernelmgr.image_check [--server-version VERSION | --gateway URL [--same-version]] [--json]
 
 ``--server-version``: the gateway's version (``jupyter elastic-gateway --version``), to tell whether
-that gateway accepts this image's checkpoint agent.
+that gateway accepts this image's checkpoint agent. ``--gateway``: ask a running gateway instead
+(``GET /api/elastic/version``: its version and checkpoint format); ``--same-version`` fails on any
+version difference, not only on a checkpoint format the gateway cannot read (the chart's ``helm test``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from dataclasses import asdict, dataclass
 
 from kernelmgr import __version__
@@ -118,21 +121,41 @@ def check_tmpdir() -> Check:
     return Check("TMPDIR", True, tempfile.gettempdir())
 
 
-def check_server(server_version: str) -> Check:
-    """Whether a gateway of ``server_version`` (reading format :data:`FORMAT`) accepts this agent.
+def check_server(server_version: str, server_format: str = FORMAT, same_version: bool = False) -> Check:
+    """Whether a gateway of ``server_version`` (reading ``server_format``) accepts this agent.
 
-    A gateway of another version may read another format; only its own format is known here, so
-    this says what *this* agent writes and what the gateway will compare.
+    Given only a version, a gateway is assumed to read this agent's format (:data:`FORMAT`): what
+    *this* agent writes is what the gateway will compare. ``same_version``: another version fails
+    too (it is accepted with a warning, but means a stale image or gateway).
     """
-    result = compare({KERNEL_INFO_KEY: agent_info()}, version=server_version, fmt=FORMAT)
+    result = compare({KERNEL_INFO_KEY: agent_info()}, version=server_version, fmt=server_format)
     if result.refusal:
         return Check("gateway handshake", False, result.refusal)
     if result.warnings:
+        if same_version:
+            return Check("gateway handshake", False, f"{result.warnings[0]}: use the same version for both")
         return Check("gateway handshake", True, f"accepted with a warning: {result.warnings[0]}")
     return Check("gateway handshake", True, f"gateway {server_version} accepts this agent")
 
 
-def run_checks(server_version: str | None = None, environ: dict[str, str] | None = None) -> list[Check]:
+def ask_gateway(url: str, same_version: bool = False) -> Check:
+    """The handshake with a running gateway's version and format (``GET <url>/api/elastic/version``)."""
+    where = url.rstrip("/") + "/api/elastic/version"
+    try:
+        with urllib.request.urlopen(where, timeout=30) as reply:
+            said = json.loads(reply.read())
+        version, fmt = str(said["version"]), str(said["checkpoint_format"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return Check("gateway handshake", False, f"the gateway at {where} did not say its version: {exc}")
+    return check_server(version, fmt, same_version)
+
+
+def run_checks(
+    server_version: str | None = None,
+    environ: dict[str, str] | None = None,
+    gateway: str | None = None,
+    same_version: bool = False,
+) -> list[Check]:
     environ = dict(os.environ) if environ is None else environ
     checks = [
         Check(
@@ -147,7 +170,9 @@ def run_checks(server_version: str | None = None, environ: dict[str, str] | None
     checks.append(check_tmpdir())
     checks.append(Check("checkpoint agent", True, f"jupyter-elastic-kernels {__version__}, format {FORMAT}"))
     if server_version:
-        checks.append(check_server(server_version))
+        checks.append(check_server(server_version, same_version=same_version))
+    if gateway:
+        checks.append(ask_gateway(gateway, same_version))
     return checks
 
 
@@ -159,9 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--server-version", default=None, help="the gateway's jupyter-elastic-kernels version"
     )
+    parser.add_argument(
+        "--gateway", default=None, help="a running gateway's URL (with its base URL): ask it its version"
+    )
+    parser.add_argument(
+        "--same-version", action="store_true", help="fail when the gateway's version differs from this one"
+    )
     parser.add_argument("--json", action="store_true", help="print the checks as JSON")
     args = parser.parse_args(argv)
-    checks = run_checks(args.server_version)
+    checks = run_checks(args.server_version, gateway=args.gateway, same_version=args.same_version)
     ok = all(check.ok for check in checks)
     if args.json:
         print(json.dumps({"ok": ok, "checks": [asdict(check) for check in checks]}, indent=1))

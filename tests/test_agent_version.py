@@ -22,7 +22,7 @@ from jupyter_client.manager import start_new_kernel
 from kernelmgr import __version__
 from kernelmgr.checkpoint.version import KERNEL_INFO_KEY, agent_info, compare
 from kernelmgr.core.manifest import FORMAT
-from kernelmgr.image_check import run_checks
+from kernelmgr.image_check import check_server, run_checks
 from tests.conftest import elastic_config
 from tests.support.server import RunningServer, start_server
 
@@ -233,3 +233,33 @@ def test_the_image_check_says_what_is_missing(tmp_path: Path) -> None:
 def test_the_image_check_tells_whether_a_gateway_accepts_this_agent() -> None:
     checks = {c.name: c for c in run_checks(server_version="0.0.7")}
     assert checks["gateway handshake"].ok and "0.0.7" in checks["gateway handshake"].detail
+
+
+def test_the_image_check_asks_a_running_server_its_version(server: RunningServer) -> None:
+    """``--gateway URL``: the version and checkpoint format come from the server itself (``GET
+    /api/elastic/version``, open without a token like ``/api``), as the chart's ``helm test`` asks."""
+    reply = server.request("GET", "/api/elastic/version", token=None)
+    assert reply.status == 200 and reply.body == agent_info(), reply
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "kernelmgr.image_check", "check", "--gateway", server.url, "--same-version"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"gateway handshake: gateway {__version__} accepts this agent" in done.stdout, done.stdout
+    # Nothing answers there: the check fails, naming the URL.
+    checks = {c.name: c for c in run_checks(gateway=f"{server.url}/nothing-here")}
+    assert not checks["gateway handshake"].ok
+    assert f"{server.url}/nothing-here/api/elastic/version" in checks["gateway handshake"].detail
+
+
+def test_the_image_check_with_same_version_fails_on_another_version() -> None:
+    """Accepted by the gateway with a warning, but ``helm test`` must name a stale image."""
+    check = check_server("0.0.7", FORMAT, same_version=True)
+    assert not check.ok and "0.0.7" in check.detail and __version__ in check.detail, check
+    refused = check_server(__version__, "elastic-checkpoint/0", same_version=True)
+    assert not refused.ok and "cannot read" in refused.detail, refused
+    assert check_server(__version__, FORMAT, same_version=True).ok

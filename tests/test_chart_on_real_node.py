@@ -2,9 +2,18 @@
 
 The images come from the local registry the node pulls from (``scripts/images.sh push``); the gateway pod
 runs the gateway image with the chart's ServiceAccount and talks to the API server in-cluster; the kernel
-pods run the kernel image; the checkpoint claim binds a hostPath volume on the node. Through the
-gateway's REST API: a GPU-size kernel runs a cell, is hibernated (its pod gone) and resumed (the variable
-back); ``helm upgrade`` restarts the gateway pod, and the kernel is still there after it.
+pods run the kernel image; the checkpoint claim binds a hostPath volume on the node. One install for the
+module (installs are slow); through the gateway's REST API and websockets, as a notebook uses it:
+
+- a GPU-size kernel runs a cell, is hibernated (its pod gone) and resumed (the variable back);
+  ``helm upgrade`` restarts the gateway pod and the kernel is still there after it; ``helm test``;
+- an interrupt reaches a cell running in the container (PID 1's signal handling), a restart gives a
+  new pod and an empty namespace;
+- five hibernate/resume cycles, each checked with the namespace oracle (``tests/support/oracle.py``);
+- the kernel pod evicted (Eviction API) during a cell: the cell finishes, its output arrives, the
+  kernel checkpoints at SIGTERM and resumes with what the cell made;
+- the gateway pod deleted while kernels run: the new gateway pod takes them over (the busy one adopted
+  in its pod, the idle one hibernated by the old gateway and resumed), same kernel ids.
 
 The values override only what an admin must set (images) and what this test cluster forces, each with
 its reason beside it. Needs root, the node and the images (as ``tests/test_real_node.py``): skipped
@@ -14,6 +23,7 @@ without them, failed with ``ELASTIC_REQUIRE_NODE=1``.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +31,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +47,8 @@ from kubernetes import client  # noqa: E402
 
 from tests.support.forward import Forwarder  # noqa: E402
 from tests.support.node import LABEL, TAINT, Node  # noqa: E402
-from tests.support.server import TOKEN, KernelChannel  # noqa: E402
+from tests.support.oracle import PLAIN_SETUP, Reference, check_same, cycle_cell, run_both  # noqa: E402
+from tests.support.server import TOKEN, ExecResult, KernelChannel  # noqa: E402
 from tests.test_helm_chart import CHART, helm  # noqa: E402
 from tests.test_images import images_script  # noqa: E402
 from tests.test_real_node import node, registry  # noqa: E402, F401
@@ -47,6 +59,8 @@ ON_THE_NODE = {
     "nodeSelector": {LABEL[0]: LABEL[1]},
     "tolerations": [{**TAINT, "operator": "Equal"}],
 }
+#: Where a kernel pod sees its owner's folder of the checkpoint claim.
+CLAIM_IN_KERNEL = "/var/lib/elastic/checkpoints"
 
 
 class Gateway:
@@ -71,11 +85,25 @@ class Gateway:
             except ValueError:
                 return err.code, raw.decode(errors="replace")
 
-    def execute(self, kernel_id: str, code: str) -> str:
-        with KernelChannel(self.url, kernel_id, 300) as chan:
-            result = chan.execute(code, timeout=300)
+    def answers(self) -> bool:
+        try:
+            return self.request("GET", "/api/status", timeout=10)[0] == 200
+        except OSError:
+            return False
+
+    def channel(self, kernel_id: str, timeout: float = 300) -> KernelChannel:
+        return KernelChannel(self.url, kernel_id, timeout)
+
+    def execute(self, kernel_id: str, code: str, timeout: float = 300) -> str:
+        with self.channel(kernel_id, timeout) as chan:
+            result = chan.execute(code, timeout=timeout)
         assert not result.error, result.error
         return result.stdout
+
+    def model(self, kernel_id: str) -> dict[str, Any]:
+        status, body = self.request("GET", f"/api/elastic/kernels/{kernel_id}")
+        assert status == 200, (status, body)
+        return dict(body)
 
 
 def gateway_pod(core: Any, namespace: str, not_uid: str | None = None) -> Any:
@@ -106,14 +134,100 @@ def gateway_log(core: Any, namespace: str, pod: Any) -> str:
         return f"(no log: {exc.reason})"
 
 
-@pytest.fixture
+@dataclass
+class Chart:
+    """The release installed in its own namespace, and what the tests need to reach it."""
+
+    core: Any
+    namespace: str
+    node: Node
+    values: dict[str, Any]
+    values_file: Path
+    kubeconfig: list[str]
+    #: The claim's folder on this machine (a hostPath PV).
+    storage: Path
+    images: dict[str, str]
+    pod: Any = None
+
+    def gateway(self, not_uid: str | None = None) -> Gateway:
+        """The current gateway pod's API, once it answers (a new pod when ``not_uid`` names the old)."""
+        self.pod = gateway_pod(self.core, self.namespace, not_uid)
+        gateway = Gateway(self.pod.status.pod_ip)
+        wait_for(gateway.answers, 300, "the gateway to answer")
+        return gateway
+
+    def log(self) -> str:
+        return gateway_log(self.core, self.namespace, self.pod)
+
+    def start_kernel(self, gateway: Gateway) -> str:
+        specs = gateway.request("GET", "/api/kernelspecs")[1]["kernelspecs"]
+        size = next(name for name in specs if name.endswith("gpu-whole"))
+        status, body = gateway.request("POST", "/api/kernels", {"name": size}, timeout=600)
+        assert status == 201, (status, body, self.log())
+        return str(body["id"])
+
+    def kernel_pods(self, kernel_id: str) -> list[Any]:
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"kernel_id={kernel_id}").items
+        return list(pods)
+
+    def kernel_pod(self, kernel_id: str) -> Any:
+        (pod,) = self.kernel_pods(kernel_id)
+        return pod
+
+    def hibernate(self, gateway: Gateway, kernel_id: str) -> None:
+        """Hibernate through the REST API: the kernel's pod gone, its slice free."""
+        status, body = gateway.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate", timeout=600)
+        assert status == 200, (status, body, self.log())
+        assert self.kernel_pods(kernel_id) == []
+        devices = gateway.request("GET", "/api/elastic/gpus")[1]["devices"]
+        assert all(not d["slices"] for d in devices), devices
+
+    def helm(self, *args: str, check: bool = True, timeout: float = 300) -> Any:
+        return helm(*args, "-n", self.namespace, *self.kubeconfig, check=check, timeout=timeout)
+
+    def upgrade(self) -> None:
+        self.values_file.write_text(yaml.safe_dump(self.values))
+        self.helm("upgrade", RELEASE, str(CHART), "-f", str(self.values_file))
+
+
+class ClaimGate:
+    """A cell that holds until the test opens its gate: a file on the checkpoint claim (the kernel
+    sees its owner's folder at ``CLAIM_IN_KERNEL``, this machine the PV's folder). The cell says it
+    runs by leaving a file there first; no sleeps on the test's side."""
+
+    def __init__(self, storage: Path) -> None:
+        self.storage = storage
+        self.token = uuid.uuid4().hex[:8]
+
+    def cell(self, then: str) -> str:
+        return (
+            "import os, time\n"
+            f"open('{CLAIM_IN_KERNEL}/running-{self.token}', 'w').close()\n"
+            f"while not os.path.exists('{CLAIM_IN_KERNEL}/gate-{self.token}'):\n"
+            "    time.sleep(0.1)\n"
+            f"{then}\n"
+        )
+
+    def _running(self) -> Path | None:
+        return next(self.storage.rglob(f"running-{self.token}"), None)
+
+    def wait_running(self) -> None:
+        wait_for(self._running, 300, "the gated cell to run")
+
+    def open(self) -> None:
+        running = self._running()
+        assert running is not None
+        (running.parent / f"gate-{self.token}").touch()
+
+
+@pytest.fixture(scope="module")
 def pushed(registry: str) -> dict[str, str]:  # noqa: F811
     """The two images in the local registry, as an admin pushes them: {"kernel": ref, "gateway": ref}."""
     kernel, gateway = images_script("push", registry).split()
     return {"kernel": kernel, "gateway": gateway}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def api_forward(node: Node, kube_plane: ControlPlane) -> Iterator[tuple[str, int]]:  # noqa: F811
     """The API server as pods reach it: the node's bridge address, the API server's port."""
     port = int(kube_plane.server.rsplit(":", 1)[1])
@@ -122,14 +236,32 @@ def api_forward(node: Node, kube_plane: ControlPlane) -> Iterator[tuple[str, int
     forwarder.stop()
 
 
-def test_chart_defaults_on_the_real_node_start_hibernate_resume_and_upgrade(
+@pytest.fixture(scope="module")
+def chart(
     node: Node,  # noqa: F811
     kube_api: Any,
     pushed: dict[str, str],
     api_forward: tuple[str, int],
     kube_plane: ControlPlane,
-    tmp_path: Path,
-) -> None:
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Chart]:
+    """The chart installed once for the module, with its defaults and what this cluster forces."""
+    with installed_chart(
+        kube_api, node, pushed, api_forward, kube_plane, tmp_path_factory.mktemp("chart")
+    ) as c:
+        yield c
+
+
+@contextlib.contextmanager
+def installed_chart(
+    kube_api: Any,
+    node: Node,  # noqa: F811
+    pushed: dict[str, str],
+    api_forward: tuple[str, int],
+    kube_plane: ControlPlane,
+    tmp: Path,
+) -> Iterator[Chart]:
+    """Install the chart on the real node (also for benchmarks/bench_real_node.py); uninstall after."""
     core = client.CoreV1Api(kube_api)
     namespace = f"chart-{uuid.uuid4().hex[:6]}"
     claim = f"{RELEASE}-checkpoints"
@@ -150,16 +282,17 @@ def test_chart_defaults_on_the_real_node_start_hibernate_resume_and_upgrade(
             },
         }
     )
-    # The node has no GPU: it advertises one (what a device plugin would do) so a GPU size is placed.
-    core.patch_node_status(node.name, {"status": {"capacity": {"nvidia.com/gpu": "1"}}})
+    # The node has no GPU: it advertises two (what a device plugin would do) so GPU sizes are placed.
+    core.patch_node_status(node.name, {"status": {"capacity": {"nvidia.com/gpu": "2"}}})
     repository, _, tag = pushed["gateway"].rpartition(":")
     api_host, api_port = api_forward
     values: dict[str, Any] = {
         # What every admin sets: where the images are.
         "image": {"repository": repository, "tag": tag},
         # (The kernel image is the one beside it, <repository>-kernel:<tag>: the chart's default.)
-        # Forced here: the real node is tainted so that only the pods that ask run there.
-        "kernels": ON_THE_NODE,
+        # Forced here: the real node is tainted so that only the pods that ask run there, and it has
+        # 2 cores: two GPU kernels beside the gateway fit only with a smaller CPU request.
+        "kernels": {**ON_THE_NODE, "resources": {"requests": {"cpu": "250m"}}},
         "gateway": {
             # Forced here: no JupyterHub in this cluster, so one static token (a Secret).
             "auth": "token",
@@ -174,93 +307,24 @@ def test_chart_defaults_on_the_real_node_start_hibernate_resume_and_upgrade(
         },
     }
     kubeconfig = ["--kubeconfig", str(kube_plane.admin_kubeconfig)]
-    values_file = tmp_path / "values.yaml"
+    values_file = tmp / "values.yaml"
     values_file.write_text(yaml.safe_dump(values))
     core.create_namespace({"metadata": {"name": namespace}})
     core.create_namespaced_secret(
         namespace,
         {"metadata": {"name": "gateway-token"}, "data": {"token": base64.b64encode(TOKEN.encode()).decode()}},
     )
-    kernel_id = None
+    installed = Chart(core, namespace, node, values, values_file, kubeconfig, storage, pushed)
     try:
-        helm(
-            "install", RELEASE, str(CHART), "-n", namespace, *kubeconfig, "-f", str(values_file), timeout=300
-        )
+        installed.helm("install", RELEASE, str(CHART), "-f", str(values_file))
         wait_for(
             lambda: core.read_namespaced_persistent_volume_claim(claim, namespace).status.phase == "Bound",
             120,
             "the checkpoint claim to bind",
         )
-        pod = gateway_pod(core, namespace)
-        assert pod.spec.node_name == node.name
-        assert pod.spec.containers[0].image == pushed["gateway"]
-        gateway = Gateway(pod.status.pod_ip)
-
-        def answers() -> bool:
-            try:
-                return gateway.request("GET", "/api/status", timeout=10)[0] == 200
-            except OSError:
-                return False
-
-        wait_for(answers, 300, "the gateway to answer")
-        specs = gateway.request("GET", "/api/kernelspecs")[1]["kernelspecs"]
-        size = next(name for name in specs if name.endswith("gpu-whole"))
-        status, body = gateway.request("POST", "/api/kernels", {"name": size}, timeout=600)
-        assert status == 201, (status, body, gateway_log(core, namespace, pod))
-        kernel_id = body["id"]
-        (kernel_pod,) = core.list_namespaced_pod(namespace, label_selector=f"kernel_id={kernel_id}").items
-        assert kernel_pod.spec.node_name == node.name
-        assert kernel_pod.spec.containers[0].image == pushed["kernel"]
-        said = gateway.execute(
-            kernel_id, "import kernelmgr, os; x = 41; print(kernelmgr.__version__, os.getuid())"
-        )
-        assert said.split() == [__version__, "1000"]
-
-        # Hibernate: the checkpoint on the claim, the pod gone; the next cell resumes it in a new pod.
-        status, body = gateway.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate", timeout=600)
-        assert status == 200, (status, body, gateway_log(core, namespace, pod))
-        assert core.list_namespaced_pod(namespace, label_selector=f"kernel_id={kernel_id}").items == []
-        assert gateway.execute(kernel_id, "x += 1; print(x)").strip() == "42"
-
-        # helm upgrade with a changed setting: the gateway pod is replaced (Recreate); the old one
-        # hibernates the kernel at SIGTERM, the new one resumes it at the next cell.
-        values["cull"] = {"idleTimeout": 1800}
-        values_file.write_text(yaml.safe_dump(values))
-        helm(
-            "upgrade", RELEASE, str(CHART), "-n", namespace, *kubeconfig, "-f", str(values_file), timeout=300
-        )
-        new = gateway_pod(core, namespace, not_uid=pod.metadata.uid)
-        gateway = Gateway(new.status.pod_ip)
-        wait_for(answers, 300, "the upgraded gateway to answer")
-        status, body = gateway.request("GET", f"/api/elastic/kernels/{kernel_id}")
-        assert status == 200, (status, body, gateway_log(core, namespace, new))
-        assert gateway.execute(kernel_id, "print(x)").strip() == "42"
-        # helm test: its pod (the gateway's image, on the node) asks the gateway. Forced here: no cluster
-        # DNS resolves the Service's name, so the test pod is given the gateway pod's address.
-        values["tests"] = {"gatewayUrl": gateway.url}
-        values_file.write_text(yaml.safe_dump(values))
-        helm(
-            "upgrade", RELEASE, str(CHART), "-n", namespace, *kubeconfig, "-f", str(values_file), timeout=300
-        )
-        tested = helm(
-            "test", RELEASE, "-n", namespace, *kubeconfig, "--timeout", "600s", check=False, timeout=660
-        )
-        hook = f"{RELEASE}-test-gateway"
-        said = core.read_namespaced_pod_log(hook, namespace)
-        assert tested.returncode == 0, (tested.stdout, tested.stderr, said)
-        assert f"the gateway answers at {gateway.url}/api version" in said, said
-        assert core.read_namespaced_pod(hook, namespace).spec.node_name == node.name
-        assert (
-            core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=gateway")
-            .items[0]
-            .metadata.uid
-            == new.metadata.uid
-        )  # the test values changed no gateway setting
-        status, _ = gateway.request("DELETE", f"/api/kernels/{kernel_id}", timeout=300)
-        assert status == 204
-        kernel_id = None
+        yield installed
     finally:
-        helm("uninstall", RELEASE, "-n", namespace, *kubeconfig, "--wait", check=False, timeout=300)
+        installed.helm("uninstall", RELEASE, "--wait", check=False)
         from tests.support import rbac
 
         rbac.delete(
@@ -277,3 +341,223 @@ def test_chart_defaults_on_the_real_node_start_hibernate_resume_and_upgrade(
         core.delete_namespace(namespace)
         core.delete_persistent_volume(volume)
         shutil.rmtree(storage, ignore_errors=True)
+
+
+def test_chart_defaults_on_the_real_node_start_hibernate_resume_and_upgrade(chart: Chart) -> None:
+    core, namespace = chart.core, chart.namespace
+    gateway = chart.gateway()
+    pod = chart.pod
+    assert pod.spec.node_name == chart.node.name
+    assert pod.spec.containers[0].image == chart.images["gateway"]
+    kernel_id = chart.start_kernel(gateway)
+    kernel_pod = chart.kernel_pod(kernel_id)
+    assert kernel_pod.spec.node_name == chart.node.name
+    assert kernel_pod.spec.containers[0].image == chart.images["kernel"]
+    said = gateway.execute(
+        kernel_id, "import kernelmgr, os; x = 41; print(kernelmgr.__version__, os.getuid())"
+    )
+    assert said.split() == [__version__, "1000"]
+
+    # Hibernate: the checkpoint on the claim, the pod gone; the next cell resumes it in a new pod.
+    chart.hibernate(gateway, kernel_id)
+    assert gateway.execute(kernel_id, "x += 1; print(x)").strip() == "42"
+
+    # helm upgrade with a changed setting: the gateway pod is replaced (Recreate); the old one
+    # hibernates the kernel at SIGTERM, the new one resumes it at the next cell.
+    chart.values["cull"] = {"idleTimeout": 1800}
+    chart.upgrade()
+    gateway = chart.gateway(not_uid=pod.metadata.uid)
+    new = chart.pod
+    status, body = gateway.request("GET", f"/api/elastic/kernels/{kernel_id}")
+    assert status == 200, (status, body, chart.log())
+    assert gateway.execute(kernel_id, "print(x)").strip() == "42"
+    # helm test: its pod (the gateway's image, on the node) asks the gateway. Forced here: no cluster
+    # DNS resolves the Service's name, so the test pod is given the gateway pod's address.
+    chart.values["tests"] = {"gatewayUrl": gateway.url}
+    chart.upgrade()
+    tested = chart.helm("test", RELEASE, "--timeout", "600s", check=False, timeout=660)
+    hook = f"{RELEASE}-test-gateway"
+    said = core.read_namespaced_pod_log(hook, namespace)
+    assert tested.returncode == 0, (tested.stdout, tested.stderr, said)
+    assert f"the gateway answers at {gateway.url}/api version" in said, said
+    assert core.read_namespaced_pod(hook, namespace).spec.node_name == chart.node.name
+    # The kernel image, where kernels run, checked against the running gateway's version.
+    checked = core.read_namespaced_pod(f"{RELEASE}-test-kernel-image", namespace)
+    assert checked.spec.containers[0].image == chart.images["kernel"]
+    assert checked.spec.node_name == chart.node.name
+    said = core.read_namespaced_pod_log(checked.metadata.name, namespace)
+    assert f"gateway handshake: gateway {__version__} accepts this agent" in said, said
+    assert "this image can run elastic kernels" in said, said
+    assert (
+        core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=gateway")
+        .items[0]
+        .metadata.uid
+        == new.metadata.uid
+    )  # the test values changed no gateway setting
+    status, _ = gateway.request("DELETE", f"/api/kernels/{kernel_id}", timeout=300)
+    assert status == 204
+    wait_for(lambda: not chart.kernel_pods(kernel_id), 120, "the kernel pod to be deleted")
+
+
+def wait_stream(chan: KernelChannel, msg_id: str, text: str) -> None:
+    """Read the channel until the cell ``msg_id`` has printed ``text`` (it is running)."""
+    printed = ""
+    while text not in printed:
+        msg = chan.recv()
+        if msg.get("parent_header", {}).get("msg_id") == msg_id and msg["msg_type"] == "stream":
+            printed += msg["content"]["text"]
+
+
+def test_interrupt_and_restart_a_kernel_in_its_container(chart: Chart) -> None:
+    """The interrupt is an ``interrupt_request`` the kernel turns into SIGINT to itself, PID 1 of its
+    container (where a signal without a handler is ignored); the restart deletes the pod and starts
+    a new one, with an empty namespace and the same kernel id."""
+    gateway = chart.gateway()
+    kernel_id = chart.start_kernel(gateway)
+    with gateway.channel(kernel_id) as chan:
+        assert chan.execute("import os; x = 41; print(os.getpid())").stdout.strip() == "1"
+        code = "import time\nprint('sleeping', flush=True)\nwhile True:\n    time.sleep(0.1)"
+        msg_id = chan.send("execute_request", {"code": code, "silent": False, "store_history": True})
+        wait_stream(chan, msg_id, "sleeping")
+        status, body = gateway.request("POST", f"/api/kernels/{kernel_id}/interrupt")
+        assert status == 204, (status, body)
+        reply, _ = chan.collect(msg_id, 120)
+        assert reply["content"]["status"] == "error", reply
+        assert reply["content"]["ename"] == "KeyboardInterrupt", reply
+        assert chan.execute("print(x)").stdout.strip() == "41"  # the same process
+    before = chart.kernel_pod(kernel_id).metadata.uid
+    status, body = gateway.request("POST", f"/api/kernels/{kernel_id}/restart", timeout=600)
+    assert status == 200, (status, body, chart.log())
+    assert body["id"] == kernel_id
+    (after,) = chart.kernel_pods(kernel_id)
+    assert after.metadata.uid != before and after.status.phase == "Running"
+    assert gateway.execute(kernel_id, "print('x' in globals())").strip() == "False"
+    devices = gateway.request("GET", "/api/elastic/gpus")[1]["devices"]
+    assert sum(len(d["slices"]) for d in devices) == 1, devices  # one slice, not one per pod
+    status, _ = gateway.request("DELETE", f"/api/kernels/{kernel_id}", timeout=300)
+    assert status == 204
+    wait_for(lambda: not chart.kernel_pods(kernel_id), 120, "the kernel pod to be deleted")
+
+
+def test_five_hibernation_cycles_in_containers_keep_the_namespace(chart: Chart) -> None:
+    """Each cycle: hibernate (pod deleted, slice free), then a cell that adds, changes and deletes
+    names runs in a new pod and in a reference kernel never hibernated; the namespaces must match."""
+    gateway = chart.gateway()
+    kernel_id = chart.start_kernel(gateway)
+    reference = Reference()
+    try:
+        run_both(gateway, kernel_id, reference, PLAIN_SETUP, timeout=300)
+        check_same(gateway, kernel_id, reference, timeout=300)
+        pods = {chart.kernel_pod(kernel_id).metadata.uid}
+        # One websocket open through every cycle, as a notebook tab keeps it: it follows the kernel
+        # to each new pod (a new IP).
+        with gateway.channel(kernel_id) as tab:
+            for n in range(1, 6):
+                chart.hibernate(gateway, kernel_id)
+                code = cycle_cell(n, plain=True)
+                result = tab.execute(code, timeout=300)
+                assert result.error == "", result.error
+                reference.run(code)
+                pods.add(chart.kernel_pod(kernel_id).metadata.uid)
+                check_same(gateway, kernel_id, reference, timeout=300)
+                assert gateway.model(kernel_id)["state"] == "running"
+        assert len(pods) == 6  # a new container each time
+    finally:
+        reference.close()
+    status, _ = gateway.request("DELETE", f"/api/kernels/{kernel_id}", timeout=300)
+    assert status == 204
+    wait_for(lambda: not chart.kernel_pods(kernel_id), 120, "the kernel pod to be deleted")
+
+
+def kubelet_stopping(chart: Chart, pod: Any) -> Any:
+    """The kubelet's event that it is stopping ``pod``'s container (SIGTERM sent)."""
+    events = chart.core.list_namespaced_event(
+        chart.namespace, field_selector=f"involvedObject.uid={pod.metadata.uid}"
+    ).items
+    return next((e for e in events if e.reason == "Killing"), None)
+
+
+def test_a_kernel_pod_evicted_during_a_cell_loses_nothing(chart: Chart) -> None:
+    """``kubectl drain`` while a cell runs: the kubelet sends SIGTERM to the kernel (PID 1), which
+    lets the cell finish within the pod's grace period, checkpoints on the claim and exits; the
+    gateway hibernates the kernel from that checkpoint and the next cell resumes it."""
+    gateway = chart.gateway()
+    kernel_id = chart.start_kernel(gateway)
+    gate = ClaimGate(chart.storage)
+    with gateway.channel(kernel_id) as tab:
+        assert tab.execute("x = 41; print(x)").stdout.strip() == "41"
+        code = gate.cell("made = 'by the running cell'\nprint('cell done')")
+        msg_id = tab.send("execute_request", {"code": code, "silent": False, "store_history": True})
+        gate.wait_running()
+        pod = chart.kernel_pod(kernel_id)
+        eviction = client.V1Eviction(
+            metadata=client.V1ObjectMeta(name=pod.metadata.name, namespace=chart.namespace)
+        )
+        chart.core.create_namespaced_pod_eviction(pod.metadata.name, chart.namespace, eviction)
+        wait_for(lambda: kubelet_stopping(chart, pod), 120, "the kubelet to stop the kernel's container")
+        gate.open()
+        reply, iopub = tab.collect(msg_id, 300)
+        assert reply["content"]["status"] == "ok", reply
+        printed = "".join(m["content"].get("text", "") for m in iopub if m["msg_type"] == "stream")
+        assert "cell done" in printed
+        current = wait_for(
+            lambda: (m := gateway.model(kernel_id))["state"] == "hibernated" and m,
+            300,
+            "the evicted kernel to be hibernated",
+        )
+        assert {"x", "made"} <= set(current["checkpoint"]["saved"]), current
+        devices = gateway.request("GET", "/api/elastic/gpus")[1]["devices"]
+        assert all(not d["slices"] for d in devices), devices  # the slice went with the pod
+        result: ExecResult = tab.execute("print(x, made)", timeout=300)
+    assert result.stdout.strip() == "41 by the running cell", result
+    assert "The kernel checkpointed itself first" in result.stderr, result.stderr
+    assert chart.kernel_pod(kernel_id).metadata.uid != pod.metadata.uid
+    status, _ = gateway.request("DELETE", f"/api/kernels/{kernel_id}", timeout=300)
+    assert status == 204
+    wait_for(lambda: not chart.kernel_pods(kernel_id), 120, "the kernel pod to be deleted")
+
+
+def test_the_gateway_pod_deleted_while_kernels_run_is_replaced_and_keeps_them(chart: Chart) -> None:
+    """``kubectl delete pod`` on the gateway: the old pod, stopping, hibernates its idle kernel and
+    leaves the busy one running; the Deployment's new pod adopts the running kernel pod as it is
+    (same pod, same process, the cell's result there) and resumes the idle one at its next cell."""
+    gateway = chart.gateway()
+    old = chart.pod
+    idle = chart.start_kernel(gateway)
+    busy = chart.start_kernel(gateway)
+    assert gateway.execute(idle, "x = 'idle'; print(x)").strip() == "idle"
+    gate = ClaimGate(chart.storage)
+    with gateway.channel(busy) as tab:
+        assert tab.execute("import os; y = 'busy'; print(y)").stdout.strip() == "busy"
+        tab.send(
+            "execute_request", {"code": gate.cell("made = 'while the gateway changed'"), "silent": False}
+        )
+        gate.wait_running()
+    busy_pod = chart.kernel_pod(busy).metadata.uid
+    chart.core.delete_namespaced_pod(old.metadata.name, chart.namespace)
+    wait_for(
+        lambda: (
+            old.metadata.uid
+            not in {
+                p.metadata.uid
+                for p in chart.core.list_namespaced_pod(
+                    chart.namespace, label_selector="app.kubernetes.io/component=gateway"
+                ).items
+            }
+        ),
+        600,
+        "the old gateway pod to be gone",
+    )
+    gateway = chart.gateway(not_uid=old.metadata.uid)
+    kernels = {k["id"]: k for k in gateway.request("GET", "/api/kernels")[1]}
+    assert {idle, busy} <= set(kernels), (kernels, chart.log())
+    assert gateway.model(busy)["state"] == "running", chart.log()
+    assert chart.kernel_pod(busy).metadata.uid == busy_pod  # adopted, not restarted
+    gate.open()
+    said = gateway.execute(busy, "print(y, made)")
+    assert said.strip() == "busy while the gateway changed", said
+    assert gateway.execute(idle, "print(x)").strip() == "idle"
+    for kernel_id in (idle, busy):
+        status, _ = gateway.request("DELETE", f"/api/kernels/{kernel_id}", timeout=300)
+        assert status == 204
+        wait_for(lambda k=kernel_id: not chart.kernel_pods(k), 120, "the kernel pod to be deleted")

@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kernelmgr import __version__
 from kernelmgr.backends.kubernetes import render_pod_fragment, validate_backend_options
 from kernelmgr.core.profiles import parse_profiles
 from kernelmgr.kube.namespaces import namespace_for
@@ -235,11 +236,11 @@ def test_gateway_pods_carry_the_z2jh_hub_access_label(tmp_path: Path) -> None:
     deployment = only(docs, "Deployment")
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert labels[Z2JH_HUB_ACCESS[0]] == Z2JH_HUB_ACCESS[1]
-    # The helm test pod has the same labels (the same policies admit it), but is not the Service's.
-    hook = only(docs, "Pod")
-    assert hook["metadata"]["labels"][Z2JH_HUB_ACCESS[0]] == Z2JH_HUB_ACCESS[1]
+    # The helm test pods have the same labels (the same policies admit them), but are not the Service's.
     selector = only(docs, "Service")["spec"]["selector"]
-    assert not selector.items() <= hook["metadata"]["labels"].items()
+    for hook in (d for d in docs if d["kind"] == "Pod"):
+        assert hook["metadata"]["labels"][Z2JH_HUB_ACCESS[0]] == Z2JH_HUB_ACCESS[1]
+        assert not selector.items() <= hook["metadata"]["labels"].items()
     # More labels are added; the selector's own labels cannot be replaced through podLabels.
     own = {"team": "ml", "app.kubernetes.io/component": "other", "app.kubernetes.io/instance": "x"}
     changed = only(render({"gateway": {"podLabels": own}}, tmp_path), "Deployment")["spec"]
@@ -309,7 +310,7 @@ def test_checkpoints_in_an_object_store_configure_the_gateway_only(tmp_path: Pat
 
 def test_helm_test_pod_asks_the_gateways_service_and_the_hub(tmp_path: Path) -> None:
     docs = render({}, tmp_path)
-    hook = only(docs, "Pod")
+    hook = only(docs, "Pod", "jupyter-elastic-kernels-test-gateway")
     assert hook["metadata"]["annotations"]["helm.sh/hook"] == "test"
     (container,) = hook["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -322,14 +323,40 @@ def test_helm_test_pod_asks_the_gateways_service_and_the_hub(tmp_path: Path) -> 
         container["image"] == only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
     )
     token = render({"gateway": {"auth": "token"}, "tests": {"gatewayUrl": "http://10.1.2.3:8888/"}}, tmp_path)
-    env = {e["name"]: e["value"] for e in only(token, "Pod")["spec"]["containers"][0]["env"]}
+    hook = only(token, "Pod", "jupyter-elastic-kernels-test-gateway")
+    env = {e["name"]: e["value"] for e in hook["spec"]["containers"][0]["env"]}
     assert env == {"GATEWAY_URL": "http://10.1.2.3:8888/api"}  # no Hub to check in token mode
+
+
+def test_helm_test_checks_the_kernel_image_against_the_running_gateways_version(tmp_path: Path) -> None:
+    """The second test pod runs the kernel image where kernels run, and the image check there asks
+    the gateway its version (GET /api/elastic/version): a stale kernel image fails ``helm test``."""
+    placed = {"nodeSelector": {"gpu": "yes"}, "tolerations": [{"key": "gpu", "operator": "Exists"}]}
+    docs = render({"kernels": {"image": "registry.example/mine:1", **placed}}, tmp_path)
+    hook = only(docs, "Pod", "jupyter-elastic-kernels-test-kernel-image")
+    assert hook["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    (container,) = hook["spec"]["containers"]
+    assert container["image"] == server_config(docs)["ElasticKubernetesProvisioner"]["image"]
+    assert container["image"] == "registry.example/mine:1"
+    service = only(docs, "Service")
+    base_url = server_config(docs)["ServerApp"]["base_url"].rstrip("/")
+    port = service["spec"]["ports"][0]["port"]
+    gateway = f"http://{service['metadata']['name']}.jupyter.svc:{port}{base_url}"
+    assert container["command"] == [
+        "python",
+        "-m",
+        "kernelmgr.image_check",
+        "check",
+        "--gateway",
+        gateway,
+        "--same-version",
+    ]
+    assert {k: hook["spec"][k] for k in placed} == placed
+    assert hook["spec"]["securityContext"]["runAsUser"] == 1000
 
 
 def test_default_images_are_the_projects_at_the_charts_version(tmp_path: Path) -> None:
     """Unset, the gateway and kernel images are the two scripts/images.sh builds, at the package version."""
-    from kernelmgr import __version__
-
     docs = render({}, tmp_path)
     gateway = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
     kernel = server_config(docs)["ElasticKubernetesProvisioner"]["image"]
@@ -341,6 +368,10 @@ def test_default_images_are_the_projects_at_the_charts_version(tmp_path: Path) -
         ["bash", str(ROOT / "scripts" / "images.sh"), "names"], capture_output=True, text=True, check=True
     ).stdout.split()
     assert sorted(name.removeprefix("localhost/") for name in built) == sorted([gateway, kernel])
+    # Outside the chart (a jupyter_server_config.py), the provisioner's default is the same image.
+    from kernelmgr.kube.settings import KubeSettings
+
+    assert KubeSettings().image == kernel
     # A registry and tag move both; kernels.image still names any other kernel image.
     moved = render({"image": {"repository": "registry.example/jek", "tag": "7"}}, tmp_path)
     assert server_config(moved)["ElasticKubernetesProvisioner"]["image"] == "registry.example/jek-kernel:7"
@@ -1021,12 +1052,16 @@ def test_helm_test_hook_passes_when_the_gateway_answers_and_names_what_does_not(
         )
         running = kube_runner.pod(namespace, hook)
         assert running is not None, (tested.stdout, tested.stderr)
-        return tested, running.log_path.read_text()
+        image = kube_runner.pod(namespace, f"{RELEASE}-test-kernel-image")
+        said = running.log_path.read_text()
+        return tested, said + ("" if image is None else image.log_path.read_text())
 
     try:
         tested, said = upgrade_then_test({})
         assert tested.returncode == 0, said + tested.stderr
         assert f"the gateway answers at {gateway.url}/api version" in said, said
+        # The kernel image's check (the runner runs this checkout) asked the gateway its version.
+        assert f"gateway handshake: gateway {__version__} accepts this agent" in said, said
         # The pod stays for `kubectl logs` until the next test run replaces it.
         assert release["core"].read_namespaced_pod(hook, namespace).status.phase == "Succeeded"
         # A Hub the gateway cannot reach (z2jh's policy without the label, a wrong apiUrl) fails the test
@@ -1231,3 +1266,14 @@ def test_warm_pods_reach_the_provisioner_and_the_schema_checks_them(tmp_path: Pa
     bad = values_args({"kernels": {"warmPods": {"whole": {"size": 1}}}}, tmp_path)
     refused = helm("template", "jupyter-elastic-kernels", str(CHART), *bad, check=False)
     assert refused.returncode != 0 and "size" in refused.stderr, refused.stderr
+
+
+def test_failed_kernel_pods_are_kept_for_kubectl_logs_by_default(tmp_path: Path) -> None:
+    from kernelmgr.kube.settings import KubeSettings
+
+    config = server_config(render({}, tmp_path))["ElasticKubernetesProvisioner"]
+    assert config["failed_pod_retention"] == KubeSettings().failed_pod_retention == 300
+    off = server_config(render({"kernels": {"failedPodRetention": 0}}, tmp_path))[
+        "ElasticKubernetesProvisioner"
+    ]
+    assert off["failed_pod_retention"] == 0

@@ -55,3 +55,36 @@ def test_watch_survives_bookmarks_and_renewals(
     problems = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
     assert problems == [], problems  # no disconnect, no re-list
     assert informer.lists == 1
+
+
+def test_a_pods_stop_is_when_the_watch_first_saw_it(kube_api: Any, kube_namespace: str) -> None:
+    """The kubelet ends a stopped pod with a second delete, with no grace period, once its
+    containers ended: that moves ``deletionTimestamp`` to then. When the stop began (a kernel's
+    SIGTERM checkpoint is newer than it: nothing was lost) is what the watch saw first."""
+    from kernelmgr.kube.pods import stop_began
+
+    core: Any = client.CoreV1Api(kube_api)
+    informer = PodInformer(kube_api, kube_namespace, "component=kernel").start()
+    try:
+        # Bound to a node with no kubelet: a graceful delete leaves it there, stopping.
+        core.create_namespaced_pod(
+            kube_namespace,
+            {**pending_pod("a"), "spec": {**pending_pod("a")["spec"], "nodeName": "no-kubelet"}},
+        )
+        asyncio.run(informer.wait_for("a", lambda pod: pod is not None, 30))
+        core.delete_namespaced_pod("p-a", kube_namespace, grace_period_seconds=60)
+        stopping = asyncio.run(
+            informer.wait_for("a", lambda pod: pod is not None and pod.metadata.deletion_timestamp, 30)
+        )
+        first = stop_began(stopping)
+        assert first is not None
+        # The kernel's work at SIGTERM takes seconds (timestamps have whole seconds).
+        time.sleep(max(0.0, first + 2 - time.time()))
+        core.delete_namespaced_pod("p-a", kube_namespace, grace_period_seconds=0)  # as the kubelet does
+        asyncio.run(informer.wait_for("a", lambda pod: pod is None, 30))
+        final = informer.last_deleted("a")
+        assert final is not None and final.metadata.deletion_grace_period_seconds == 0
+        assert stop_began(final) != first  # the final object says the stop began at its end
+        assert informer.stop_began("a", final) == first
+    finally:
+        informer.stop()

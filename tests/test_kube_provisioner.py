@@ -22,7 +22,7 @@ from kubernetes import client  # noqa: E402
 from kernelmgr.config import ElasticKernels, ElasticRuntime  # noqa: E402
 from kernelmgr.kube.cluster import KubeCluster  # noqa: E402
 from kernelmgr.kube.manifests import SIZE_ANNOTATION  # noqa: E402
-from tests.support.kernel_pods import INVENTORY, kernel_manager, make_runtime, pod_names  # noqa: E402
+from tests.support.kernel_pods import INVENTORY, kernel_manager, make_runtime, pod_names, secret_names  # noqa: E402
 from tests.support.node_runner import NodeRunner  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -169,6 +169,37 @@ IMPORT_ERROR = (
 )
 
 
+def kubelet_reports_a_crash(core: Any, namespace: str, patched: dict[str, Any]) -> None:
+    """Write the kernel pod's status as the kubelet of a node would when its container fails."""
+    from tests.support.kube import wait_for
+
+    pods = wait_for(lambda: core.list_namespaced_pod(namespace).items, 60, "the kernel pod")
+    pod = pods[0]
+    patched["policy"] = pod.spec.containers[0].termination_message_policy
+    patched["name"] = pod.metadata.name
+    terminated = {
+        "exitCode": 1,
+        "reason": "Error",
+        "message": "".join(f"line {n}\n" for n in range(30)) + IMPORT_ERROR,
+        "startedAt": "2026-01-01T00:00:00Z",
+        "finishedAt": "2026-01-01T00:00:01Z",
+    }
+    status = {
+        "phase": "Failed",
+        "containerStatuses": [
+            {
+                "name": "kernel",
+                "image": pod.spec.containers[0].image,
+                "imageID": "",
+                "ready": False,
+                "restartCount": 0,
+                "state": {"terminated": terminated},
+            }
+        ],
+    }
+    core.patch_namespaced_pod_status(pod.metadata.name, namespace, {"status": status})
+
+
 def test_failed_kernel_container_start_error_quotes_its_last_output(
     tmp_path: Path,
     kube_plane: ControlPlane,
@@ -177,11 +208,10 @@ def test_failed_kernel_container_start_error_quotes_its_last_output(
     runtime: ElasticRuntime,
     informers: KubeCluster,
 ) -> None:
-    """The pod is deleted when its start fails: its exit code and last log lines (the termination
-    message a kubelet writes with FallbackToLogsOnError) reach the start error instead."""
+    """Its exit code and last log lines (the termination message a kubelet writes with
+    FallbackToLogsOnError) reach the start error; with ``failed_pod_retention = 0`` the pod is
+    deleted at once."""
     import threading
-
-    from tests.support.kube import wait_for
 
     core = client.CoreV1Api(kube_api)
     # No node takes the pod: this test writes its status as the kubelet of a node would.
@@ -193,36 +223,10 @@ def test_failed_kernel_container_start_error_quotes_its_last_output(
         "one",
         node_selector={"elastic.test/no-such-node": "true"},
         launch_timeout=120.0,
+        failed_pod_retention=0,
     )
     patched: dict[str, Any] = {}
-
-    def kubelet_reports_the_crash() -> None:
-        pods = wait_for(lambda: core.list_namespaced_pod(kube_namespace).items, 60, "the kernel pod")
-        pod = pods[0]
-        patched["policy"] = pod.spec.containers[0].termination_message_policy
-        terminated = {
-            "exitCode": 1,
-            "reason": "Error",
-            "message": "".join(f"line {n}\n" for n in range(30)) + IMPORT_ERROR,
-            "startedAt": "2026-01-01T00:00:00Z",
-            "finishedAt": "2026-01-01T00:00:01Z",
-        }
-        status = {
-            "phase": "Failed",
-            "containerStatuses": [
-                {
-                    "name": "kernel",
-                    "image": pod.spec.containers[0].image,
-                    "imageID": "",
-                    "ready": False,
-                    "restartCount": 0,
-                    "state": {"terminated": terminated},
-                }
-            ],
-        }
-        core.patch_namespaced_pod_status(pod.metadata.name, kube_namespace, {"status": status})
-
-    reporter = threading.Thread(target=kubelet_reports_the_crash)
+    reporter = threading.Thread(target=kubelet_reports_a_crash, args=(core, kube_namespace, patched))
 
     async def scenario() -> None:
         reporter.start()
@@ -238,6 +242,64 @@ def test_failed_kernel_container_start_error_quotes_its_last_output(
     reporter.join(60)
     assert patched["policy"] == "FallbackToLogsOnError"
     assert pod_names(core, kube_namespace) == []
+
+
+def test_a_failed_kernel_pod_is_kept_for_kubectl_logs_then_deleted(
+    tmp_path: Path,
+    kube_plane: ControlPlane,
+    kube_api: Any,
+    kube_namespace: str,
+    runtime: ElasticRuntime,
+    informers: KubeCluster,
+) -> None:
+    """By default a pod that failed on its own stays ``failed_pod_retention`` seconds for ``kubectl
+    logs`` and ``describe``: out of the kernels (another label), its slice released at once, never
+    adopted; then the server deletes it."""
+    import threading
+
+    from kernelmgr.kube.failed_pods import DELETE_AFTER, FAILED_COMPONENT
+    from kernelmgr.kube.settings import KubeSettings
+    from tests.support.kube import wait_for
+
+    core = client.CoreV1Api(kube_api)
+    km = kernel_manager(
+        tmp_path,
+        kube_plane,
+        kube_namespace,
+        runtime,
+        "one",
+        node_selector={"elastic.test/no-such-node": "true"},
+        launch_timeout=120.0,
+        failed_pod_retention=4.0,
+    )
+    patched: dict[str, Any] = {}
+    reporter = threading.Thread(target=kubelet_reports_a_crash, args=(core, kube_namespace, patched))
+
+    async def scenario() -> None:
+        reporter.start()
+        with pytest.raises(RuntimeError, match="exited with code 1"):
+            await km.start_kernel()
+        assert runtime.allocator.slices() == []  # released at once, the pod kept or not
+        (kept,) = core.list_namespaced_pod(kube_namespace).items
+        assert kept.metadata.name == patched["name"]
+        assert kept.metadata.labels["component"] == FAILED_COMPONENT
+        assert DELETE_AFTER in kept.metadata.annotations
+        assert "No module named 'kernelmgr'" in kept.status.container_statuses[0].state.terminated.message
+        # No kernel: not in the kernels' watch, not found by a restarted server.
+        informer = informers.pod_informer(kube_namespace, str(kube_plane.admin_kubeconfig))
+        assert informer.get(kept.metadata.labels["kernel_id"]) is None
+        restarted = KubeCluster(KubeSettings(kubeconfig=str(kube_plane.admin_kubeconfig)))
+        try:
+            assert await restarted.find_kernel_pods(kube_namespace) == []
+        finally:
+            await asyncio.to_thread(restarted.stop)
+        await asyncio.to_thread(
+            wait_for, lambda: not core.list_namespaced_pod(kube_namespace).items, 60, "the kept pod to go"
+        )
+
+    asyncio.run(scenario())
+    reporter.join(60)
+    assert secret_names(core, kube_namespace) == []  # the connection key did not stay with it
 
 
 def test_informer_sees_pods_and_lists_again_after_410_gone(

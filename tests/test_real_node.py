@@ -251,10 +251,12 @@ def start_request(server: RunningServer, size: str) -> tuple[int, dict[str, Any]
 def test_a_kernel_that_fails_at_import_says_why_in_the_start_error(
     node: Node, core: Any, kube_plane: ControlPlane, kernel_image: str, tmp_path: Path
 ) -> None:
-    """The container's last log lines (its termination message) reach the user: its pod is gone."""
+    """The container's last log lines (its termination message) reach the user; the failed pod stays
+    a while for ``kubectl logs`` (out of the kernels), then the server deletes it."""
     config = server_config(kube_plane, kernel_image)
     # As a kernel image without the package: the kernel's command fails at its first import.
     config["ElasticKubernetesProvisioner"]["command"] = ["python", "-c", "import kernelmgr_not_in_this_image"]
+    config["ElasticKubernetesProvisioner"]["failed_pod_retention"] = 20
     server = start_server(tmp_path, config)
     try:
         specs = server.get("/api/kernelspecs")["kernelspecs"]
@@ -264,7 +266,12 @@ def test_a_kernel_that_fails_at_import_says_why_in_the_start_error(
         message = body.get("message", "")
         assert "exited with code 1; its last output:" in message, (message, server.log()[-3000:])
         assert "ModuleNotFoundError: No module named 'kernelmgr_not_in_this_image'" in message, message
-        wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the failed pod to be gone")
+        (kept,) = core.list_namespaced_pod(NAMESPACE).items
+        assert kept.metadata.labels["component"] == "kernel-failed", kept.metadata.labels
+        logs = core.read_namespaced_pod_log(kept.metadata.name, NAMESPACE)  # kubectl logs
+        assert "No module named 'kernelmgr_not_in_this_image'" in logs, logs
+        assert all(not d["slices"] for d in server.get("/api/elastic/gpus")["devices"])
+        wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the kept pod to be deleted")
     finally:
         server.stop()
 

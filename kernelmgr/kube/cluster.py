@@ -20,6 +20,7 @@ from typing import Any
 from kubernetes import client, config
 
 from kernelmgr.kube.access import ExplainedCoreV1Api
+from kernelmgr.kube.failed_pods import FailedPods
 from kernelmgr.kube.informer import Informer, PodInformer, without_managed_fields
 from kernelmgr.kube.manifests import (
     APP_SELECTOR,
@@ -48,6 +49,8 @@ class KubeCluster:
         self._namespaces: set[tuple[str, str]] = set()
         #: (kubeconfig, namespace, kind, name) of the DRA objects created (or found) by this server.
         self._side_objects: set[tuple[str, str, str, str]] = set()
+        #: Failed kernel pods kept for ``kubectl logs`` (ElasticKubernetesProvisioner.failed_pod_retention).
+        self.failed_pods = FailedPods(self.core, self.log)
 
     def _kubeconfig(self, kubeconfig: str | None) -> str:
         return self.settings.kubeconfig if kubeconfig is None else kubeconfig
@@ -267,6 +270,7 @@ class KubeCluster:
         """Stop every watch (server exit, tests); joins their threads: call it off the event loop."""
         for informer in [*self._informers.values(), *self._agent_informers.values()]:
             informer.stop()
+        self.failed_pods.stop()
         self._informers.clear()
         self._agent_informers.clear()
         self._namespaces.clear()

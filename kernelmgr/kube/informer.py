@@ -28,12 +28,14 @@ import contextlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes import client, watch
 
 from kernelmgr.kube.access import ExplainedCoreV1Api, KubeRefused
+from kernelmgr.kube.pods import stop_began
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +288,10 @@ class Informer:
                         del self._waiters[key]
 
 
+#: How many kernels' first stop times a pod watch remembers (the oldest are forgotten first).
+STOPS_REMEMBERED = 10_000
+
+
 class PodInformer(Informer):
     """A cache of the pods matching ``label_selector`` in ``namespace``, keyed by kernel id."""
 
@@ -301,9 +307,12 @@ class PodInformer(Informer):
         self.api = api
         self.namespace = namespace
         self.label_selector = label_selector
+        #: Per kernel id: (pod uid, when Kubernetes began stopping that pod, as first seen).
+        self._first_stops: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._stops_lock = threading.Lock()
         super().__init__(
             ExplainedCoreV1Api(api).list_namespaced_pod,
-            transform=without_managed_fields,
+            transform=self._seen_pod,
             key=_kernel_id,
             name=f"pod-{namespace}",
             list_args=(namespace,),
@@ -315,6 +324,36 @@ class PodInformer(Informer):
     def start(self) -> PodInformer:
         super().start()
         return self
+
+    def _seen_pod(self, pod: Any) -> Any:
+        """Every pod the watch brings: remember when its stop began, the first time it is seen."""
+        pod = without_managed_fields(pod)
+        began, kernel_id = stop_began(pod), _kernel_id(pod)
+        if began is not None and kernel_id is not None:
+            with self._stops_lock:
+                known = self._first_stops.get(kernel_id)
+                if known is None or known[0] != pod.metadata.uid:
+                    self._first_stops[kernel_id] = (pod.metadata.uid, began)
+                    self._first_stops.move_to_end(kernel_id)
+                    while len(self._first_stops) > STOPS_REMEMBERED:
+                        self._first_stops.popitem(last=False)
+        return pod
+
+    def stop_began(self, kernel_id: str, pod: Any) -> float | None:
+        """When Kubernetes began stopping ``pod`` (epoch seconds), as the watch first saw it.
+
+        A pod's own fields stop saying so once its containers ended: the kubelet then deletes it
+        with no grace period, which moves ``deletionTimestamp`` to that moment. A kernel that
+        checkpointed at SIGTERM did so before it, so only the first stop tells that the checkpoint
+        was written at the stop (:func:`kernelmgr.lifecycle.loss.saved_at_stop`).
+        """
+        if pod is None:
+            return None
+        with self._stops_lock:
+            known = self._first_stops.get(kernel_id)
+        if known is not None and known[0] == pod.metadata.uid:
+            return known[1]
+        return stop_began(pod)
 
     async def wait_for(self, kernel_id: str, predicate: Predicate, timeout: float) -> Any | None:
         """Wait until ``predicate(pod or None)`` holds for the kernel's cached pod; return that pod.

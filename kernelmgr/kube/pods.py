@@ -61,6 +61,16 @@ def finished(pod: Any) -> bool:
     return pod is None or (pod.status is not None and pod.status.phase in ("Succeeded", "Failed"))
 
 
+def failed_on_its_own(pod: Any) -> bool:
+    """Ended with an error (phase ``Failed``) and not being deleted: what a kept pod shows."""
+    return (
+        pod is not None
+        and pod.status is not None
+        and pod.status.phase == "Failed"
+        and (pod.metadata.deletion_timestamp is None)
+    )
+
+
 def evicted(pod: Any) -> bool:
     """Being deleted without us asking (an eviction, a node drained or lost): the kernel is going."""
     return pod is not None and pod.metadata.deletion_timestamp is not None

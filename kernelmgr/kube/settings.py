@@ -15,6 +15,7 @@ from typing import Any
 from traitlets import Bool, Dict, Float, Integer, List, TraitError, Unicode, validate
 from traitlets.config import LoggingConfigurable
 
+from kernelmgr import __version__
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.kube.manifests import (
     CONNECTION_FILE,
@@ -26,6 +27,9 @@ from kernelmgr.kube.manifests import (
 )
 from kernelmgr.kube.node_agents import DEFAULT_INSTANCE
 from kernelmgr.nodeagent import DEFAULT_PORT as NODE_AGENT_PORT
+
+#: The project's kernel image at this version (scripts/images.sh builds it; the chart's default).
+KERNEL_IMAGE = f"jupyter-elastic-kernels-kernel:{__version__}"
 
 #: The section users (and the Helm chart) write the settings under.
 SECTION = "ElasticKubernetesProvisioner"
@@ -118,7 +122,12 @@ class KubeSettings(LoggingConfigurable):
     kubeconfig = Unicode(
         "", config=True, help="Kubeconfig file; empty: in-cluster configuration, else the default kubeconfig."
     )
-    image = Unicode("quay.io/jupyter/scipy-notebook:latest", config=True, help="Kernel image.")
+    image = Unicode(
+        KERNEL_IMAGE,
+        config=True,
+        help="Kernel image: one with this package at the server's version (docs/images.md). The "
+        "default is the project's kernel image (images/kernel/Containerfile), as the chart's default.",
+    )
     command = List(
         Unicode(),
         default_value=[
@@ -177,6 +186,16 @@ class KubeSettings(LoggingConfigurable):
     )
     kernel_home = Unicode(
         "/home/kernel", config=True, help="HOME of the kernel: a writable emptyDir mounted there."
+    )
+    failed_pod_retention = Float(
+        300.0,
+        min=0,
+        config=True,
+        help="""Seconds a kernel pod that failed on its own (a container that exited with an error,
+        OOMKilled ...) is kept for ``kubectl logs`` and ``kubectl describe`` before it is deleted; 0
+        deletes it at once. A kept pod leaves the kernels' watch (label component=kernel-failed):
+        it holds no slice, is no kernel, is never adopted, and the kernel's next pod gets another
+        name.""",
     )
     launch_timeout = Float(300.0, config=True, help="Seconds until a pod must be Running.")
     stop_timeout = Float(60.0, config=True, help="Seconds to wait for a deleted pod to be gone.")

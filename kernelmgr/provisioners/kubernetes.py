@@ -59,10 +59,10 @@ from kernelmgr.kube.pods import (
     FoundKernel,
     evicted,
     exit_code,
+    failed_on_its_own,
     finished,
     loss,
     pod_failure,
-    stop_began,
     stopping_gracefully,
 )
 from kernelmgr.kube.settings import KubeSettings
@@ -110,6 +110,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         self._warm: Any = None
         #: The uid of the last pod whose unasked failure was logged (once per pod, not per poll).
         self._failure_logged: str | None = None
+        #: Names of this kernel's failed pods kept for ``kubectl logs`` (failed_pod_retention).
+        self._kept_pods: set[str] = set()
         #: The hand-off to (and checkpoints from) the warm pod this kernel's pod was.
         self.warm = WarmHandoff(self)
 
@@ -163,7 +165,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         self._stopping = False
-        self._pod_name = f"kernel-{self.kernel_id}"
+        self._pod_name = self._new_pod_name()
         self.warm.reset()
         runtime = self.runtime
         kernelspec_name = getattr(self.parent, "kernel_name", "") or ""
@@ -312,7 +314,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
                 with contextlib.suppress(client.ApiException, TimeoutError):
                     await self._delete_pod(grace=0, wait=True)
                 self._record.launch_path = "cold"
-                self._pod_name = f"kernel-{self.kernel_id}"
+                self._pod_name = self._new_pod_name()
                 self._launched = self._stopping = False
                 self.warm.reset()
             else:
@@ -396,7 +398,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             return None
         if record is not None and record.stop_began is None:
             # A pod deleted between two polls: its last state tells.
-            began = stop_began(pod if pod is not None else self.informer.last_deleted(self.kernel_id))
+            last = pod if pod is not None else self.informer.last_deleted(self.kernel_id)
+            began = self.informer.stop_began(self.kernel_id, last)
             runtime.states.stop_seen(record, began)
         if not self._stopping and stopping_gracefully(pod, dt.datetime.now(dt.timezone.utc)):
             # Stopped by Kubernetes: the kernel checkpoints itself within its grace period; the
@@ -473,8 +476,35 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
     async def terminate(self, restart: bool = False) -> None:
         await self._delete_pod(grace=None, wait=True)
 
+    def _new_pod_name(self) -> str:
+        """``kernel-<id>``, or another name while a failed pod of this kernel is kept under it."""
+        name, n = f"kernel-{self.kernel_id}", 0
+        while name in self._kept_pods:
+            n += 1
+            name = f"kernel-{self.kernel_id}-{n}"
+        return name
+
+    async def _keep_if_failed(self) -> bool:
+        """The pod failed on its own (not asked to stop): keep it ``failed_pod_retention`` seconds
+        for ``kubectl logs`` instead of deleting it (:mod:`kernelmgr.kube.failed_pods`). It leaves
+        the kernels' watch at once, so for the kernel it is gone."""
+        pod = self.informer.get(self.kernel_id)
+        if self._stopping or self.failed_pod_retention <= 0 or not failed_on_its_own(pod):
+            return False
+        if pod is None or pod.metadata.name != self._pod_name:
+            return False
+        if not await self.cluster.failed_pods.keep(pod, self.failed_pod_retention, self.kubeconfig):
+            return False
+        self._kept_pods.add(self._pod_name)
+        return True
+
     async def _delete_pod(self, grace: int | None, wait: bool) -> None:
         if not self._launched:
+            return
+        if await self._keep_if_failed():
+            self._stopping = True
+            if wait:
+                await self.informer.wait_for(self.kernel_id, lambda pod: pod is None, self.stop_timeout)
             return
         self._stopping = True
         try:

@@ -75,6 +75,10 @@ async def adopt_kernel_pods(mkm: PodAdopter) -> list[str]:
             found += await cluster.find_kernel_pods(namespace)
         except Exception as exc:
             mkm.log.error("Could not look for kernel pods to adopt in %s: %s", namespace, exc)
+        try:  # the failed pods a previous server kept for `kubectl logs`: deleted when their time is up
+            await cluster.failed_pods.sweep(namespace)
+        except Exception as exc:
+            mkm.log.warning("Could not look for kept failed pods in %s: %s", namespace, exc)
     runtime = mkm.elastic_runtime
     assert runtime is not None
     previous = set(hibernator.records) | set(hibernator.deferred)

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jupyter_server.auth.decorator import authorized
+from jupyter_server.auth.decorator import allow_unauthenticated, authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.services.sessions.handlers import SessionRootHandler
 from tornado import web
 
+from kernelmgr.checkpoint.version import agent_info
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.server.errors import gateway_refusal, http_error, no_such_kernel
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
@@ -218,6 +219,16 @@ class MeHandler(ElasticHandler):
         )
 
 
+class VersionHandler(ElasticHandler):
+    """This server's package version and checkpoint format (what it accepts of a kernel's agent,
+    :mod:`kernelmgr.checkpoint.version`), for ``python -m kernelmgr.image_check --gateway URL`` in a
+    kernel image (the chart's ``helm test``). Open like jupyter_server's ``/api``: versions only."""
+
+    @allow_unauthenticated
+    async def get(self) -> None:
+        self.write_json(agent_info())
+
+
 class SessionsPreflightHandler(SessionRootHandler):
     """``POST /api/sessions`` with the GPU-size check done first.
 
@@ -296,4 +307,5 @@ def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:
         (rf"/api/elastic/kernels/{_KERNEL_ID}/activity", ActivityHandler),
         (r"/api/elastic/me", MeHandler),
         (r"/api/elastic/queue", QueueHandler),
+        (r"/api/elastic/version", VersionHandler),
     ]

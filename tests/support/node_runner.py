@@ -31,8 +31,9 @@ A mount's ``subPath`` is a sub-folder of the volume's folder. ``readOnly`` is no
 
 Images are not pulled: ``command_map`` maps a command's first word to a local program (by default
 ``python``/``python3`` to this interpreter), standing in for what the image would have. The process's
-environment is the pod's env on top of a small base (``PATH``, ``HOME``, ``LANG``, and ``base_env``), not
-the test's environment, so a kernel sees what a container would.
+environment is the pod's env on top of a small base (``PATH``, ``HOME``, ``LANG``, ``PYTHONPATH`` so
+that the image's package is the tested checkout's, and ``base_env``), not the test's environment, so a
+kernel sees what a container would.
 
 Failures a provisioner must explain: an image listed in ``unpullable_images`` leaves the container
 Waiting with ``ErrImagePull`` and a ``Failed`` Event on the pod, as a kubelet reports it; ``crash()`` kills
@@ -570,7 +571,7 @@ class NodeRunner:
             self._spawn(running)
 
     def _base_env(self, root: Path) -> dict[str, str]:
-        env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "TZ") if k in os.environ}
+        env = {k: os.environ[k] for k in ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH") if k in os.environ}
         home = root / "home"
         home.mkdir(exist_ok=True)
         env["HOME"] = str(home)

@@ -8,11 +8,11 @@ instances), shared references, deleted names, and what ``%who`` lists.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Protocol
 
 from jupyter_client.manager import start_new_kernel
 
-from tests.support.server import RunningServer
+from tests.support.server import KernelChannel
 
 SETUP = """
 import numpy as np
@@ -29,13 +29,17 @@ class K:
 k = K("kv")
 """
 
+# The same without numpy, for kernels in an image that has only the package (the real node's).
+PLAIN_SETUP = SETUP.replace("import numpy as np\n", "").replace("np.arange(10)", "list(range(10))")
 
-def cycle_cell(n: int) -> str:
-    """What the user does between hibernations ``n-1`` and ``n``: add, change, delete."""
+
+def cycle_cell(n: int, plain: bool = False) -> str:
+    """What the user does between hibernations ``n-1`` and ``n``: add, change, delete
+    (``plain``: lists instead of numpy arrays, after :data:`PLAIN_SETUP`)."""
     lines = [
-        f"t{n} = np.full(3, {n})",
+        f"t{n} = [{n}] * 3" if plain else f"t{n} = np.full(3, {n})",
         f"shared.append({n})",
-        "a = a + 1",
+        "a = [v + 1 for v in a]" if plain else "a = a + 1",
         f"def g{n}():\n    return [{n}, x if 'x' in globals() else None]",
         f"class C{n}:\n    tag = {n}",
         f"k.value += '{n}'",
@@ -109,17 +113,27 @@ class Reference:
         self.km.shutdown_kernel(now=True)
 
 
-def run_both(server: RunningServer, kernel_id: str, reference: Reference, code: str) -> tuple[str, str]:
+class Server(Protocol):
+    """Where the elastic kernel runs: a test server (``RunningServer``) or a gateway pod."""
+
+    def channel(self, kernel_id: str, timeout: float = ...) -> KernelChannel: ...
+
+    def execute(self, kernel_id: str, code: str, timeout: float = ...) -> str: ...
+
+
+def run_both(
+    server: Server, kernel_id: str, reference: Reference, code: str, timeout: float = 120
+) -> tuple[str, str]:
     """Run ``code`` in both kernels; return the elastic kernel's restore report (if any) and stdout."""
-    with server.channel(kernel_id, timeout=120) as chan:
-        result = chan.execute(code, timeout=120)
+    with server.channel(kernel_id, timeout=timeout) as chan:
+        result = chan.execute(code, timeout=timeout)
     assert result.error == "", result.error
     reference.run(code)
     return " ".join(result.displays), result.stdout
 
 
-def check_same(server: RunningServer, kernel_id: str, reference: Reference) -> dict[str, Any]:
-    got = json.loads(server.execute(kernel_id, reference.digest, timeout=120))
+def check_same(server: Server, kernel_id: str, reference: Reference, timeout: float = 120) -> dict[str, Any]:
+    got = json.loads(server.execute(kernel_id, reference.digest, timeout=timeout))
     want = json.loads(reference.run(reference.digest))
     assert got == want
     return dict(got)

@@ -193,6 +193,7 @@ items:
   "launch_timeout" $v.kernels.launchTimeout
   "first_port" $v.kernels.firstPort
   "stop_grace_seconds" $v.kernels.stopGraceSeconds
+  "failed_pod_retention" $v.kernels.failedPodRetention
   "checkpoint_claim" (include "jek.claimName" .)
   "node_agent_port" $v.nodeAgent.port
   "node_agent_instance" .Release.Name
