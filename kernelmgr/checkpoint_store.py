@@ -395,17 +395,21 @@ class CheckpointStore:
     def remove(self, owner: str, kernel_id: str) -> None:
         """Delete the kernel directory, quarantine included (the kernel is gone for good).
 
-        A kernel folder that is a link is removed as a link: what it points at stays.
+        A kernel folder that is a link is removed as a link: what it points at stays. The owner's
+        directory stays, even empty: a kernel pod of the same owner may be mounting it as a
+        sub-path right now, and a kubelet that finds it gone creates it as root, which the kernel
+        (and the server) then cannot write to.
         """
         self.forget_cached(owner, kernel_id)
         owner = _check_component("owner", owner)
         kernel_id = _check_component("kernel id", kernel_id)
         try:
-            with SafeDir.open(self.root) as root, root.subdir(owner) as owner_dir:
-                with contextlib.suppress(FileNotFoundError):
-                    owner_dir.remove(kernel_id)
-                with contextlib.suppress(OSError):
-                    os.rmdir(owner, dir_fd=root.fd)  # the owner directory, once it is empty
+            with (
+                SafeDir.open(self.root) as root,
+                root.subdir(owner) as owner_dir,
+                contextlib.suppress(FileNotFoundError),
+            ):
+                owner_dir.remove(kernel_id)
         except FileNotFoundError:
             return
 
