@@ -7,7 +7,7 @@ the installed releases; ``.ci/pins.sh lowest|newest`` runs it, with the server t
 of each range.
 
 Checked against (the lowest and newest releases each range allowed on 2026-11-26):
-jupyter_server 2.15.0 and 2.21.1, jupyter_client 8.3.0 and 8.10.0, jupyterhub 5.0.0 and 6.1.1.
+jupyter_server 2.13.0 and 2.21.1, jupyter_client 8.3.0 and 8.10.0, jupyterhub 5.0.0 and 6.1.1.
 
 No Jupyter import here: ``lifecycle/`` uses it and must not import jupyter_server.
 """
