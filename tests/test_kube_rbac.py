@@ -155,7 +155,12 @@ def test_kernel_runs_with_only_the_shipped_rbac(
             client.CoreV1Api(limited).read_namespaced_secret("anything", kube_namespace)  # no get
         assert refused.value.status == 403
         with pytest.raises(client.ApiException) as refused:
-            client.CoreV1Api(limited).list_namespaced_pod("default")  # not a kernel namespace
+            # Not a kernel namespace: no pod may be made there. (Listing pods everywhere is allowed:
+            # the GPUs of pods that are not kernels are counted, kube/other_gpu_pods.py.)
+            client.CoreV1Api(limited).create_namespaced_pod(
+                "default",
+                {"metadata": {"name": "not-here"}, "spec": {"containers": [{"name": "c", "image": "x"}]}},
+            )
         assert refused.value.status == 403
     km = kernel_manager(tmp_path, kube_plane, kube_namespace, runtime, "one", kubeconfig=str(kubeconfig))
 
