@@ -210,3 +210,119 @@ def test_settings_read_the_documented_section_and_their_own() -> None:
     spec = KernelSpec(argv=["python"], display_name="k", language="python")
     provisioner = ElasticKubernetesProvisioner(kernel_id="k", kernel_spec=spec, config=config, image="spec:1")
     assert (provisioner.image, provisioner.first_port, provisioner.namespace) == ("spec:1", 41000, "kernels")
+
+
+# ---- per-size pod settings and the pod patch (issue 28)
+
+
+def test_a_sizes_pod_settings_apply_to_its_pods_only() -> None:
+    settings = KubeSettings(
+        node_selector={"pool": "gpu"},
+        tolerations=[{"key": "gpu", "operator": "Exists"}],
+        size_pod_settings={
+            "one": {
+                "image": "registry/torch:2",
+                "nodeSelector": {"gpu-model": "a100"},
+                "tolerations": [{"key": "a100", "operator": "Exists"}],
+                "priorityClassName": "kernels",
+                "runtimeClassName": "nvidia",
+                "imagePullSecrets": ["pull", {"name": "other"}],
+                "affinity": {"podAntiAffinity": {}},
+                "shmSize": "4Gi",
+                "ephemeralStorage": "20Gi",
+            }
+        },
+    )
+    template = settings.pod_template()
+    pod = kernel_pod(template)
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    assert container["image"] == "registry/torch:2"
+    assert spec["nodeSelector"] == {"pool": "gpu", "gpu-model": "a100"}
+    keys = [t["key"] for t in spec["tolerations"]]
+    assert keys[:2] == ["gpu", "a100"]
+    assert spec["priorityClassName"] == "kernels" and spec["runtimeClassName"] == "nvidia"
+    assert spec["imagePullSecrets"] == [{"name": "pull"}, {"name": "other"}]
+    assert spec["affinity"] == {"podAntiAffinity": {}}
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}} in spec["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert container["resources"]["limits"]["ephemeral-storage"] == "20Gi"
+    # A CPU kernel's pod and another size's have none of it.
+    for other in (
+        kernel_pod(template, profile=None),
+        kernel_pod(template, parse_profile("two", {"gpu_fraction": 1})),
+    ):
+        assert other["spec"]["containers"][0]["image"] == settings.image
+        assert other["spec"]["nodeSelector"] == {"pool": "gpu"}
+        assert not {"priorityClassName", "runtimeClassName", "imagePullSecrets", "affinity"} & set(
+            other["spec"]
+        )
+        assert all(v["name"] != "dshm" for v in other["spec"]["volumes"])
+
+
+def test_a_sizes_resources_replace_the_defaults_and_can_be_guaranteed() -> None:
+    guaranteed = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "2", "memory": "8Gi"}}
+    template = KubeSettings(size_pod_settings={"one": {"resources": guaranteed}}).pod_template()
+    assert kernel_pod(template)["spec"]["containers"][0]["resources"] == {
+        "requests": {"cpu": "2", "memory": "8Gi"},  # the API server sets the GPU's request to its limit
+        "limits": {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": "1"},
+    }
+
+
+def test_the_pod_patch_merges_last_by_strategic_merge_rules() -> None:
+    patch = {
+        "metadata": {"labels": {"team": "ml"}},
+        "spec": {
+            "dnsPolicy": "None",
+            "terminationGracePeriodSeconds": None,
+            "containers": [
+                {"name": "kernel", "env": [{"name": "OMP_NUM_THREADS", "value": "4"}], "workingDir": "/work"},
+                {"name": "sidecar", "image": "busybox"},
+            ],
+            "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}],
+        },
+    }
+    pod = kernel_pod(KubeSettings(pod_patch=patch).pod_template())
+    spec = pod["spec"]
+    assert pod["metadata"]["labels"]["team"] == "ml" and pod["metadata"]["labels"][KERNEL_ID_LABEL] == "k-1"
+    assert spec["dnsPolicy"] == "None" and "terminationGracePeriodSeconds" not in spec
+    kernel, sidecar = spec["containers"]
+    assert sidecar == {"name": "sidecar", "image": "busybox"}
+    assert kernel["workingDir"] == "/work" and env_of(pod)["OMP_NUM_THREADS"] == "4"
+    assert env_of(pod)["ELASTIC_CHECKPOINT_DIR"] == f"{CHECKPOINT_MOUNT}/k-1"  # merged, not replaced
+    assert kernel["resources"]["limits"]["nvidia.com/gpu"] == "1"  # after the slice's fragment
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}} in spec["volumes"]
+    # The patch cannot widen the slice either.
+    bad = {
+        "spec": {
+            "containers": [{"name": "kernel", "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "all"}]}]
+        }
+    }
+    with pytest.raises(ConfigError, match="may not set CUDA_VISIBLE_DEVICES"):
+        kernel_pod(KubeSettings(pod_patch=bad).pod_template())
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"size_pod_settings": {"one": {"gpus": 2}}}, "size_pod_settings['one'].gpus: unknown key"),
+        ({"size_pod_settings": {"one": {"shmSize": "lots"}}}, "size_pod_settings['one'].shmSize"),
+        ({"size_pod_settings": {"one": {"nodeSelector": {"a": 1}}}}, "size_pod_settings['one'].nodeSelector"),
+        (
+            {"size_pod_settings": {"one": {"resources": {"limits": {"nvidia.com/gpu": "2"}}}}},
+            "size_pod_settings['one'].resources.limits.nvidia.com/gpu",
+        ),
+        ({"pod_patch": {"status": {}}}, "only metadata and spec"),
+    ],
+)
+def test_bad_pod_settings_are_refused_naming_the_size_and_key(setting: dict[str, Any], named: str) -> None:
+    from traitlets import TraitError
+
+    with pytest.raises(TraitError) as raised:
+        KubeSettings(**setting)
+    assert named in str(raised.value)
+
+
+def test_pod_settings_for_an_unknown_size_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"size_pod_settings names unknown GPU sizes \['big'\]"):
+        KubeSettings(size_pod_settings={"big": {"image": "x"}}).check_sizes(["one"])

@@ -8,6 +8,7 @@ the checkpoint claim's sub-path, checked on disk) and pass it in; the API server
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from kernelmgr.backends.kubernetes import render_pod_fragment
 from kernelmgr.checkpoint.keys import encode_key
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.profiles import GpuProfile
+from kernelmgr.kube.pod_settings import SHM_MOUNT, SHM_VOLUME, pull_secrets, strategic_merge
 from kernelmgr.kube.warm_pod import ENV_CHECKPOINTS, ENV_TOKEN_FILE
 
 APP_LABELS = {"app.kubernetes.io/name": "jupyter-elastic-kernels", "component": "kernel"}
@@ -84,6 +86,10 @@ class PodTemplate:
     cpu_resources: Mapping[str, Any] = field(default_factory=dict)
     gpu_resources: Mapping[str, Any] = field(default_factory=dict)
     size_resources: Mapping[str, Any] = field(default_factory=dict)
+    #: Per GPU size: image, resources, placement, /dev/shm... (:mod:`kernelmgr.kube.pod_settings`).
+    size_pods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Strategic-merge patch applied last to every kernel and warm pod.
+    pod_patch: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def warm_pod_port(self) -> int:
@@ -93,7 +99,16 @@ class PodTemplate:
     def resources(self, size: str | None) -> dict[str, Any]:
         """The kernel container's requests/limits before the size's GPU resources are added."""
         chosen = self.cpu_resources if size is None else self.size_resources.get(size, self.gpu_resources)
-        return {kind: dict(values) for kind, values in chosen.items() if values}
+        own = self.size_settings(size)
+        chosen = own.get("resources", chosen)
+        resources = {kind: dict(values) for kind, values in chosen.items() if values}
+        if "ephemeralStorage" in own:
+            resources.setdefault("limits", {})["ephemeral-storage"] = own["ephemeralStorage"]
+        return resources
+
+    def size_settings(self, size: str | None) -> Mapping[str, Any]:
+        """The pod settings of ``size`` (none for CPU kernels: the global ones and pod_patch)."""
+        return self.size_pods.get(size, {}) if size is not None else {}
 
 
 def make_kernel_pod(
@@ -177,9 +192,10 @@ def checkpoint_sub_path(claim_path: str, owner_dir: str) -> str:
     return f"{prefix}/{owner_dir}" if prefix else owner_dir
 
 
-def tolerations(template: PodTemplate) -> list[dict[str, Any]]:
-    """The configured tolerations, plus how long to wait for a node that stopped answering."""
-    chosen = [dict(t) for t in template.tolerations]
+def tolerations(template: PodTemplate, own: Any = ()) -> list[dict[str, Any]]:
+    """The configured tolerations (global, then the size's ``own``), plus how long to wait for a
+    node that stopped answering."""
+    chosen = [dict(t) for t in (*template.tolerations, *own)]
     for taint in NODE_LOST_TAINTS:
         if not any(t.get("key") == taint for t in chosen):
             chosen.append(
@@ -214,6 +230,7 @@ def _pod(
     env += [{"name": "HOME", "value": template.kernel_home}, {"name": "TMPDIR", "value": TMP_MOUNT}]
     env += [{"name": k, "value": v} for k, v in own_env.items()]
     user = template.run_as_user
+    own = template.size_settings(profile.name if profile is not None else None)
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": template.stop_grace_seconds,
@@ -228,7 +245,7 @@ def _pod(
         "containers": [
             {
                 "name": "kernel",
-                "image": template.image,
+                "image": own.get("image", template.image),
                 "command": cmd,
                 # A kernel that fails (exits non-zero) leaves its last log lines in its status, where
                 # the start error quotes them: its pod is deleted at once, and `kubectl logs` with it.
@@ -261,11 +278,24 @@ def _pod(
             {"name": "tmp", "emptyDir": {}},
         ],
     }
+    if "shmSize" in own:
+        # 64 MiB by default: a DataLoader with workers dies with a bus error.
+        spec["volumes"].append(
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": own["shmSize"]}}
+        )
+        spec["containers"][0]["volumeMounts"].append({"name": SHM_VOLUME, "mountPath": SHM_MOUNT})
     if template.service_account:
         spec["serviceAccountName"] = template.service_account
-    if template.node_selector:
-        spec["nodeSelector"] = dict(template.node_selector)
-    spec["tolerations"] = tolerations(template)
+    # A size's node selector and tolerations add to the global ones (its own keys win).
+    node_selector = {**template.node_selector, **own.get("nodeSelector", {})}
+    if node_selector:
+        spec["nodeSelector"] = node_selector
+    spec["tolerations"] = tolerations(template, own.get("tolerations", ()))
+    for key in ("priorityClassName", "runtimeClassName", "affinity"):
+        if key in own:
+            spec[key] = copy.deepcopy(own[key])
+    if "imagePullSecrets" in own:
+        spec["imagePullSecrets"] = pull_secrets(own["imagePullSecrets"])
     pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -277,6 +307,8 @@ def _pod(
         fragment = render_pod_fragment(profile, fragment_id)
         pod = fragment.apply_to(pod)
         slice_env = set(fragment.env)  # the slice backend's own limits (MPS) may set CUDA_*
+    if template.pod_patch:
+        pod = strategic_merge(pod, template.pod_patch)
     named = {e["name"] for c in pod["spec"]["containers"] for e in c.get("env") or []}
     refusal = slice_env_refusal(named - slice_env, f"the pod {name}")
     if refusal is not None:

@@ -25,6 +25,7 @@ from kernelmgr.kube.manifests import (
     slice_env_refusal,
 )
 from kernelmgr.kube.node_agents import DEFAULT_INSTANCE
+from kernelmgr.kube.pod_settings import pod_patch_refusal, size_pod_settings_refusal
 from kernelmgr.nodeagent import DEFAULT_PORT as NODE_AGENT_PORT
 
 #: The section users (and the Helm chart) write the settings under.
@@ -251,6 +252,50 @@ class KubeSettings(LoggingConfigurable):
         {"whole": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "64Gi"}}}.""",
     )
 
+    size_pod_settings = Dict(
+        config=True,
+        help="""Per GPU size, pod settings (pod spec names): image, resources (requests/limits of cpu,
+        memory, ephemeral-storage; replaces `resources`/size_resources; requests = limits gives
+        Guaranteed QoS), priorityClassName, nodeSelector and tolerations (added to node_selector /
+        tolerations), affinity, runtimeClassName, imagePullSecrets (names), shmSize (a memory-backed
+        emptyDir at /dev/shm: PyTorch DataLoader workers need more than the runtime's 64 MiB; it counts
+        towards the memory limit) and ephemeralStorage (the container's ephemeral-storage limit), e.g.
+        {"a100": {"image": "registry/torch:2", "nodeSelector": {"gpu": "a100"}, "shmSize": "8Gi"}}.
+        The API server checks each size's pod at start-up (a dry-run; see validate_pods_at_start).""",
+    )
+    pod_patch = Dict(
+        config=True,
+        help="""A strategic-merge patch ({"metadata": {...}, "spec": {...}}) applied last to every kernel
+        and warm pod, for what no setting covers (topologySpreadConstraints, dnsConfig, an extra volume
+        or sidecar...): maps merge, null removes a key, containers/volumes/env merge by name, other
+        lists replace. Kernel pods must still pass the namespace's Pod Security level.""",
+    )
+    validate_pods_at_start = Bool(
+        True,
+        config=True,
+        help="""At start-up, send a CPU kernel's pod and each GPU size's pod to the API server as a
+        dry-run create in `namespace`: a value it refuses (a missing PriorityClass or RuntimeClass, an
+        unknown field in pod_patch, Pod Security) stops the server with one line naming the size and
+        the field. Skipped, with a warning, when the namespace does not exist yet or the API server
+        cannot be reached.""",
+    )
+
+    @validate("size_pod_settings")
+    def _check_size_pod_settings(self, proposal: Any) -> dict[str, Any]:
+        for size, raw in proposal["value"].items():
+            where = f"ElasticKubernetesProvisioner.size_pod_settings[{size!r}]"
+            refusal = size_pod_settings_refusal(raw, where, pod_resources_refusal)
+            if refusal is not None:
+                raise TraitError(refusal)
+        return dict(proposal["value"])
+
+    @validate("pod_patch")
+    def _check_pod_patch(self, proposal: Any) -> dict[str, Any]:
+        refusal = pod_patch_refusal(proposal["value"], "ElasticKubernetesProvisioner.pod_patch")
+        if refusal is not None:
+            raise TraitError(refusal)
+        return dict(proposal["value"])
+
     @validate("cpu_kernel_resources", "resources")
     def _check_resources(self, proposal: Any) -> dict[str, Any]:
         refusal = pod_resources_refusal(
@@ -269,13 +314,15 @@ class KubeSettings(LoggingConfigurable):
         return dict(proposal["value"])
 
     def check_sizes(self, sizes: list[str]) -> None:
-        """Refuse (ConfigError, at server start) size_resources naming a size that does not exist."""
-        unknown = sorted(set(self.size_resources) - set(sizes))
-        if unknown:
-            raise ConfigError(
-                f"ElasticKubernetesProvisioner.size_resources names unknown GPU sizes {unknown}; "
-                f"sizes: {', '.join(sizes) or 'none'}"
-            )
+        """Refuse (ConfigError, at server start) size_resources or size_pod_settings naming a size
+        that does not exist."""
+        for trait in ("size_resources", "size_pod_settings"):
+            unknown = sorted(set(getattr(self, trait)) - set(sizes))
+            if unknown:
+                raise ConfigError(
+                    f"ElasticKubernetesProvisioner.{trait} names unknown GPU sizes {unknown}; "
+                    f"sizes: {', '.join(sizes) or 'none'}"
+                )
 
     def pod_resources(self, size: str | None) -> dict[str, Any]:
         """The kernel container's requests/limits before the size's GPU resources are added."""
@@ -325,4 +372,6 @@ class KubeSettings(LoggingConfigurable):
             cpu_resources=dict(self.cpu_kernel_resources),
             gpu_resources=dict(self.resources),
             size_resources=dict(self.size_resources),
+            size_pods={size: dict(own) for size, own in self.size_pod_settings.items()},
+            pod_patch=dict(self.pod_patch),
         )

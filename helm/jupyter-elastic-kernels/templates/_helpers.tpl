@@ -199,6 +199,9 @@ items:
   "cpu_kernel_resources" $v.kernels.cpuResources
   "resources" $v.kernels.resources
   "size_resources" $v.kernels.sizeResources
+  "size_pod_settings" $v.kernels.sizePodSettings
+  "pod_patch" $v.kernels.podPatch
+  "validate_pods_at_start" $v.kernels.validatePodsAtStart
   "warm_pods" $v.kernels.warmPods -}}
 {{- if $v.nodeAgent.enabled }}
 {{- $_ := set $provisioner "node_agent_token_file" (printf "%s/token" (include "jek.agentTokenDir" .)) -}}
