@@ -141,6 +141,8 @@ def test_lint_strict() -> None:
         ({"kernels": {"sizePodSettings": {"whole": {"gpus": 2}}}}, "gpus"),
         ({"kernels": {"sizePodSettings": {"whole": {"shmSize": "lots"}}}}, "shmSize"),
         ({"kernels": {"podPatch": {"status": {}}}}, "status"),
+        ({"kernels": {"userVolumes": [{"name": "home", "mountPath": "/home/jovyan"}]}}, "userVolumes"),
+        ({"kernels": {"homeAccessMode": "ReadWriteSometimes"}}, "homeAccessMode"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(values: dict[str, Any], named: str, tmp_path: Path) -> None:
@@ -629,6 +631,22 @@ def test_size_pod_settings_and_the_pod_patch_reach_the_provisioner(tmp_path: Pat
     assert config["validate_pods_at_start"] is False
     # The provisioner accepts what the chart renders.
     settings = KubeSettings(size_pod_settings=config["size_pod_settings"], pod_patch=config["pod_patch"])
+    settings.check_sizes(["whole"])
+
+
+def test_user_volumes_reach_the_provisioner(tmp_path: Path) -> None:
+    from kernelmgr.kube.settings import KubeSettings
+
+    home = {"name": "home", "claimName": "claim-{owner}", "mountPath": "/home/jovyan"}
+    values = {"kernels": {"userVolumes": [home], "homeVolume": "home", "homeAccessMode": "ReadWriteOnce"}}
+    config = server_config(render(values, tmp_path))["ElasticKubernetesProvisioner"]
+    assert config["user_volumes"] == [home] and config["home_volume"] == "home"
+    assert config["notebook_root"] == "/home/jovyan" and config["home_access_mode"] == "ReadWriteOnce"
+    assert config["user_pod_selector"] == {
+        "component": "singleuser-server",
+        "hub.jupyter.org/username": "{owner}",
+    }
+    settings = KubeSettings(**{k: config[k] for k in ("user_volumes", "home_volume", "home_access_mode")})
     settings.check_sizes(["whole"])
 
 

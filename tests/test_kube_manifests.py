@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -326,3 +327,150 @@ def test_bad_pod_settings_are_refused_naming_the_size_and_key(setting: dict[str,
 def test_pod_settings_for_an_unknown_size_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"size_pod_settings names unknown GPU sizes \['big'\]"):
         KubeSettings(size_pod_settings={"big": {"image": "x"}}).check_sizes(["one"])
+
+
+# ---- the user's files (issue 28)
+
+HOME_CLAIM = {"name": "home", "claimName": "claim-{owner}", "mountPath": "/home/jovyan"}
+DATA = {"name": "data", "volume": {"nfs": {"server": "nfs.example", "path": "/export"}}, "mountPath": "/data",
+        "subPath": "users/{owner}", "readOnly": True}  # fmt: skip
+
+
+def user_pod(settings: KubeSettings, owner: str = "alice", requested: str | None = None) -> dict[str, Any]:
+    return make_kernel_pod(
+        settings.pod_template(),
+        name="kernel-k-1",
+        kernel_id="k-1",
+        cmd=["python"],
+        agent_env=AGENT_ENV,
+        owner=owner,
+        kernelspec="python3-one",
+        profile=WHOLE,
+        checkpoint_sub_path="alice",
+        requested_dir=requested,
+    )
+
+
+def test_the_owners_volumes_mount_into_their_pods_and_home_is_on_the_home_volume() -> None:
+    settings = KubeSettings(user_volumes=[HOME_CLAIM, DATA], home_volume="home")
+    pod = user_pod(settings, owner="Bob.Smith")
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    slug = volumes["user-home"]["persistentVolumeClaim"]["claimName"].removeprefix("claim-")
+    assert slug.startswith("bob-smith-")  # a DNS-1123 label: the claim name must be one
+    assert volumes["user-data"] == {"name": "user-data", "nfs": {"server": "nfs.example", "path": "/export"}}
+    assert mounts["user-data"] == {
+        "name": "user-data",
+        "mountPath": "/data",
+        "subPath": f"users/{slug}",
+        "readOnly": True,
+    }
+    assert mounts["user-home"] == {"name": "user-home", "mountPath": "/home/jovyan"}
+    assert env_of(pod)["HOME"] == "/home/jovyan"  # not the emptyDir: pip --user and ~/.cache stay
+    assert "home" not in volumes and "home" not in mounts
+    assert pod["spec"]["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    assert "affinity" not in pod["spec"]  # ReadWriteMany by default: any node
+    plain = user_pod(settings, owner="alice")
+    assert {v["name"]: v for v in plain["spec"]["volumes"]}["user-home"]["persistentVolumeClaim"] == {
+        "claimName": "claim-alice"
+    }
+
+
+@pytest.mark.parametrize(
+    ("requested", "chosen"),
+    [
+        ("/home/jovyan/project/sub", "/home/jovyan/project/sub"),  # GatewayClient's KERNEL_WORKING_DIR
+        ("/home/jovyan", "/home/jovyan"),
+        ("project", "/home/jovyan/project"),  # relative: under the home volume
+        ("/data/set", "/data/set"),  # on another of the user's volumes
+        ("/etc", None),  # not the user's: the image's default
+        ("/home/jovyan/../../etc", None),
+        (None, None),
+    ],
+)
+def test_the_working_directory_follows_the_notebook(requested: str | None, chosen: str | None) -> None:
+    pod = user_pod(KubeSettings(user_volumes=[HOME_CLAIM, DATA], home_volume="home"), requested=requested)
+    assert pod["spec"]["containers"][0].get("workingDir") == chosen
+
+
+def test_the_notebook_root_maps_onto_the_home_volumes_mount() -> None:
+    home = {**HOME_CLAIM, "mountPath": "/home/user"}
+    settings = KubeSettings(user_volumes=[home], home_volume="home", notebook_root="/srv/notebooks")
+    pod = user_pod(settings, requested="/srv/notebooks/project")
+    assert pod["spec"]["containers"][0]["workingDir"] == "/home/user/project"
+
+
+def test_a_read_write_once_home_pins_the_pod_to_the_owners_single_user_pod() -> None:
+    settings = KubeSettings(
+        user_volumes=[HOME_CLAIM],
+        home_volume="home",
+        home_access_mode="ReadWriteOnce",
+        user_pod_namespace="jhub",
+        size_pod_settings={"one": {"affinity": {"podAntiAffinity": {"x": 1}}}},
+    )
+    affinity = user_pod(settings)["spec"]["affinity"]
+    assert affinity["podAntiAffinity"] == {"x": 1}  # the size's own affinity stays
+    assert affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [
+        {
+            "labelSelector": {
+                "matchLabels": {"component": "singleuser-server", "hub.jupyter.org/username": "alice"}
+            },
+            "topologyKey": "kubernetes.io/hostname",
+            "namespaces": ["jhub"],
+        }
+    ]
+
+
+def test_warm_pods_and_pods_without_user_volumes_are_unchanged() -> None:
+    assert "workingDir" not in user_pod(KubeSettings(), requested="/home/jovyan/x")["spec"]["containers"][0]
+    warm = make_warm_pod(
+        KubeSettings(user_volumes=[HOME_CLAIM], home_volume="home").pod_template(),
+        name="warm-1",
+        profile=WHOLE,
+        preload=(),
+    )
+    assert not [v for v in warm["spec"]["volumes"] if v["name"].startswith("user-")]
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"user_volumes": [{"name": "Home", "claimName": "c", "mountPath": "/h"}]}, "user_volumes[0].name"),
+        ({"user_volumes": [{"name": "h", "mountPath": "/h"}]}, "needs one of claimName"),
+        (
+            {"user_volumes": [{"name": "h", "claimName": "c", "mountPath": "rel"}]},
+            "mountPath must be an absolute",
+        ),
+        ({"user_volumes": [{"name": "h", "claimName": "c", "mountPath": "/tmp/x"}]}, "overlaps"),
+        (
+            {"user_volumes": [{"name": "h", "claimName": "c", "mountPath": "/h", "subPath": "../x"}]},
+            "subPath",
+        ),
+        ({"home_access_mode": "ReadWriteSometimes"}, "home_access_mode"),
+    ],
+)
+def test_bad_user_volumes_are_refused(setting: dict[str, Any], named: str) -> None:
+    from traitlets import TraitError
+
+    with pytest.raises(TraitError) as raised:
+        KubeSettings(**setting)
+    assert named in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        (
+            {"user_volumes": [HOME_CLAIM], "home_volume": "nope"},
+            "home_volume 'nope' is not a user_volumes entry",
+        ),
+        ({"home_access_mode": "ReadWriteOnce"}, "needs user_volumes"),
+        ({"user_volumes": [HOME_CLAIM], "warm_pods": {"one": {"count": 1}}}, "warm_pods cannot be used"),
+        ({"user_volumes": [{**HOME_CLAIM, "mountPath": "/home/kernel"}]}, "make it the home_volume"),
+    ],
+)
+def test_user_volume_settings_that_cannot_work_together_are_refused_at_start(
+    setting: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        KubeSettings(**setting).check_sizes(["one"])

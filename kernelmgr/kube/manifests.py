@@ -18,7 +18,9 @@ from kernelmgr.backends.kubernetes import render_pod_fragment
 from kernelmgr.checkpoint.keys import encode_key
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.profiles import GpuProfile
+from kernelmgr.kube.namespaces import MAX_LABEL, dns_label
 from kernelmgr.kube.pod_settings import SHM_MOUNT, SHM_VOLUME, pull_secrets, strategic_merge
+from kernelmgr.kube.user_volumes import home_pod_affinity, user_mounts, working_dir
 from kernelmgr.kube.warm_pod import ENV_CHECKPOINTS, ENV_TOKEN_FILE
 
 APP_LABELS = {"app.kubernetes.io/name": "jupyter-elastic-kernels", "component": "kernel"}
@@ -90,6 +92,21 @@ class PodTemplate:
     size_pods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: Strategic-merge patch applied last to every kernel and warm pod.
     pod_patch: Mapping[str, Any] = field(default_factory=dict)
+    #: The owner's volumes (:mod:`kernelmgr.kube.user_volumes`), which of them is HOME, where the
+    #: notebooks are on the single-user server, and (ReadWriteOnce homes) the single-user pod to join.
+    user_volumes: tuple[Mapping[str, Any], ...] = ()
+    home_volume: str = ""
+    notebook_root: str = ""
+    user_pod_selector: Mapping[str, str] | None = None
+    user_pod_namespace: str = ""
+
+    @property
+    def home(self) -> str:
+        """The kernel's HOME: the home volume's mountPath, else the kernel_home emptyDir."""
+        for entry in self.user_volumes:
+            if entry["name"] == self.home_volume:
+                return str(entry["mountPath"])
+        return self.kernel_home
 
     @property
     def warm_pod_port(self) -> int:
@@ -122,9 +139,11 @@ def make_kernel_pod(
     kernelspec: str,
     profile: GpuProfile | None,
     checkpoint_sub_path: str | None,
+    requested_dir: str | None = None,
 ) -> dict[str, Any]:
     """A kernel's pod: ``agent_env`` is the checkpoint agent's environment (paths are replaced by
-    the pod's own), ``checkpoint_sub_path`` the owner's folder of the claim (``None``: no claim)."""
+    the pod's own), ``checkpoint_sub_path`` the owner's folder of the claim (``None``: no claim),
+    ``requested_dir`` the notebook's folder on the single-user server (``KERNEL_WORKING_DIR``)."""
     own_env = dict(agent_env)
     own_env["ELASTIC_CHECKPOINT_DIR"] = f"{CHECKPOINT_MOUNT}/{kernel_id}"
     own_env[ENV_KEY_MOUNTED] = "1"
@@ -137,7 +156,49 @@ def make_kernel_pod(
     else:
         volume = {"name": "checkpoints", "emptyDir": {}}
     sub_path = {"subPath": checkpoint_sub_path} if checkpoint_sub_path is not None else {}
-    return _pod(template, name, cmd, own_env, labels, annotations, volume, sub_path, profile, kernel_id)
+    return _pod(
+        template,
+        name,
+        cmd,
+        own_env,
+        labels,
+        annotations,
+        volume,
+        sub_path,
+        profile,
+        kernel_id,
+        owner,
+        requested_dir,
+    )
+
+
+def _add_user_files(
+    template: PodTemplate, pod: dict[str, Any], owner: str, requested_dir: str | None
+) -> None:
+    """The owner's volumes, their HOME on one of them, the notebook's folder as working directory,
+    and (a ReadWriteOnce home) the node of the owner's single-user pod."""
+    slug = dns_label(owner, MAX_LABEL)
+    spec = pod["spec"]
+    container = spec["containers"][0]
+    volumes, mounts = user_mounts(list(template.user_volumes), slug)
+    if template.home_volume:  # HOME is the user's, not an emptyDir
+        spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "home"]
+        container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "home"]
+    spec["volumes"] += volumes
+    container["volumeMounts"] += mounts
+    home = template.home if template.home_volume else None
+    chosen = working_dir(requested_dir, template.notebook_root, home, list(template.user_volumes))
+    if chosen is not None:
+        container["workingDir"] = chosen
+    # The kubelet would otherwise chown a whole home at every start (fsGroup); once is enough.
+    spec["securityContext"]["fsGroupChangePolicy"] = "OnRootMismatch"
+    if template.user_pod_selector is not None:
+        join = home_pod_affinity(template.user_pod_selector, template.user_pod_namespace, slug)
+        affinity = spec.setdefault("affinity", {})
+        terms = affinity.setdefault("podAffinity", {}).setdefault(
+            "requiredDuringSchedulingIgnoredDuringExecution", []
+        )
+        terms += join["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
 
 
 def make_kernel_secret(
@@ -220,6 +281,8 @@ def _pod(
     sub_path: dict[str, str],
     profile: GpuProfile | None,
     fragment_id: str,
+    owner: str | None = None,
+    requested_dir: str | None = None,
 ) -> dict[str, Any]:
     """What a kernel pod and a warm pod share: security, the environment every kernel sees
     (so a warm kernel's is a cold one's), volumes, ports, placement and the size's resources."""
@@ -227,7 +290,7 @@ def _pod(
     env += [{"name": k, "value": v} for k, v in template.extra_env.items()]
     # The root filesystem is read-only: HOME (IPython's profile, Jupyter's runtime files) and
     # /tmp are emptyDirs.
-    env += [{"name": "HOME", "value": template.kernel_home}, {"name": "TMPDIR", "value": TMP_MOUNT}]
+    env += [{"name": "HOME", "value": template.home}, {"name": "TMPDIR", "value": TMP_MOUNT}]
     env += [{"name": k, "value": v} for k, v in own_env.items()]
     user = template.run_as_user
     own = template.size_settings(profile.name if profile is not None else None)
@@ -302,6 +365,8 @@ def _pod(
         "metadata": {"name": name, "labels": labels, "annotations": annotations},
         "spec": spec,
     }
+    if owner is not None and template.user_volumes:  # a kernel's pod (a warm pod has no owner yet)
+        _add_user_files(template, pod, owner, requested_dir)
     slice_env: set[str] = set()
     if profile is not None:
         fragment = render_pod_fragment(profile, fragment_id)

@@ -12,20 +12,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from traitlets import Bool, Dict, Float, Integer, List, TraitError, Unicode, validate
+from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
 from traitlets.config import LoggingConfigurable
 
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.kube.manifests import (
+    CHECKPOINT_MOUNT,
     CONNECTION_FILE,
     PORT_NAMES,
     RESERVED_ENV,
     SECRET_MOUNT,
+    TMP_MOUNT,
     PodTemplate,
     slice_env_refusal,
 )
 from kernelmgr.kube.node_agents import DEFAULT_INSTANCE
-from kernelmgr.kube.pod_settings import pod_patch_refusal, size_pod_settings_refusal
+from kernelmgr.kube.pod_settings import SHM_MOUNT, pod_patch_refusal, size_pod_settings_refusal
+from kernelmgr.kube.user_volumes import ACCESS_MODES, user_volume_refusal
 from kernelmgr.nodeagent import DEFAULT_PORT as NODE_AGENT_PORT
 
 #: The section users (and the Helm chart) write the settings under.
@@ -280,6 +283,91 @@ class KubeSettings(LoggingConfigurable):
         cannot be reached.""",
     )
 
+    user_volumes = List(
+        Dict(),
+        config=True,
+        help="""The user's volumes, mounted into each of their kernel pods (docs/pods.md), e.g. z2jh's
+        home: [{"name": "home", "claimName": "claim-{owner}", "mountPath": "/home/jovyan"}], or any
+        volume source: {"name": "data", "volume": {"nfs": {"server": "nfs", "path": "/export"}},
+        "mountPath": "/data", "subPath": "{owner}", "readOnly": false}. {owner} is the kernel's owner
+        as a DNS-1123 label (the name itself when it is one: KubeSpawner's 'safe' slug for plain names).
+        Warm pods cannot serve such kernels (a warm pod has no owner): warm_pods is refused with them.""",
+    )
+    home_volume = Unicode(
+        "",
+        config=True,
+        help="""The name of the user_volumes entry that is the kernel's HOME (instead of an emptyDir
+        at kernel_home), so `pip install --user`, ~/.cache/huggingface and ~/.cache/torch survive a
+        hibernation, and the notebook's folder (KERNEL_WORKING_DIR under notebook_root) is found.""",
+    )
+    notebook_root = Unicode(
+        "/home/jovyan",
+        config=True,
+        help="""Where home_volume is on the single-user server: the notebook's folder there
+        (KERNEL_WORKING_DIR, which GatewayClient sends, or the server's own cwd) maps from under this
+        onto home_volume's mountPath, and becomes the kernel's working directory.""",
+    )
+    home_access_mode = Enum(
+        ACCESS_MODES,
+        default_value="ReadWriteMany",
+        config=True,
+        help="""How the user's volumes can be mounted. ReadWriteMany (NFS, EFS, CephFS, Filestore): on
+        any node, at the same time as the single-user server. ReadWriteOnce (EBS, PD, most block
+        storage): on one node only, so each kernel pod is pinned (required pod affinity) to the node of
+        its owner's single-user pod (user_pod_selector, user_pod_namespace): that node must have the
+        GPU, or the kernel fails to start with the scheduler's reason. See docs/pods.md.""",
+    )
+    user_pod_selector = Dict(
+        default_value={"component": "singleuser-server", "hub.jupyter.org/username": "{owner}"},
+        value_trait=Unicode(),
+        config=True,
+        help="Labels of an owner's single-user pod (z2jh's by default; {owner} as in user_volumes), "
+        "joined by kernel pods when home_access_mode is ReadWriteOnce.",
+    )
+    user_pod_namespace = Unicode(
+        "", config=True, help="Namespace of the single-user pods (empty: the kernel pod's own)."
+    )
+
+    @validate("user_volumes")
+    def _check_user_volumes(self, proposal: Any) -> list[Any]:
+        reserved = (SECRET_MOUNT, CHECKPOINT_MOUNT, TMP_MOUNT, SHM_MOUNT)
+        refusal = user_volume_refusal(
+            proposal["value"], "ElasticKubernetesProvisioner.user_volumes", reserved
+        )
+        if refusal is not None:
+            raise TraitError(refusal)
+        return list(proposal["value"])
+
+    def check_user_files(self) -> None:
+        """Refuse (ConfigError, at server start) user-volume settings that cannot work together."""
+        names = [entry["name"] for entry in self.user_volumes]
+        where = "ElasticKubernetesProvisioner"
+        if self.home_volume and self.home_volume not in names:
+            raise ConfigError(
+                f"{where}.home_volume {self.home_volume!r} is not a user_volumes entry; entries: "
+                f"{', '.join(names) or 'none'}"
+            )
+        if not self.user_volumes:
+            if self.home_access_mode == "ReadWriteOnce":
+                raise ConfigError(
+                    f"{where}.home_access_mode ReadWriteOnce needs user_volumes (the home to follow)"
+                )
+            return
+        if self.warm_pods:
+            raise ConfigError(
+                f"{where}.warm_pods cannot be used with user_volumes: a warm pod is made before it has an "
+                "owner, so it cannot mount the owner's volumes"
+            )
+        if not self.home_volume:
+            for entry in self.user_volumes:
+                mount = entry["mountPath"].rstrip("/")
+                home = self.kernel_home.rstrip("/")
+                if mount == home or mount.startswith(home + "/") or home.startswith(mount + "/"):
+                    raise ConfigError(
+                        f"{where}.user_volumes entry {entry['name']!r} is mounted at {entry['mountPath']!r}, "
+                        f"over the kernel_home emptyDir {self.kernel_home!r}: make it the home_volume"
+                    )
+
     @validate("size_pod_settings")
     def _check_size_pod_settings(self, proposal: Any) -> dict[str, Any]:
         for size, raw in proposal["value"].items():
@@ -316,6 +404,7 @@ class KubeSettings(LoggingConfigurable):
     def check_sizes(self, sizes: list[str]) -> None:
         """Refuse (ConfigError, at server start) size_resources or size_pod_settings naming a size
         that does not exist."""
+        self.check_user_files()
         for trait in ("size_resources", "size_pod_settings"):
             unknown = sorted(set(getattr(self, trait)) - set(sizes))
             if unknown:
@@ -374,4 +463,11 @@ class KubeSettings(LoggingConfigurable):
             size_resources=dict(self.size_resources),
             size_pods={size: dict(own) for size, own in self.size_pod_settings.items()},
             pod_patch=dict(self.pod_patch),
+            user_volumes=tuple(dict(entry) for entry in self.user_volumes),
+            home_volume=self.home_volume,
+            notebook_root=self.notebook_root,
+            user_pod_selector=dict(self.user_pod_selector)
+            if self.home_access_mode == "ReadWriteOnce"
+            else None,
+            user_pod_namespace=self.user_pod_namespace,
         )

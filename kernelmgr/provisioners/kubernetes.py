@@ -75,6 +75,7 @@ from kernelmgr.provisioners.common import (
     mark_launched,
     profile_name_of,
     release_slice,
+    requested_dir,
     with_agent,
 )
 from kernelmgr.provisioners.kube_warm import WarmHandoff
@@ -112,6 +113,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         self._failure_logged: str | None = None
         #: The hand-off to (and checkpoints from) the warm pod this kernel's pod was.
         self.warm = WarmHandoff(self)
+        #: The notebook's folder on the single-user server (:mod:`kernelmgr.kube.user_volumes`).
+        self._requested_dir: str | None = None
 
     # ---- plumbing
 
@@ -184,6 +187,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
                 self._warm = None
             raise
         self._record.launch_path = "warm" if self._warm is not None else "cold"
+        self._requested_dir = requested_dir(kwargs) or self._requested_dir
         try:
             await self._select_namespace()
             self.informer  # noqa: B018  (start the watch now: the pod's first events must be seen)
@@ -268,6 +272,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             kernelspec=record.kernelspec,
             profile=runtime.profile(granted.profile) if granted is not None else None,
             checkpoint_sub_path=sub_path,
+            requested_dir=self._requested_dir,
         )
 
     def secret_manifest(self) -> dict[str, Any]:
@@ -542,7 +547,11 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
     async def get_provisioner_info(self) -> dict[str, Any]:
         info: dict[str, Any] = await super().get_provisioner_info()
         info.update(
-            pod_name=self._pod_name, launched=self._launched, namespace=self._namespace, warm=self.warm.origin
+            pod_name=self._pod_name,
+            launched=self._launched,
+            namespace=self._namespace,
+            warm=self.warm.origin,
+            requested_dir=self._requested_dir,
         )
         return info
 
@@ -552,3 +561,4 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         self._namespace = provisioner_info.get("namespace") or self._namespace
         self._pod_name = provisioner_info.get("pod_name") or self._pod_name
         self.warm.origin = bool(provisioner_info.get("warm"))
+        self._requested_dir = provisioner_info.get("requested_dir") or self._requested_dir
