@@ -143,6 +143,7 @@ def test_lint_strict() -> None:
         ({"kernels": {"podPatch": {"status": {}}}}, "status"),
         ({"kernels": {"userVolumes": [{"name": "home", "mountPath": "/home/jovyan"}]}}, "userVolumes"),
         ({"kernels": {"homeAccessMode": "ReadWriteSometimes"}}, "homeAccessMode"),
+        ({"kernels": {"clientEnv": ["PATH"]}}, "clientEnv"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(values: dict[str, Any], named: str, tmp_path: Path) -> None:
@@ -648,6 +649,11 @@ def test_user_volumes_reach_the_provisioner(tmp_path: Path) -> None:
     }
     settings = KubeSettings(**{k: config[k] for k in ("user_volumes", "home_volume", "home_access_mode")})
     settings.check_sizes(["whole"])
+    values = {"kernels": {"clientEnv": ["KERNEL_PROJECT"], "kernelspecImages": {"python3": "reg/torch:2"}}}
+    config = server_config(render(values, tmp_path))["ElasticKubernetesProvisioner"]
+    assert config["client_env"] == ["KERNEL_PROJECT"] and config["kernelspec_images"] == {
+        "python3": "reg/torch:2"
+    }
 
 
 def test_values_reach_the_server_config(tmp_path: Path) -> None:

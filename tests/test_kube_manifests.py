@@ -474,3 +474,49 @@ def test_user_volume_settings_that_cannot_work_together_are_refused_at_start(
 ) -> None:
     with pytest.raises(ConfigError, match=re.escape(named)):
         KubeSettings(**setting).check_sizes(["one"])
+
+
+# ---- the kernelspec's environment and image, the client's KERNEL_* (issue 28)
+
+
+def test_the_kernelspecs_env_and_the_allowed_client_env_reach_the_pod() -> None:
+    from kernelmgr.kube.pod_settings import kernel_environment
+
+    env = kernel_environment(
+        {"FRAMEWORK": "jax", "XLA_FLAGS": "--x"},
+        {"KERNEL_PROJECT": "p1", "KERNEL_EXTRA_A": "a", "KERNEL_SECRET": "s", "PATH": "/evil", "KERNEL_N": 1},
+        ["KERNEL_PROJECT", "KERNEL_EXTRA_*", "PATH"],
+    )
+    # Only KERNEL_* names, only allowed ones, only strings; the kernelspec's own always.
+    assert env == {"FRAMEWORK": "jax", "XLA_FLAGS": "--x", "KERNEL_PROJECT": "p1", "KERNEL_EXTRA_A": "a"}
+    template = KubeSettings(extra_env={"TEAM": "ml"}).pod_template()
+    pod = make_kernel_pod(
+        template,
+        name="kernel-k-1",
+        kernel_id="k-1",
+        cmd=["python"],
+        agent_env=AGENT_ENV,
+        owner="alice",
+        kernelspec="jax-one",
+        profile=WHOLE,
+        checkpoint_sub_path="alice",
+        kernel_env=env,
+        image="registry/jax:0.4",
+    )
+    assert pod["spec"]["containers"][0]["image"] == "registry/jax:0.4"
+    names = [e["name"] for e in pod["spec"]["containers"][0]["env"]]
+    assert names[:4] == ["POD_IP", "TEAM", "FRAMEWORK", "XLA_FLAGS"] and env_of(pod)["KERNEL_PROJECT"] == "p1"
+    for bad, named in (({"CUDA_VISIBLE_DEVICES": "0"}, "CUDA_VISIBLE_DEVICES"), ({"HOME": "/x"}, "HOME")):
+        with pytest.raises(ConfigError, match=f"the kernelspec 'jax-one' may not set {named}"):
+            make_kernel_pod(
+                template,
+                name="kernel-k-1",
+                kernel_id="k-1",
+                cmd=["python"],
+                agent_env=AGENT_ENV,
+                owner="alice",
+                kernelspec="jax-one",
+                profile=WHOLE,
+                checkpoint_sub_path="alice",
+                kernel_env=bad,
+            )

@@ -130,3 +130,38 @@ def test_a_notebook_reads_and_imports_its_neighbours_through_hibernate_and_resum
         wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
     finally:
         server.stop()
+
+
+def test_two_kernelspecs_run_in_their_own_images_with_their_own_env(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    """A PyTorch and a JAX environment: each base kernelspec its image (kernelspec_images), and the env
+    its kernel.json declares reaches its pods."""
+    import json
+    import sys
+
+    spec_dir = tmp_path / "data" / "kernels" / "pyjax"
+    spec_dir.mkdir(parents=True)
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "JAX",
+        "language": "python",
+        "env": {"FRAMEWORK": "jax"},
+    }
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    config = cluster.config(kernelspec_images={"pyjax": "registry.example/kernel-jax:0.4"})
+    config["ElasticKernels"]["base_kernels"] = ["python3", "pyjax"]
+    server = start_server(tmp_path, config)
+    try:
+        jax = server.start_kernel("pyjax-gpu-whole")
+        pod = cluster.running_pod(jax)
+        assert pod.spec.containers[0].image == "registry.example/kernel-jax:0.4"
+        assert server.execute(jax, "import os; print(os.environ['FRAMEWORK'])", timeout=120).strip() == "jax"
+        server.shutdown_kernel(jax)
+        wait_for(lambda: cluster.pod_of(jax) is None, 60, "the kernel pod to be deleted")
+        torch = server.start_kernel("python3-gpu-whole")
+        assert cluster.running_pod(torch).spec.containers[0].image == "python:3.12"  # the default image
+        server.shutdown_kernel(torch)
+        wait_for(lambda: cluster.pod_of(torch) is None, 60, "the kernel pod to be deleted")
+    finally:
+        server.stop()

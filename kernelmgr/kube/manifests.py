@@ -140,10 +140,13 @@ def make_kernel_pod(
     profile: GpuProfile | None,
     checkpoint_sub_path: str | None,
     requested_dir: str | None = None,
+    kernel_env: Mapping[str, str] | None = None,
+    image: str | None = None,
 ) -> dict[str, Any]:
     """A kernel's pod: ``agent_env`` is the checkpoint agent's environment (paths are replaced by
     the pod's own), ``checkpoint_sub_path`` the owner's folder of the claim (``None``: no claim),
-    ``requested_dir`` the notebook's folder on the single-user server (``KERNEL_WORKING_DIR``)."""
+    ``requested_dir`` the notebook's folder on the single-user server (``KERNEL_WORKING_DIR``),
+    ``kernel_env`` the kernelspec's and the client's variables, ``image`` the kernelspec's image."""
     own_env = dict(agent_env)
     own_env["ELASTIC_CHECKPOINT_DIR"] = f"{CHECKPOINT_MOUNT}/{kernel_id}"
     own_env[ENV_KEY_MOUNTED] = "1"
@@ -156,7 +159,7 @@ def make_kernel_pod(
     else:
         volume = {"name": "checkpoints", "emptyDir": {}}
     sub_path = {"subPath": checkpoint_sub_path} if checkpoint_sub_path is not None else {}
-    return _pod(
+    pod = _pod(
         template,
         name,
         cmd,
@@ -170,6 +173,22 @@ def make_kernel_pod(
         owner,
         requested_dir,
     )
+    container = pod["spec"]["containers"][0]
+    if image:
+        container["image"] = image
+    if kernel_env:
+        reserved = sorted(n for n in kernel_env if n in RESERVED_ENV or n.startswith("ELASTIC_"))
+        refusal = slice_env_refusal(set(kernel_env), f"the kernelspec {kernelspec!r}")
+        if refusal is None and reserved:
+            refusal = (
+                f"the kernelspec {kernelspec!r} may not set {', '.join(reserved)}: the kernel pod sets them"
+            )
+        if refusal is not None:
+            raise ConfigError(refusal)
+        # Before the pod's own variables (HOME, TMPDIR, the agent's), after extra_env.
+        first = 1 + len(template.extra_env)
+        container["env"][first:first] = [{"name": k, "value": v} for k, v in kernel_env.items()]
+    return pod
 
 
 def _add_user_files(

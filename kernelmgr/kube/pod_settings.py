@@ -164,3 +164,21 @@ def pod_patch_refusal(raw: Any, where: str) -> str | None:
         if not isinstance(value, dict):
             return f"{where}.{key} must be an object, got {value!r}"
     return None
+
+
+def allowed(name: str, names: list[str] | tuple[str, ...]) -> bool:
+    """Whether ``name`` is in ``names`` (an entry ending in ``*`` is a prefix)."""
+    return any(name.startswith(n[:-1]) if n.endswith("*") else name == n for n in names)
+
+
+def kernel_environment(
+    spec_env: Mapping[str, Any] | None, client_env: Mapping[str, Any] | None, allowed_names: list[str]
+) -> dict[str, str]:
+    """A kernel pod's own environment: what its kernelspec declares, then the client's ``KERNEL_*``
+    variables that ``allowed_names`` lets through (Enterprise Gateway's convention; GatewayClient
+    sends every ``KERNEL_*`` of the single-user server). Names the pod sets itself are refused later."""
+    env = {str(k): str(v) for k, v in (spec_env or {}).items()}
+    for name, value in (client_env or {}).items():
+        if isinstance(value, str) and name.startswith("KERNEL_") and allowed(name, allowed_names):
+            env[name] = value
+    return env

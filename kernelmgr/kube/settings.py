@@ -328,6 +328,23 @@ class KubeSettings(LoggingConfigurable):
         "", config=True, help="Namespace of the single-user pods (empty: the kernel pod's own)."
     )
 
+    client_env = List(
+        Unicode(),
+        config=True,
+        help="""The client's KERNEL_* variables that reach the kernel pod (names, or prefixes ending in
+        *, e.g. ["KERNEL_PROJECT", "KERNEL_EXTRA_*"]; ["KERNEL_*"]: all, as Enterprise Gateway does).
+        jupyter_server's GatewayClient sends every KERNEL_* variable of the single-user server (and
+        GatewayClient.allowed_envs). KERNEL_WORKING_DIR is read for the working directory either way.
+        The env a kernelspec declares always reaches its pods.""",
+    )
+    kernelspec_images = Dict(
+        value_trait=Unicode(),
+        config=True,
+        help="""Per base kernelspec (ElasticKernels.base_kernels), the image of its pods, e.g.
+        {"python3": "registry/kernel-torch:2.5", "jax": "registry/kernel-jax:0.4"}: several
+        environments, each an image; it wins over a size's image (size_pod_settings).""",
+    )
+
     @validate("user_volumes")
     def _check_user_volumes(self, proposal: Any) -> list[Any]:
         reserved = (SECRET_MOUNT, CHECKPOINT_MOUNT, TMP_MOUNT, SHM_MOUNT)

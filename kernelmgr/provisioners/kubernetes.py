@@ -55,6 +55,7 @@ from kernelmgr.kube.manifests import (
 )
 from kernelmgr.kube.namespaces import namespace_for
 from kernelmgr.kube.nodes import follow_pod_node
+from kernelmgr.kube.pod_settings import kernel_environment
 from kernelmgr.kube.pods import (
     FoundKernel,
     evicted,
@@ -115,6 +116,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         self.warm = WarmHandoff(self)
         #: The notebook's folder on the single-user server (:mod:`kernelmgr.kube.user_volumes`).
         self._requested_dir: str | None = None
+        #: The kernelspec's env and the client's allowed KERNEL_* (kube.pod_settings.kernel_environment).
+        self._kernel_env: dict[str, str] = {}
 
     # ---- plumbing
 
@@ -188,6 +191,10 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             raise
         self._record.launch_path = "warm" if self._warm is not None else "cold"
         self._requested_dir = requested_dir(kwargs) or self._requested_dir
+        self._kernel_env = (
+            kernel_environment(self.kernel_spec.env, kwargs.get("env"), list(self.client_env))
+            or self._kernel_env
+        )
         try:
             await self._select_namespace()
             self.informer  # noqa: B018  (start the watch now: the pod's first events must be seen)
@@ -273,7 +280,14 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             profile=runtime.profile(granted.profile) if granted is not None else None,
             checkpoint_sub_path=sub_path,
             requested_dir=self._requested_dir,
+            kernel_env=self._kernel_env,
+            image=self.kernelspec_images.get(self._base_kernelspec()),
         )
+
+    def _base_kernelspec(self) -> str:
+        """The base kernelspec this kernel's GPU-size (or CPU) kernelspec was made from."""
+        elastic = (self.kernel_spec.metadata or {}).get("elastic") or {}
+        return str(elastic.get("base_kernelspec") or "")
 
     def secret_manifest(self) -> dict[str, Any]:
         """Connection file and checkpoint key (:func:`~kernelmgr.kube.manifests.make_kernel_secret`)."""
@@ -552,6 +566,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             namespace=self._namespace,
             warm=self.warm.origin,
             requested_dir=self._requested_dir,
+            kernel_env=self._kernel_env,
         )
         return info
 
@@ -562,3 +577,4 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         self._pod_name = provisioner_info.get("pod_name") or self._pod_name
         self.warm.origin = bool(provisioner_info.get("warm"))
         self._requested_dir = provisioner_info.get("requested_dir") or self._requested_dir
+        self._kernel_env = dict(provisioner_info.get("kernel_env") or self._kernel_env)

@@ -208,6 +208,8 @@ items:
   "home_access_mode" $v.kernels.homeAccessMode
   "user_pod_selector" $v.kernels.userPodSelector
   "user_pod_namespace" $v.kernels.userPodNamespace
+  "client_env" $v.kernels.clientEnv
+  "kernelspec_images" $v.kernels.kernelspecImages
   "warm_pods" $v.kernels.warmPods -}}
 {{- if $v.nodeAgent.enabled }}
 {{- $_ := set $provisioner "node_agent_token_file" (printf "%s/token" (include "jek.agentTokenDir" .)) -}}
