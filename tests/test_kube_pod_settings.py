@@ -211,3 +211,105 @@ def test_a_setting_the_api_server_refuses_stops_the_server_naming_the_size(
         assert part in critical[0], critical
     pods = setup["core"].list_namespaced_pod(setup["namespace"]).items
     assert not [p.metadata.name for p in pods if "dry-run" in p.metadata.name]  # a dry-run made nothing
+
+
+def test_a_read_write_once_home_puts_kernels_on_the_node_of_the_owners_server(
+    kube_plane: ControlPlane, setup: dict[str, Any], tmp_path: Path
+) -> None:
+    """home_access_mode ReadWriteOnce: a kernel pod joins its owner's single-user pod's node (there
+    the home can be mounted); a size whose nodes are elsewhere fails with the scheduler's reason."""
+    import getpass
+
+    from kernelmgr.kube.namespaces import dns_label
+
+    core, namespace = setup["core"], setup["namespace"]
+    owner = dns_label(getpass.getuser())
+    claim = f"claim-{owner}"
+    core.create_persistent_volume(
+        {
+            "metadata": {"name": f"{namespace}-{claim}"},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "hostPath": {"path": "/srv/home"},
+                "claimRef": {"namespace": namespace, "name": claim},
+            },
+        }
+    )
+    core.create_namespaced_persistent_volume_claim(
+        namespace,
+        {
+            "metadata": {"name": claim},
+            "spec": {
+                "accessModes": ["ReadWriteOnce"],
+                "storageClassName": "",
+                "volumeName": f"{namespace}-{claim}",
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    )
+    # The owner's single-user server, as z2jh labels it, on the l4 node.
+    restricted = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    core.create_namespaced_pod(
+        namespace,
+        {
+            "metadata": {
+                "name": f"jupyter-{owner}",
+                "labels": {"component": "singleuser-server", "hub.jupyter.org/username": owner},
+            },
+            "spec": {
+                "securityContext": {
+                    "runAsNonRoot": True,
+                    "runAsUser": 1000,
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
+                "nodeSelector": {"elastic.test/gpu-model": "l4"},
+                "tolerations": TOLERATE,
+                "containers": [
+                    {
+                        "name": "notebook",
+                        "image": "quay.io/jupyter/base-notebook",
+                        "securityContext": restricted,
+                        "resources": {"limits": {"cpu": "1", "memory": "1Gi", "ephemeral-storage": "1Gi"}},
+                    }
+                ],
+            },
+        },
+    )
+    wait_for(
+        lambda: core.read_namespaced_pod(f"jupyter-{owner}", namespace).status.phase == "Running",
+        60,
+        "the single-user pod to run",
+    )
+    base = config(kube_plane, setup, tmp_path)
+    base["ElasticKernels"]["profiles"]["any"] = {"gpu_fraction": 1}
+    provisioner = base["ElasticKubernetesProvisioner"]
+    provisioner["size_pod_settings"]["any"] = {"tolerations": TOLERATE}
+    provisioner.update(
+        user_volumes=[{"name": "home", "claimName": "claim-{owner}", "mountPath": "/home/jovyan"}],
+        home_volume="home",
+        home_access_mode="ReadWriteOnce",
+        # The refused size's start waits this long for a node before it answers with the reason.
+        launch_timeout=30.0,
+    )
+    server = start_server(tmp_path, base)
+    try:
+        kernels = [server.start_kernel("python3-gpu-any") for _ in range(2)]
+        for kernel_id in kernels:
+
+            def running(kernel_id: str = kernel_id) -> Any:
+                pod = core.read_namespaced_pod(f"kernel-{kernel_id}", namespace)
+                return pod if pod.status.phase == "Running" else None
+
+            assert wait_for(running, 120, "the kernel pod to run").spec.node_name == setup["nodes"]["l4"]
+        refused = server.request("POST", "/api/kernels", {"name": "python3-gpu-a100"})
+        # The reason is the scheduler's (the answer itself is jupyter_server's 500 for a failed start:
+        # docs/status.md).
+        assert refused.status >= 400, refused.body
+        assert "didn't match pod affinity rules" in server.log()
+        for kernel_id in kernels:
+            server.shutdown_kernel(kernel_id)
+    finally:
+        server.stop()
+        core.delete_namespaced_pod(f"jupyter-{owner}", namespace, grace_period_seconds=0)
