@@ -33,10 +33,12 @@ from typing import Any
 from jupyter_server.gateway.connections import GatewayWebSocketConnection
 from jupyter_server.gateway.gateway_client import gateway_request
 from jupyter_server.gateway.managers import GatewayMappingKernelManager, GatewaySessionManager
+from tornado import web
 from tornado.escape import json_decode
 from traitlets import Bool
 
 from kernelmgr import compat
+from kernelmgr.server.errors import gateway_refusal
 
 
 class ElasticGatewayMappingKernelManager(GatewayMappingKernelManager):
@@ -61,6 +63,17 @@ class ElasticGatewayMappingKernelManager(GatewayMappingKernelManager):
         compat.kernels(self)[kernel_id] = km
         self.log.info("Kernel %s at the gateway adopted (%s)", kernel_id, km.kernel.get("execution_state"))
         return True
+
+    async def start_kernel(self, **kwargs: Any) -> str:  # type: ignore[override]
+        """The stock start, with the gateway's refusal (quota, size, capacity) said in its own words."""
+        try:
+            kernel_id: str = await super().start_kernel(**kwargs)
+        except web.HTTPError as err:
+            refusal = gateway_refusal(err)
+            if refusal is None:
+                raise
+            raise refusal from err
+        return kernel_id
 
     async def list_kernels(self, **kwargs: Any) -> list[dict[str, Any]]:
         """The gateway's list is this user's kernels: adopt those this process does not know yet."""

@@ -1,4 +1,14 @@
-"""The server's view of checkpoints: one directory per kernel under a root, per owner.
+"""The server's view of checkpoints: the checkpoint store interface, and its file-system
+implementation (one directory per kernel under a root, per owner, on a local disk or a shared
+claim). The object-store implementation (:class:`kernelmgr.objectstore.store.ObjectCheckpointStore`)
+keeps this class's local folders as the kernels' scratch space and the bucket as the truth.
+
+What every store does for the lifecycle: :meth:`CheckpointStore.commit` records the checkpoint a
+kernel *reports* (its signed manifest, verified), :meth:`~CheckpointStore.latest` finds the newest
+committed one after a restart, :meth:`~CheckpointStore.agent_env` tells a kernel where to write and
+what to restore, :meth:`~CheckpointStore.prune` and :meth:`~CheckpointStore.remove` delete. A store
+whose :attr:`~CheckpointStore.uploads` is true also takes the data through
+:meth:`~CheckpointStore.begin_upload` / :meth:`~CheckpointStore.finish_upload`.
 
 Runs in the server only, so it lives outside :mod:`kernelmgr.checkpoint` (whose modules may
 run inside the kernel and never import this one).
@@ -24,6 +34,7 @@ import logging
 import os
 import stat
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -41,7 +52,7 @@ from kernelmgr.checkpoint.progress import read_progress
 from kernelmgr.checkpoint.safedir import SafeDir, TooLarge, UnsafePath
 from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
 from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest, load_verified_manifest
-from kernelmgr.core.manifest import Manifest
+from kernelmgr.core.manifest import Manifest, ManifestError
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +76,30 @@ def _check_component(what: str, value: str) -> str:
     return value
 
 
+@dataclass(frozen=True)
+class Upload:
+    """A multipart upload the server started for a kernel's ``data.bin`` (object stores only)."""
+
+    owner: str
+    kernel_id: str
+    checkpoint_id: str
+    key: str
+    upload_id: str
+    urls: list[str]
+    part_size: int
+    #: The checkpoint's encryption key for the kernel (hex), or "" (not encrypted).
+    checkpoint_key: str = ""
+
+
 class CheckpointStore:
-    """Checkpoints under ``root``: ``<root>/<owner>/<kernel_id>/`` per kernel."""
+    """Checkpoints under ``root``: ``<root>/<owner>/<kernel_id>/`` per kernel.
+
+    The interface every store implements (the file-system one here); see the module docstring.
+    """
+
+    #: Whether the kernel's data goes through :meth:`begin_upload` (an object store) or is
+    #: committed where the kernel wrote it (a file system the server shares).
+    uploads = False
 
     def __init__(self, root: str | os.PathLike[str], secret: bytes) -> None:
         if len(secret) < 16:
@@ -173,6 +206,36 @@ class CheckpointStore:
             value = None if manifest is None else {**manifest.summary(), "refused": None, "quarantined": None}
             self._summaries[(owner, kernel_id)] = (signature, value)
         return manifest
+
+    def commit(self, owner: str, kernel_id: str, reported: str) -> Manifest:
+        """The checkpoint a kernel reports it committed (its manifest's JSON), verified with the
+        owner's key: the id the server records, never inferred from ``current`` on its own mount,
+        which a shared file system's attribute cache may show late. ``ValueError`` saying why
+        when it is not this owner's and this kernel's, or does not verify. Blocking (HMAC)."""
+        try:
+            manifest = Manifest.from_json(reported)
+            return check_manifest(
+                reported.encode("utf-8"),
+                manifest.data_bytes,  # the restore checks data.bin's digest before unpickling
+                self.key_for(owner),
+                owner,
+                kernel_id,
+                manifest.checkpoint_id,
+            )
+        except (ValueError, ManifestError, Untrusted) as exc:
+            raise ValueError(str(exc)) from None
+
+    def begin_upload(self, owner: str, kernel_id: str, manifest: Manifest) -> Upload:
+        """Start the upload of a reported checkpoint's data (stores with :attr:`uploads` only)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no uploads")
+
+    def finish_upload(self, upload: Upload, etags: list[str], reported: str) -> None:
+        """Complete the upload and commit its manifest last (stores with :attr:`uploads` only)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no uploads")
+
+    def abort_upload(self, upload: Upload) -> None:
+        """Drop an upload that will not be committed (stores with :attr:`uploads` only)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no uploads")
 
     def has_checkpoint(self, owner: str, kernel_id: str) -> bool:
         """Whether ``current`` names a checkpoint (without verifying it)."""

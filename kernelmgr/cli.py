@@ -13,8 +13,14 @@ polls the kernel until it is hibernated (or running), until the server reports t
 failed, or until the server's own ``checkpoint_timeout`` (from ``/api/elastic/policy``) plus a
 margin has passed.
 
+``hibernate`` and ``resume`` show where they are on stderr (``--progress``, the default on a
+terminal): the phase, the bytes read back, "waiting for a free GPU slice". Ctrl-C while a resume
+waits for a slice cancels the wait on the server (``POST .../cancel``): the kernel stays
+hibernated, and no slice is taken behind the user's back later.
+
 Exit codes: 0 success; 1 the server could not be reached, refused the request or reported the
-action failed (one line on stderr saying why); 2 bad usage (one line on stderr).
+action failed (one line on stderr saying why); 2 bad usage or an unknown kernel id (one line on
+stderr); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -25,13 +31,14 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 from jupyter_core.paths import jupyter_runtime_dir
 
@@ -45,8 +52,17 @@ from kernelmgr.cli_local import (
     run_node_agent,
     run_simulate,
 )
-from kernelmgr.cli_render import render_gpus, render_kernel, render_kernels, render_profiles, render_report
+from kernelmgr.cli_render import (
+    render_gpus,
+    render_kernel,
+    render_kernels,
+    render_profiles,
+    render_progress,
+    render_report,
+)
 
+#: Exit code after Ctrl-C (128 + SIGINT, as shells report it).
+INTERRUPTED = 130
 #: Seconds to wait for one HTTP answer (``--request-timeout``).
 DEFAULT_REQUEST_TIMEOUT = 30.0
 #: Seconds between polls of a kernel whose hibernate/resume outlasted one request.
@@ -186,6 +202,57 @@ def _outcome(action: str, model: dict[str, Any], before: dict[str, Any] | None) 
     return f"{action} of kernel {model.get('id')} failed, it is {state}: {reason}"
 
 
+class Interrupted(CliError):
+    """Ctrl-C during hibernate/resume: exit code 130, after telling the server what it means."""
+
+
+class Progress:
+    """Where the action stands, on stderr: rewritten in place on a terminal, else one line a change."""
+
+    def __init__(self, enabled: bool, stream: TextIO | None = None) -> None:
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.last = ""
+
+    def show(self, kernel_id: str, text: str, elapsed: float) -> None:
+        if not self.enabled:
+            return
+        line = f"jupyter elastic: kernel {kernel_id} {text}"
+        if self.tty:
+            self.stream.write(f"\r\x1b[K{line} ({elapsed:.0f}s)")
+            self.stream.flush()
+        elif line != self.last:
+            print(line, file=self.stream, flush=True)
+        self.last = line
+
+    def done(self) -> None:
+        if self.enabled and self.tty and self.last:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+
+
+def cancel_on_interrupt(target: Target, action: str, kernel_id: str, timeout: float) -> Interrupted:
+    """Ctrl-C: a resume waiting for a slice is cancelled on the server (``POST .../cancel``);
+    anything further along goes on there, and the message says so."""
+    if action == "resume":
+        try:
+            fetch(target, f"/api/elastic/kernels/{kernel_id}/cancel", "POST", timeout=timeout)
+        except CliError as err:
+            return Interrupted(
+                f"interrupted; the server goes on with the resume of kernel {kernel_id} ({err}); "
+                "see `jupyter elastic list`"
+            )
+        return Interrupted(
+            f"interrupted: the resume of kernel {kernel_id} stopped waiting for a GPU slice; "
+            "it stays hibernated"
+        )
+    return Interrupted(
+        f"interrupted; the server goes on with the hibernation of kernel {kernel_id} "
+        "(its checkpoint is never left half-written); see `jupyter elastic list`"
+    )
+
+
 def run_kernel_action(
     target: Target,
     action: str,
@@ -193,24 +260,68 @@ def run_kernel_action(
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    progress: Progress | None = None,
 ) -> Any:
     """POST hibernate/resume and return the kernel's model once the action is done.
 
-    A hibernation takes as long as the kernel's checkpoint (minutes for large state), so an
-    answer slower than ``request_timeout`` is followed by polling, up to the server's
-    ``checkpoint_timeout`` plus :data:`SETTLE_MARGIN`; raises :class:`CliError` saying why
-    when the server refuses, reports a failure, or is still at it after that.
+    The POST runs in a thread while the kernel's model is polled for ``progress`` (the phase,
+    bytes read, "waiting for a free GPU slice"). A hibernation takes as long as the kernel's
+    checkpoint (minutes for large state), so an answer slower than ``request_timeout`` is
+    followed by polling, up to the server's ``checkpoint_timeout`` plus :data:`SETTLE_MARGIN`;
+    raises :class:`CliError` saying why when the server refuses, reports a failure, or is still
+    at it after that; :class:`Interrupted` on Ctrl-C, after cancelling a wait for a slice.
     """
-    path = f"/api/elastic/kernels/{kernel_id}"
-    before = _try_fetch(target, path, request_timeout)
+    progress = progress or Progress(False)
     try:
-        return fetch(target, f"{path}/{action}", "POST", timeout=request_timeout)
-    except RequestTimedOut:
-        pass
+        return _run_kernel_action(target, action, kernel_id, request_timeout, clock, sleep, progress)
+    except KeyboardInterrupt:
+        progress.done()
+        raise cancel_on_interrupt(target, action, kernel_id, request_timeout) from None
+    finally:
+        progress.done()
+
+
+def _run_kernel_action(
+    target: Target,
+    action: str,
+    kernel_id: str,
+    request_timeout: float,
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    progress: Progress,
+) -> Any:
+    path = f"/api/elastic/kernels/{kernel_id}"
+    try:
+        before = fetch(target, path, timeout=request_timeout)
+    except NotFound:
+        raise  # an unknown id: the user's mistake (exit 2), said before anything is sent
+    except CliError:
+        before = None
+    answer: dict[str, Any] = {}
+
+    def post() -> None:
+        try:
+            answer["model"] = fetch(target, f"{path}/{action}", "POST", timeout=request_timeout)
+        except CliError as err:
+            answer["error"] = err
+
+    began = clock()
+    sender = threading.Thread(target=post, name=f"elastic-{action}", daemon=True)
+    sender.start()
+    while sender.is_alive():
+        sender.join(POLL_INTERVAL)
+        if sender.is_alive() and progress.enabled:
+            progress.show(
+                kernel_id, render_progress(action, _try_fetch(target, path, request_timeout)), clock() - began
+            )
+    if "model" in answer:
+        return answer["model"]
+    if not isinstance(answer.get("error"), RequestTimedOut):
+        raise answer["error"]
     policy = _try_fetch(target, "/api/elastic/policy", request_timeout) or {}
     allowed = float(policy.get("checkpoint_timeout") or DEFAULT_CHECKPOINT_TIMEOUT) + SETTLE_MARGIN
-    began = clock()
-    if sys.stderr.isatty():
+    waited = clock()
+    if sys.stderr.isatty() and not progress.enabled:
         print(
             f"jupyter elastic: {action} of {kernel_id} is under way; waiting (up to {allowed:g}s)",
             file=sys.stderr,
@@ -223,7 +334,8 @@ def run_kernel_action(
                 return model
             if outcome is not None:
                 raise CliError(outcome)
-        if clock() - began >= allowed:
+        progress.show(kernel_id, render_progress(action, model), clock() - began)
+        if clock() - waited >= allowed:
             state = model.get("state") if model else "unknown (no answer)"
             raise CliError(
                 f"kernel {kernel_id} is still {state} after {allowed:g}s "
@@ -252,6 +364,12 @@ KERNEL_VIEWS: dict[str, tuple[str, Renderer, str]] = {
 KERNEL_ID = re.compile(r"^[\w-]+$")
 
 
+def _json_too(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``jupyter elastic list --json`` as well as ``jupyter elastic --json list``."""
+    command.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+    return command
+
+
 def build_parser() -> OneLineParser:
     parser = OneLineParser(
         prog="jupyter elastic", description="GPU-size kernels of a running Jupyter server."
@@ -259,6 +377,12 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--url", help="server URL (default: the newest running local server)")
     parser.add_argument("--token", help="API token (default: the local server's, or $JUPYTER_TOKEN)")
     parser.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="hibernate/resume: show the phase on stderr (default: when stderr is a terminal)",
+    )
     parser.add_argument(
         "--request-timeout",
         type=float,
@@ -272,12 +396,12 @@ def build_parser() -> OneLineParser:
         metavar="{" + ",".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, NODE_AGENT, SIMULATE]) + "}",
     )
     for name, (_path, _render, help_text) in COMMANDS.items():
-        sub.add_parser(name, help=help_text)
+        _json_too(sub.add_parser(name, help=help_text))
     for name, (_sub, _render, help_text) in KERNEL_VIEWS.items():
-        view = sub.add_parser(name, help=help_text)
+        view = _json_too(sub.add_parser(name, help=help_text))
         view.add_argument("kernel_id", help="the kernel's id (see `jupyter elastic list`)")
     for name, help_text in KERNEL_ACTIONS.items():
-        action = sub.add_parser(name, help=help_text)
+        action = _json_too(sub.add_parser(name, help=help_text))
         action.add_argument("kernel_id", help="the kernel's id (see `jupyter elastic list`)")
     add_node_agent(sub)
     add_simulate(sub)
@@ -292,6 +416,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == NODE_AGENT:
         return run_node_agent(parser, args)
     if args.command == SIMULATE:
+        args.sim_json = args.sim_json or args.json  # `--json simulate` as well as `simulate --json`
         return run_simulate(parser, args)
     if not args.request_timeout > 0:
         parser.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
@@ -317,15 +442,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return FAILURE
     try:
         if method == "POST":
-            doc = run_kernel_action(target, args.command, args.kernel_id, args.request_timeout)
+            shown = sys.stderr.isatty() if args.progress is None else args.progress
+            doc = run_kernel_action(
+                target, args.command, args.kernel_id, args.request_timeout, progress=Progress(shown)
+            )
         else:
             doc = fetch(target, path, method, timeout=args.request_timeout)
-    except NotFound as err:
+    except NotFound as err:  # an unknown kernel id: the user's to fix, like a bad argument
         print(f"jupyter elastic: {err}", file=sys.stderr)
-        return USAGE_ERROR if args.command in KERNEL_VIEWS else FAILURE
+        return USAGE_ERROR
+    except Interrupted as err:
+        print(f"jupyter elastic: {err}", file=sys.stderr)
+        return INTERRUPTED
     except CliError as err:
         print(f"jupyter elastic: {err}", file=sys.stderr)
         return FAILURE
+    except KeyboardInterrupt:
+        print("jupyter elastic: interrupted", file=sys.stderr)
+        return INTERRUPTED
     print(json.dumps(doc, indent=2) if args.json else render(doc))
     return 0
 

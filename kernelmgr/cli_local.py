@@ -210,6 +210,25 @@ def add_simulate(sub: Any) -> None:
         default=d.write_mib_s,
         help=f"hibernate: checkpoint write MiB/s (default {d.write_mib_s:g})",
     )
+    sim.add_argument(
+        "--pod-s",
+        type=_seconds,
+        default=d.pod_s,
+        help="Kubernetes: pod scheduling and container start before each start or resume, s (default 0)",
+    )
+    sim.add_argument(
+        "--pull-s",
+        type=_seconds,
+        default=d.pull_s,
+        help="Kubernetes: image pull on a node's first kernel (each simulated GPU is a node), s (default 0)",
+    )
+    sim.add_argument(
+        "--pressure-idle-minimum",
+        type=_seconds,
+        metavar="S",
+        help="also replay culling under pressure at S seconds idle (default: "
+        "CullPolicy.pressure_idle_minimum from --config; that column is shown when either is set)",
+    )
 
 
 def run_simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -225,9 +244,13 @@ def run_simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         return 0
     if not args.trace:
         parser.error(f"{SIMULATE}: a TRACE.json is required (or --generate SESSIONS)")
-    delays = DelayModel(args.start_s, args.read_mib_s, args.hibernate_s, args.write_mib_s)
+    delays = DelayModel(
+        args.start_s, args.read_mib_s, args.hibernate_s, args.write_mib_s, args.pod_s, args.pull_s
+    )
     try:
-        setup, sessions, results = simulate_cli.run(args.trace, args.config, args.gpus, delays)
+        setup, sessions, results = simulate_cli.run(
+            args.trace, args.config, args.gpus, delays, args.pressure_idle_minimum
+        )
         if args.plot:
             title = f"{os.path.basename(args.trace)}: {len(sessions)} sessions"
             simulate_cli.plot(results, args.plot, title)

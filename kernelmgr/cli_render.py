@@ -17,8 +17,31 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def _gib(mib: Any) -> str:
-    return "-" if mib is None else f"{mib / 1024:g} GiB"
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_bytes(count: Any) -> str:
+    """``80 B``, ``1.5 KiB``, ``300 MiB``, ``10 GiB``: at most three significant digits, never an
+    exponent (a checkpoint of 80 bytes is not ``7.45058e-08 GiB``)."""
+    if count is None:
+        return "-"
+    value = float(count)
+    unit = 0
+    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    if unit == 0:
+        return f"{int(value)} B"
+    digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
+    text = f"{value:.{digits}f}"
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return f"{text} {_UNITS[unit]}"
+
+
+def human_mib(mib: Any) -> str:
+    """A size the API gives in MiB, as :func:`human_bytes` writes it."""
+    return "-" if mib is None else human_bytes(float(mib) * MIB)
 
 
 def _fraction(value: Any) -> str:
@@ -40,7 +63,7 @@ def render_profiles(doc: dict[str, Any]) -> str:
             p["name"],
             p["display_name"],
             _fraction(p["gpu_fraction"]),
-            _gib(p["memory_mib"]),
+            human_mib(p["memory_mib"]),
             p["backend"],
             _isolation(p.get("isolation")),
             "yes" if p.get("fits_now") else "no",
@@ -77,9 +100,9 @@ def render_gpus(doc: dict[str, Any]) -> str:
             d["index"],
             d["uuid"],
             d["name"],
-            _gib(d["memory_mib"]),
+            human_mib(d["memory_mib"]),
             _fraction(d["used_fraction"]) if d["used_fraction"] else "0%",
-            _gib(d["free_memory_mib"]),
+            human_mib(d["free_memory_mib"]),
             holders(d["slices"], d.get("other_users")),
         ]
         for d in doc.get("devices", [])
@@ -125,7 +148,7 @@ def render_kernels(kernels: list[dict[str, Any]]) -> str:
                 "-" if memory is None else f"{memory} MiB",
                 _duration(activity.get("gpu_idle_seconds")),
                 ",".join(devices),
-                _gib(checkpoint["bytes"] / MIB) if checkpoint.get("bytes") else "-",
+                human_bytes(checkpoint["bytes"]) if checkpoint.get("bytes") else "-",
                 k.get("owner"),
             ]
         )
@@ -154,7 +177,7 @@ def render_kernel(kernel: dict[str, Any]) -> str:
     if kernel.get("state") == "hibernated" and checkpoint:
         not_saved = ", ".join(v["name"] for v in checkpoint.get("not_saved", [])) or "none"
         saved = len(checkpoint.get("saved", []))
-        size = _gib(checkpoint.get("bytes", 0) / MIB)
+        size = human_bytes(checkpoint.get("bytes", 0))
         line += f": {saved} variable(s) saved ({size}), not saved: {not_saved}"
     elif kernel.get("slice"):
         line += " on " + ", ".join(d["uuid"] for d in kernel["slice"]["devices"])
@@ -189,3 +212,22 @@ def render_report(doc: dict[str, Any]) -> str:
     for name, why in (report.get("differs") or {}).items():
         lines.append(f"restored with differences: {name} ({why})")
     return "\n".join(lines)
+
+
+def render_progress(action: str, model: dict[str, Any] | None) -> str:
+    """Where a hibernation or resume stands, from the kernel's model, in a few words."""
+    if model is None:
+        return f"{action}: no answer from the server yet"
+    state = model.get("state")
+    if state == "hibernating":
+        return "hibernating: writing the checkpoint"
+    if state == "resuming":
+        progress = model.get("resume") or {}
+        phase = progress.get("phase")
+        if phase == "waiting_for_slice":
+            return f"resuming: waiting for a free GPU slice ({model.get('profile')}); Ctrl-C stops waiting"
+        if phase == "restoring":
+            done, total = human_mib(progress.get("restored_mib")), human_mib(progress.get("total_mib"))
+            return f"resuming: restoring the variables, {done} of {total} read"
+        return "resuming: starting the kernel"
+    return f"{action}: the kernel is {state}"

@@ -35,6 +35,7 @@ from kernelmgr.core.kernels import KernelRegistry
 from kernelmgr.core.modes import KernelMode
 from kernelmgr.core.policy import Policy, build_policy
 from kernelmgr.core.profiles import GpuProfile, parse_profiles
+from kernelmgr.core.queue import SliceQueue
 from kernelmgr.provisioners.accounts import KernelAccounts
 from kernelmgr.warm.pool import WarmPools
 from kernelmgr.warm.settings import WarmPoolConfigError, WarmPoolSettings, parse_warm_pool
@@ -71,6 +72,12 @@ class ElasticRuntime:
     mode: KernelMode = KernelMode.LOCAL
     background_checkpoint_interval: float = 0.0
     kernels: KernelRegistry = field(default_factory=KernelRegistry)
+    #: The kernels waiting for a GPU slice, in the order they are served (resumes).
+    slice_queue: SliceQueue = field(default_factory=SliceQueue)
+    #: ``ElasticKernels.max_slice_wait``: seconds a resume waits in the queue (0: until interrupted).
+    max_slice_wait: float = 0.0
+    #: ``ElasticKernels.start_queue_wait``: seconds a new kernel waits in the queue (0: refused at once).
+    start_queue_wait: float = 0.0
     #: The one writer of the kernels' lifecycle states (provisioners report starts and exits to it).
     states: KernelStates = field(init=False)
 
@@ -105,6 +112,14 @@ class ElasticRuntime:
     def replace_inventory(self, inventory: GpuInventory) -> InventoryChange:
         """Swap in new devices; returns what changed, with the slices lost on removed devices."""
         return self.allocator.replace_inventory(inventory)
+
+    def slices_held_by(self, owner: str) -> int:
+        """GPU slices the owner's kernels hold now (the slice queue's fair share counts them)."""
+        return sum(
+            1
+            for granted in self.allocator.slices()
+            if (record := self.kernels.get(granted.kernel_id)) is not None and record.owner == owner
+        )
 
     @property
     def gpus_available(self) -> bool:
@@ -150,7 +165,25 @@ class ElasticKernels(LoggingConfigurable):
     )
     checkpoint_root = Unicode(
         config=True,
-        help="Directory that holds kernel checkpoints, one subdirectory per owner and kernel.",
+        help="""Directory that holds kernel checkpoints, one subdirectory per owner and kernel. With
+        checkpoint_store "s3", only the kernels' local scratch copies (the bucket holds the
+        checkpoints): it need not be shared.""",
+    )
+    checkpoint_store_class = Type(
+        default_value=CheckpointStore,
+        klass=CheckpointStore,
+        config=True,
+        help="""The file-system store's class (checkpoint_store "filesystem"): a subclass of
+        kernelmgr.checkpoint_store.CheckpointStore, e.g. one that models a shared file system's
+        view (the tests' lagging view).""",
+    )
+    checkpoint_store = Enum(
+        ["filesystem", "s3"],
+        default_value="filesystem",
+        config=True,
+        help="""Where checkpoints are kept. "filesystem": checkpoint_root (a local disk, or a
+        ReadWriteMany claim shared with the kernel pods). "s3": an S3-compatible bucket
+        (S3Checkpoints.*); kernels upload and download through presigned URLs and hold no credential.""",
     )
     allocation_strategy = Enum(
         list(STRATEGIES),
@@ -202,6 +235,20 @@ class ElasticKernels(LoggingConfigurable):
         help="Seconds a resumed kernel may take to start and answer, plus one second per 20 MiB of "
         "its checkpoint (a big state takes longer to read). Past it the resume fails, the process "
         "it started is stopped, and the kernel stays hibernated.",
+    )
+    max_slice_wait = Float(
+        0.0,
+        config=True,
+        help="Seconds a resume waits in the queue for a free GPU slice before it fails, saying so "
+        "(0: it waits until the user interrupts). Waiting kernels are served by their size's "
+        "queue_priority, each user's first before anyone's second, then in arrival order.",
+    )
+    start_queue_wait = Float(
+        0.0,
+        config=True,
+        help="Seconds a new kernel whose GPU size does not fit now waits in the queue for a slice "
+        "(behind the resumes and starts already waiting) before its start fails with 409 saying so. "
+        "0: such a start is refused at once, as a size that does not fit has always been.",
     )
     start_timeout = Float(
         120.0,
@@ -325,6 +372,15 @@ class ElasticKernels(LoggingConfigurable):
             raise ConfigError(f"ElasticKernels.resume_timeout must be > 0 seconds, got {self.resume_timeout}")
         if self.start_timeout <= 0:
             raise ConfigError(f"ElasticKernels.start_timeout must be > 0 seconds, got {self.start_timeout}")
+        if self.start_queue_wait < 0:
+            raise ConfigError(
+                "ElasticKernels.start_queue_wait must be >= 0 seconds (0: no queue), "
+                f"got {self.start_queue_wait}"
+            )
+        if self.max_slice_wait < 0:
+            raise ConfigError(
+                f"ElasticKernels.max_slice_wait must be >= 0 seconds (0: no limit), got {self.max_slice_wait}"
+            )
         if self.reap_interval <= 0:
             raise ConfigError(f"ElasticKernels.reap_interval must be > 0 seconds, got {self.reap_interval}")
         if not self.base_kernels:
@@ -348,6 +404,8 @@ class ElasticKernels(LoggingConfigurable):
             checkpoint_timeout=self.checkpoint_timeout,
             resume_timeout=self.resume_timeout,
             start_timeout=self.start_timeout,
+            max_slice_wait=self.max_slice_wait,
+            start_queue_wait=self.start_queue_wait,
             hibernate_on_shutdown=self.hibernate_on_shutdown,
             nvml=nvml,
             gpu_sample_interval=self.gpu_sample_interval,
@@ -401,7 +459,9 @@ class ElasticKernels(LoggingConfigurable):
             )
         if os.path.lexists(old_secret):
             self._retire_old_secret(old_secret, secret_file, secret)
-        return CheckpointStore(root, secret)
+        if self.checkpoint_store == "s3":
+            return S3Checkpoints(parent=self).build(root, secret)
+        return cast(CheckpointStore, self.checkpoint_store_class(root, secret))
 
     def _retire_old_secret(self, old_secret: str, secret_file: str, secret: bytes) -> None:
         """An older version's ``<checkpoint_root>/.secret`` beside the configured secret file.
@@ -427,6 +487,119 @@ class ElasticKernels(LoggingConfigurable):
             f"only with the old one. Put its bytes in {secret_file} (on Kubernetes: kubectl create secret "
             "generic <name> --from-file=secret=<its copy> and set the chart's "
             f"checkpointSecret.existingSecret), or delete {old_secret} to give those checkpoints up"
+        )
+
+
+class S3Checkpoints(LoggingConfigurable):
+    """The bucket checkpoints go to with ``ElasticKernels.checkpoint_store = "s3"``.
+
+    The server's credential comes from its environment (on Kubernetes, a Secret mapped into it);
+    kernels never see it: they get presigned URLs for their own checkpoint's objects only.
+    """
+
+    endpoint = Unicode(
+        "",
+        config=True,
+        help="""The S3 endpoint URL, e.g. https://s3.us-east-1.amazonaws.com,
+        https://storage.googleapis.com, or an in-cluster http://minio:9000. Requests are path-style
+        (endpoint/bucket/key). Kernels must reach it too (they upload and download directly).""",
+    )
+    bucket = Unicode("", config=True, help="The bucket (it must exist unless create_bucket).")
+    region = Unicode("us-east-1", config=True, help="The region requests are signed for.")
+    prefix = Unicode("", config=True, help="A key prefix for every checkpoint object (to share a bucket).")
+    access_key_id_env = Unicode(
+        "AWS_ACCESS_KEY_ID",
+        config=True,
+        help="The environment variable that holds the access key id (never the key in config).",
+    )
+    secret_access_key_env = Unicode(
+        "AWS_SECRET_ACCESS_KEY",
+        config=True,
+        help="The environment variable that holds the secret access key.",
+    )
+    presign_seconds = Integer(
+        900,
+        config=True,
+        help="""How long a presigned URL handed to a kernel stays valid (seconds, 60..604800). It must
+        cover a checkpoint's upload and a resume's download.""",
+    )
+    part_size_mib = Integer(
+        32, config=True, help="Multipart upload part size (MiB, at least 5: S3's minimum part)."
+    )
+    create_bucket = Bool(False, config=True, help="Create the bucket at start-up if it is missing.")
+    encryption_key_files = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="""Master key files (32 bytes, or 64 hex digits; a mounted Secret, never in the bucket):
+        non-empty encrypts new checkpoints at rest with a key per owner wrapped by the first one.
+        Rotation: put a new key first and keep the older ones after it until every owner's key was
+        re-wrapped (each is, on its next use).""",
+    )
+
+    def build(self, root: str, secret: bytes) -> CheckpointStore:
+        """The object store, checked: every problem is a :class:`ConfigError` naming the setting."""
+        from kernelmgr.objectstore.client import Bucket, ObjectStoreError
+        from kernelmgr.objectstore.sigv4 import Credentials
+        from kernelmgr.objectstore.store import ObjectCheckpointStore
+
+        if not self.endpoint.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"S3Checkpoints.endpoint {self.endpoint!r} must be an http:// or https:// URL "
+                '(ElasticKernels.checkpoint_store is "s3")'
+            )
+        if not self.bucket:
+            raise ConfigError('S3Checkpoints.bucket is empty (ElasticKernels.checkpoint_store is "s3")')
+        access, secret_key = (
+            os.environ.get(self.access_key_id_env, ""),
+            os.environ.get(self.secret_access_key_env, ""),
+        )
+        if not access or not secret_key:
+            raise ConfigError(
+                f"the object store's credential is not in the environment: set {self.access_key_id_env} "
+                f"and {self.secret_access_key_env} (S3Checkpoints.access_key_id_env / secret_access_key_env)"
+            )
+        if not 60 <= self.presign_seconds <= 604800:
+            raise ConfigError(
+                f"S3Checkpoints.presign_seconds must be between 60 and 604800, got {self.presign_seconds}"
+            )
+        if self.part_size_mib < 5:
+            raise ConfigError(f"S3Checkpoints.part_size_mib must be at least 5, got {self.part_size_mib}")
+        bucket = Bucket(self.endpoint, self.bucket, Credentials(access, secret_key, self.region))
+        envelope = None
+        if self.encryption_key_files:
+            from kernelmgr.objectstore.envelope import OwnerKeys, read_master_key
+
+            try:
+                import cryptography  # noqa: F401
+            except ImportError:
+                raise ConfigError(
+                    "S3Checkpoints.encryption_key_files needs the 'cryptography' package: "
+                    "pip install 'jupyter-elastic-kernels[objectstore]'"
+                ) from None
+            masters = []
+            for path in self.encryption_key_files:
+                try:
+                    masters.append(read_master_key(path))
+                except (OSError, ValueError) as exc:
+                    raise ConfigError(f"S3Checkpoints.encryption_key_files: {exc}") from None
+            envelope = OwnerKeys(bucket, self.prefix.strip("/"), masters)
+        try:
+            if self.create_bucket:
+                bucket.create()
+            bucket.request("GET", query={"list-type": "2", "max-keys": "1"})  # reachable, ours
+        except (OSError, ObjectStoreError) as exc:
+            raise ConfigError(
+                f"the object store at {self.endpoint} (bucket {self.bucket!r}) is not usable: {exc}"
+            ) from None
+        return ObjectCheckpointStore(
+            root,
+            secret,
+            bucket,
+            prefix=self.prefix,
+            presign_seconds=self.presign_seconds,
+            part_size=self.part_size_mib * 1024 * 1024,
+            envelope=envelope,
         )
 
 
@@ -479,6 +652,14 @@ class CullPolicy(LoggingConfigurable):
         connected to, so it stays "starting") counts as busy; after that the policy counts it idle
         from its start, and warns and hibernates it like any idle kernel.""",
     )
+    pressure_idle_minimum = Float(
+        0.0,
+        config=True,
+        help="""Seconds of idleness after which a kernel may be hibernated early, before idle_timeout,
+        because another kernel waits in the queue for a GPU slice (0: never). The longest-idle
+        kernels go first, one per waiting kernel, warned warn_before seconds ahead as usual; a busy
+        kernel never. Must be longer than warn_before.""",
+    )
     rules = List(
         Dict(),
         default_value=[],
@@ -500,4 +681,5 @@ class CullPolicy(LoggingConfigurable):
             known_profiles=known_profiles,
             max_concurrent_hibernations=self.max_concurrent_hibernations,
             start_grace=self.start_grace,
+            pressure_idle_minimum=self.pressure_idle_minimum,
         )

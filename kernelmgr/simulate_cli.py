@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from traitlets.config import Config
@@ -20,7 +20,7 @@ from traitlets.config.loader import ConfigFileNotFound, JSONFileConfigLoader, Py
 from kernelmgr.config import CullPolicy, ElasticKernels
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.inventory import GpuInventory
-from kernelmgr.core.policy import Policy
+from kernelmgr.core.policy import Policy, build_policy
 from kernelmgr.core.profiles import GpuProfile, parse_profiles
 from kernelmgr.core.simulate.engine import (
     DEFAULT_GPU_MIB,
@@ -33,7 +33,12 @@ from kernelmgr.core.simulate.engine import (
 )
 from kernelmgr.core.simulate.trace import Session, parse_trace
 
-LABELS = {"static": "static (whole session)", "cull_shutdown": "cull + shut down", "policy": "elastic policy"}
+LABELS = {
+    "static": "static (whole session)",
+    "cull_shutdown": "cull + shut down",
+    "policy": "elastic policy",
+    "pressure": "policy + pressure culling",
+}
 
 
 class SimulateError(Exception):
@@ -85,6 +90,24 @@ def build_setup(config: Config, gpus: int | None) -> Setup:
     return Setup(profiles, policy, inventory, elastic.allocation_strategy)
 
 
+def with_pressure(setup: Setup, minimum: float) -> Setup:
+    """``--pressure-idle-minimum``: the configuration's policy with that minimum, validated alike."""
+    p = setup.policy
+    try:
+        policy = build_policy(
+            **p.defaults.to_dict(),
+            interval=p.interval,
+            rules=[rule.to_dict() for rule in p.rules],
+            known_profiles=list(setup.profiles),
+            max_concurrent_hibernations=p.max_concurrent_hibernations,
+            start_grace=p.start_grace,
+            pressure_idle_minimum=minimum,
+        )
+    except ConfigError as err:
+        raise SimulateError(f"--pressure-idle-minimum: {err}") from None
+    return replace(setup, policy=policy)
+
+
 def load_trace(path: str, profiles: dict[str, GpuProfile]) -> list[Session]:
     try:
         with open(path, encoding="utf-8") as handle:
@@ -102,9 +125,15 @@ def load_trace(path: str, profiles: dict[str, GpuProfile]) -> list[Session]:
 
 
 def run(
-    trace: str, config: str | None, gpus: int | None, delays: DelayModel
+    trace: str,
+    config: str | None,
+    gpus: int | None,
+    delays: DelayModel,
+    pressure_idle_minimum: float | None = None,
 ) -> tuple[Setup, list[Session], dict[str, Result]]:
     setup = build_setup(load_config(config), gpus)
+    if pressure_idle_minimum is not None:
+        setup = with_pressure(setup, pressure_idle_minimum)
     sessions = load_trace(trace, setup.profiles)
     try:
         results = simulate(sessions, setup.profiles, setup.policy, setup.inventory, delays, setup.strategy)
@@ -160,7 +189,8 @@ def plot(results: dict[str, Result], path: str, title: str) -> None:
     figure, (axes, table_axes) = plt.subplots(
         2, 1, figsize=(10, 7.5), gridspec_kw={"height_ratios": [3, 2]}, constrained_layout=True
     )
-    for mode in MODES:
+    modes = [m for m in MODES if m in results]
+    for mode in modes:
         timeline = results[mode].timeline
         if timeline:
             xs = [t / 3600 for t, _ in timeline]
@@ -172,11 +202,11 @@ def plot(results: dict[str, Result], path: str, title: str) -> None:
     axes.legend(loc="upper right")
     axes.grid(alpha=0.3)
     table_axes.axis("off")
-    cells = [[_cell(results[m].to_dict()[key], unit) for m in MODES] for _label, key, unit in ROWS]
+    cells = [[_cell(results[m].to_dict()[key], unit) for m in modes] for _label, key, unit in ROWS]
     table = table_axes.table(
         cellText=cells,
         rowLabels=[label for label, _k, _u in ROWS],
-        colLabels=[LABELS[m] for m in MODES],
+        colLabels=[LABELS[m] for m in modes],
         loc="center",
     )
     table.auto_set_font_size(False)

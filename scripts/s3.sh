@@ -1,36 +1,43 @@
 #!/usr/bin/env bash
-# A real S3-compatible server for the object-store tests: SeaweedFS (Apache-2.0), built from Go
-# modules into the project cache. (MinIO's server is AGPL-licensed; SeaweedFS's S3 gateway speaks
-# SigV4, presigned URLs, multipart uploads, ranged reads and conditional writes.)
+# A real S3-compatible server for the object-store tests, built from Go modules into the project
+# cache. Two, both Apache-2.0 (MinIO's server is AGPL-licensed):
 #
-#   scripts/s3.sh build     build `weed` into the cache (does nothing when already built)
-#   scripts/s3.sh path      print the binary's path (it may not exist yet: run `build` first)
+#   versitygw  Versity's S3 gateway with its posix backend (the default): a 45 MB binary,
+#              about 3 minutes cold (modules downloaded and built) on two cores
+#   seaweedfs  SeaweedFS (`weed server -s3`): a 233 MB binary, about an hour cold on two loaded cores
 #
-# SeaweedFS publishes no tagged Go module versions, so the build pins one commit's pseudo-version.
-# Its go.mod has replace directives, which `go install pkg@version` refuses: the module is
+# Both speak SigV4, presigned URLs, multipart uploads, ranged reads and conditional writes.
+#
+#   scripts/s3.sh build [versitygw|seaweedfs]   build into the cache (nothing when already built)
+#   scripts/s3.sh path  [versitygw|seaweedfs]   print the binary's path (it may not exist yet)
+#
+# SeaweedFS publishes no tagged Go module versions, so its build pins one commit's pseudo-version;
+# its go.mod has replace directives, which `go install pkg@version` refuses: the module is
 # downloaded, copied and built as the main module instead.
 set -euo pipefail
 
+VGW_VERSION="${ELASTIC_VERSITYGW_VERSION:-v1.8.0}"
 WEED_VERSION="${ELASTIC_WEED_VERSION:-v0.0.0-20261109003541-7506e5f91cd6}"
-CACHE_DIR="${ELASTIC_S3_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/jupyter-elastic-kernels/s3/${WEED_VERSION}}"
-BIN="${CACHE_DIR}/bin/weed"
+CACHE_ROOT="${ELASTIC_S3_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/jupyter-elastic-kernels/s3}"
 
 log() { echo "s3.sh: $*" >&2; }
 
-build() {
-    if [[ -x "${BIN}" ]]; then
-        log "already built: ${BIN}"
-        return 0
-    fi
-    command -v go >/dev/null || { log "go is needed to build SeaweedFS"; exit 1; }
-    mkdir -p "${CACHE_DIR}/bin"
-    exec 9>"${CACHE_DIR}/.build.lock"
-    flock 9
-    if [[ -x "${BIN}" ]]; then
-        log "built meanwhile by another process: ${BIN}"
-        return 0
-    fi
-    local started=$SECONDS work
+server="${2:-versitygw}"
+case "${server}" in
+    versitygw) CACHE_DIR="${CACHE_ROOT}/versitygw-${VGW_VERSION}"; BIN="${CACHE_DIR}/bin/versitygw" ;;
+    seaweedfs) CACHE_DIR="${CACHE_ROOT}/${WEED_VERSION}"; BIN="${CACHE_DIR}/bin/weed" ;;
+    *) echo "unknown S3 server ${server}: versitygw or seaweedfs" >&2; exit 2 ;;
+esac
+
+build_versitygw() {
+    (cd "${CACHE_DIR}" && GOFLAGS=-modcacherw CGO_ENABLED=0 GOBIN="${CACHE_DIR}/bin.tmp" \
+        go install -trimpath -ldflags="-s -w" "github.com/versity/versitygw/cmd/versitygw@${VGW_VERSION}")
+    mv "${CACHE_DIR}/bin.tmp/versitygw" "${BIN}"
+    rmdir "${CACHE_DIR}/bin.tmp"
+}
+
+build_seaweedfs() {
+    local work
     work="$(mktemp -d)"
     trap 'chmod -R u+w "${work}"; rm -rf "${work}"' EXIT
     (cd "${work}" && go mod init fetch >/dev/null 2>&1 \
@@ -41,11 +48,28 @@ build() {
     chmod -R u+w "${work}/src"
     (cd "${work}/src" && GOFLAGS= CGO_ENABLED=0 go build -o "${BIN}.tmp" ./weed)
     mv "${BIN}.tmp" "${BIN}"
-    log "built SeaweedFS ${WEED_VERSION} in $((SECONDS - started))s: ${BIN}"
+}
+
+build() {
+    if [[ -x "${BIN}" ]]; then
+        log "already built: ${BIN}"
+        return 0
+    fi
+    command -v go >/dev/null || { log "go is needed to build ${server}"; exit 1; }
+    mkdir -p "${CACHE_DIR}/bin"
+    exec 9>"${CACHE_DIR}/.build.lock"
+    flock 9
+    if [[ -x "${BIN}" ]]; then
+        log "built meanwhile by another process: ${BIN}"
+        return 0
+    fi
+    local started=$SECONDS
+    "build_${server}"
+    log "built ${server} in $((SECONDS - started))s: ${BIN}"
 }
 
 case "${1:-}" in
     build) build ;;
     path) echo "${BIN}" ;;
-    *) echo "usage: scripts/s3.sh build|path" >&2; exit 2 ;;
+    *) echo "usage: scripts/s3.sh build|path [versitygw|seaweedfs]" >&2; exit 2 ;;
 esac

@@ -262,7 +262,13 @@ def imports_of(directory: Path, prefix: str) -> list[str]:
 
 #: What a module that may run inside the kernel (``checkpoint/``) may import from ``kernelmgr``:
 #: its own package, the manifest types and errors of the core, and the package version.
-IN_KERNEL_MAY_IMPORT = ("kernelmgr.checkpoint", "kernelmgr.core.manifest", "kernelmgr.core.errors")
+#: ``objectstore.transfer`` is the kernel's side of the object store (presigned URLs, no credential).
+IN_KERNEL_MAY_IMPORT = (
+    "kernelmgr.checkpoint",
+    "kernelmgr.core.manifest",
+    "kernelmgr.core.errors",
+    "kernelmgr.objectstore.transfer",
+)
 #: Frameworks of the server process, never loaded into a kernel. (Not tornado: ipykernel runs on
 #: a tornado loop, and the SIGTERM guard installs itself there.)
 SERVER_FRAMEWORKS = ("jupyter_server", "kubernetes", "prometheus_client", "gateway")

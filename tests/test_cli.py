@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kernelmgr.cli import _outcome
+from kernelmgr.cli_render import human_bytes, human_mib, render_kernel, render_kernels
 from tests.conftest import CONFIG
 from tests.support.server import TOKEN, RunningServer, start_server
 
@@ -122,12 +126,14 @@ def test_hibernate_and_resume_from_the_cli(plain_server: RunningServer) -> None:
 
 
 def test_hibernate_errors_are_one_line(plain_server: RunningServer) -> None:
-    missing = cli(plain_server, "hibernate", "no-such-kernel")
-    assert missing.returncode == 1
-    assert missing.stderr.strip().splitlines() == [
-        f"jupyter elastic: HTTP 404 from {plain_server.url}/api/elastic/kernels/no-such-kernel/hibernate: "
-        "no kernel with id 'no-such-kernel'"
-    ]
+    for action in ("hibernate", "resume", "report"):  # an unknown id is the user's mistake: exit 2
+        missing = cli(plain_server, action, "no-such-kernel")
+        assert missing.returncode == 2, (action, missing.stderr)
+        assert missing.stderr.strip().splitlines() == [
+            f"jupyter elastic: HTTP 404 from {plain_server.url}/api/elastic/kernels/no-such-kernel"
+            f"{'/report' if action == 'report' else ''}: no kernel with id 'no-such-kernel'; "
+            "list kernels at /api/elastic/kernels"
+        ]
     bad = cli(plain_server, "resume", "../etc")
     assert bad.returncode == 2 and "is not a kernel id" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
@@ -250,3 +256,161 @@ def test_gpus_view_counts_warm_pod_slices_apart() -> None:
         {**doc, "devices": [{**device, "used_fraction": 0.5, "slices": slices[:1]}], "warm_pods": {}}
     )
     assert "warm" not in plain.lower()
+
+
+@pytest.mark.parametrize(
+    ("count", "text"),
+    [
+        (0, "0 B"),
+        (80, "80 B"),
+        (1536, "1.5 KiB"),
+        (300 * 2**20, "300 MiB"),
+        (10 * 2**30, "10 GiB"),
+        (int(1.25 * 2**30), "1.25 GiB"),
+        (int(12.34 * 2**30), "12.3 GiB"),
+        (1023 * 2**20, "1023 MiB"),
+        (None, "-"),
+    ],
+)
+def test_sizes_are_human(count: int | None, text: str) -> None:
+    assert human_bytes(count) == text
+
+
+def test_tiny_checkpoints_and_memory_read_as_bytes_not_exponents() -> None:
+    """An 80-byte checkpoint once printed as ``7.45058e-08 GiB``."""
+    kernel = {
+        "id": "k1",
+        "profile": "small",
+        "state": "hibernated",
+        "checkpoint": {"bytes": 80, "saved": [{"name": "x"}], "not_saved": []},
+        "activity": {"gpu_memory_mib": 0.5},
+    }
+    assert render_kernel(kernel) == "kernel k1 is hibernated: 1 variable(s) saved (80 B), not saved: none"
+    row = render_kernels([kernel]).splitlines()[1]
+    assert " 80 B " in row and "e-0" not in row
+    assert human_mib(10240) == "10 GiB" and human_mib(512) == "512 MiB"
+
+
+def test_json_after_the_command_too(plain_server: RunningServer) -> None:
+    for args in (["gpus", "--json"], ["--json", "gpus"]):
+        result = cli(plain_server, *args)
+        assert result.returncode == 0, result.stderr
+        assert [d["uuid"] for d in json.loads(result.stdout)["devices"]] == ["GPU-test-0000", "GPU-test-0001"]
+    profiles = json.loads(cli(plain_server, "profiles", "--json").stdout)
+    assert "small" in [p["name"] for p in profiles["profiles"]]
+    assert json.loads(cli(plain_server, "list", "--json").stdout) == []
+
+
+def test_hibernate_shows_its_progress_and_human_sizes(plain_server: RunningServer) -> None:
+    kernel_id = plain_server.start_kernel("python3-gpu-small")
+    try:
+        plain_server.execute(kernel_id, slow_both_ways(3) + "slow = SlowBoth(); kept = 7")
+        result = cli(plain_server, "--progress", "hibernate", kernel_id)
+        assert result.returncode == 0, result.stderr
+        assert f"jupyter elastic: kernel {kernel_id} hibernating: writing the checkpoint" in (
+            result.stderr.splitlines()
+        )
+        line = result.stdout.strip()
+        assert re.fullmatch(
+            rf"kernel {kernel_id} is hibernated: \d variable\(s\) saved \(\d+(\.\d+)? KiB\), not saved: none",
+            line,
+        ), line
+        resumed = cli(plain_server, "--progress", "resume", kernel_id)
+        assert resumed.returncode == 0, resumed.stderr
+        # Unpickling takes 3 s: the poll sees the kernel started and reading its checkpoint.
+        assert any(
+            text.startswith(f"jupyter elastic: kernel {kernel_id} resuming: ")
+            for text in resumed.stderr.splitlines()
+        ), resumed.stderr
+        assert resumed.stdout.strip() == f"kernel {kernel_id} is running on GPU-test-0000"
+    finally:
+        plain_server.shutdown_kernel(kernel_id)
+
+
+def test_ctrl_c_on_a_waiting_resume_cancels_the_wait_on_the_server(plain_server: RunningServer) -> None:
+    """Both GPUs are held by whole-GPU kernels: the resume waits; Ctrl-C stops the wait there too."""
+    kernel_id = plain_server.start_kernel("python3-gpu-small")
+    holders: list[str] = []
+    try:
+        plain_server.execute(kernel_id, "kept = 7")
+        assert cli(plain_server, "hibernate", kernel_id).returncode == 0
+        holders = [plain_server.start_kernel("python3-gpu-whole") for _ in range(2)]
+        refused = plain_server.request("POST", f"/api/elastic/kernels/{kernel_id}/cancel")
+        assert refused.status == 409 and "not waiting for a GPU slice" in refused.body["message"]
+        process = subprocess.Popen(
+            ["jupyter", "elastic", "--progress", "resume", kernel_id],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=plain_server.env,
+        )
+        assert process.stderr is not None
+        lines: list[str] = []
+        waiting = threading.Event()
+
+        def read() -> None:
+            assert process.stderr is not None
+            for text in process.stderr:
+                lines.append(text.rstrip("\n"))
+                if "waiting for a free GPU slice" in text:
+                    waiting.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert waiting.wait(60), lines
+        process.send_signal(signal.SIGINT)
+        assert process.wait(60) == 130
+        reader.join(10)
+        assert lines[-1] == (
+            f"jupyter elastic: interrupted: the resume of kernel {kernel_id} stopped waiting for a "
+            "GPU slice; it stays hibernated"
+        ), lines
+        assert f"jupyter elastic: kernel {kernel_id} resuming: waiting for a free GPU slice (small); " in (
+            "\n".join(lines)
+        )
+        model = plain_server.get(f"/api/elastic/kernels/{kernel_id}")
+        assert model["state"] == "hibernated" and model["resume"] is None
+        # A slice that frees up now is not taken behind the user's back.
+        plain_server.shutdown_kernel(holders.pop())
+        assert plain_server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernated"
+        assert plain_server.execute(kernel_id, "print(kept)").strip() == "7"
+    finally:
+        for holder in holders:
+            plain_server.shutdown_kernel(holder)
+        plain_server.shutdown_kernel(kernel_id)
+
+
+def test_cancel_of_an_unknown_kernel_is_404(plain_server: RunningServer) -> None:
+    answer = plain_server.request("POST", "/api/elastic/kernels/no-such-kernel/cancel")
+    assert answer.status == 404 and "no kernel with id 'no-such-kernel'" in answer.body["message"]
+
+
+def test_progress_rewrites_one_line_on_a_terminal_and_prints_changes_elsewhere() -> None:
+    import io
+
+    from kernelmgr.cli import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    shown = Progress(True, terminal)
+    shown.show("k", "resuming: starting the kernel", 1.2)
+    shown.show("k", "resuming: starting the kernel", 2.4)
+    shown.done()
+    assert terminal.getvalue() == (
+        "\r\x1b[Kjupyter elastic: kernel k resuming: starting the kernel (1s)"
+        "\r\x1b[Kjupyter elastic: kernel k resuming: starting the kernel (2s)\r\x1b[K"
+    )
+    log = io.StringIO()
+    lines = Progress(True, log)
+    for text in ("hibernating: writing the checkpoint", "hibernating: writing the checkpoint", "x"):
+        lines.show("k", text, 0)
+    assert log.getvalue().splitlines() == [
+        "jupyter elastic: kernel k hibernating: writing the checkpoint",
+        "jupyter elastic: kernel k x",
+    ]
+    quiet = io.StringIO()
+    Progress(False, quiet).show("k", "x", 0)
+    assert quiet.getvalue() == ""

@@ -14,6 +14,7 @@ from kernelmgr.core.policy import (
     activity_resets_warning,
     build_policy,
     decide,
+    under_pressure,
 )
 
 pytestmark = pytest.mark.pure
@@ -191,3 +192,48 @@ def test_rule_that_makes_warning_longer_than_timeout_is_refused_naming_the_size(
 def test_gpu_idle_threshold_is_global_and_rules_cannot_change_it() -> None:
     with pytest.raises(ConfigError, match=r"rules\[0\]\.gpu_idle_threshold: unknown key"):
         policy(rules=[{"profiles": ["whole"], "gpu_idle_threshold": 50}])
+
+
+# -- culling under pressure (issue 29) ---------------------------------------------------------
+
+
+def test_under_pressure_picks_the_longest_idle_one_per_waiting_kernel() -> None:
+    p = policy(pressure_idle_minimum=300, warn_before=60)
+    kernels = [
+        snap(kernel_id="recent", last_execution=900.0),  # idle 100 s: not yet
+        snap(kernel_id="old", last_execution=0.0),  # idle 1000 s
+        snap(kernel_id="older", last_execution=-500.0),  # idle 1500 s
+        snap(kernel_id="busy", last_execution=0.0, execution_state="busy"),
+        snap(kernel_id="asleep", state=KernelState.HIBERNATED),
+        snap(kernel_id="warnable", last_execution=750.0),  # idle 250 s: warned 60 s before 300
+    ]
+    assert under_pressure(p, kernels, now=1000.0, waiting=1) == ["older"]
+    assert under_pressure(p, kernels, now=1000.0, waiting=5) == ["older", "old", "warnable"]
+    assert under_pressure(p, kernels, now=1000.0, waiting=0) == []
+    assert under_pressure(policy(), kernels, now=1000.0, waiting=3) == []  # off by default
+
+
+def test_pressure_makes_the_minimum_the_idle_timeout_with_the_usual_warning() -> None:
+    p = policy(pressure_idle_minimum=300, warn_before=60)
+    idle_400 = snap(last_execution=600.0)
+    assert decide(p, idle_400, now=1000.0).action is Action.NOTHING  # 400 s < idle_timeout 600
+    warn = decide(p, idle_400, now=1000.0, pressure=True)
+    assert warn.action is Action.WARN
+    hibernate = decide(p, replace(idle_400, warned_at=1000.0), now=1060.0, pressure=True)
+    assert hibernate.action is Action.HIBERNATE and "pressure_idle_minimum" in hibernate.reason
+    # The queue emptied before the deadline: the warning given under pressure is dropped.
+    assert activity_resets_warning(replace(idle_400, warned_at=1000.0), p, now=1060.0)
+
+
+def test_pressure_applies_to_a_size_without_idle_culling() -> None:
+    p = policy(idle_timeout=0, warn_before=0, pressure_idle_minimum=300)
+    assert p.enabled
+    assert decide(p, snap(last_execution=0.0), now=1000.0).action is Action.NOTHING
+    assert decide(p, snap(last_execution=0.0), now=1000.0, pressure=True).action is Action.HIBERNATE
+
+
+def test_the_pressure_minimum_must_leave_room_for_the_warning() -> None:
+    with pytest.raises(ConfigError, match="pressure_idle_minimum"):
+        policy(pressure_idle_minimum=100, warn_before=120)
+    with pytest.raises(ConfigError, match="pressure_idle_minimum"):
+        policy(pressure_idle_minimum=-1)

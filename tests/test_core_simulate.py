@@ -381,3 +381,68 @@ def test_a_size_that_never_fits_is_a_usage_error(tmp_path: Path) -> None:
     done = cli(tmp_path, "trace.json", "--config", "config.json", "--gpus", "2", trace=trace, config=config)
     assert done.returncode == 2
     assert "session 's1'.size: GPU size 'medium' can never fit" in done.stderr.strip()
+
+
+# -- the queue, culling under pressure and Kubernetes delays (issue 29) -----------------------
+
+
+def pressured(minimum: float) -> Policy:
+    return build_policy(
+        idle_timeout=0,
+        interval=60,
+        gpu_idle_threshold=5,
+        warn_before=60,
+        hibernated_ttl=0,
+        busy_gpu_idle_warning=0,
+        rules=[],
+        known_profiles=list(PROFILES),
+        pressure_idle_minimum=minimum,
+    )
+
+
+def test_pressure_culling_gives_a_waiting_user_the_gpu_of_an_idle_one() -> None:
+    # One GPU. "idle" runs one cell [0, 10] and sits until 4 h; "waiter" starts at 1000 s.
+    # No idle timeout: static and policy make the waiter wait until 4 h (14400 - 1000 = 13400 s).
+    # Pressure, minimum 300 s: the tick at 1020 sees a waiter and "idle" idle 1010 s -> warned;
+    # at 1080 (warning served) hibernated; the checkpoint takes 0 s (no state): waited 80 s.
+    sessions = [
+        {"id": "idle", "size": "whole", "start": 0, "end": 4 * H, "state_mib": 0, "cells": [[0, 10, 90]]},
+        {"id": "waiter", "size": "whole", "start": 1000, "end": 2 * H, "state_mib": 0, "cells": []},
+    ]
+    results = run(sessions, pressured(300), gpus=1)
+    assert set(results) == {"static", "cull_shutdown", "policy", "pressure"}
+    assert results["policy"].slice_wait_total_s == pytest.approx(13400)
+    assert results["pressure"].slice_wait_total_s == pytest.approx(80)
+    assert results["pressure"].hibernations == 1 and results["pressure"].warnings == 1
+    assert results["pressure"].gpu_hours < results["policy"].gpu_hours
+
+
+def test_the_pressure_column_only_when_a_minimum_is_set() -> None:
+    sessions = [{"id": "a", "size": "small", "start": 0, "end": H, "cells": []}]
+    assert "pressure" not in run(sessions, policy())
+
+
+def test_a_kubernetes_pod_delays_each_start_and_a_nodes_first_pod_pulls() -> None:
+    # Two sessions on one GPU, one after the other: both wait 5 s for their pod; only the first
+    # pays the 60 s pull. Static GPU time: (3600 + 5 + 60) + (3600 + 5) s of a whole GPU.
+    sessions = [
+        {"id": "first", "size": "whole", "start": 0, "end": H, "cells": []},
+        {"id": "second", "size": "whole", "start": 2 * H, "end": 3 * H, "cells": []},
+    ]
+    delays = DelayModel(1, 100, 0, 100, pod_s=5, pull_s=60)
+    static = run(sessions, policy(), gpus=1, delays=delays)["static"]
+    assert static.gpu_hours == pytest.approx((2 * H + 70) / H)
+
+
+def test_a_user_holding_a_gpu_already_waits_behind_one_who_holds_none() -> None:
+    # Two GPUs: Ann holds one all along, "holder" the other until 1000 s. Ann asks again at 20
+    # (a 2000 s session), Bob at 30 (100 s). At 1000 Bob goes first (Ann holds one already):
+    # waited 970, ends 1100; then Ann's at 1100, waited 1080. In arrival order: 980 + 2970.
+    sessions = [
+        {"id": "ann-0", "user": "ann", "size": "whole", "start": 0, "end": 10000, "cells": []},
+        {"id": "holder", "size": "whole", "start": 0, "end": 1000, "cells": []},
+        {"id": "ann-1", "user": "ann", "size": "whole", "start": 20, "end": 2020, "cells": []},
+        {"id": "bob-1", "user": "bob", "size": "whole", "start": 30, "end": 130, "cells": []},
+    ]
+    static = run(sessions, policy(), gpus=2)["static"]
+    assert static.slice_wait_total_s == pytest.approx(970 + 1080)

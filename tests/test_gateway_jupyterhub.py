@@ -137,6 +137,22 @@ def test_kernels_outlive_the_users_server_and_stay_private(tmp_path: Path) -> No
         over = post_session(hub, "bob", bob, "second.ipynb", bob_spec)
         assert over.status_code == 403, over.text
         assert "kernel quota reached: you have 1 of 1 kernels" in over.json()["message"]
+        # Every way his server starts a kernel at the gateway says the gateway's own words, not
+        # jupyter_server's "Error from Gateway: [%s] %s. Ensure gateway url is valid...".
+        direct = hub.api("POST", "/user/bob/api/kernels", bob, json={"name": bob_spec})
+        assert direct.status_code == 403, direct.text
+        assert direct.json()["message"].startswith("kernel quota reached: you have 1 of 1 kernels"), (
+            direct.text
+        )
+        assert "%s" not in direct.text and "Ensure gateway url" not in direct.text
+        first = next(
+            s for s in hub.api("GET", "/user/bob/api/sessions", bob).json() if s["path"] == "first.ipynb"
+        )
+        changed = hub.api(
+            "PATCH", f"/user/bob/api/sessions/{first['id']}", bob, json={"kernel": {"name": bob_spec}}
+        )
+        assert "kernel quota reached: you have 1 of 1 kernels" in changed.json()["message"], changed.text
+        assert "Ensure gateway url" not in changed.text
         whole = gateway(hub, "POST", "/api/kernels", bob, json={"name": bob_spec.replace("small", "whole")})
         assert whole.status_code in (403, 404), whole.text
 

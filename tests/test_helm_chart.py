@@ -144,6 +144,8 @@ def test_lint_strict() -> None:
         ({"kernels": {"userVolumes": [{"name": "home", "mountPath": "/home/jovyan"}]}}, "userVolumes"),
         ({"kernels": {"homeAccessMode": "ReadWriteSometimes"}}, "homeAccessMode"),
         ({"kernels": {"clientEnv": ["PATH"]}}, "clientEnv"),
+        ({"checkpoints": {"store": "gcs"}}, "store"),
+        ({"checkpoints": {"objectStore": {"partSizeMib": 1}}}, "partSizeMib"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(values: dict[str, Any], named: str, tmp_path: Path) -> None:
@@ -267,6 +269,48 @@ def test_checkpoint_claim_takes_the_default_storage_class_unless_named(tmp_path:
     # More modes are fine as long as ReadWriteMany is one of them.
     both = {"checkpoints": {"accessModes": ["ReadWriteOnce", "ReadWriteMany"]}}
     assert only(render(both, tmp_path), "PersistentVolumeClaim")["spec"]["accessModes"][1] == "ReadWriteMany"
+
+
+def test_checkpoints_in_an_object_store_configure_the_gateway_only(tmp_path: Path) -> None:
+    s3 = {
+        "endpoint": "https://s3.eu-west-1.amazonaws.com",
+        "bucket": "notebook-checkpoints",
+        "region": "eu-west-1",
+        "existingSecret": "checkpoint-bucket",
+    }
+    docs = render({"checkpoints": {"store": "s3", "objectStore": s3}}, tmp_path)
+    config = server_config(docs)
+    assert config["ElasticKernels"]["checkpoint_store"] == "s3"
+    bucket = config["S3Checkpoints"]
+    assert (bucket["endpoint"], bucket["bucket"], bucket["region"]) == (
+        s3["endpoint"],
+        s3["bucket"],
+        "eu-west-1",
+    )
+    assert (bucket["presign_seconds"], bucket["part_size_mib"]) == (900, 32)
+    (gateway,) = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in gateway["env"]}
+    for name, key in (
+        (bucket["access_key_id_env"], "AWS_ACCESS_KEY_ID"),
+        (bucket["secret_access_key_env"], "AWS_SECRET_ACCESS_KEY"),
+    ):
+        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "checkpoint-bucket", "key": key}
+    assert "encryption_key_files" not in bucket
+    encrypted = {**s3, "encryptionSecret": "checkpoint-keys", "encryptionKeys": ["new", "old"]}
+    docs = render({"checkpoints": {"store": "s3", "objectStore": encrypted}}, tmp_path)
+    files = server_config(docs)["S3Checkpoints"]["encryption_key_files"]
+    pod = only(docs, "Deployment")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "checkpoint-keys"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    assert files == [f"{mount['mountPath']}/new", f"{mount['mountPath']}/old"] and mount["readOnly"]
+    assert [item["key"] for item in volume["secret"]["items"]] == ["new", "old"]
+    assert "S3Checkpoints" not in server_config(render({}, tmp_path))  # the file system by default
+    missing = helm(
+        "template", "x", str(CHART), "--kube-version", "1.33.0",
+        *values_args({"checkpoints": {"store": "s3", "objectStore": {**s3, "existingSecret": ""}}}, tmp_path),
+        check=False,
+    )  # fmt: skip
+    assert missing.returncode != 0 and "checkpoints.objectStore.existingSecret" in missing.stderr
 
 
 def test_helm_test_pod_asks_the_gateways_service_and_the_hub(tmp_path: Path) -> None:

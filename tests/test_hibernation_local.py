@@ -556,3 +556,56 @@ def test_cell_sent_while_hibernating_waits_and_runs_after_resume(
         ]
         assert any("restored" in text for text in displays), "the cell ran in the resumed kernel"
     assert server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "running"
+
+
+def test_the_cell_that_wakes_the_kernel_shows_the_resume_and_then_only_its_output(
+    server: RunningServer,
+) -> None:
+    """Waiting for a slice, then restoring: the note and an in-place progress display in the
+    cell, then ``clear_output`` before the cell's own output (nothing of it in the saved notebook)."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    loads_in_3s = (
+        "class SlowToLoad:\n"
+        "    def __reduce__(self):\n"
+        "        import time\n"
+        "        return (time.sleep, (3,))\n"
+    )
+    server.execute(kernel_id, loads_in_3s + "slow = SlowToLoad(); kept = 7")
+    assert hibernate(server, kernel_id).status == 200
+    hogs = [server.start_kernel("python3-gpu-whole") for _ in range(2)]  # both GPUs taken
+    with server.channel(kernel_id) as chan:
+        msg_id = chan.send("execute_request", {"code": "print(kept)", "silent": False})
+        wait_for(
+            lambda: (
+                server.get(f"/api/elastic/kernels/{kernel_id}")["resume"] == {"phase": "waiting_for_slice"}
+            ),
+            timeout=90,
+            what="the resume to wait for a slice",
+        )
+        server.shutdown_kernel(hogs.pop(0))
+        _reply, iopub = chan.collect(msg_id, timeout=120)
+    kinds = [m["msg_type"] for m in iopub]
+    waiting = next(
+        i for i, m in enumerate(iopub) if m["msg_type"] == "stream" and "Waiting" in m["content"]["text"]
+    )
+    shown = [
+        i
+        for i, kind in enumerate(kinds)
+        if kind == "display_data" and "display_id" in iopub[i]["content"].get("transient", {})
+    ]
+    assert shown, kinds  # the restore takes 3 s: its progress shows, updated in place
+    texts = [
+        iopub[i]["content"]["data"]["text/plain"]
+        for i, k in enumerate(kinds)
+        if k in ("display_data", "update_display_data")
+        and "display_id" in iopub[i]["content"].get("transient", {})
+    ]
+    assert all(text.startswith("Resuming the kernel: ") for text in texts), texts
+    cleared = kinds.index("clear_output")
+    assert waiting < shown[0] < cleared
+    output = next(
+        i for i, m in enumerate(iopub) if m["msg_type"] == "stream" and m["content"]["text"] == "7\n"
+    )
+    assert cleared < output, kinds
+    for hog in hogs:
+        server.shutdown_kernel(hog)

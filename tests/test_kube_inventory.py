@@ -8,8 +8,10 @@ other nodes (the node runner, other tests' nodes) never show up here. The runtim
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +29,8 @@ from kernelmgr.config import ElasticKernels, ElasticRuntime  # noqa: E402
 from kernelmgr.core.allocator import Slice  # noqa: E402
 from kernelmgr.core.inventory import GpuInventory  # noqa: E402
 from kernelmgr.kube.nodes import NodeInventorySync  # noqa: E402
+from kernelmgr.kube.other_gpu_pods import OtherGpuPods  # noqa: E402
+from kernelmgr.kube.placement import Placement  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 WAIT = 60.0
@@ -47,7 +51,9 @@ PROFILES = {
 class Cluster:
     """This test's own kwok GPU nodes (deleted afterwards) and a node sync that watches only them."""
 
-    def __init__(self, api: Any, plane: ControlPlane, runtime: ElasticRuntime) -> None:
+    def __init__(
+        self, api: Any, plane: ControlPlane, runtime: ElasticRuntime, placement: Placement | None = None
+    ) -> None:
         self.api = api
         self.core = client.CoreV1Api(api)
         self.tag = uuid.uuid4().hex[:8]
@@ -61,6 +67,7 @@ class Cluster:
             runtime.allocator,
             label_selector=self.selector,
             on_lost=self._on_lost,
+            placement=placement,
         )
 
     def _on_lost(self, lost: tuple[Slice, ...]) -> None:
@@ -217,7 +224,10 @@ def test_a_node_that_misses_heartbeats_keeps_its_kernels_slices(cluster: Cluster
     set_ready("False")
     cluster.wait(open_gpu(False), "the NotReady node's GPU to close")
     assert alloc.slice_of("k") == granted and not alloc.fits(one)
-    assert alloc.inventory.note.endswith("; 1 more on 1 cordoned or NotReady node(s), closed to new kernels")
+    assert alloc.inventory.note.endswith(
+        "; 1 more on 1 node(s) cordoned, NotReady or out of the kernels' node selector and tolerations, "
+        "closed to new kernels"
+    )
 
     set_ready("True")
     cluster.wait(open_gpu(True), "the node's GPU to open again")
@@ -299,3 +309,127 @@ def test_node_watch_lists_again_after_410_gone(kube_plane: ControlPlane, cluster
     cluster.wait_lost("k-a")
     assert cluster.sync.informer.lists >= 2
     assert alloc.fits(cluster.runtime.profile("two"))
+
+
+def test_only_nodes_the_scheduler_would_use_for_a_kernel_pod_take_new_kernels(
+    kube_plane: ControlPlane, kube_api: Any, runtime: ElasticRuntime
+) -> None:
+    """Kernel pods select ``zone=a`` and tolerate ``gpu=shared``: a node in zone b, or with a taint
+    they do not tolerate, is closed; the real kube-scheduler agrees, placing a pod with the same
+    selector and tolerations on the open node only, and leaving the next one Pending."""
+    toleration = {"key": "gpu", "operator": "Equal", "value": "shared", "effect": "NoSchedule"}
+    placement = Placement({"zone": "a"}, (toleration,))
+    cluster = Cluster(kube_api, kube_plane, runtime, placement)
+    try:
+        good = cluster.add("good", gpus=1, labels={**GFD, "zone": "a"})
+        shared = {"key": "gpu", "value": "shared", "effect": "NoSchedule"}
+        tolerated = cluster.add("tolerated", gpus=1, labels={**GFD, "zone": "a"}, taints=[shared])
+        dedicated = {"key": "dedicated", "value": "ml", "effect": "NoSchedule"}
+        tainted = cluster.add("tainted", gpus=1, labels={**GFD, "zone": "a"}, taints=[dedicated])
+        elsewhere = cluster.add("elsewhere", gpus=1, labels={**GFD, "zone": "b"})
+        cluster.sync.start()
+        cluster.wait(
+            lambda inventory: (
+                {d.uuid: d.closed for d in inventory}
+                == {
+                    f"{good}/gpu-0": False,
+                    f"{tolerated}/gpu-0": False,
+                    f"{tainted}/gpu-0": True,
+                    f"{elsewhere}/gpu-0": True,
+                }
+            ),
+            "the intolerable and the unselected nodes' GPUs closed",
+        )
+        one = runtime.profile("one")
+        assert runtime.allocator.fits(one)
+        runtime.allocator.allocate("k1", one)
+        runtime.allocator.allocate("k2", one)
+        assert not runtime.allocator.fits(one)  # 4 GPUs in the cluster, 2 a kernel pod can use
+
+        # The scheduler's own answer for pods like the kernels' (one GPU each, among these nodes).
+        names = [f"sched-{cluster.tag}-{n}" for n in range(3)]
+        for name in names:
+            cluster.core.create_namespaced_pod(
+                "default",
+                {
+                    "metadata": {"name": name},
+                    "spec": {
+                        "nodeSelector": {"zone": "a", "elastic.test/inventory": cluster.tag},
+                        "tolerations": [toleration],
+                        "containers": [
+                            {"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}
+                        ],
+                    },
+                },
+            )
+        try:
+
+            def placed() -> dict[str, str | None]:
+                return {n: cluster.core.read_namespaced_pod(n, "default").spec.node_name for n in names}
+
+            def refused(name: str) -> bool:
+                pod = cluster.core.read_namespaced_pod(name, "default")
+                conditions = pod.status.conditions or []
+                return any(c.type == "PodScheduled" and c.status == "False" for c in conditions)
+
+            deadline = time.monotonic() + WAIT
+            while time.monotonic() < deadline:
+                nodes = placed()
+                waiting = [n for n, v in nodes.items() if not v]
+                if len(waiting) == 1 and refused(waiting[0]):
+                    break
+                time.sleep(0.2)
+            # Two pods on the two open nodes; no third GPU a kernel pod can use: Pending, as "fits" said.
+            assert sorted(v for v in nodes.values() if v) == sorted([good, tolerated]), nodes
+            assert len(waiting) == 1 and refused(waiting[0]), nodes
+        finally:
+            for name in names:
+                cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+    finally:
+        cluster.close()
+
+
+def test_gpus_of_pods_that_are_not_kernels_are_not_offered_to_kernels(cluster: Cluster) -> None:
+    """A training job takes one of a node's two GPUs: one kernel fits, not two; when the job ends
+    its GPU is offered again. A pod labelled as this project's (a kernel's) is not counted twice."""
+    runtime, alloc = cluster.runtime, cluster.runtime.allocator
+    node = cluster.add("shared", gpus=2, labels=GFD)
+    others = OtherGpuPods(cluster.api, alloc)
+    cluster.sync.after_change.append(others.retry)
+    cluster.sync.companions.append(others)
+    cluster.sync.start()
+    others.start()
+    cluster.wait(has(f"{node}/gpu-0", f"{node}/gpu-1"), "the node's GPUs")
+    one = runtime.profile("one")
+
+    def pod(name: str, labels: dict[str, str] | None = None) -> dict[str, Any]:
+        return {
+            "metadata": {"name": name, "labels": labels or {}},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "containers": [{"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+            },
+        }
+
+    job, kernel_like = f"job-{cluster.tag}", f"kern-{cluster.tag}"
+    cluster.core.create_namespaced_pod("default", pod(job))
+    cluster.core.create_namespaced_pod(
+        "default", pod(kernel_like, {"app.kubernetes.io/name": "jupyter-elastic-kernels"})
+    )
+    try:
+        holder = f"pod:default/{job}"
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline and alloc.slice_of(holder) is None:
+            time.sleep(0.1)
+        assert alloc.slice_of(holder) is not None, "the job's GPU was not booked"
+        assert alloc.slice_of(f"pod:default/{kernel_like}") is None  # a kernel's pod: booked by its kernel
+        alloc.allocate("k1", one)
+        assert not alloc.fits(one)  # two GPUs: the job's and k1's
+        cluster.core.delete_namespaced_pod(job, "default", grace_period_seconds=0)
+        while time.monotonic() < deadline and alloc.slice_of(holder) is not None:
+            time.sleep(0.1)
+        assert alloc.fits(one), "the job ended but its GPU is still booked"
+    finally:
+        for name in (job, kernel_like):
+            with contextlib.suppress(client.ApiException):
+                cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)

@@ -13,6 +13,7 @@ from kernelmgr.core.allocator import SliceAllocator
 from kernelmgr.core.inventory import GpuInventory
 from kernelmgr.core.profiles import parse_profile
 from kernelmgr.kube.nodes import node_devices
+from kernelmgr.kube.placement import Placement
 
 pytestmark = pytest.mark.pure
 
@@ -245,3 +246,37 @@ def test_client_model_nodes_read_the_same_and_are_slimmed_for_the_cache() -> Non
     slim = slim_node(model)
     assert slim.status.images is None and slim.metadata.managed_fields is None
     assert node_devices(slim) == node_devices(model)
+
+
+def tainted(*taints: dict[str, str], labels: dict[str, str] | None = None) -> dict[str, Any]:
+    made = node("n1", {"nvidia.com/gpu": "1"}, labels={**GFD, **(labels or {})})
+    made["spec"]["taints"] = list(taints)
+    return made
+
+
+@pytest.mark.parametrize(
+    ("toleration", "admitted"),
+    [
+        ({"key": "gpu", "operator": "Equal", "value": "shared", "effect": "NoSchedule"}, True),
+        ({"key": "gpu", "value": "shared"}, True),  # Equal is the default; no effect named: all effects
+        ({"key": "gpu", "operator": "Exists"}, True),
+        ({"operator": "Exists"}, True),  # tolerates every taint
+        ({"key": "gpu", "value": "other"}, False),
+        ({"key": "gpu", "value": "shared", "effect": "NoExecute"}, False),
+        ({"key": "other", "operator": "Exists"}, False),
+    ],
+)
+def test_a_taint_closes_the_node_unless_the_kernels_tolerate_it(
+    toleration: dict[str, str], admitted: bool
+) -> None:
+    placement = Placement(tolerations=(toleration,))
+    (device,) = node_devices(tainted({"key": "gpu", "value": "shared", "effect": "NoSchedule"}), placement)
+    assert device.closed is not admitted
+
+
+def test_prefer_no_schedule_does_not_close_and_the_node_selector_does() -> None:
+    soft = tainted({"key": "gpu", "value": "x", "effect": "PreferNoSchedule"}, labels={"zone": "a"})
+    assert not node_devices(soft, Placement())[0].closed
+    assert not node_devices(soft, Placement({"zone": "a"}))[0].closed
+    assert node_devices(soft, Placement({"zone": "b"}))[0].closed
+    assert node_devices(soft, Placement({"pool": "gpu"}))[0].closed

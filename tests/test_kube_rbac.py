@@ -80,8 +80,9 @@ def server_identity(
 # ---- the rules match the code
 
 
-def _calls_in_code() -> set[tuple[str, str]]:
-    """(verb, resource) of every CoreV1Api call in kernelmgr/ (``core.<method>``), watches included."""
+def _calls_in_code(scope: str = "any") -> set[tuple[str, str]]:
+    """(verb, resource) of every CoreV1Api call in kernelmgr/ (``core.<method>``), watches included;
+    ``scope="cluster"``: only the calls across all namespaces (``*_for_all_namespaces``)."""
     needed: set[tuple[str, str]] = set()
     for path in (ROOT / "kernelmgr").rglob("*.py"):
         source = path.read_text()
@@ -89,7 +90,7 @@ def _calls_in_code() -> set[tuple[str, str]]:
         # informer's list function (list, then watch).
         for method, after in re.findall(r"(?:\bcore|CoreV1Api\([^()]*\))\.([a-z_]+)(\(?)", source):
             permission = permission_of(method)
-            if permission is None:
+            if permission is None or (scope == "cluster" and not method.endswith("_for_all_namespaces")):
                 continue
             verb, resource, _ = permission
             needed.add((verb, resource))
@@ -120,7 +121,11 @@ def test_shipped_rules_are_exactly_the_calls_the_code_makes() -> None:
     kernel_role = [d for d in docs if d["metadata"]["name"] == "jupyter-elastic-kernels:kernel-pods"]
     namespaced = {(v, r) for v, r in needed if r not in ("namespaces", "nodes")}
     assert _granted(kernel_role) == namespaced, "rbac.yaml's kernel-pods rules differ from the code's calls"
-    assert _granted(docs) - _granted(kernel_role) == {("get", "nodes"), ("list", "nodes"), ("watch", "nodes")}
+    cluster_role = [d for d in docs if d["metadata"]["name"] == "jupyter-elastic-kernels:nodes"]
+    nodes = {("get", "nodes"), ("list", "nodes"), ("watch", "nodes")}
+    across = _calls_in_code("cluster")
+    assert across == {("list", "pods"), ("watch", "pods")}  # the other GPU pods (kube/other_gpu_pods.py)
+    assert _granted(cluster_role) == nodes | across
     cluster = {(v, r) for v, r in needed if r == "namespaces"}
     assert cluster == {("create", "namespaces")}
     assert cluster <= _granted(rbac.read(rbac.RBAC_NAMESPACES))

@@ -102,7 +102,8 @@ def test_resume_shows_its_phases(server: RunningServer) -> None:
     resumer.start()
     seen = wait_for(lambda: model(server, kernel_id)["resume"], timeout=10, what="the resume phase")
     time.sleep(1.0)
-    assert model(server, kernel_id)["resume"] == {"phase": "waiting_for_slice"}, seen
+    waiting = {"phase": "waiting_for_slice", "position": 1, "waiting": 1, "estimate_s": None}
+    assert model(server, kernel_id)["resume"] == waiting, seen
     server.shutdown_kernel(holders[0])
     phases: list[dict] = []
     while resumer.is_alive():

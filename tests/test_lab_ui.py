@@ -26,12 +26,20 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import INVENTORY, elastic_config
+from tests.conftest import INVENTORY, PROFILES, elastic_config
 from tests.support.server import TOKEN, RunningServer, launch, wait_for
 
 CHROMIUM = os.environ.get("ELASTIC_CHROMIUM", "/usr/bin/chromium")
 REQUIRE_ENV = "ELASTIC_REQUIRE_BROWSER"
-POLICY = {"idle_timeout": 14, "warn_before": 11, "interval": 1}
+POLICY = {
+    "idle_timeout": 14,
+    "warn_before": 11,
+    "interval": 1,
+    # The whole-GPU kernels that fill the GPUs stay until the test shuts them down.
+    "rules": [{"profiles": ["whole", "medium"], "idle_timeout": 3600, "warn_before": 60}],
+}
+#: The test sizes, and "medium", which the policy leaves alone (the commands test hibernates it itself).
+LAB_PROFILES = {**PROFILES, "medium": {"gpu_fraction": 0.5, "memory_mib": 20480}}
 
 
 def _require_browser() -> Any:
@@ -117,10 +125,14 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServe
         nvml_class="kernelmgr.activity.nvml_double.FileNvmlDouble",
         gpu_sample_interval=0.5,
     )
+    config["ElasticKernels"]["profiles"] = LAB_PROFILES
     config["CullPolicy"] = POLICY
     config["LabApp"] = {"check_for_updates_class": "jupyterlab.NeverCheckForUpdate"}
     proc, log_path, url, env = launch(
-        home, config, env_extra={"ELASTIC_NVML_DOUBLE_FILE": str(gpu.path)}, app_module="jupyterlab"
+        home,
+        config,
+        env_extra={"ELASTIC_NVML_DOUBLE_FILE": str(gpu.path), **_this_checkouts_build(home)},
+        app_module="jupyterlab",
     )
     server = RunningServer(url=url, process=proc, home=home, log_path=log_path, env=env)
     (home / "root" / "demo.ipynb").write_text(json.dumps(NOTEBOOK))
@@ -131,6 +143,18 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServe
     finally:
         server.shutdown_all_kernels()
         server.stop()
+
+
+def _this_checkouts_build(home: Path) -> dict[str, str]:
+    """The browser loads this checkout's committed build (kernelmgr/labextension), not the copy an
+    install made once: JupyterLab takes the first folder of an extension's name on its path, and
+    ``JUPYTER_PATH`` comes first (a virtualenv's own share/ comes before the user's data dir)."""
+    build = Path(__file__).resolve().parents[1] / "kernelmgr" / "labextension"
+    path = home / "jupyter-path"
+    target = path / "labextensions" / "jupyter-elastic-kernels"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.symlink_to(build, target_is_directory=True)
+    return {"JUPYTER_PATH": str(path)}
 
 
 def _no_news_prompt(env: dict[str, str]) -> None:
@@ -212,7 +236,15 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     expect(output).to_have_text(re.compile(r"^\d+$"), timeout=60_000)
     pid = int(output.inner_text().strip())
     gpu.set(pid, memory_mib=2048, sm_percent=35)
-    expect(status).to_have_text("GPU small · 35% · 2.0 GiB · running", timeout=15_000)
+    expect(status).to_have_text("GPU small · 35% · 2.0 GiB · idle", timeout=15_000)
+    # One state in the status bar: JupyterLab's own "Python 3 · GPU small | Idle" is hidden.
+    stock = page.locator(".jp-ElasticStatus-replaced")
+    expect(stock).to_have_count(1, timeout=10_000)
+    expect(stock).to_contain_text("Python 3 · GPU small")
+    expect(stock).to_be_hidden()
+    expect(page.locator(".jp-StatusBar-Item:visible", has_text=" | ")).to_have_count(0)
+    badge = page.locator(".jp-NotebookPanel-toolbar .jp-ElasticToolbarState")
+    expect(badge).to_be_hidden()  # running: the circle says it
     shots("jupyterlab-status-running")
 
     # 2. The GPU goes idle: the policy warns; the notification has the time left and "Keep running".
@@ -240,17 +272,32 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     gpu.set(pid, memory_mib=2048, sm_percent=35)
 
     # 3. Hibernate from the GPUs panel; the status says so.
-    page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]').click()
+    tab = page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]')
+    expect(tab.locator("svg")).to_have_count(1)  # an icon, not the vertical word "GPUs"
+    tab.click()
     row = page.locator(f'.jp-ElasticPanel-kernel[data-kernel-id="{kernel_id}"]')
-    expect(row).to_contain_text("small", timeout=10_000)
+    # Named by its notebook (the sessions API), with its size and state.
+    expect(row.locator(".jp-ElasticPanel-kernelName")).to_have_text("demo.ipynb", timeout=10_000)
+    expect(row.locator(".jp-ElasticPanel-kernelInfo")).to_contain_text("small · idle")
     expect(page.locator(".jp-ElasticPanel")).to_contain_text("All GPUs (admin)", timeout=10_000)
     devices = page.locator(".jp-ElasticPanel-device")
-    expect(devices.first).to_contain_text(f"25% allocated; small ({kernel_id[:8]})")
+    gpus = server.get("/api/elastic/gpus")["devices"]
+    expect(devices.first).to_contain_text(f"{gpus[0]['name']} · 25% allocated")
+    expect(devices.first.locator(".jp-ElasticPanel-sliceList")).to_have_text("small (demo.ipynb)")
+    # The slice drawn as its part of the GPU: the API's fraction of the bar.
+    segment = devices.first.locator('.jp-ElasticPanel-slice[data-profile="small"]')
+    assert gpus[0]["slices"][0]["fraction"] == 0.25
+    assert segment.evaluate("e => e.style.width") == "25%"
     shots("jupyterlab-gpus-panel")
     row.get_by_role("button", name="Hibernate").click()
     expect(status).to_have_text("GPU small · hibernated", timeout=60_000)
+    expect(badge).to_have_text("Hibernated", timeout=10_000)  # the toolbar says it too
     expect(row.get_by_role("button", name="Resume")).to_be_visible(timeout=10_000)
-    expect(page.locator(".jp-ElasticPanel-device").first).to_contain_text("0% allocated; no slices")
+    expect(row.locator(".jp-ElasticPanel-kernelInfo")).to_contain_text(
+        re.compile(r"checkpoint \d+(\.\d+)? MiB")
+    )
+    expect(page.locator(".jp-ElasticPanel-device").first).to_contain_text("0% allocated")
+    expect(page.locator(".jp-ElasticPanel-sliceList").first).to_have_text("no slices")
     shots("jupyterlab-hibernated")
 
     # 4. Both GPUs taken: the next cell's resume waits for a slice, visibly; then restores and reports.
@@ -258,9 +305,11 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     cells.nth(1).click()
     page.keyboard.press("Shift+Enter")
     expect(status).to_have_text("GPU small · resuming: waiting for a free GPU slice", timeout=15_000)
+    expect(badge).to_have_text("Resuming: waiting for a GPU…")
     # The admin view follows: both GPUs wholly held by the two whole-GPU kernels.
-    expect(page.locator(".jp-ElasticPanel-device").nth(0)).to_contain_text("100% allocated; whole")
-    expect(page.locator(".jp-ElasticPanel-device").nth(1)).to_contain_text("100% allocated; whole")
+    for index in (0, 1):
+        expect(page.locator(".jp-ElasticPanel-device").nth(index)).to_contain_text("100% allocated")
+        expect(page.locator(".jp-ElasticPanel-sliceList").nth(index)).to_contain_text("whole (")
     shots("jupyterlab-resume-waiting")
     server.shutdown_kernel(holders[0])
     # Reading the 400 MiB back takes under a second here, less than one poll; loading the
@@ -270,6 +319,8 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     expect(status).to_have_text(
         re.compile(r"^GPU small · resuming: restoring 40\d of 40\d MiB$"), timeout=30_000
     )
+    # ... and so does the cell that woke the kernel, in one line updated in place.
+    expect(cells.nth(1).locator(".jp-OutputArea-output", has_text="Resuming the kernel: ")).to_have_count(1)
     shots("jupyterlab-resume-restoring")
     report = page.locator(".Toastify__toast", has_text="Kernel resumed")
     expect(report).to_be_visible(timeout=90_000)
@@ -283,16 +334,42 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     shots("jupyterlab-restore-report-details")
     dialog.get_by_role("button", name="Close").click()
     released = page.locator(".jp-ElasticPanel-released")
-    expect(released).to_contain_text("GPU-hours released by hibernation: ")
-    # A quarter GPU, hibernated for as long as this (possibly loaded) machine took: more than 0.
-    assert float(released.inner_text().rsplit(":", 1)[1]) > 0
+    # A quarter GPU, hibernated for as long as this (possibly loaded) machine took: more than 0,
+    # in words (not "0.0000"), the same figure as /api/elastic/me.
+    expect(released).to_have_text(
+        re.compile(r"^GPU time released by hibernation: (under 1 GPU-minute|\d+ GPU-minutes?)$"),
+        timeout=10_000,
+    )
+    assert float(released.get_attribute("data-hours") or 0) > 0
     expect(cells.nth(1).locator('.jp-OutputArea-output[data-mime-type="text/plain"]')).to_have_text(
         "42", timeout=30_000
     )
+    # The waiting note and the progress are gone from the cell (and from the saved notebook).
+    expect(cells.nth(1)).not_to_contain_text("Waiting for a GPU slice")
+    expect(cells.nth(1)).not_to_contain_text("Resuming the kernel")
     # A new process (not in the GPU script: 0% of the GPU), running.
-    expect(status).to_have_text("GPU small · 0% · 0 MiB · running", timeout=10_000)
-    server.shutdown_kernel(holders[1])
+    expect(status).to_have_text("GPU small · 0% · 0 MiB · idle", timeout=10_000)
+    expect(badge).to_be_hidden()
+    shots("jupyterlab-resumed")
+
+    # 5. No room for a new notebook's size: the dialog shows the server's whole 409 message,
+    # what to do first and the per-GPU figures after, wrapped rather than cut off.
     server.shutdown_kernel(kernel_id)  # its idle warnings would show up in the next test's page
+    holders.append(server.start_kernel("python3-gpu-whole"))  # both GPUs wholly held again
+    (server.home / "root" / "full.ipynb").write_text(json.dumps({**NOTEBOOK, "cells": NOTEBOOK["cells"][1:]}))
+    page.goto(f"{server.url}/lab/tree/full.ipynb?reset&token={TOKEN}")
+    dialog = page.locator(".jp-Dialog", has_text="Error Starting Kernel")
+    expect(dialog).to_be_visible(timeout=60_000)
+    message = dialog.locator(".jp-Dialog-body pre").first
+    expect(message).to_contain_text("does not fit right now. Pick a smaller size")
+    expect(message).to_contain_text("GPU-test-0001: 0% free")
+    text = message.inner_text()
+    assert text.index("Pick a smaller size") < text.index("Free: ") and text.rstrip().endswith("free."), text
+    assert message.evaluate("e => e.scrollWidth <= e.clientWidth"), "the message is cut off"
+    shots("jupyterlab-error-starting-kernel")
+    dialog.get_by_role("button", name="Ok").click()
+    for holder in holders[1:]:
+        server.shutdown_kernel(holder)
 
 
 def _kernel_of(server: RunningServer, path: str) -> str | None:
@@ -353,6 +430,117 @@ def test_a_kernel_without_a_gpu_size_shows_nothing(
             # ... and shows no status for a kernel without a GPU size.
             expect(page.locator(".jp-ElasticStatus")).to_be_hidden()
             expect(page.locator(".Toastify__toast")).to_have_count(0)
+        finally:
+            browser.close()
+            server.shutdown_all_kernels()
+
+
+def test_launcher_cards_are_ordered_by_size_with_icons_and_short_labels(
+    lab: tuple[RunningServer, GpuScript], tmp_path: Path
+) -> None:
+    """The Notebook cards: no size first, then small, whole (by GPU share, not by name), each
+    size with its own icon, the label without the memory (the icon shows it), on two lines."""
+    from playwright.sync_api import expect
+
+    server, _gpu = lab
+    specs = server.get("/api/kernelspecs")["kernelspecs"]
+    by_share = sorted(
+        server.get("/api/elastic/profiles")["profiles"],
+        key=lambda p: (p["gpu_fraction"], p["memory_mib"] or 0),
+    )
+    expected = [specs["python3"]["spec"]["display_name"]] + [
+        specs[p["kernelspecs"][0]]["spec"]["display_name"] for p in by_share
+    ]
+    sync_playwright = _require_browser()
+    folder = Path(os.environ.get("ELASTIC_UI_SCREENSHOTS") or tmp_path / "screenshots")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--headless", "--no-sandbox"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 720})
+            page.goto(f"{server.url}/lab?reset&token={TOKEN}")  # nothing open: the launcher
+            cards = page.locator(
+                '.jp-Launcher-section[data-category="Notebook"] .jp-LauncherCard, '
+                '.jp-LauncherCard[data-category="Notebook"]'
+            )
+            expect(cards.first).to_be_visible(timeout=60_000)
+            expect(page.locator("#jupyter-elastic-kernels-launcher")).to_have_count(1, timeout=20_000)
+            seen = cards.evaluate_all(
+                "cards => cards.map(c => [c.title, c.getBoundingClientRect().top,"
+                " c.getBoundingClientRect().left, getComputedStyle(c.querySelector('img')).content,"
+                " getComputedStyle(c.querySelector('.jp-LauncherCard-label p'), '::after').content])"
+            )
+            in_order = [title for title, *_ in sorted(seen, key=lambda c: (round(c[1]), c[2]))]
+            assert in_order == expected, seen
+            icons = {title: icon for title, _t, _l, icon, _label in seen}
+            assert icons[expected[0]] in ("normal", "none")  # the kernel's own logo
+            sized_icons = [icons[title] for title in expected[1:]]
+            assert all(i.startswith('url("data:image/svg+xml') for i in sized_icons), sized_icons
+            assert len(set(sized_icons)) == len(sized_icons)  # one icon per size
+            labels = {title: label for title, *_rest, label in seen}
+            assert labels["Python 3 · GPU small (10 GiB)"] == '"Python 3 · GPU small"'
+            time.sleep(0.8)
+            folder.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(folder / "jupyterlab-launcher.png"))
+        finally:
+            browser.close()
+
+
+def test_kernel_menu_and_palette_hibernate_resume_and_show_the_report(
+    lab: tuple[RunningServer, GpuScript], tmp_path: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    server, _gpu = lab
+    notebook = {
+        **CPU_NOTEBOOK,
+        "cells": [*CPU_NOTEBOOK["cells"], {**CPU_NOTEBOOK["cells"][0], "source": "kept = 7"}],
+        "metadata": {"kernelspec": {"name": "python3-gpu-medium", "display_name": "Python 3 · GPU medium"}},
+    }
+    (server.home / "root" / "commands.ipynb").write_text(json.dumps(notebook))
+    sync_playwright = _require_browser()
+    folder = Path(os.environ.get("ELASTIC_UI_SCREENSHOTS") or tmp_path / "screenshots")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--headless", "--no-sandbox"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 720})
+            shots = Shots(page, folder)
+            cells = _open(page, server, "commands.ipynb")
+            kernel_id = _kernel_of(server, "commands.ipynb")
+            assert kernel_id is not None
+            cells.nth(1).click()
+            page.keyboard.press("Shift+Enter")
+            status = page.locator(".jp-ElasticStatus")
+            expect(status).to_contain_text("GPU medium", timeout=15_000)
+
+            # The Kernel menu: resume and the report are there; only hibernate applies to a running kernel.
+            page.get_by_role("menuitem", name="Kernel", exact=True).click()
+            hibernate = page.get_by_role("menuitem", name=re.compile("^Hibernate Kernel"))
+            expect(hibernate).to_be_enabled()
+            expect(page.get_by_role("menuitem", name="Resume Kernel")).to_be_disabled()
+            shots("jupyterlab-kernel-menu")
+            hibernate.click()
+            expect(status).to_have_text("GPU medium · hibernated", timeout=60_000)
+            assert _model(server, kernel_id)["state"] == "hibernated"
+
+            # The command palette: resume it.
+            page.keyboard.press("Control+Shift+c")
+            page.keyboard.type("Resume Kernel")
+            page.keyboard.press("Enter")
+            expect(status).to_have_text(re.compile(r"^GPU medium · .*idle$"), timeout=60_000)
+            assert _model(server, kernel_id)["state"] == "running"
+
+            # The report, from the menu: the variables by name.
+            page.get_by_role("menuitem", name="Kernel", exact=True).click()
+            page.get_by_role("menuitem", name="Show Restore Report").click()
+            dialog = page.locator(".jp-Dialog", has_text="Restore report")
+            expect(dialog).to_contain_text("Kernel resumed: 1 variable(s) restored.", timeout=10_000)
+            expect(dialog).to_contain_text("Restored: kept.")
+            shots("jupyterlab-restore-report-command")
+            dialog.get_by_role("button", name="Close").click()
         finally:
             browser.close()
             server.shutdown_all_kernels()

@@ -124,6 +124,8 @@ def test_over_capacity_is_a_clear_409(server: RunningServer) -> None:
     message = reply.body["message"]
     assert "'small' (25% of a GPU, 10 GiB) does not fit right now" in message
     assert "GPU-test-0000: 0% free" in message and "shut down" in message
+    # Short first (what happened, what to do), the per-GPU figures after.
+    assert message.index("shut down") < message.index("Free: ")
     assert len(server.get("/api/kernels")) == 2, "the refused kernel was not half-created"
 
     server.shutdown_kernel(first)

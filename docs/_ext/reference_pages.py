@@ -20,6 +20,7 @@ DOCS = Path(__file__).resolve().parent.parent
 CONFIGURABLES = [
     ("kernelmgr.config", "ElasticKernels", "GPU sizes, inventory, checkpoints, timeouts, warm pool"),
     ("kernelmgr.config", "CullPolicy", "when idle kernels are warned and hibernated"),
+    ("kernelmgr.config", "S3Checkpoints", "the bucket checkpoints go to with `checkpoint_store` s3"),
     (
         "kernelmgr.kube.settings",
         "KubeSettings",

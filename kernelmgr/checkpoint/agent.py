@@ -16,6 +16,10 @@ environment variables when it starts the kernel:
 ``ELASTIC_RESTORE_CHECKPOINT``  with ``ELASTIC_RESTORE=1``: the id of the checkpoint the server
                             verified; any other committed checkpoint is refused (an older one
                             put back in place verifies under the same key)
+``ELASTIC_RESTORE_MANIFEST_URL``, ``ELASTIC_RESTORE_DATA_URL``  with an object store: presigned
+                            GET URLs of that checkpoint's manifest and ``data.bin`` (the kernel holds
+                            no credential); the agent reads ``data.bin`` by parallel ranged GETs into
+                            a scratch folder and restores from there
 ``ELASTIC_RESTORE_MAPPED``  optional: ``1`` maps big arrays from the checkpoint file instead of
                             reading them (copy-on-write; set by the local provisioner, where only
                             the server's own user can rewrite that file)
@@ -33,7 +37,12 @@ environment variables when it starts the kernel:
 Restoring at load time means it happens before the kernel serves its first request, so
 the user's first cell (the one that woke the kernel) already sees the variables.
 
-To checkpoint, the server sends a *silent* ``execute_request`` with :data:`CHECKPOINT_CODE`.
+To checkpoint, the server sends a *silent* ``execute_request`` with :data:`CHECKPOINT_CODE` and the
+user expression :data:`COMMIT_EXPRESSION`, whose value is the signed manifest just committed: the
+server records that checkpoint (verified with the owner's key), never one it infers from the shared
+folder, whose ``current`` it may see late (NFS attribute caching). With an object store, a second
+silent execute (:func:`upload_code`) sends ``data.bin`` as the parts of a multipart upload through
+presigned URLs, and :data:`UPLOAD_EXPRESSION` gives the server the parts' ETags.
 Silent executions do not bump the execution count, store no history and display nothing,
 and the expression binds no name, so the user's session looks untouched. A failure raises
 :class:`CheckpointFailed`, whose one-line message reaches the server as the reply's
@@ -61,7 +70,10 @@ import contextlib
 import dataclasses
 import json
 import logging
+import mmap
 import os
+import shutil
+import tempfile
 import threading
 import time
 import weakref
@@ -70,10 +82,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import kernelmgr.objectstore.transfer as transfer
+from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.cells import MAX_CELLS, CellRecord, plan_recompute, record_cell
 from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_key_file
-from kernelmgr.checkpoint.layout import RESTORE_REPORT, write_file_atomic
+from kernelmgr.checkpoint.layout import DATA_FILE, MANIFEST_FILE, RESTORE_REPORT, write_file_atomic
 from kernelmgr.checkpoint.namespace import UserNamespace
 from kernelmgr.checkpoint.progress import ProgressFile
 from kernelmgr.checkpoint.quick_exit import flush, open_files
@@ -81,9 +95,10 @@ from kernelmgr.checkpoint.quick_exit import install as install_quick_exit
 from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
 from kernelmgr.checkpoint.recompute import DEFAULT_LIMIT, replay
 from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
-from kernelmgr.checkpoint.verify import load_verified_manifest
+from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest, load_verified_checkpoint
 from kernelmgr.checkpoint.version import advertise
 from kernelmgr.checkpoint.writer import describe_error, write_checkpoint
+from kernelmgr.core.manifest import Manifest, ManifestError
 
 ENV_DIR = "ELASTIC_CHECKPOINT_DIR"
 #: No longer read: a key in the environment is visible to every cell. Named only to say so.
@@ -95,9 +110,24 @@ ENV_RESTORE_CHECKPOINT = "ELASTIC_RESTORE_CHECKPOINT"
 ENV_RESTORE_MAPPED = "ELASTIC_RESTORE_MAPPED"
 ENV_SERVER_PID = "ELASTIC_SERVER_PID"
 ENV_RECOMPUTE_SECONDS = "ELASTIC_RECOMPUTE_SECONDS"
+ENV_RESTORE_MANIFEST_URL = "ELASTIC_RESTORE_MANIFEST_URL"
+ENV_RESTORE_DATA_URL = "ELASTIC_RESTORE_DATA_URL"
+ENV_RESTORE_KEY = "ELASTIC_RESTORE_KEY"
 
 #: What the server sends (silently) to checkpoint a kernel.
 CHECKPOINT_CODE = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.checkpoint()'
+#: The user expression sent with it: the JSON of the manifest the checkpoint committed (a string).
+COMMIT_EXPRESSION = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.last_commit()'
+#: The user expression sent with :func:`upload_code`: the JSON list of the parts' ETags.
+UPLOAD_EXPRESSION = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.last_upload()'
+
+
+def upload_code(checkpoint_id: str, urls: list[str], part_size: int, key: str = "") -> str:
+    """The silent cell that sends ``checkpoint_id``'s ``data.bin`` through presigned part URLs
+    (encrypted with the checkpoint's ``key``, hex, when given: :mod:`kernelmgr.checkpoint.cipher`)."""
+    plan = json.dumps({"checkpoint": checkpoint_id, "urls": urls, "part_size": part_size, "key": key})
+    return f'__import__("kernelmgr.checkpoint.agent").checkpoint.agent.upload({plan!r})'
+
 
 _fallback_log = logging.getLogger(__name__)
 
@@ -115,6 +145,11 @@ class AgentConfig:
     restore_checkpoint: str | None = None
     #: Map big arrays from ``data.bin`` instead of reading them (``reader._map_region``).
     restore_mapped: bool = False
+    #: With an object store: presigned GET URLs of the checkpoint to restore.
+    restore_manifest_url: str | None = None
+    restore_data_url: str | None = None
+    #: The checkpoint's encryption key (hex) when it is encrypted at rest.
+    restore_key: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> AgentConfig | None:
@@ -147,6 +182,9 @@ class AgentConfig:
             restore=env.get(ENV_RESTORE, "") == "1",
             restore_checkpoint=env.get(ENV_RESTORE_CHECKPOINT) or None,
             restore_mapped=env.get(ENV_RESTORE_MAPPED, "") == "1",
+            restore_manifest_url=env.get(ENV_RESTORE_MANIFEST_URL) or None,
+            restore_data_url=env.get(ENV_RESTORE_DATA_URL) or None,
+            restore_key=env.get(ENV_RESTORE_KEY) or None,
         )
 
 
@@ -244,6 +282,12 @@ class _Agent:
         self.cells: list[CellRecord] = []
         self._before: dict[str, int] | None = None
         self._started_at = 0.0
+        #: The manifest (JSON) of the last checkpoint this agent committed, for the server.
+        self.committed: str | None = None
+        #: The ETags of the last upload's parts (JSON), for the server.
+        self.uploaded: str | None = None
+        #: Where the last restore read its checkpoint (a scratch folder with an object store).
+        self._restore_dir: Path | None = None
         shell.events.register("pre_run_cell", self._cell_started)
         shell.events.register("post_run_cell", self._cell_finished)
         # The exit after a hibernation's checkpoint skips the interpreter's final collections.
@@ -359,9 +403,111 @@ class _Agent:
             self.log.exception("checkpoint failed")
             raise CheckpointFailed(f"checkpoint failed: {describe_error(exc)}") from exc
         self.saved_at_cell = cells_run
+        self.committed = manifest.to_json()
         summary = manifest.summary()
         self.log.info("checkpoint %s written: %d variables saved", summary["id"], len(summary["saved"]))
         return summary
+
+    def upload(self, plan: Mapping[str, Any]) -> None:
+        """Send a committed checkpoint's ``data.bin`` as the parts of a multipart upload.
+
+        Only presigned URLs arrive here: the kernel holds no credential for the store, and each
+        URL is good for one part of one object under its owner's prefix, for minutes.
+        """
+        if self.config is None:
+            raise CheckpointFailed(
+                self.config_error or f"this kernel has no checkpoint directory ({ENV_DIR} is not set)"
+            )
+        self.uploaded = None
+        checkpoint_id = str(plan["checkpoint"])
+        with self._writing:
+            path = self.config.kernel_dir / checkpoint_id / DATA_FILE
+            try:
+                with open(path, "rb") as handle:
+                    size = os.fstat(handle.fileno()).st_size
+                    region = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                try:
+                    view = memoryview(region) if region is not None else memoryview(b"")
+                    crypt = None
+                    if plan.get("key"):
+                        data_key = cipher.data_key(bytes.fromhex(str(plan["key"])))
+
+                        def crypt(offset: int, piece: memoryview) -> bytes:
+                            return cipher.crypt(data_key, offset, piece)
+
+                    etags = transfer.upload_parts(
+                        list(plan["urls"]), view, int(plan["part_size"]), transform=crypt
+                    )
+                    view.release()
+                finally:
+                    if region is not None:
+                        region.close()
+            except (OSError, ValueError, transfer.TransferError) as exc:
+                self.log.error("upload of checkpoint %s failed: %s", checkpoint_id, exc)
+                raise CheckpointFailed(
+                    f"the checkpoint could not be uploaded: {describe_error(exc)}"
+                ) from exc
+        self.uploaded = json.dumps(etags)
+        self.log.info("checkpoint %s uploaded: %d bytes in %d parts", checkpoint_id, size, len(etags))
+
+    def download(self) -> Path:
+        """Read the checkpoint to restore from the object store into a scratch folder laid out as a
+        kernel folder; that folder. The manifest is verified before ``data.bin`` is read (its size
+        comes from the manifest); ``data.bin`` arrives by parallel ranged GETs, with progress."""
+        config = self.config
+        assert config is not None and config.restore_checkpoint and config.restore_data_url
+        checkpoint_id = config.restore_checkpoint
+        config.kernel_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=config.kernel_dir))
+        try:
+            text = transfer.get(config.restore_manifest_url or "")
+            if text is None:
+                raise CheckpointRefused(f"checkpoint {checkpoint_id} is not in the object store")
+            if len(text) > MANIFEST_CAP:
+                raise CheckpointRefused(
+                    f"the manifest of {checkpoint_id} is larger than {MANIFEST_CAP} bytes"
+                )
+            arrived = None
+            if config.restore_key:  # encrypted at rest: decrypted here, verified below
+                checkpoint_key = bytes.fromhex(config.restore_key)
+                text = cipher.crypt(cipher.manifest_key(checkpoint_key), 0, text)
+                data_key = cipher.data_key(checkpoint_key)
+
+                def arrived(offset: int, piece: memoryview) -> None:
+                    cipher.crypt_in_place(data_key, offset, piece)
+
+            try:
+                declared = Manifest.from_json(text).data_bytes
+                check_manifest(text, declared, config.key, config.owner, config.kernel_id, checkpoint_id)
+            except (ManifestError, Untrusted) as exc:
+                raise CheckpointRefused(f"checkpoint {checkpoint_id} in the object store: {exc}") from None
+            folder = scratch / checkpoint_id
+            folder.mkdir(mode=0o700)
+            (folder / MANIFEST_FILE).write_bytes(text)
+            progress = ProgressFile(config.kernel_dir)
+            done = 0
+
+            def advance(count: int) -> None:
+                nonlocal done
+                done += count
+                progress(checkpoint_id, done, declared)
+
+            with open(folder / DATA_FILE, "w+b") as handle:
+                handle.truncate(declared)
+                if declared:
+                    with mmap.mmap(handle.fileno(), declared) as region:
+                        view = memoryview(region)
+                        try:
+                            transfer.download(
+                                config.restore_data_url, view, on_progress=advance, arrived=arrived
+                            )
+                        finally:
+                            view.release()
+            progress(checkpoint_id, declared, declared)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+        return scratch
 
     # -- restore --------------------------------------------------------------------------
 
@@ -369,15 +515,19 @@ class _Agent:
         assert self.config is not None
         started = time.perf_counter()
         directory = self.config.kernel_dir
+        source = directory
         try:
+            if self.config.restore_data_url and self.config.restore_checkpoint:
+                source = self.download()  # a CheckpointRefused or a TransferError is reported below
+            self._restore_dir = source
             report = restore_checkpoint(
-                directory,
+                source,
                 self.shell.user_ns,
                 key=self.config.key,
                 owner=self.config.owner,
                 kernel_id=self.config.kernel_id,
                 expected_checkpoint=self.expected_checkpoint(),
-                on_read=ProgressFile(Path(directory)),
+                on_read=ProgressFile(Path(directory)) if source == directory else None,
                 map_buffers=self.config.restore_mapped,
             )
             if report is None:
@@ -395,6 +545,8 @@ class _Agent:
             )
         if not report["refused"]:
             self._resume_history(report)
+        if source != directory:  # the scratch copy (mapped arrays stay valid: the mapping holds it)
+            shutil.rmtree(source, ignore_errors=True)
         self.report = report
         if not report["refused"] and not report["not_restored"]:
             self.saved_at_cell = self.cells_run  # the namespace is exactly the committed checkpoint
@@ -428,10 +580,14 @@ class _Agent:
         assert self.config is not None
         report.setdefault("recomputed", [])
         try:
-            manifest = load_verified_manifest(
-                self.config.kernel_dir, self.config.key, self.config.owner, self.config.kernel_id
+            manifest = load_verified_checkpoint(
+                self._restore_dir or self.config.kernel_dir,
+                self.config.key,
+                self.config.owner,
+                self.config.kernel_id,
+                str(report.get("checkpoint")),
             )
-            if manifest is None or manifest.checkpoint_id != report.get("checkpoint"):
+            if manifest is None:
                 return
             self.cells = [CellRecord.from_dict(raw) for raw in manifest.cells][-MAX_CELLS:]
         except Exception as exc:
@@ -639,7 +795,7 @@ def load_ipython_extension(ipython: Any) -> None:
             config = None
         finally:
             # Where the key was handed over is of no use to a cell or a child process.
-            for name in (ENV_KEY_FILE, ENV_KEY_REMOVED):
+            for name in (ENV_KEY_FILE, ENV_KEY_REMOVED, ENV_RESTORE_KEY):
                 os.environ.pop(name, None)
     _AGENT = _Agent(ipython, config)
     _AGENT.config_error = config_error
@@ -679,6 +835,27 @@ def checkpoint() -> dict[str, Any]:
     return _AGENT.checkpoint()
 
 
+def last_commit() -> str:
+    """The manifest (JSON) of the checkpoint this kernel committed last (:data:`COMMIT_EXPRESSION`)."""
+    if _AGENT is None or _AGENT.committed is None:
+        raise CheckpointFailed("this kernel has committed no checkpoint")
+    return _AGENT.committed
+
+
+def upload(plan: str) -> None:
+    """Send a committed checkpoint's data through presigned part URLs (:func:`upload_code`)."""
+    if _AGENT is None:
+        raise CheckpointFailed("the checkpoint agent is not loaded in this kernel")
+    _AGENT.upload(json.loads(plan))
+
+
+def last_upload() -> str:
+    """The JSON list of the last upload's part ETags (:data:`UPLOAD_EXPRESSION`)."""
+    if _AGENT is None or _AGENT.uploaded is None:
+        raise CheckpointFailed("this kernel has uploaded no checkpoint")
+    return _AGENT.uploaded
+
+
 def last_restore_report() -> dict[str, Any] | None:
     """The report of the restore done when the extension loaded (``None`` if none)."""
     return _AGENT.report if _AGENT is not None else None
@@ -686,10 +863,16 @@ def last_restore_report() -> dict[str, Any] | None:
 
 __all__ = [
     "CHECKPOINT_CODE",
+    "COMMIT_EXPRESSION",
+    "UPLOAD_EXPRESSION",
     "AgentConfig",
     "checkpoint",
     "format_report",
+    "last_commit",
     "last_restore_report",
+    "last_upload",
     "load_ipython_extension",
     "unload_ipython_extension",
+    "upload",
+    "upload_code",
 ]

@@ -51,7 +51,13 @@ from kernelmgr.checkpoint.integrity import (
 )
 from kernelmgr.checkpoint.layout import DATA_FILE
 from kernelmgr.checkpoint.serialize import RestoreContext, restoring
-from kernelmgr.checkpoint.verify import Untrusted, check_layout, load_verified_manifest, refuse
+from kernelmgr.checkpoint.verify import (
+    Untrusted,
+    check_layout,
+    load_verified_checkpoint,
+    load_verified_manifest,
+    refuse,
+)
 from kernelmgr.checkpoint.writer import describe_error, library_versions
 from kernelmgr.core.manifest import GroupRecord, Manifest, VariableRecord, iso_utc
 
@@ -312,32 +318,29 @@ def restore_checkpoint(
 
     ``None`` when nothing was ever committed. Raises :class:`CheckpointRefused` (after
     quarantining the checkpoint) when it cannot be trusted; nothing has been unpickled
-    then. ``expected_checkpoint`` is the id the server verified when the kernel hibernated:
-    the HMAC proves a checkpoint is this owner's and this kernel's, not that it is the
-    *latest* one, so an older checkpoint of the same kernel put back in place would verify;
-    comparing ids refuses it (quarantined, so it is kept). ``cuda_count`` overrides the
+    then. ``expected_checkpoint`` is the id the server recorded when the kernel hibernated (the
+    one the kernel reported): that checkpoint is read by its id, so neither a stale ``current``
+    nor an older checkpoint put back in place (which the HMAC alone would accept: same owner,
+    same kernel) is restored instead. ``cuda_count`` overrides the
     number of visible GPUs (for tests). ``on_read(checkpoint id, bytes read, bytes in all)``
     follows the read of ``data.bin`` (the resume's progress). ``map_buffers``: map big raw
     buffers from the file instead of reading them (:func:`_map_region` says when that is safe).
     """
     started = time.perf_counter()
     directory = Path(kernel_dir)
-    manifest = load_verified_manifest(directory, key, owner, kernel_id)
-    if manifest is None:
-        if expected_checkpoint is not None:
+    if expected_checkpoint is None:
+        manifest = load_verified_manifest(directory, key, owner, kernel_id)
+        if manifest is None:
+            return None
+    else:
+        # By its id, never through ``current``: that may lag (a shared file system's cache) or
+        # have been put back to an older checkpoint; the id is the one the server recorded.
+        manifest = load_verified_checkpoint(directory, key, owner, kernel_id, expected_checkpoint)
+        if manifest is None:
             raise CheckpointRefused(
                 f"no committed checkpoint was found in {directory}, "
                 f"but the server expected {expected_checkpoint}"
             )
-        return None
-    if expected_checkpoint is not None and manifest.checkpoint_id != expected_checkpoint:
-        raise refuse(
-            directory,
-            manifest.checkpoint_id,
-            f"the committed checkpoint is {manifest.checkpoint_id}, not {expected_checkpoint}, the one "
-            "the server verified for this kernel: an older checkpoint may have been put back in place, "
-            "so it was not loaded",
-        )
     verified = time.perf_counter()
     prewarm = _prewarm(manifest)
     try:

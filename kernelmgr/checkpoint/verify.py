@@ -128,6 +128,31 @@ def load_verified_manifest(
         return None  # no kernel folder: nothing was ever committed
 
 
+def load_verified_checkpoint(
+    kernel_dir: Path | SafeDir, key: bytes, owner: str, kernel_id: str, checkpoint_id: str
+) -> Manifest | None:
+    """Checkpoint ``checkpoint_id``'s manifest, verified, read by its id (never through ``current``);
+    ``None`` when that checkpoint is not there.
+
+    The id is the one the kernel reported and the server recorded: ``current`` may be stale (a
+    shared file system's attribute cache) or put back to an older checkpoint, so it is not asked.
+    Raises :class:`CheckpointRefused` (after quarantining) when it cannot be trusted.
+    """
+    try:
+        with opened(kernel_dir) as directory:
+            if not directory.exists(checkpoint_id):
+                earlier = quarantined_path(directory, checkpoint_id)
+                if earlier is not None:
+                    raise CheckpointRefused(quarantine_reason(directory, checkpoint_id), earlier)
+                return None
+            try:
+                return _verify_dir(directory, checkpoint_id, key, owner, kernel_id)
+            except Untrusted as exc:
+                raise refuse(directory, checkpoint_id, str(exc)) from None
+    except FileNotFoundError:
+        return None
+
+
 def _load_verified(kernel_dir: SafeDir, key: bytes, owner: str, kernel_id: str) -> Manifest | None:
     for _ in range(_ATTEMPTS):
         try:

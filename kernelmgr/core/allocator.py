@@ -59,6 +59,9 @@ class Placement:
 #: Holders named ``warm:<name>`` are warm workloads (a Kubernetes warm pod) holding a slice ahead of
 #: any kernel: shown as such, taken over by the kernel that uses one (:meth:`SliceAllocator.transfer`).
 WARM_HOLDER_PREFIX = "warm:"
+#: Holders of GPUs used by pods that are not kernels (Kubernetes): booked so that no kernel is
+#: promised a GPU another workload has (:meth:`SliceAllocator.occupy`).
+OTHER_POD_PREFIX = "pod:"
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,11 @@ class Slice:
     def warm(self) -> bool:
         """Held by a warm workload, not by a kernel yet."""
         return self.kernel_id.startswith(WARM_HOLDER_PREFIX)
+
+    @property
+    def other_pod(self) -> bool:
+        """Held by a pod that is not a kernel (its GPUs are not free for kernels)."""
+        return self.kernel_id.startswith(OTHER_POD_PREFIX)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -313,6 +321,21 @@ class SliceAllocator:
             self._slices[kernel_id] = moved
             return moved
 
+    def occupy(self, holder: str, profile: GpuProfile, node: str) -> Slice | None:
+        """Book what a workload running on ``node`` uses (a GPU pod that is not a kernel), closed
+        devices included; ``None`` when ``node`` has no room left in this view."""
+        with self._lock:
+            held = self._slices.get(holder)
+            if held is not None:
+                return held
+            placements = self._choose_locked(profile, node=node)
+            if placements is None:
+                return None
+            granted = Slice(kernel_id=holder, profile=profile.name, placements=tuple(placements))
+            self._book_locked(granted, +1)
+            self._slices[holder] = granted
+            return granted
+
     def replace_inventory(self, inventory: GpuInventory) -> InventoryChange:
         """Swap in a new snapshot of the devices and reconcile the slices with it.
 
@@ -464,10 +487,10 @@ class SliceAllocator:
         )
         if len(eligible) > len(shown):
             free += f" (the {len(shown)} with most room of {len(eligible)})"
-        return (
-            f"GPU size {size} does not fit right now. Free: {free}. "
+        return (  # what to do first, the figures after: a cut-off dialog still says it
+            f"GPU size {size} does not fit right now. "
             "Pick a smaller size, shut down (or hibernate) a GPU kernel you no longer need, "
-            "or try again later."
+            f"or try again later. Free: {free}."
         )
 
 

@@ -42,6 +42,8 @@ from kernelmgr.core.errors import CapacityError, ElasticError
 from kernelmgr.core.kernels import Committed, KernelRegistry, ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.profiles import GpuProfile
+from kernelmgr.core.queue import Held, SliceQueue
+from kernelmgr.core.waiting import SliceWaits, WaitTimedOut
 
 S = KernelState
 
@@ -261,6 +263,9 @@ class LifecycleController:
         start_timeout: float = 120.0,
         busy_retry: float = 0.5,
         states: KernelStates | None = None,
+        queue: SliceQueue | None = None,
+        max_wait: float = 0.0,
+        held: Held | None = None,
     ) -> None:
         self.registry = registry
         self.states = states or KernelStates(registry)
@@ -269,6 +274,13 @@ class LifecycleController:
         self.platform = platform
         self.start_timeout = start_timeout
         self.busy_retry = busy_retry
+        #: Who gets the next free slice (resumes here, queued starts in the server); ``max_wait``
+        #: bounds a resume's wait (0: none).
+        self.waits = SliceWaits(
+            queue if queue is not None else SliceQueue(), allocator, profile, held, poll=busy_retry
+        )
+        self.queue = self.waits.queue
+        self.max_wait = max_wait
         self._slots: dict[str, _Slot] = {}
 
     # -- queries ---------------------------------------------------------------------------
@@ -313,6 +325,21 @@ class LifecycleController:
         if slot is None or slot.operation != "resume" or slot.task is None or slot.task.done():
             return False
         slot.cancel_wait.set()
+        self.waits.wake(kernel_id)
+        return True
+
+    def nudge(self) -> None:
+        """Capacity may have come free (a slice was released): every waiter looks again now
+        instead of at its next poll."""
+        self.waits.nudge()
+
+    async def stop_waiting(self, kernel_id: str) -> bool:
+        """:meth:`cancel_wait`, then wait until the resume has given up (the kernel is hibernated
+        again), so a caller answers with the settled state. True if a resume was waiting."""
+        slot = self._slots.get(kernel_id)
+        if not self.cancel_wait(kernel_id) or slot is None or slot.task is None:
+            return False
+        await asyncio.wait([slot.task])
         return True
 
     async def cancel(self, kernel_id: str) -> None:
@@ -492,6 +519,7 @@ class LifecycleController:
             self.platform.release_slice(kernel_id)
             self._move(record, S.HIBERNATED, reason)
             record.last_error = ""
+            self.nudge()
         return committed
 
     async def _resume(self, kernel_id: str, reason: str, notify: Notify | None, restore: bool) -> None:
@@ -523,35 +551,44 @@ class LifecycleController:
             if isinstance(exc, LifecycleError | asyncio.CancelledError):
                 raise
             raise LifecycleError(f"resume of kernel {kernel_id} failed: {message}", 500) from exc
+        finally:
+            self.queue.settle(kernel_id)
+            self.nudge()
         self._move(record, S.RUNNING, reason)
         return None
 
     async def _wait_for_slice(self, kernel_id: str, record: ManagedKernel, notify: Notify | None) -> None:
+        """Wait in the slice queue until it is this kernel's turn and its size fits (the cell is
+        told once, with its place); an interrupt cancels."""
         if record.profile is None:
             return
         profile = self.profile(record.profile)
         slot = self._slot(kernel_id)
-        told = False
-        while True:
-            try:
-                self.allocator.check(profile)
-                return
-            except CapacityError as exc:
-                record.waiting_for_slice = True
-                if not self.allocator.ever_fits(profile):
-                    raise LifecycleError(exc.message) from None
-                if not told and notify is not None:
-                    told = True
-                    waiting = notify(
-                        f"Waiting for a GPU slice of size {profile.display_name} to resume this kernel: "
-                        f"{exc.message} Interrupt the kernel to stop waiting."
-                    )
-                    if waiting is not None:
-                        await waiting
-            try:
-                await asyncio.wait_for(slot.cancel_wait.wait(), timeout=self.busy_retry)
-            except asyncio.TimeoutError:
-                continue
+
+        def told(place: int | None, why: str) -> Awaitable[None] | None:
+            record.waiting_for_slice = True
+            if notify is None:
+                return None
+            return notify(
+                f"Waiting for a GPU slice of size {profile.display_name} to resume this kernel: {why} "
+                f"It is number {place} in the queue. Interrupt the kernel to stop waiting."
+            )
+
+        try:
+            await self.waits.wait(
+                kernel_id,
+                record.owner,
+                profile,
+                self.max_wait,
+                "ElasticKernels.max_slice_wait",
+                told,
+                slot.cancel_wait,
+            )
+        except WaitTimedOut as exc:
+            raise LifecycleError(f"Resume of kernel {kernel_id}: {exc.message}", 409) from None
+        except CapacityError as exc:
+            raise LifecycleError(exc.message) from None
+        if slot.cancel_wait.is_set():
             raise WaitCancelled(f"resume of kernel {kernel_id} cancelled while waiting for a GPU slice")
 
     # -- helpers ---------------------------------------------------------------------------

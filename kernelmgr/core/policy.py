@@ -43,6 +43,8 @@ class CullState:
     busy_warned: bool = False
     failures: int = 0
     retry_at: float | None = None
+    #: The warning or hibernation was decided because another kernel waited for a GPU slice.
+    pressure: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,11 +88,16 @@ class Policy:
     #: Seconds after its start that a kernel which never reported ``idle`` (started by REST and
     #: never connected to: it stays "starting") still counts as busy; after that it counts as idle.
     start_grace: float = 300.0
+    #: Idle seconds after which a kernel may be hibernated early because another kernel waits for
+    #: a GPU slice (0: never); see :func:`under_pressure`.
+    pressure_idle_minimum: float = 0.0
 
     @property
     def enabled(self) -> bool:
-        return self.defaults.idle_timeout > 0 or any(
-            r.overrides.get("idle_timeout", 0) > 0 for r in self.rules
+        return (
+            self.defaults.idle_timeout > 0
+            or self.pressure_idle_minimum > 0
+            or any(r.overrides.get("idle_timeout", 0) > 0 for r in self.rules)
         )
 
     def for_profile(self, profile: str | None) -> Thresholds:
@@ -106,6 +113,7 @@ class Policy:
             "enabled": self.enabled,
             "max_concurrent_hibernations": self.max_concurrent_hibernations,
             "start_grace": self.start_grace,
+            "pressure_idle_minimum": self.pressure_idle_minimum,
             "rules": [r.to_dict() for r in self.rules],
         }
 
@@ -138,6 +146,7 @@ def build_policy(
     known_profiles: Sequence[str] = (),
     max_concurrent_hibernations: Any = 4,
     start_grace: Any = 300.0,
+    pressure_idle_minimum: Any = 0.0,
 ) -> Policy:
     """Validate the ``CullPolicy.*`` settings into a :class:`Policy`, naming any bad key."""
     defaults = _check_thresholds(
@@ -152,6 +161,7 @@ def build_policy(
     )
     every = _number("CullPolicy.interval", interval, 1.0)
     grace = _number("CullPolicy.start_grace", start_grace)
+    pressure = _number("CullPolicy.pressure_idle_minimum", pressure_idle_minimum)
     if (
         isinstance(max_concurrent_hibernations, bool)
         or not isinstance(max_concurrent_hibernations, int)
@@ -200,12 +210,19 @@ def build_policy(
                 f"CullPolicy.warn_before ({limits.warn_before:g}s) must be shorter than idle_timeout "
                 f"({limits.idle_timeout:g}s){scope}, or 0 to hibernate without warning"
             )
+        if pressure and limits.warn_before >= pressure:
+            scope = "" if size is None else f" for GPU size {size!r}"
+            raise ConfigError(
+                f"CullPolicy.warn_before ({limits.warn_before:g}s) must be shorter than "
+                f"pressure_idle_minimum ({pressure:g}s){scope}: the warning comes before the hibernation"
+            )
     return Policy(
         defaults=thresholds,
         interval=every,
         rules=tuple(parsed),
         max_concurrent_hibernations=max_concurrent_hibernations,
         start_grace=grace,
+        pressure_idle_minimum=pressure,
     )
 
 
@@ -263,9 +280,10 @@ def never_idle(policy: Policy, snapshot: KernelSnapshot, now: float) -> bool:
     return snapshot.execution_state == "starting" and now - snapshot.started >= policy.start_grace
 
 
-def decide(policy: Policy, snapshot: KernelSnapshot, now: float) -> Decision:
-    """What to do with one kernel now."""
-    limits = policy.for_profile(snapshot.profile)
+def decide(policy: Policy, snapshot: KernelSnapshot, now: float, pressure: bool = False) -> Decision:
+    """What to do with one kernel now; ``pressure``: another kernel waits for its GPU (the kernel
+    was picked by :func:`under_pressure`), so ``pressure_idle_minimum`` is its idle timeout."""
+    limits = _under(policy, policy.for_profile(snapshot.profile), pressure)
     if snapshot.state is KernelState.HIBERNATED:
         expired = (
             limits.hibernated_ttl > 0
@@ -308,18 +326,57 @@ def decide(policy: Policy, snapshot: KernelSnapshot, now: float) -> Decision:
         snapshot.warned_at is not None and now - snapshot.warned_at >= limits.warn_before
     )
     if idle >= limits.idle_timeout and warning_served:
+        setting = "pressure_idle_minimum" if pressure else "idle_timeout"
         return Decision(
             Action.HIBERNATE,
-            f"idle for {idle:.0f}s ({signals}); CullPolicy.idle_timeout is {limits.idle_timeout:g}s",
+            f"idle for {idle:.0f}s ({signals}); CullPolicy.{setting} is {limits.idle_timeout:g}s"
+            + (" and another kernel waits for a GPU slice" if pressure else ""),
         )
     return NOTHING
 
 
-def activity_resets_warning(snapshot: KernelSnapshot, policy: Policy, now: float) -> bool:
+def _under(policy: Policy, limits: Thresholds, pressure: bool) -> Thresholds:
+    """The thresholds while another kernel waits: the pressure minimum caps the idle timeout."""
+    minimum = policy.pressure_idle_minimum
+    if not pressure or minimum <= 0:
+        return limits
+    timeout = min(limits.idle_timeout, minimum) if limits.idle_timeout > 0 else minimum
+    return replace(limits, idle_timeout=timeout)
+
+
+def under_pressure(
+    policy: Policy, snapshots: Sequence[KernelSnapshot], now: float, waiting: int
+) -> list[str]:
+    """The kernels to hibernate early because ``waiting`` kernels wait for a GPU slice.
+
+    Running kernels with no cell running, idle long enough to be warned before the pressure
+    minimum, the longest idle first, one per waiting kernel. A waiting kernel is only a kernel:
+    freeing one slice per waiter is a guess (sizes differ), so the culler asks again each tick.
+    """
+    minimum = policy.pressure_idle_minimum
+    if minimum <= 0 or waiting <= 0:
+        return []
+    eligible: list[tuple[float, str]] = []
+    for snapshot in snapshots:
+        if snapshot.state is not KernelState.RUNNING or snapshot.profile is None:
+            continue
+        if snapshot.execution_state != "idle" and not never_idle(policy, snapshot, now):
+            continue
+        idle, _signals = idle_seconds(snapshot, now)
+        limits = _under(policy, policy.for_profile(snapshot.profile), True)
+        if idle >= limits.idle_timeout - limits.warn_before:
+            eligible.append((idle, snapshot.kernel_id))
+    eligible.sort(key=lambda pair: -pair[0])
+    return [kernel_id for _idle, kernel_id in eligible[:waiting]]
+
+
+def activity_resets_warning(
+    snapshot: KernelSnapshot, policy: Policy, now: float, pressure: bool = False
+) -> bool:
     """A warned kernel that became active again: drop the warning (one per idle period)."""
     if snapshot.warned_at is None:
         return False
-    limits = policy.for_profile(snapshot.profile)
+    limits = _under(policy, policy.for_profile(snapshot.profile), pressure)
     if snapshot.execution_state == "busy":
         return True
     idle, _signals = idle_seconds(snapshot, now)
@@ -335,11 +392,11 @@ class Review:
     warning_cancelled: bool
 
 
-def review(policy: Policy, snapshot: KernelSnapshot, now: float) -> Review:
+def review(policy: Policy, snapshot: KernelSnapshot, now: float, pressure: bool = False) -> Review:
     """What a culler tick does with one kernel: activity cancels a warning (one per idle
     period), then :func:`decide`. The server's culler and the simulator both call this, so a
     simulation answers what the server would do."""
-    cancelled = activity_resets_warning(snapshot, policy, now)
+    cancelled = activity_resets_warning(snapshot, policy, now, pressure)
     if cancelled:
         snapshot = replace(snapshot, warned_at=None)
-    return Review(decide(policy, snapshot, now), cancelled)
+    return Review(decide(policy, snapshot, now, pressure), cancelled)

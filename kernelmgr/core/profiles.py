@@ -23,7 +23,15 @@ from kernelmgr.core.errors import ConfigError
 BACKENDS = ("whole", "mig", "shared", "hami", "volcano", "dra", "gpushare", "vcuda")
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
-_KNOWN_KEYS = {"display_name", "gpu_fraction", "memory_mib", "compute_percent", "backend", "options"}
+_KNOWN_KEYS = {
+    "display_name",
+    "gpu_fraction",
+    "memory_mib",
+    "compute_percent",
+    "backend",
+    "options",
+    "queue_priority",
+}
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,8 @@ class GpuProfile:
     compute_percent: int
     backend: str
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: Kernels of a size with a higher priority are served first when several wait for a slice.
+    queue_priority: int = 0
 
     @property
     def whole_gpus(self) -> int:
@@ -63,6 +73,7 @@ class GpuProfile:
             "compute_percent": self.compute_percent,
             "backend": self.backend,
             "options": dict(self.options),
+            "queue_priority": self.queue_priority,
         }
 
 
@@ -136,6 +147,12 @@ def parse_profile(name: str, raw: Mapping[str, Any]) -> GpuProfile:
     if not isinstance(display, str):
         raise _fail(name, "display_name", f"must be a string, got {display!r}")
 
+    priority = raw.get("queue_priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise _fail(
+            name, "queue_priority", f"must be a whole number (higher is served first), got {priority!r}"
+        )
+
     return GpuProfile(
         name=name,
         display_name=display,
@@ -144,6 +161,7 @@ def parse_profile(name: str, raw: Mapping[str, Any]) -> GpuProfile:
         compute_percent=compute,
         backend=backend,
         options=dict(options),
+        queue_priority=priority,
     )
 
 

@@ -7,11 +7,13 @@ resources (what the device plugins advertise; it does not go down as pods use it
 :class:`NodeInventorySync` keeps the allocator's inventory equal to the union of those records.
 
 What a node contributes (its devices are ``closed`` while it is cordoned, ``spec.unschedulable``, or
-its ``Ready`` condition is not ``True``: no new slice goes there, and the kernels already there keep
-theirs, since cordoning stops new pods, not running ones, and a node that misses heartbeats for a
-moment usually comes back with its pods still running; dropping their slices would count those
-GPUs free when it does. A kernel whose pod is evicted or lost ends, and gives its slice back, the
-way any ended kernel does. Only a deleted node, or one advertising fewer GPUs, takes slices away):
+its ``Ready`` condition is not ``True``, or kernel pods cannot land there (:mod:`.placement`), so
+"fits" never counts a GPU kube-scheduler would not give a kernel. No new slice goes to a closed
+device, and the kernels already there keep theirs, since cordoning stops new pods, not running
+ones, and a node that misses heartbeats for a moment usually comes back with its pods still
+running; dropping their slices would count those GPUs free when it does. A kernel whose pod is
+evicted or lost ends, and gives its slice back, the way any ended kernel does. Only a deleted
+node, or one advertising fewer GPUs, takes slices away):
 
 * **Whole GPUs / time-slicing / MPS** (NVIDIA device plugin): ``nvidia.com/gpu: N`` gives
   ``N / replicas`` devices ``<node>/gpu-<i>`` (``nvidia.com/gpu.replicas`` is the time-slicing
@@ -43,8 +45,8 @@ way any ended kernel does. Only a deleted node, or one advertising fewer GPUs, t
   ``tencent.com/vcuda-core`` with ``U * 256 / N`` MiB each.
 
 Kernel pods consume node resources that the allocator already tracks by kernel id, so nothing
-here subtracts pod requests: the allocator's slices *are* the usage. (Pods that are not elastic
-kernels but use GPUs on the same nodes are not seen: see docs/architecture.md.)
+here subtracts pod requests: the allocator's slices *are* the usage. The whole GPUs of pods that
+are not kernels are booked by :mod:`kernelmgr.kube.other_gpu_pods`.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ from kubernetes import client
 
 from kernelmgr.core.allocator import InventoryChange, Slice, SliceAllocator
 from kernelmgr.core.inventory import GpuDevice, GpuInventory
+from kernelmgr.kube.fields import field_of as _field
 from kernelmgr.kube.informer import Informer
+from kernelmgr.kube.placement import Placement
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +92,6 @@ MIG_RESOURCE_RE = re.compile(r"^nvidia\.com/mig-(?P<profile>[1-7]g\.(?P<gb>[0-9]
 
 
 # ---- reading a Node (a kubernetes client model, or the same as a plain dict)
-
-
-def _field(obj: Any, name: str) -> Any:
-    if obj is None:
-        return None
-    if isinstance(obj, Mapping):
-        camel = re.sub(r"_([a-z])", lambda m: m.group(1).upper(), name)
-        return obj.get(name, obj.get(camel))
-    return getattr(obj, name, None)
 
 
 def node_name(node: Any) -> str:
@@ -139,14 +134,15 @@ def node_ready(node: Any) -> bool:
     return False
 
 
-def node_devices(node: Any) -> tuple[GpuDevice, ...]:
+def node_devices(node: Any, placement: Placement | None = None) -> tuple[GpuDevice, ...]:
     """The GPU devices ``node`` contributes (see the module docstring): ``closed`` ones (no new
-    slices, the old ones kept) while it is cordoned or not Ready."""
+    slices, the old ones kept) while it is cordoned or not Ready, or where ``placement`` says
+    kernel pods cannot land."""
     name = node_name(node)
     if not name:
         return ()
     devices = _advertised_devices(node, name)
-    if not node_schedulable(node):
+    if not node_schedulable(node) or (placement is not None and not placement.admits(node)):
         return tuple(dataclasses.replace(d, closed=True) for d in devices)
     return devices
 
@@ -315,7 +311,10 @@ def cluster_inventory(
     )
     if closed:
         closed_nodes = len({d.node for d in devices if d.closed})
-        note += f"; {closed} more on {closed_nodes} cordoned or NotReady node(s), closed to new kernels"
+        note += (
+            f"; {closed} more on {closed_nodes} node(s) cordoned, NotReady or out of the kernels' "
+            "node selector and tolerations, closed to new kernels"
+        )
     return GpuInventory(devices, source="kubernetes", note=note)
 
 
@@ -353,8 +352,10 @@ class NodeInventorySync:
         loop: asyncio.AbstractEventLoop | None = None,
         watch_timeout: int = 300,
         retry_delay: float = 1.0,
+        placement: Placement | None = None,
     ) -> None:
         self.allocator = allocator
+        self.placement = placement
         self.on_lost = on_lost
         self.loop = loop
         kwargs = {"label_selector": label_selector} if label_selector else {}
@@ -370,6 +371,10 @@ class NodeInventorySync:
         self.informer.add_listener(self._apply)
         #: How many times a new inventory was swapped in (tests and metrics read it).
         self.updates = 0
+        #: Called on the watch thread after each new inventory (e.g. to book other GPU pods again).
+        self.after_change: list[Callable[[], None]] = []
+        #: Watches that live and stop with this one (:class:`~kernelmgr.kube.other_gpu_pods.OtherGpuPods`).
+        self.companions: list[Any] = []
         self._by_node: dict[str, tuple[GpuDevice, ...]] = {}
         self._schedulable: set[str] = set()
         self._cond = threading.Condition()
@@ -380,6 +385,8 @@ class NodeInventorySync:
 
     def stop(self) -> None:
         self.informer.stop()
+        for companion in self.companions:
+            companion.stop()
 
     @property
     def synced(self) -> bool:
@@ -391,7 +398,7 @@ class NodeInventorySync:
         with self._cond:
             dirty = self.updates == 0  # the first list always yields a snapshot, even an empty one
             for name, node in changes.items():
-                devices = node_devices(node) if node is not None else ()
+                devices = node_devices(node, self.placement) if node is not None else ()
                 if node is not None and node_schedulable(node):
                     self._schedulable.add(name)
                 else:
@@ -410,6 +417,11 @@ class NodeInventorySync:
             self.updates += 1
             self._cond.notify_all()
         self._report(change)
+        for hook in self.after_change:
+            try:
+                hook()
+            except Exception:  # one bad hook must not stop the node watch
+                log.exception("after-change hook of the node inventory failed")
 
     def _report(self, change: InventoryChange) -> None:
         if change.added or change.removed:

@@ -140,6 +140,14 @@ class KubeSettings(LoggingConfigurable):
     service_account = Unicode("", config=True, help="ServiceAccount of the pods (empty: no API token).")
     node_selector = Dict(config=True, help="spec.nodeSelector of the pods.")
     tolerations: List[Any] = List(config=True, help="spec.tolerations of the pods.")
+    count_other_gpu_pods = Bool(
+        True,
+        config=True,
+        help="""With ElasticKernels.gpu_inventory_source = "kubernetes": book the whole GPUs
+        (nvidia.com/gpu) that pods other than kernels hold on the nodes, so that no kernel is
+        promised one of them (one cluster-wide pod watch: needs list and watch on pods in every
+        namespace). Off: every advertised GPU counts as the kernels' own.""",
+    )
     node_lost_seconds = Integer(
         60,
         config=True,

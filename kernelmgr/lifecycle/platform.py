@@ -6,13 +6,19 @@ the in-kernel agent through a private client (kernel_info, the silent checkpoint
 and start the same ``KernelManager`` under the same id and connection, release the slice, and
 keep the on-disk record current. It only reads and writes the kernel's own record; state moves
 are the controller's.
+
+Long because a checkpoint is one conversation with the kernel (the silent request, the commit it
+reports, and with an object store the upload the server then commits) and each of its steps maps a
+kernel's failure to the same errors; split across modules, that mapping would be repeated.
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import errno
+import json
 import logging
 import os
 import signal
@@ -25,7 +31,7 @@ from jupyter_core.utils import ensure_async
 
 from kernelmgr import compat
 from kernelmgr.activity.jupyter import JupyterActivity
-from kernelmgr.checkpoint.agent import CHECKPOINT_CODE
+from kernelmgr.checkpoint.agent import CHECKPOINT_CODE, COMMIT_EXPRESSION, UPLOAD_EXPRESSION, upload_code
 from kernelmgr.checkpoint.version import compare
 from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.errors import CapacityError
@@ -69,6 +75,27 @@ def try_send(send: Callable[[], str]) -> str | None:
         return send()
     except zmq.Again:
         return None
+
+
+def _ok(reply: dict[str, Any]) -> dict[str, Any]:
+    """The reply's content, or the agent's one-line error as a :class:`LifecycleError`."""
+    content = reply["content"]
+    if content.get("status") != "ok":
+        raise LifecycleError(f"{content.get('ename', 'Error')}: {content.get('evalue', '')}".strip(), 500)
+    return dict(content)
+
+
+def _expression(reply: dict[str, Any], name: str) -> str | None:
+    """The string a user expression evaluated to in ``reply`` (its repr, read back as a literal
+    only: never evaluated), or ``None`` when the kernel's agent did not answer it."""
+    result = (reply["content"].get("user_expressions") or {}).get(name) or {}
+    if result.get("status") != "ok":
+        return None
+    try:
+        value = ast.literal_eval(str((result.get("data") or {}).get("text/plain", "")))
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def check_agent(log: logging.Logger, kernel_id: str, kernel_info: dict[str, Any]) -> str | None:
@@ -183,8 +210,23 @@ class JupyterKernelPlatform:
             )
         self.records.remember(kernel_id, pid=self.pid_of(km))
         record.kernel_info, record.execution_count = {}, 0
+        store = self.runtime.checkpoints
         try:
-            record.kernel_info, record.execution_count = await self._run_checkpoint(km)
+            record.kernel_info, record.execution_count, reported = await self._run_checkpoint(km)
+            collect = getattr(km.provisioner, "collect_checkpoint", None)
+            if collect is not None:  # a Kubernetes warm pod keeps it in its emptyDir until taken
+                await self._collect(collect)
+            if reported is None:  # an agent older than the report: the store's own view
+                self.host.log.warning(
+                    "Kernel %s did not report the checkpoint it committed (an older agent): "
+                    "taking the store's newest",
+                    kernel_id,
+                )
+                manifest = await asyncio.to_thread(store.latest, record.owner, kernel_id)
+                if manifest is None:
+                    raise LifecycleError("the agent reported success but no checkpoint was committed", 500)
+            else:
+                manifest = await self._commit(km, record.owner, kernel_id, reported)
         except KernelDied:
             committed = await self._committed_by_the_kernel(record.owner, kernel_id)
             if committed is None:
@@ -200,20 +242,54 @@ class JupyterKernelPlatform:
             if disk_full(exc.message):
                 raise LifecycleError(exc.message, 507) from None
             raise
-        collect = getattr(km.provisioner, "collect_checkpoint", None)
-        if collect is not None:  # a Kubernetes warm pod keeps it in its emptyDir until taken
-            try:
-                await collect()
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    raise LifecycleError(f"the server's checkpoint volume is full: {exc}", 507) from None
-                raise LifecycleError(f"the checkpoint could not be stored: {exc}", 500) from None
-            except RuntimeError as exc:
-                raise LifecycleError(str(exc), 500) from None
-        manifest = await asyncio.to_thread(self.runtime.checkpoints.latest, record.owner, kernel_id)
-        if manifest is None:
-            raise LifecycleError("the agent reported success but no checkpoint was committed", 500)
         return committed_of(manifest)
+
+    async def _collect(self, collect: Callable[[], Any]) -> None:
+        try:
+            await collect()
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise LifecycleError(f"the server's checkpoint volume is full: {exc}", 507) from None
+            raise LifecycleError(f"the checkpoint could not be stored: {exc}", 500) from None
+        except RuntimeError as exc:
+            raise LifecycleError(str(exc), 500) from None
+
+    async def _commit(self, km: Any, owner: str, kernel_id: str, reported: str) -> Any:
+        """Record the checkpoint the kernel reported: its signed manifest, verified with the owner's
+        key (never a checkpoint inferred from the store's listing or ``current``). With an object
+        store, the kernel first sends ``data.bin`` through presigned part URLs; the server then
+        completes the upload and writes the manifest last (the commit)."""
+        store = self.runtime.checkpoints
+        try:
+            manifest = await asyncio.to_thread(store.commit, owner, kernel_id, reported)
+        except ValueError as exc:
+            raise LifecycleError(
+                f"the checkpoint the kernel reported cannot be trusted: {exc}", 500
+            ) from None
+        if not store.uploads:
+            return manifest
+        try:
+            upload = await asyncio.to_thread(store.begin_upload, owner, kernel_id, manifest)
+        except Exception as exc:
+            raise LifecycleError(f"the object store refused the upload: {exc}", 502) from None
+        try:
+            code = upload_code(manifest.checkpoint_id, upload.urls, upload.part_size, upload.checkpoint_key)
+            reply = await self._silent(km, code, UPLOAD_EXPRESSION, self.checkpoint_timeout)
+            etags = json.loads(_expression(reply, "upload") or "null")
+            if not isinstance(etags, list) or not all(isinstance(tag, str) for tag in etags):
+                raise LifecycleError("the kernel did not report the uploaded parts", 500)
+            await asyncio.to_thread(store.finish_upload, upload, etags, reported)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(store.abort_upload, upload)
+            if isinstance(exc, LifecycleError | KernelDied | asyncio.CancelledError):
+                raise
+            if isinstance(exc, Exception):
+                raise LifecycleError(
+                    f"the checkpoint could not be committed to the object store: {exc}", 502
+                ) from None
+            raise
+        return manifest
 
     async def _committed_by_the_kernel(self, owner: str, kernel_id: str) -> Committed | None:
         """A checkpoint the kernel committed on its own before it exited, newer than any the server
@@ -227,11 +303,12 @@ class JupyterKernelPlatform:
         known = record.committed if record else None
         return await newer_checkpoint(self.runtime.checkpoints, owner, kernel_id, known, self.host.log)
 
-    async def _run_checkpoint(self, km: Any) -> tuple[dict[str, Any], int]:
+    async def _run_checkpoint(self, km: Any) -> tuple[dict[str, Any], int, str | None]:
         """Run the agent's checkpoint through a private client.
 
-        Returns the kernel_info content and the number of the last cell the user ran (a
-        silent execute's reply carries it without counting itself).
+        Returns the kernel_info content, the number of the last cell the user ran (a silent
+        execute's reply carries it without counting itself) and the manifest (JSON) the kernel
+        reports it committed (``None`` from an agent that does not report it).
         """
         client = shell_client(km)
         pid = self.pid_of(km)
@@ -240,7 +317,13 @@ class JupyterKernelPlatform:
             # checkpoint does not wait a round trip for the kernel_info reply.
             info_id = try_send(client.kernel_info)
             msg_id = try_send(
-                lambda: client.execute(CHECKPOINT_CODE, silent=True, store_history=False, allow_stdin=False)
+                lambda: client.execute(
+                    CHECKPOINT_CODE,
+                    silent=True,
+                    store_history=False,
+                    allow_stdin=False,
+                    user_expressions={"commit": COMMIT_EXPRESSION},
+                )
             )
             if (
                 info_id is None or msg_id is None
@@ -251,11 +334,36 @@ class JupyterKernelPlatform:
             reply = await self.reply(client, msg_id, self.checkpoint_timeout, km, pid)
         finally:
             client.stop_channels()
-        content = reply["content"]
-        if content.get("status") != "ok":
-            raise LifecycleError(f"{content.get('ename', 'Error')}: {content.get('evalue', '')}".strip(), 500)
+        content = _ok(reply)
         count = content.get("execution_count")
-        return dict(info["content"]), count if isinstance(count, int) and count > 0 else 0
+        return (
+            dict(info["content"]),
+            count if isinstance(count, int) and count > 0 else 0,
+            _expression(reply, "commit"),
+        )
+
+    async def _silent(self, km: Any, code: str, expression: str, timeout: float) -> dict[str, Any]:
+        """The reply to a silent execute of the agent's ``code`` with one user ``expression``."""
+        client = shell_client(km)
+        pid = self.pid_of(km)
+        try:
+            msg_id = try_send(
+                lambda: client.execute(
+                    code,
+                    silent=True,
+                    store_history=False,
+                    allow_stdin=False,
+                    user_expressions={"upload": expression},
+                )
+            )
+            if msg_id is None:
+                raise LifecycleError("the kernel's shell socket takes no requests", 503)
+            self.activity.internal(msg_id)
+            reply = await self.reply(client, msg_id, timeout, km, pid)
+        finally:
+            client.stop_channels()
+        _ok(reply)
+        return reply
 
     async def stop(self, kernel_id: str) -> None:
         """Stop the kernel gracefully (its atexit handlers flush the user's files), keeping

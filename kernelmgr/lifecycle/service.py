@@ -93,6 +93,9 @@ class Hibernator:
             self.platform,
             start_timeout=start_timeout,
             states=runtime.states,
+            queue=runtime.slice_queue,
+            max_wait=runtime.max_slice_wait,
+            held=runtime.slices_held_by,
         )
         self.loss = KernelLoss(
             mkm, runtime, self.controller, self.platform, self.records, self.events, self._pruning
@@ -331,6 +334,10 @@ class Hibernator:
     def cancel_resume(self, kernel_id: str) -> bool:
         """Stop waiting for a slice (the user interrupted). True if a wait was cancelled."""
         return self.controller.cancel_wait(kernel_id)
+
+    async def stop_waiting(self, kernel_id: str) -> bool:
+        """Stop a resume waiting for a slice and wait until the kernel is hibernated again."""
+        return await self.controller.stop_waiting(kernel_id)
 
     async def cancel_operations(self, kernel_id: str) -> None:
         """Cancel a hibernation or resume in flight (the kernel is being deleted)."""

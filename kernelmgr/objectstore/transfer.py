@@ -18,6 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 DEFAULT_PART_SIZE = 32 * 1024 * 1024
 DEFAULT_WORKERS = 4
 Progress = Callable[[int], None]
+#: ``(offset, piece) -> bytes to send``: e.g. encryption at the piece's offset.
+Transform = Callable[[int, memoryview], bytes]
+#: ``(offset, range) -> None``: run on each range once it has arrived (e.g. decryption in place).
+Arrived = Callable[[int, memoryview], None]
 
 
 class TransferError(Exception):
@@ -70,8 +74,11 @@ def upload_parts(
     part_size: int = DEFAULT_PART_SIZE,
     workers: int = DEFAULT_WORKERS,
     on_progress: Progress | None = None,
+    transform: Transform | None = None,
 ) -> list[str]:
-    """Send ``data`` as ``len(urls)`` parts of ``part_size`` (the last shorter), in parallel; their ETags."""
+    """Send ``data`` as ``len(urls)`` parts of ``part_size`` (the last shorter), in parallel; their ETags.
+
+    ``transform(offset, part)`` gives the bytes sent for a part (its offset in ``data``)."""
     if len(urls) != part_count(len(data), part_size):
         raise ValueError(
             f"{len(data)} bytes in parts of {part_size} need {part_count(len(data), part_size)} URLs"
@@ -80,7 +87,7 @@ def upload_parts(
 
     def send(n: int) -> str:
         piece = data[n * part_size : (n + 1) * part_size]
-        etag = put(urls[n], piece)
+        etag = put(urls[n], piece if transform is None else transform(n * part_size, piece))
         if on_progress is not None:
             with lock:
                 on_progress(len(piece))
@@ -97,8 +104,10 @@ def download(
     workers: int = DEFAULT_WORKERS,
     on_progress: Progress | None = None,
     timeout: float = 300.0,
+    arrived: Arrived | None = None,
 ) -> None:
-    """Fill ``into`` (the object's size) from a presigned GET URL with parallel ranged reads."""
+    """Fill ``into`` (the object's size) from a presigned GET URL with parallel ranged reads;
+    ``arrived(offset, range)`` runs on each range once it is whole."""
     size = len(into)
     lock = threading.Lock()
 
@@ -120,6 +129,8 @@ def download(
                 if on_progress is not None:
                     with lock:
                         on_progress(read)
+            if arrived is not None:
+                arrived(start, view)
         finally:
             conn.close()
 

@@ -28,8 +28,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube.cluster import KubeCluster
+from kernelmgr.kube.manifests import tolerations
 from kernelmgr.kube.namespaces import namespace_for
 from kernelmgr.kube.nodes import NodeInventorySync
+from kernelmgr.kube.other_gpu_pods import OtherGpuPods
+from kernelmgr.kube.placement import Placement
 from kernelmgr.kube.pods import FoundKernel
 
 if TYPE_CHECKING:
@@ -137,19 +140,30 @@ def _kernel_namespaces(mkm: PodAdopter) -> list[str]:
 
 
 def start_node_inventory(runtime: ElasticRuntime, log: logging.Logger) -> NodeInventorySync:
-    """Keep the allocator's inventory equal to the cluster's schedulable GPUs (one node watch)."""
+    """Keep the allocator's inventory equal to the cluster's schedulable GPUs (one node watch), with
+    the GPUs of pods that are not kernels booked (one cluster-wide pod watch)."""
     assert isinstance(runtime.kube, KubeCluster)
 
     def lost(slices: Any) -> None:
         for granted in slices:
+            if granted.other_pod:
+                continue  # booked again by OtherGpuPods.retry where the node still has it
             log.warning(
                 "Kernel %s: the node of its GPU slice (%s) left the inventory; the kernel follows its pod",
                 granted.kernel_id,
                 ", ".join(granted.device_uuids),
             )
 
-    return NodeInventorySync(
+    template = runtime.kube.settings.pod_template()
+    placement = Placement(dict(template.node_selector), tuple(tolerations(template)))
+    sync = NodeInventorySync(
         runtime.kube.api(),
         runtime.allocator,
         on_lost=lost,  # logs only: fine on the watch thread
-    ).start()
+        placement=placement,
+    )
+    if runtime.kube.settings.count_other_gpu_pods:
+        others = OtherGpuPods(runtime.kube.api(), runtime.allocator)
+        sync.after_change.append(others.retry)
+        sync.companions.append(others.start())
+    return sync.start()

@@ -53,6 +53,7 @@ from kernelmgr.core.policy import (
     decide,
     idle_seconds,
     review,
+    under_pressure,
 )
 from kernelmgr.lifecycle import metrics
 from kernelmgr.lifecycle.host import KernelHost
@@ -123,11 +124,12 @@ def _in(seconds: float) -> str:
     return f"{max(0, round(seconds))} s" if seconds < 120 else f"about {round(seconds / 60)} min"
 
 
-def warning_text(deadline: float, now: float, idle: float, signals: str) -> str:
+def warning_text(deadline: float, now: float, idle: float, signals: str, pressure: bool = False) -> str:
     """What a notebook user reads before their kernel is hibernated."""
     when = time.strftime("%H:%M:%S", time.localtime(deadline))
+    why = ", which another kernel is waiting for," if pressure else ""
     return (
-        f"This kernel has been idle for {_in(idle)} ({signals}). To free its GPU it will be hibernated "
+        f"This kernel has been idle for {_in(idle)} ({signals}). To free its GPU{why} it will be hibernated "
         f"at {when} (in {_in(deadline - now)}): its variables are saved first, and running any cell "
         "brings it back with them. Run a cell now to keep it running."
     )
@@ -273,18 +275,26 @@ class Culler:
         decided: list[tuple[str, Decision]] = []
         records = self.runtime.kernels.all()
         self.prune()
+        snapshots = {record.kernel_id: self.snapshot(record, now) for record in records}
+        # Kernels waiting for a slice, less the hibernations already on their way to free one.
+        waiting = len(self.runtime.slice_queue) - len(self.hibernations)
+        pressured = set(under_pressure(self.policy, list(snapshots.values()), now, waiting))
         for record in records:
-            snapshot = self.snapshot(record, now)
+            snapshot = snapshots[record.kernel_id]
             state = record.cull
-            reviewed = review(self.policy, snapshot, now)
+            pressure = record.kernel_id in pressured
+            reviewed = review(self.policy, snapshot, now, pressure)
             if reviewed.warning_cancelled:
                 state.warned_at, state.deadline, state.warning = None, None, ""
+                state.pressure = False
             if snapshot.execution_state != "busy":
                 state.busy_warned = False
             decision = reviewed.decision
             if decision.action is Action.NOTHING:
                 continue
             decided.append((record.kernel_id, decision))
+            if decision.action in (Action.WARN, Action.HIBERNATE):
+                state.pressure = pressure
             try:
                 self._act(record, state, decision, now)
             except Exception:
@@ -300,7 +310,7 @@ class Culler:
             state.warned_at = now
             state.deadline = decision.deadline
             idle, signals = idle_seconds(self.snapshot(record, now), now)
-            state.warning = warning_text(decision.deadline or now, now, idle, signals)
+            state.warning = warning_text(decision.deadline or now, now, idle, signals, state.pressure)
             reached = self.broadcast(kernel_id, state.warning)
             metrics.WARNINGS.labels("idle", size).inc()
             self.hibernator.events.emit("warn", kernel_id, state.warning, reason="policy", size=size)
@@ -342,7 +352,8 @@ class Culler:
         if record is None:
             return  # removed while it waited
         now = self.clock()
-        decision = decide(self.policy, self.snapshot(record, now), now)
+        pressure = record.cull.pressure and len(self.runtime.slice_queue) > 0
+        decision = decide(self.policy, self.snapshot(record, now), now, pressure)
         if decision.action is not Action.HIBERNATE:
             # It waited for a slot, and meanwhile the user ran a cell (or the API hibernated it).
             self.mkm.log.info("Policy hibernation of kernel %s dropped: no longer due", kernel_id)

@@ -11,6 +11,7 @@ every error became a 500 with a traceback).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tornado import web
@@ -44,3 +45,33 @@ def http_error(status: int, message: str) -> web.HTTPError:
 def no_such_kernel(kernel_id: str) -> web.HTTPError:
     """404 for an unknown kernel id, and for another user's: both must read the same."""
     return http_error(404, f"no kernel with id {kernel_id!r}; list kernels at /api/elastic/kernels")
+
+
+def gateway_refusal(err: BaseException) -> web.HTTPError | None:
+    """The gateway's own 4xx answer, as an error whose JSON ``message`` is the gateway's message.
+
+    jupyter_server's gateway client turns the gateway's ``{"message": ...}`` into an ``HTTPError``
+    whose ``log_message`` keeps its ``%s`` placeholders ("Error from Gateway: [%s] %s. Ensure
+    gateway url is valid..."), which ``APIHandler.write_error`` sends unformatted: the user never
+    learns which quota, size or capacity limit they hit. The message is read from the gateway's
+    response (the error's cause, tornado's ``HTTPClientError``), else from the error's arguments.
+    ``None`` for anything but a 4xx from the gateway.
+    """
+    if not isinstance(err, web.HTTPError) or not 400 <= err.status_code < 500:
+        return None
+    cause = err.__cause__
+    response = getattr(cause, "response", None)
+    if cause is None or getattr(cause, "code", None) != err.status_code:
+        return None  # not the gateway's answer relayed (jupyter_server's own 4xx keep theirs)
+    message = ""
+    body = getattr(response, "body", None)
+    if body:
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None
+        if isinstance(payload, dict) and isinstance(payload.get("message"), str):
+            message = payload["message"]
+    if not message and err.args:
+        message = str(err.args[0])
+    return http_error(err.status_code, message or f"the gateway refused the request (HTTP {err.status_code})")

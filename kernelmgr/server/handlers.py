@@ -16,10 +16,10 @@ from jupyter_server.services.sessions.handlers import SessionRootHandler
 from tornado import web
 
 from kernelmgr.config import ElasticRuntime
-from kernelmgr.server.errors import http_error, no_such_kernel
+from kernelmgr.server.errors import gateway_refusal, http_error, no_such_kernel
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
-from kernelmgr.server.models import gpus_model, profiles_model
+from kernelmgr.server.models import gpus_model, profiles_model, queue_model
 from kernelmgr.server.ownership import access_of
 
 AUTH_RESOURCE = "kernels"
@@ -165,6 +165,15 @@ class ResumeHandler(ElasticHandler):
         self.write_json(await self.elastic_kernel_manager.resume(kernel_id, "api"))
 
 
+class CancelHandler(ElasticHandler):
+    """Stop a resume that is waiting for a free GPU slice; the kernel stays hibernated."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        self.write_json(await self.elastic_kernel_manager.cancel_wait(kernel_id))
+
+
 class ActivityHandler(ElasticHandler):
     """ "Keep running": counts as activity and cancels the idle warning (JupyterLab's button)."""
 
@@ -172,6 +181,17 @@ class ActivityHandler(ElasticHandler):
     @authorized
     async def post(self, kernel_id: str) -> None:
         self.write_json(self.elastic_kernel_manager.keep_running(kernel_id))
+
+
+class QueueHandler(ElasticHandler):
+    """The kernels waiting for a GPU slice: all for an admin, a user's own otherwise."""
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        admin = access_of(self.settings).is_admin_request(self)
+        user = getattr(self.current_user, "username", None)
+        self.write_json(queue_model(self.runtime, user, admin))
 
 
 class MeHandler(ElasticHandler):
@@ -245,8 +265,11 @@ class GatewaySessionsHandler(SessionRootHandler):
         except web.HTTPError as err:
             cause = err.__cause__
             if err.status_code == 500 and isinstance(cause, web.HTTPError) and 400 <= cause.status_code < 500:
-                # GatewayClient's error: "Error from Gateway: [<message>] <reason>..." with the
-                # gateway's own JSON message as the first argument.
+                # GatewayClient's error ("Error from Gateway: [%s] %s...") or the singleuser
+                # manager's translation of it: the gateway's own message, with its status.
+                refusal = gateway_refusal(cause)
+                if refusal is not None:
+                    raise refusal from None
                 message = str(cause.args[0]) if cause.args else str(cause.log_message)
                 raise http_error(cause.status_code, message) from None
             raise
@@ -268,7 +291,9 @@ def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:
         (r"/api/elastic/policy", PolicyHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/resume", ResumeHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/report", ReportHandler),
+        (rf"/api/elastic/kernels/{_KERNEL_ID}/cancel", CancelHandler),
         (r"/api/sessions", SessionsPreflightHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/activity", ActivityHandler),
         (r"/api/elastic/me", MeHandler),
+        (r"/api/elastic/queue", QueueHandler),
     ]

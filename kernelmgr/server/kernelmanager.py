@@ -34,6 +34,7 @@ from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.controller import LifecycleError, LossReports
 from kernelmgr.core.errors import CapacityError, UnknownProfileError
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.core.profiles import GpuProfile
 from kernelmgr.kube import optional as kube_optional
 from kernelmgr.lifecycle.records import KernelRecord
 from kernelmgr.lifecycle.scheduler import DEFAULT_LIMIT
@@ -44,7 +45,13 @@ from kernelmgr.server.culler import Culler
 from kernelmgr.server.errors import http_error, no_such_kernel
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import elastic_kernel_model, kernel_pod_annotations
-from kernelmgr.server.starting import StartWithoutReadyRace, raise_socket_limit, wait_until_up
+from kernelmgr.server.starting import (
+    StartWithoutReadyRace,
+    raise_socket_limit,
+    wait_for_start_turn,
+    wait_until_up,
+)
+from kernelmgr.server.waiting import cancel_waiting_resume
 
 
 @contextlib.contextmanager
@@ -131,8 +138,12 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             raise http_error(503, "the kernelmgr extension has not finished loading; try again")
         return self.elastic_runtime
 
-    def check_size(self, kernel_name: str) -> None:
-        """Refuse, with a 4xx that says what to do, a kernelspec whose GPU size is unknown or full."""
+    def check_size(self, kernel_name: str, queued: bool = False) -> GpuProfile | None:
+        """Refuse, with a 4xx that says what to do, a kernelspec whose GPU size is unknown or full.
+
+        ``queued``: a size that fits later is not refused; its profile is returned instead (the
+        start then waits its turn in the slice queue).
+        """
         runtime = self._require_runtime()
         ksm = self.kernel_spec_manager
         try:
@@ -142,21 +153,30 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
                 raise http_error(404, ksm.not_offered(kernel_name)) from None
             raise http_error(404, f"no kernelspec named {kernel_name!r}; see /api/kernelspecs") from None
         if profile_name is None:
-            return
+            return None
         try:
             profile = runtime.profile(profile_name)
         except UnknownProfileError as exc:
             raise http_error(400, f"kernelspec {kernel_name!r} asks for an {exc.message}") from None
+        if queued and runtime.allocator.ever_fits(profile):
+            return profile
         try:
             runtime.allocator.check(profile)
         except CapacityError as exc:
             raise http_error(409, exc.message) from None
+        return None
 
     async def _async_start_kernel(
         self, *, kernel_id: str | None = None, path: Any = None, **kwargs: Any
     ) -> str:
+        queued: str | None = None
         if kernel_id is None or kernel_id not in self:
-            self.check_size(kwargs.get("kernel_name") or self.default_kernel_name)
+            runtime = self._require_runtime()
+            name = kwargs.get("kernel_name") or self.default_kernel_name
+            waits_for = self.check_size(name, queued=runtime.start_queue_wait > 0)
+            if waits_for is not None:
+                kernel_id = queued = kernel_id or self.new_kernel_id()
+                await wait_for_start_turn(self, queued, waits_for)
         elif self.hibernator is not None and self.hibernator.is_hibernated(kernel_id):
             return kernel_id  # an existing, hibernated kernel: the next execute resumes it
         try:
@@ -170,6 +190,9 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             raise http_error(500, f"could not start the kernel: {exc}") from None
         except AccountError as exc:  # a multi-user gateway: no OS account for this user's kernels
             raise http_error(403, exc.message) from None
+        finally:
+            if queued is not None and self.elastic_runtime is not None:
+                self.elastic_runtime.slice_queue.settle(queued)
         timeout = self.elastic_runtime.start_timeout if self.elastic_runtime is not None else 120.0
         self.starting_kernels.add(started)
         try:
@@ -463,6 +486,11 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         """``POST /api/elastic/kernels/{id}/resume``; returns the kernel model."""
         with _answered_as_http(f"resume kernel {kernel_id}"):
             await self._require_hibernator().resume(kernel_id, reason)
+        return self.elastic_model(kernel_id)
+
+    async def cancel_wait(self, kernel_id: str) -> dict[str, Any]:
+        """``POST /api/elastic/kernels/{id}/cancel`` (:mod:`kernelmgr.server.waiting`)."""
+        await cancel_waiting_resume(self, kernel_id)
         return self.elastic_model(kernel_id)
 
     def _require_hibernator(self) -> Hibernator:

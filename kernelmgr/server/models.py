@@ -6,6 +6,7 @@ read one definition of each field.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,13 +72,22 @@ MIB = 1024 * 1024
 def _resume_progress(
     runtime: ElasticRuntime, record: ManagedKernel, has_slice: bool, waiting_for_slice: bool
 ) -> dict[str, Any]:
-    """Where a resume is: waiting for a GPU slice, starting the process, or reading N of M MiB.
+    """Where a resume is: waiting for a GPU slice (its place in the queue, of how many, and a
+    guess of the wait from the recent time between grants), starting the process, or reading
+    N of M MiB.
 
     The reading phase comes from the file the kernel's agent writes while it reads its
     checkpoint (:mod:`kernelmgr.checkpoint.progress`); one small read, only when asked.
     """
     if waiting_for_slice and not has_slice:
-        return {"phase": "waiting_for_slice"}
+        queue = runtime.slice_queue
+        estimate = queue.estimate(record.kernel_id, runtime.slices_held_by)
+        return {
+            "phase": "waiting_for_slice",
+            "position": queue.position(record.kernel_id, runtime.slices_held_by),
+            "waiting": len(queue),
+            "estimate_s": None if estimate is None else round(estimate),
+        }
     progress = runtime.checkpoints.restore_progress(record.owner, record.kernel_id, record.lifecycle.since)
     if progress is None:
         return {"phase": "starting"}
@@ -147,3 +157,33 @@ def _gpu_message(runtime: ElasticRuntime) -> str:
     if runtime.gpus_available:
         return runtime.inventory.note
     return f"No GPUs: {runtime.inventory.note}."
+
+
+def queue_model(runtime: ElasticRuntime, user: str | None, admin: bool) -> dict[str, Any]:
+    """``GET /api/elastic/queue``: the kernels waiting for a GPU slice, in the order they are served.
+
+    An admin sees every entry; a user sees their own (with their place) and only how many others
+    wait. ``estimate_s`` is a guess from the recent time between grants (``null`` until two).
+    """
+    queue = runtime.slice_queue
+    held = runtime.slices_held_by
+    now = time.monotonic()
+    entries = []
+    for place, waiter in enumerate(queue.order(held), start=1):
+        if not admin and waiter.owner != user:
+            continue
+        record = runtime.kernels.get(waiter.key)
+        estimate = queue.estimate(waiter.key, held)
+        entries.append(
+            {
+                "position": place,
+                "kernel_id": waiter.key,
+                "owner": waiter.owner,
+                "size": waiter.size,
+                "priority": waiter.priority,
+                "kind": "resume" if record is not None and record.state is KernelState.RESUMING else "start",
+                "waited_s": round(now - waiter.since, 1),
+                "estimate_s": None if estimate is None else round(estimate),
+            }
+        )
+    return {"waiting": len(queue), "entries": entries}

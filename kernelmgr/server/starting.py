@@ -16,6 +16,9 @@ that fails at its bind (it exits, or hangs after the traceback) is killed and re
 ports; any other exit, or the timeout, stops the kernel (its slice is released by the
 provisioner's cleanup) and answers a JSON error naming the cause with the kernel's last stderr
 lines. Only then is the restarter started: from here on a crash restarts as in plain Jupyter.
+
+Before all that, with ``ElasticKernels.start_queue_wait``, a start whose GPU size does not fit
+now waits its turn in the slice queue (issue 29), instead of a 409.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from jupyter_client.multikernelmanager import MultiKernelManager
 from jupyter_core.utils import ensure_async
 
 from kernelmgr import compat
+from kernelmgr.core.errors import CapacityError
+from kernelmgr.core.kernels import requesting_owner
+from kernelmgr.core.profiles import GpuProfile
 from kernelmgr.lifecycle.platform import BIND_RETRIES, check_agent, shell_client, stderr_tail, try_send
 from kernelmgr.provisioners.local import BIND_ERROR
 from kernelmgr.server.errors import http_error
@@ -208,3 +214,19 @@ async def _relaunch_with_new_ports(mkm: Any, kernel_id: str, km: Any) -> None:
     await ensure_async(km.start_kernel(**compat.launch_args(km)))
     compat.set_ports(mkm, kernel_id, km.ports)
     mkm.start_watching_activity(kernel_id)
+
+
+async def wait_for_start_turn(km: Any, kernel_id: str, profile: GpuProfile) -> None:
+    """A new kernel whose size does not fit now waits its turn in the slice queue, at most
+    ``ElasticKernels.start_queue_wait`` seconds; a 409 saying so past it."""
+    runtime = km.elastic_runtime
+    hibernator = km.hibernator
+    if runtime is None or hibernator is None:
+        return
+    owner = requesting_owner.get() or runtime.owner
+    try:
+        await hibernator.controller.waits.wait(
+            kernel_id, owner, profile, runtime.start_queue_wait, "ElasticKernels.start_queue_wait"
+        )
+    except CapacityError as exc:
+        raise http_error(409, exc.message) from None

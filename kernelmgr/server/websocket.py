@@ -70,6 +70,7 @@ from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebso
 from tornado import web
 from traitlets import Integer
 
+from kernelmgr.cli_render import human_mib
 from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.lifecycle.service import Hibernator
@@ -89,6 +90,23 @@ _WAITING_FOR = {
 
 #: Strong references to answers being computed (a task nobody holds may be collected).
 _background: set[asyncio.Future[None]] = set()
+
+
+#: Seconds between two updates of a resume's progress in the cell (the first after as long).
+RESUME_PROGRESS_INTERVAL = 1.0
+
+
+def resume_progress_text(phase: dict[str, Any] | None) -> str:
+    """The cell's line for a resume's phase (``/api/elastic/kernels/{id}``'s ``resume``); '' while
+    it waits for a slice (the waiting note says so) or when it is over."""
+    if not phase or phase.get("phase") == "waiting_for_slice":
+        return ""
+    if phase.get("phase") == "restoring":
+        done, total = phase.get("restored_mib") or 0, phase.get("total_mib") or 0
+        if total and done >= total:
+            return f"Resuming the kernel: loading its variables ({human_mib(total)} read)…"
+        return f"Resuming the kernel: reading its variables, {human_mib(done)} of {human_mib(total)}…"
+    return "Resuming the kernel: starting it…"
 
 
 class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
@@ -563,18 +581,48 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     async def _wake(self, first: dict[str, Any]) -> None:
         hibernator = self.hibernator
         assert hibernator is not None
+        shown: list[str] = []  # what the cell was told while it waited
 
         def notify(text: str) -> None:
+            shown.append(text)
             self._send(
                 "iopub", self.session.msg("stream", {"name": "stderr", "text": text + "\n"}, parent=first)
             )
 
+        progress = asyncio.ensure_future(self._show_resume_progress(first, shown))
         try:
             await hibernator.resume(self.kernel_id, "execute", notify=notify)
         except (LifecycleError, asyncio.CancelledError) as exc:
             self._fail_queue(getattr(exc, "message", "resume cancelled"))
             return
+        finally:
+            progress.cancel()
+        if shown:
+            # The waiting note and the progress were for the wait: the cell keeps only its own
+            # output (and the restore report), also in the saved notebook.
+            self._send("iopub", self.session.msg("clear_output", {"wait": False}, parent=first))
         await self._attach_and_deliver()
+
+    async def _show_resume_progress(self, first: dict[str, Any], shown: list[str]) -> None:
+        """In the cell that woke the kernel: where the resume is (starting, N of M MiB read,
+        loading the variables), one display updated in place every second, from the first
+        second on (a quick resume shows nothing). Cleared when the resume is over."""
+        display_id = f"elastic-resume-{self.kernel_id}"
+        last = ""
+        while True:
+            await asyncio.sleep(RESUME_PROGRESS_INTERVAL)
+            try:
+                phase = self.multi_kernel_manager.elastic_model(self.kernel_id).get("resume")
+            except Exception:  # the kernel went away; the resume's own error says why
+                return
+            text = resume_progress_text(phase)
+            if not text or text == last:
+                continue
+            kind = "update_display_data" if last else "display_data"
+            content = {"data": {"text/plain": text}, "metadata": {}, "transient": {"display_id": display_id}}
+            self._send("iopub", self.session.msg(kind, content, parent=first))
+            last = text
+            shown.append(text)
 
     @classmethod
     def attach_all(cls, kernel_id: str) -> int:

@@ -7,9 +7,9 @@
  * without the extension's server part answers 404 and nothing appears.
  */
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
-import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
+import { Dialog, ICommandPalette, Notification, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
-import { INotebookTracker } from '@jupyterlab/notebook';
+import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { ServerConnection } from '@jupyterlab/services';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Signal } from '@lumino/signaling';
@@ -21,10 +21,13 @@ import {
   ElasticKernel,
   Fetcher,
   KernelPoller,
+  launcherCss,
+  Profile,
   reportSummary,
   reportText,
   RestoreReport,
   statusText,
+  toolbarText,
   warningText
 } from './model';
 
@@ -37,15 +40,56 @@ export const serverFetch: Fetcher = async (path, init) => {
 };
 
 /** The restore report in full, in a dialog a person can read at leisure. */
-async function showReport(notebook: string | undefined, report: RestoreReport | null): Promise<void> {
+async function showReport(
+  notebook: string | undefined,
+  report: RestoreReport | null,
+  neverResumed = false
+): Promise<void> {
   const body = document.createElement('pre');
   body.className = 'jp-ElasticReport';
-  body.textContent = reportText(report);
+  body.textContent = neverResumed ? 'This kernel has not been resumed from a checkpoint yet.' : reportText(report);
   await showDialog({
     title: `Restore report${notebook ? ' · ' + notebook : ''}`,
     body: new Widget({ node: body }),
     buttons: [Dialog.okButton({ label: 'Close' })]
   });
+}
+
+/**
+ * The notebook toolbar's word beside the kernel's circle: "Hibernated", "Resuming…" (the circle
+ * itself only knows idle and busy, and looks idle while the kernel is hibernated).
+ */
+class ToolbarState extends Widget {
+  constructor() {
+    super({ node: document.createElement('span') });
+    this.addClass('jp-ElasticToolbarState');
+    this.node.title = 'State of this notebook\'s elastic kernel (jupyter-elastic-kernels)';
+    this.hide();
+  }
+
+  show_(text: string, state: string): void {
+    this.node.textContent = text;
+    this.node.dataset.state = state;
+    this.setHidden(!text);
+  }
+}
+
+/**
+ * JupyterLab's own kernel status item ("Python 3 · GPU small | Idle") says nothing of
+ * hibernation; while this extension's item shows the kernel, the stock one is hidden, so the
+ * status bar shows one state. It is found by its text (the kernel's display name), since the
+ * status bar gives its items no id.
+ */
+function hideStockKernelStatus(ours: HTMLElement, displayName: string | null): void {
+  const siblings = Array.from(ours.parentElement?.children ?? []);
+  for (const node of siblings) {
+    if (node === ours) {
+      continue;
+    }
+    const text = node.textContent ?? '';
+    const stock = !!displayName && (text === displayName || text.startsWith(`${displayName} | `));
+    node.classList.toggle('jp-ElasticStatus-replaced', stock);
+  }
 }
 
 /** The status bar item; the status bar shows it only while `active` (a kernel with a GPU size). */
@@ -56,7 +100,8 @@ class StatusItem extends Widget {
   constructor() {
     super();
     this.addClass('jp-ElasticStatus');
-    this.node.title = 'GPU size, GPU use and state of this notebook\'s kernel (jupyter-elastic-kernels)';
+    this.node.title =
+      'GPU size, GPU use and state of this notebook\'s kernel (jupyter-elastic-kernels); click to change the kernel';
   }
 
   show_(text: string | null, state: string): void {
@@ -69,13 +114,48 @@ class StatusItem extends Widget {
   }
 }
 
+/** The launcher's GPU-size cards: ordered by size, a per-size icon, a short label (see launcherCss). */
+async function styleLauncher(app: JupyterFrontEnd): Promise<void> {
+  const reply = await serverFetch('api/elastic/profiles');
+  if (reply.status !== 200) {
+    return;
+  }
+  const { profiles } = (await reply.json()) as { profiles: Profile[] };
+  const specs = app.serviceManager.kernelspecs;
+  const render = (): void => {
+    const known = specs.specs?.kernelspecs ?? {};
+    let style = document.getElementById('jupyter-elastic-kernels-launcher');
+    if (!style) {
+      style = document.createElement('style');
+      style.id = 'jupyter-elastic-kernels-launcher';
+      document.head.appendChild(style);
+    }
+    style.textContent = launcherCss(profiles, name => known[name]?.display_name);
+  };
+  await specs.ready;
+  render();
+  specs.specsChanged.connect(render);
+}
+
+/** The commands' ids (Kernel menu: schema/plugin.json; the command palette). */
+const COMMANDS = {
+  hibernate: 'elastic-kernels:hibernate',
+  resume: 'elastic-kernels:resume',
+  report: 'elastic-kernels:show-report'
+};
+
 const plugin: JupyterFrontEndPlugin<void> = {
   id: 'jupyter-elastic-kernels:plugin',
   description: 'GPU size, use, state, idle warnings and resume progress of elastic kernels.',
   autoStart: true,
   requires: [INotebookTracker],
-  optional: [IStatusBar],
-  activate: (app: JupyterFrontEnd, tracker: INotebookTracker, statusBar: IStatusBar | null) => {
+  optional: [IStatusBar, ICommandPalette],
+  activate: (
+    app: JupyterFrontEnd,
+    tracker: INotebookTracker,
+    statusBar: IStatusBar | null,
+    palette: ICommandPalette | null
+  ) => {
     const poller = new KernelPoller(serverFetch, 3000);
     const item = new StatusItem();
     const notified = new Map<string, string>(); // kernel id -> notification id
@@ -123,14 +203,27 @@ const plugin: JupyterFrontEndPlugin<void> = {
       countdowns.set(kernelId, window.setInterval(tick, 1000));
     };
 
+    const badges = new Map<NotebookPanel, ToolbarState>();
     const renderStatus = (): void => {
+      const current = tracker.currentWidget;
       const id = currentKernelId();
       const kernel = id ? poller.kernels.get(id) : undefined;
-      item.show_(statusText(kernel), kernel?.state ?? '');
+      const text = statusText(kernel, undefined, current?.sessionContext.kernelDisplayStatus);
+      item.show_(text, kernel?.state ?? '');
+      hideStockKernelStatus(item.node, text ? (current?.sessionContext.kernelDisplayName ?? null) : null);
+      for (const [panel, badge] of badges) {
+        const kid = panel.sessionContext.session?.kernel?.id;
+        const k = kid ? poller.kernels.get(kid) : undefined;
+        badge.show_(toolbarText(k), k?.state ?? '');
+        panel.node.dataset.elasticState = k?.profile ? k.state : '';
+      }
     };
 
     poller.onUpdate((p, previous) => {
       renderStatus();
+      for (const command of Object.values(COMMANDS)) {
+        app.commands.notifyCommandChanged(command); // enabled or not follows the kernel's state
+      }
       const now = Date.now() / 1000;
       for (const id of new Set([...previous.keys(), ...p.kernels.keys()])) {
         const before = previous.get(id);
@@ -172,6 +265,58 @@ const plugin: JupyterFrontEndPlugin<void> = {
       panel?.update_();
     });
 
+    // Commands on the current notebook's kernel: the Kernel menu and the command palette.
+    const currentElastic = (): ElasticKernel | undefined => {
+      const id = currentKernelId();
+      const kernel = id ? poller.kernels.get(id) : undefined;
+      return kernel?.profile ? kernel : undefined;
+    };
+    const act = async (action: 'hibernate' | 'resume'): Promise<void> => {
+      const kernel = currentElastic();
+      if (!kernel) {
+        return;
+      }
+      const reply = await serverFetch(`api/elastic/kernels/${kernel.id}/${action}`, { method: 'POST' });
+      if (reply.status !== 200) {
+        const body = (await reply.json()) as { message?: string };
+        await showErrorMessage(`Could not ${action} the kernel`, body.message ?? `HTTP ${reply.status}`);
+      }
+      await poller.refresh();
+    };
+    app.commands.addCommand(COMMANDS.hibernate, {
+      label: 'Hibernate Kernel (Save Variables, Free the GPU)',
+      caption: "Checkpoint the kernel's variables, stop it and release its GPU slice; the next cell resumes it",
+      isEnabled: () => currentElastic()?.state === 'running',
+      execute: () => act('hibernate')
+    });
+    app.commands.addCommand(COMMANDS.resume, {
+      label: 'Resume Kernel',
+      caption: 'Bring the hibernated kernel back now, with its variables',
+      isEnabled: () => currentElastic()?.state === 'hibernated',
+      execute: () => act('resume')
+    });
+    app.commands.addCommand(COMMANDS.report, {
+      label: 'Show Restore Report',
+      caption: "What the kernel's last resume restored, recomputed and could not restore, and why",
+      isEnabled: () => currentElastic() !== undefined,
+      execute: async () => {
+        const kernel = currentElastic();
+        if (!kernel) {
+          return;
+        }
+        const reply = await serverFetch(`api/elastic/kernels/${kernel.id}/report`);
+        if (reply.status === 200) {
+          const body = (await reply.json()) as { restore_report: RestoreReport | null };
+          await showReport(notebookOf(kernel.id), body.restore_report, !body.restore_report);
+        }
+      }
+    });
+    if (palette) {
+      for (const command of Object.values(COMMANDS)) {
+        palette.addItem({ command, category: 'Elastic Kernels' });
+      }
+    }
+
     tracker.currentChanged.connect(renderStatus);
     // A cell sent to a hibernated kernel starts its resume: look now rather than at the next poll
     // (only then: a running kernel's busy/idle changes cost nothing).
@@ -182,8 +327,25 @@ const plugin: JupyterFrontEndPlugin<void> = {
         if (kernel && kernel.state !== 'running' && poller.available) {
           void poller.refresh();
         }
+        if (notebook === tracker.currentWidget) {
+          renderStatus(); // busy / idle as JupyterLab sees it, at once
+        }
+      });
+      const badge = new ToolbarState();
+      badges.set(notebook, badge);
+      notebook.disposed.connect(() => badges.delete(notebook));
+      void notebook.revealed.then(() => {
+        if (!notebook.toolbar.insertAfter('kernelName', 'elasticState', badge)) {
+          notebook.toolbar.addItem('elasticState', badge);
+        }
+        renderStatus();
       });
     });
+    item.node.onclick = () => {
+      if (app.commands.hasCommand('notebook:change-kernel')) {
+        void app.commands.execute('notebook:change-kernel');
+      }
+    };
     if (statusBar) {
       statusBar.registerStatusItem('jupyter-elastic-kernels:status', {
         item,
@@ -197,7 +359,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
       if (poller.available !== true) {
         return; // no /api/elastic here: nothing appears
       }
-      panel = new GpusPanel(poller, serverFetch);
+      void styleLauncher(app);
+      panel = new GpusPanel(poller, serverFetch, notebookOf);
       app.shell.add(panel, 'left', { rank: 700 });
       poller.start();
     });

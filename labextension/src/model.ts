@@ -30,6 +30,7 @@ export interface ElasticKernel {
   };
   resume?: ResumeProgress | null;
   last_error?: string;
+  checkpoint?: { bytes?: number } | null;
 }
 
 export interface RestoreReport {
@@ -46,6 +47,69 @@ export function formatMib(mib: number | null | undefined): string {
     return '';
   }
   return mib >= 1024 ? `${(mib / 1024).toFixed(1)} GiB` : `${Math.round(mib)} MiB`;
+}
+
+/** "80 B", "1.5 KiB", "300 MiB", "10 GiB": three significant digits at most, never an exponent. */
+export function formatBytes(bytes: number | null | undefined): string {
+  if (bytes === null || bytes === undefined) {
+    return '';
+  }
+  const units = ['B', 'KiB', 'MiB', 'GiB', 'TiB'];
+  let value = bytes;
+  let unit = 0;
+  while (value >= 1024 && unit < units.length - 1) {
+    value /= 1024;
+    unit += 1;
+  }
+  if (unit === 0) {
+    return `${Math.round(value)} B`;
+  }
+  const digits = value < 10 ? 2 : value < 100 ? 1 : 0;
+  return `${parseFloat(value.toFixed(digits))} ${units[unit]}`;
+}
+
+/**
+ * GPU time released, as a person reads it: "none yet", "under 1 GPU-minute", "12 GPU-minutes",
+ * "3.4 GPU-hours" (a GPU-hour is one whole GPU held, or not held, for an hour).
+ */
+export function formatGpuHours(hours: number): string {
+  if (!(hours > 0)) {
+    return 'none yet';
+  }
+  const minutes = hours * 60;
+  if (minutes < 1) {
+    return 'under 1 GPU-minute';
+  }
+  if (minutes < 60) {
+    const whole = Math.round(minutes);
+    return `${whole} GPU-minute${whole === 1 ? '' : 's'}`;
+  }
+  return `${parseFloat(hours.toFixed(1))} GPU-hours`;
+}
+
+/** What the notebook toolbar says beside the kernel's circle; '' while the kernel runs. */
+export function toolbarText(kernel: ElasticKernel | null | undefined): string {
+  if (!kernel || !kernel.profile) {
+    return '';
+  }
+  switch (kernel.state) {
+    case 'hibernated':
+      return 'Hibernated';
+    case 'hibernating':
+      return 'Hibernating…';
+    case 'resuming':
+      return kernel.resume?.phase === 'waiting_for_slice' ? 'Resuming: waiting for a GPU…' : 'Resuming…';
+  }
+  return '';
+}
+
+/** The notebook a kernel belongs to (its session's path, last part), else the id's first 8. */
+export function kernelLabel(kernelId: string, notebooks: Map<string, string>): string {
+  const path = notebooks.get(kernelId);
+  if (path) {
+    return path.split('/').pop() || path;
+  }
+  return kernelId.slice(0, 8);
 }
 
 /** The phase of a resume, in words. */
@@ -66,15 +130,23 @@ export function resumeText(resume: ResumeProgress | null | undefined): string {
   return 'resuming';
 }
 
-/** running / idle for N min / hibernating / hibernated / resuming (with its phase). */
-export function stateText(kernel: ElasticKernel): string {
+/**
+ * busy / idle / idle for N min / hibernating / hibernated / resuming (with its phase): the one
+ * state of the kernel. `live` is JupyterLab's own status of the kernel (busy, idle, starting...),
+ * newer than the last poll while the kernel runs.
+ */
+export function stateText(kernel: ElasticKernel, live?: string): string {
   switch (kernel.state) {
     case 'running': {
-      if (kernel.execution_state === 'busy') {
-        return 'running';
+      const now = live && live !== 'unknown' ? live : kernel.execution_state;
+      if (now === 'busy') {
+        return 'busy';
+      }
+      if (now && now !== 'idle') {
+        return now; // starting, restarting, dead...
       }
       const idle = kernel.activity.idle_seconds ?? 0;
-      return idle >= 60 ? `idle for ${Math.floor(idle / 60)} min` : 'running';
+      return idle >= 60 ? `idle for ${Math.floor(idle / 60)} min` : 'idle';
     }
     case 'resuming':
       return resumeText(kernel.resume);
@@ -84,7 +156,11 @@ export function stateText(kernel: ElasticKernel): string {
 }
 
 /** The status bar's text, or null when the kernel has no GPU size (the item hides). */
-export function statusText(kernel: ElasticKernel | null | undefined, sizeLabel?: string): string | null {
+export function statusText(
+  kernel: ElasticKernel | null | undefined,
+  sizeLabel?: string,
+  live?: string
+): string | null {
   if (!kernel || !kernel.profile) {
     return null;
   }
@@ -98,7 +174,7 @@ export function statusText(kernel: ElasticKernel | null | undefined, sizeLabel?:
       parts.push(formatMib(mem));
     }
   }
-  parts.push(stateText(kernel));
+  parts.push(stateText(kernel, live));
   return parts.join(' · ');
 }
 
@@ -131,6 +207,9 @@ export function reportText(report: RestoreReport | null | undefined): string {
   }
   const restored = report.restored ?? [];
   const lines = [`Kernel resumed: ${restored.length} variable(s) restored.`];
+  if (restored.length) {
+    lines.push(`Restored: ${restored.join(', ')}.`);
+  }
   const recomputed = report.recomputed ?? [];
   if (recomputed.length) {
     const names = recomputed.map(item => (typeof item === 'string' ? item : item.name));
@@ -276,4 +355,79 @@ export class KernelPoller {
       listener(this, previous);
     }
   }
+}
+
+/** A GPU size as `GET /api/elastic/profiles` lists it. */
+export interface Profile {
+  name: string;
+  display_name: string;
+  gpu_fraction: number;
+  memory_mib: number | null;
+  kernelspecs?: string[];
+}
+
+/** A launcher icon for a GPU size: the share of the GPU as a filled pie, the memory under it. */
+export function sizeIconSvg(fraction: number, memoryMib: number | null): string {
+  const share = Math.max(0, Math.min(1, fraction));
+  const r = 17;
+  const [cx, cy] = [26, 22];
+  let pie: string;
+  if (share >= 0.999) {
+    pie = `<circle cx="${cx}" cy="${cy}" r="${r}" fill="#f57c00"/>`;
+  } else {
+    const angle = 2 * Math.PI * share;
+    const x = cx + r * Math.sin(angle);
+    const y = cy - r * Math.cos(angle);
+    const large = share > 0.5 ? 1 : 0;
+    pie = `<path d="M${cx} ${cy} L${cx} ${cy - r} A${r} ${r} 0 ${large} 1 ${x.toFixed(2)} ${y.toFixed(2)} Z" fill="#f57c00"/>`;
+  }
+  const memory = memoryMib ? formatMib(memoryMib).replace('.0 ', ' ') : '';
+  return (
+    '<svg xmlns="http://www.w3.org/2000/svg" width="52" height="52" viewBox="0 0 52 52">' +
+    `<circle cx="${cx}" cy="${cy}" r="${r}" fill="#e0e0e0" stroke="#9e9e9e" stroke-width="1"/>` +
+    pie +
+    (memory
+      ? `<text x="26" y="50" text-anchor="middle" font-family="sans-serif" font-size="10" fill="#616161">${memory}</text>`
+      : '') +
+    '</svg>'
+  );
+}
+
+/** "Python 3 · GPU small (10 GiB)" -> "Python 3 · GPU small": the card's icon shows the memory. */
+export function shortLabel(displayName: string): string {
+  return displayName.replace(/\s*\([^)]*\)\s*$/, '') || displayName;
+}
+
+function cssString(text: string): string {
+  return `"${text.replace(/\\/g, '\\\\').replace(/"/g, '\\"').replace(/\n/g, '\\a ')}"`;
+}
+
+/**
+ * The launcher's cards of GPU-size kernelspecs, ordered by size (smallest first, after the
+ * kernels without a size), each with its size's icon and a short label, as a style sheet: the
+ * launcher sorts by name and draws the kernel's own logo, and offers no other hook. The cards
+ * keep their full name as their title (tooltip) and the icon's alt text.
+ */
+export function launcherCss(profiles: Profile[], displayNameOf: (spec: string) => string | undefined): string {
+  const sized = [...profiles].sort(
+    (a, b) => a.gpu_fraction - b.gpu_fraction || (a.memory_mib ?? 0) - (b.memory_mib ?? 0) || a.name.localeCompare(b.name)
+  );
+  const rules: string[] = [];
+  sized.forEach((profile, index) => {
+    const icon = `url("data:image/svg+xml,${encodeURIComponent(sizeIconSvg(profile.gpu_fraction, profile.memory_mib))}")`;
+    for (const spec of profile.kernelspecs ?? []) {
+      const title = displayNameOf(spec);
+      if (!title) {
+        continue;
+      }
+      const card = `.jp-LauncherCard[title=${cssString(title)}]`;
+      rules.push(
+        `${card} { order: ${index + 1}; }`,
+        `${card} .jp-LauncherCard-icon img { content: ${icon}; }`,
+        `${card} .jp-LauncherCard-label p { font-size: 0; }`,
+        `${card} .jp-LauncherCard-label p::after { content: ${cssString(shortLabel(title))}; display: block; font-size: var(--jp-ui-font-size1); line-height: 1.2; }`
+      );
+    }
+  });
+  return rules.join('\n');
 }

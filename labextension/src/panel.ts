@@ -1,12 +1,36 @@
 /**
- * The "GPUs" sidebar panel: the user's kernels (size, state, idle time, GPU use) with
- * hibernate / resume buttons; for admins, every GPU with its slices, and the GPU-hours
- * released by hibernation. Admin data is fetched only while the panel is visible.
+ * The "GPUs" sidebar panel: the user's kernels, named by their notebook (size, state, idle time,
+ * GPU use, checkpoint size) with hibernate / resume buttons; for admins, every GPU drawn as a bar
+ * of its slices, and the GPU time released by hibernation. The notebook names come from the
+ * sessions API; the admin data is fetched only while the panel is visible.
  */
 import { Notification } from '@jupyterlab/apputils';
+import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
-import { ElasticKernel, Fetcher, formatMib, KernelPoller, stateText } from './model';
+import {
+  ElasticKernel,
+  Fetcher,
+  formatBytes,
+  formatGpuHours,
+  formatMib,
+  KernelPoller,
+  kernelLabel,
+  stateText
+} from './model';
+
+/** A GPU board: the sidebar tab's icon. */
+export const gpuIcon = new LabIcon({
+  name: 'jupyter-elastic-kernels:gpu',
+  svgstr:
+    '<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 24 24">' +
+    '<g class="jp-icon3" fill="#616161">' +
+    '<path d="M2 6h18a2 2 0 0 1 2 2v8a2 2 0 0 1-2 2h-7v2h-2v-2H4v2H2z"/>' +
+    '</g><g class="jp-icon-contrast0" fill="#fff">' +
+    '<circle cx="8.5" cy="12" r="3"/><rect x="14" y="9" width="5" height="1.6"/>' +
+    '<rect x="14" y="11.2" width="5" height="1.6"/><rect x="14" y="13.4" width="5" height="1.6"/>' +
+    '</g></svg>'
+});
 
 interface Device {
   uuid: string;
@@ -19,16 +43,19 @@ interface Device {
 export class GpusPanel extends Widget {
   private admin: { admin: boolean; gpu_hours_released: Record<string, number> | null } | null = null;
   private devices: Device[] = [];
+  /** kernel id -> notebook path, from `GET /api/sessions`. */
+  private notebooks = new Map<string, string>();
 
   constructor(
     private poller: KernelPoller,
-    private fetcher: Fetcher
+    private fetcher: Fetcher,
+    private openNotebookOf: (kernelId: string) => string | undefined = () => undefined
   ) {
     super();
     this.id = 'jupyter-elastic-kernels-gpus';
     this.addClass('jp-ElasticPanel');
-    this.title.label = 'GPUs';
-    this.title.caption = 'Elastic kernels and GPUs';
+    this.title.icon = gpuIcon;
+    this.title.caption = 'GPUs: your GPU kernels, and (for admins) every GPU';
     this.render();
   }
 
@@ -36,9 +63,22 @@ export class GpusPanel extends Widget {
     void this.loadAdmin();
   }
 
+  private async loadSessions(): Promise<void> {
+    const reply = await this.fetcher('api/sessions');
+    if (reply.status !== 200) {
+      return;
+    }
+    const sessions = (await reply.json()) as { path?: string; kernel?: { id?: string } | null }[];
+    this.notebooks = new Map(
+      sessions.filter(s => s.kernel?.id && s.path).map(s => [s.kernel!.id as string, s.path as string])
+    );
+  }
+
   private async loadAdmin(): Promise<void> {
+    await this.loadSessions();
     const me = await this.fetcher('api/elastic/me');
     if (me.status !== 200) {
+      this.render();
       return;
     }
     this.admin = (await me.json()) as typeof this.admin;
@@ -64,12 +104,12 @@ export class GpusPanel extends Widget {
   }
 
   /**
-   * After a poll: the admin view follows when a kernel changed state (a slice taken or given
-   * back), and only while the panel is visible, so the admin data costs nothing otherwise.
+   * After a poll: the sessions and admin view follow when a kernel came, went or changed state
+   * (a slice taken or given back), and only while the panel is visible.
    */
   update_(): void {
     const signature = [...this.poller.kernels.values()].map(k => `${k.id}:${k.state}`).join(',');
-    if (this.isVisible && this.admin?.admin && signature !== this.signature) {
+    if (this.isVisible && signature !== this.signature) {
       this.signature = signature;
       void this.loadAdmin();
       return;
@@ -78,6 +118,12 @@ export class GpusPanel extends Widget {
   }
 
   private signature = '';
+
+  private label(kernelId: string): string {
+    const open = this.openNotebookOf(kernelId);
+    const known = open ? new Map([[kernelId, open]]) : this.notebooks;
+    return kernelLabel(kernelId, known);
+  }
 
   render(): void {
     const node = this.node;
@@ -94,37 +140,7 @@ export class GpusPanel extends Widget {
     const list = document.createElement('div');
     list.className = 'jp-ElasticPanel-kernels';
     for (const kernel of mine) {
-      const row = document.createElement('div');
-      row.className = 'jp-ElasticPanel-kernel';
-      row.dataset.kernelId = kernel.id;
-      const util = kernel.activity.gpu_utilization;
-      // GPU use only of a running kernel: a hibernated one holds no GPU (its last sample is stale).
-      const use =
-        kernel.state !== 'running'
-          ? []
-          : [
-              util === null || util === undefined ? '' : `GPU ${Math.round(util)}%`,
-              formatMib(kernel.activity.gpu_memory_mib)
-            ].filter(Boolean);
-      const text = document.createElement('div');
-      text.className = 'jp-ElasticPanel-kernelText';
-      text.textContent = `${kernel.id.slice(0, 8)} · ${kernel.profile} · ${stateText(kernel)}${
-        use.length ? ' · ' + use.join(' · ') : ''
-      }`;
-      const button = document.createElement('button');
-      button.className = 'jp-mod-styled jp-ElasticPanel-action';
-      if (kernel.state === 'running') {
-        button.textContent = 'Hibernate';
-        button.onclick = () => void this.act(kernel, 'hibernate');
-      } else if (kernel.state === 'hibernated') {
-        button.textContent = 'Resume';
-        button.onclick = () => void this.act(kernel, 'resume');
-      } else {
-        button.textContent = '…';
-        button.disabled = true;
-      }
-      row.append(text, button);
-      list.appendChild(row);
+      list.appendChild(this.kernelRow(kernel));
     }
     node.appendChild(list);
     if (this.admin?.admin) {
@@ -132,22 +148,93 @@ export class GpusPanel extends Widget {
       h.textContent = 'All GPUs (admin)';
       node.appendChild(h);
       for (const device of this.devices) {
-        const p = document.createElement('div');
-        p.className = 'jp-ElasticPanel-device';
-        const slices = (device.slices ?? []).map(s =>
-          s.warm ? `${s.profile ?? '?'} (warm pod)` : `${s.profile ?? '?'} (${s.kernel_id.slice(0, 8)})`
-        );
-        p.textContent = `${device.name} ${device.uuid}: ${Math.round((device.used_fraction ?? 0) * 100)}% allocated; ${
-          slices.length ? slices.join(', ') : 'no slices'
-        }`;
-        node.appendChild(p);
+        node.appendChild(this.deviceView(device));
       }
       const released = Object.entries(this.admin.gpu_hours_released ?? {});
       const total = released.reduce((sum, [, hours]) => sum + hours, 0);
       const r = document.createElement('p');
       r.className = 'jp-ElasticPanel-released';
-      r.textContent = `GPU-hours released by hibernation: ${total.toFixed(4)}`;
+      r.dataset.hours = String(total);
+      r.title = released.map(([size, hours]) => `${size}: ${formatGpuHours(hours)}`).join('\n');
+      r.textContent = `GPU time released by hibernation: ${formatGpuHours(total)}`;
       node.appendChild(r);
     }
+  }
+
+  private kernelRow(kernel: ElasticKernel): HTMLElement {
+    const row = document.createElement('div');
+    row.className = 'jp-ElasticPanel-kernel';
+    row.dataset.kernelId = kernel.id;
+    row.dataset.state = kernel.state;
+    const util = kernel.activity.gpu_utilization;
+    // GPU use only of a running kernel: a hibernated one holds no GPU (its last sample is stale).
+    const use =
+      kernel.state !== 'running'
+        ? []
+        : [
+            util === null || util === undefined ? '' : `GPU ${Math.round(util)}%`,
+            formatMib(kernel.activity.gpu_memory_mib)
+          ].filter(Boolean);
+    const bytes = kernel.checkpoint?.bytes;
+    const details = [kernel.profile ?? '', stateText(kernel), ...use];
+    if (bytes) {
+      details.push(`checkpoint ${formatBytes(bytes)}`);
+    }
+    const text = document.createElement('div');
+    text.className = 'jp-ElasticPanel-kernelText';
+    const name = document.createElement('div');
+    name.className = 'jp-ElasticPanel-kernelName';
+    name.textContent = this.label(kernel.id);
+    name.title = `kernel ${kernel.id}`;
+    const info = document.createElement('div');
+    info.className = 'jp-ElasticPanel-kernelInfo';
+    info.textContent = details.join(' · ');
+    text.append(name, info);
+    const button = document.createElement('button');
+    button.className = 'jp-mod-styled jp-ElasticPanel-action';
+    if (kernel.state === 'running') {
+      button.textContent = 'Hibernate';
+      button.onclick = () => void this.act(kernel, 'hibernate');
+    } else if (kernel.state === 'hibernated') {
+      button.textContent = 'Resume';
+      button.onclick = () => void this.act(kernel, 'resume');
+    } else {
+      button.textContent = '…';
+      button.disabled = true;
+    }
+    row.append(text, button);
+    return row;
+  }
+
+  /** One GPU: its name, a bar with one segment per slice, and the slices in words. */
+  private deviceView(device: Device): HTMLElement {
+    const box = document.createElement('div');
+    box.className = 'jp-ElasticPanel-device';
+    box.dataset.uuid = device.uuid;
+    const used = Math.round((device.used_fraction ?? 0) * 100);
+    const title = document.createElement('div');
+    title.className = 'jp-ElasticPanel-deviceName';
+    title.textContent = `${device.name} · ${used}% allocated`;
+    title.title = device.uuid;
+    const bar = document.createElement('div');
+    bar.className = 'jp-ElasticPanel-bar';
+    const names: string[] = [];
+    for (const slice of device.slices ?? []) {
+      const who = slice.warm ? 'warm pod' : this.label(slice.kernel_id);
+      const segment = document.createElement('div');
+      segment.className = 'jp-ElasticPanel-slice';
+      segment.dataset.profile = slice.profile ?? '';
+      segment.dataset.warm = slice.warm ? 'true' : 'false';
+      segment.style.width = `${Math.max(0, Math.min(1, slice.fraction ?? 0)) * 100}%`;
+      segment.title = `${slice.profile ?? '?'} · ${who}`;
+      segment.textContent = slice.profile ?? '';
+      bar.appendChild(segment);
+      names.push(`${slice.profile ?? '?'} (${who})`);
+    }
+    const words = document.createElement('div');
+    words.className = 'jp-ElasticPanel-sliceList';
+    words.textContent = names.length ? names.join(', ') : 'no slices';
+    box.append(title, bar, words);
+    return box;
   }
 }

@@ -3,12 +3,20 @@ import { describe, expect, it, vi } from 'vitest';
 import {
   changes,
   ElasticKernel,
+  formatBytes,
+  formatGpuHours,
+  kernelLabel,
   KernelPoller,
+  launcherCss,
+  Profile,
+  shortLabel,
+  sizeIconSvg,
   reportSummary,
   reportText,
   resumeText,
   secondsLeft,
   statusText,
+  toolbarText,
   warningText
 } from '../src/model';
 
@@ -28,16 +36,21 @@ function kernel(over: Partial<ElasticKernel> = {}): ElasticKernel {
 }
 
 describe('statusText', () => {
-  it('shows size, use and state of a running kernel', () => {
-    expect(statusText(kernel())).toBe('GPU small · 37% · 2.0 GiB · running');
+  it('shows size, use and the one state of a running kernel', () => {
+    expect(statusText(kernel())).toBe('GPU small · 37% · 2.0 GiB · idle');
+  });
+  it("takes JupyterLab's live status while the kernel runs", () => {
+    expect(statusText(kernel(), undefined, 'busy')).toBe('GPU small · 37% · 2.0 GiB · busy');
+    expect(statusText(kernel(), undefined, 'unknown')).toBe('GPU small · 37% · 2.0 GiB · idle');
+    expect(statusText(kernel({ state: 'hibernated' }), undefined, 'idle')).toBe('GPU small · hibernated');
   });
   it('says how long an idle kernel has been idle', () => {
     const k = kernel({ activity: { gpu_utilization: 0, gpu_memory_mib: 512, idle_seconds: 185 } });
     expect(statusText(k)).toBe('GPU small · 0% · 512 MiB · idle for 3 min');
   });
-  it('a busy kernel is running whatever its idle time', () => {
+  it('a busy kernel is busy whatever its idle time', () => {
     const k = kernel({ execution_state: 'busy', activity: { gpu_utilization: null, gpu_memory_mib: null, idle_seconds: 900 } });
-    expect(statusText(k)).toBe('GPU small · running');
+    expect(statusText(k)).toBe('GPU small · busy');
   });
   it('hibernated and hibernating show no GPU use', () => {
     expect(statusText(kernel({ state: 'hibernated' }))).toBe('GPU small · hibernated');
@@ -51,6 +64,44 @@ describe('statusText', () => {
   it('hides for a kernel without a GPU size, or none', () => {
     expect(statusText(kernel({ profile: null }))).toBeNull();
     expect(statusText(undefined)).toBeNull();
+  });
+});
+
+describe('toolbarText', () => {
+  it('says hibernated / resuming beside the circle, nothing while running', () => {
+    expect(toolbarText(kernel())).toBe('');
+    expect(toolbarText(kernel({ state: 'hibernated' }))).toBe('Hibernated');
+    expect(toolbarText(kernel({ state: 'hibernating' }))).toBe('Hibernating…');
+    expect(toolbarText(kernel({ state: 'resuming', resume: { phase: 'restoring' } }))).toBe('Resuming…');
+    expect(toolbarText(kernel({ state: 'resuming', resume: { phase: 'waiting_for_slice' } }))).toBe(
+      'Resuming: waiting for a GPU…'
+    );
+    expect(toolbarText(kernel({ state: 'hibernated', profile: null }))).toBe('');
+  });
+});
+
+describe('formatBytes and formatGpuHours', () => {
+  it('writes sizes without exponents', () => {
+    expect(formatBytes(80)).toBe('80 B');
+    expect(formatBytes(1536)).toBe('1.5 KiB');
+    expect(formatBytes(300 * 2 ** 20)).toBe('300 MiB');
+    expect(formatBytes(12.34 * 2 ** 30)).toBe('12.3 GiB');
+    expect(formatBytes(undefined)).toBe('');
+  });
+  it('writes GPU time as a person reads it', () => {
+    expect(formatGpuHours(0)).toBe('none yet');
+    expect(formatGpuHours(0.0001)).toBe('under 1 GPU-minute');
+    expect(formatGpuHours(1 / 60)).toBe('1 GPU-minute');
+    expect(formatGpuHours(0.2)).toBe('12 GPU-minutes');
+    expect(formatGpuHours(3.44)).toBe('3.4 GPU-hours');
+  });
+});
+
+describe('kernelLabel', () => {
+  it("names a kernel by its notebook, else by its id's start", () => {
+    const notebooks = new Map([['abcdef12-3456', 'work/analysis.ipynb']]);
+    expect(kernelLabel('abcdef12-3456', notebooks)).toBe('analysis.ipynb');
+    expect(kernelLabel('99999999-0000', notebooks)).toBe('99999999');
   });
 });
 
@@ -93,6 +144,7 @@ describe('reportText', () => {
       refused: null
     });
     expect(text).toContain('2 variable(s) restored');
+    expect(text).toContain('Restored: a, b.'); // "Details" names them, not only counts them
     expect(text).toContain('Recomputed by re-running cells: gen.');
     expect(text).toContain('Not restored: f: TextIOWrapper: cannot pickle (not recomputed: the cell writes a file).');
     expect(text).toContain('Restored with differences: m: an attribute was dropped.');
@@ -154,5 +206,37 @@ describe('reportSummary', () => {
       reportSummary({ restored: ['a', 'b'], recomputed: [{ name: 'g' }], not_restored: [{ name: 'sock', reason: 'x' }] })
     ).toBe('Kernel resumed: 2 variable(s) restored, 1 recomputed; not restored: sock.');
     expect(reportSummary({ refused: 'bad digest' })).toBe('Kernel resumed empty: its checkpoint was not loaded.');
+  });
+});
+
+describe('launcherCss', () => {
+  const profiles: Profile[] = [
+    { name: 'whole', display_name: 'GPU whole', gpu_fraction: 1, memory_mib: 40960, kernelspecs: ['python3-gpu-whole'] },
+    { name: 'small', display_name: 'GPU small (10 GiB)', gpu_fraction: 0.25, memory_mib: 10240, kernelspecs: ['python3-gpu-small'] },
+    { name: 'medium', display_name: 'GPU medium (20 GiB)', gpu_fraction: 0.5, memory_mib: 20480, kernelspecs: ['python3-gpu-medium', 'gone'] }
+  ];
+  const names: Record<string, string> = {
+    'python3-gpu-whole': 'Python 3 · GPU whole',
+    'python3-gpu-small': 'Python 3 · GPU small (10 GiB)',
+    'python3-gpu-medium': 'Python 3 · GPU "medium" (20 GiB)'
+  };
+  const css = launcherCss(profiles, spec => names[spec]);
+  it('orders the cards by GPU share, smallest first', () => {
+    expect(css).toContain('.jp-LauncherCard[title="Python 3 · GPU small (10 GiB)"] { order: 1; }');
+    expect(css).toContain('.jp-LauncherCard[title="Python 3 · GPU \\"medium\\" (20 GiB)"] { order: 2; }');
+    expect(css).toContain('.jp-LauncherCard[title="Python 3 · GPU whole"] { order: 3; }');
+    expect(css).not.toContain('gone');
+  });
+  it('gives each size its icon and a short label', () => {
+    expect(css).toContain('content: "Python 3 · GPU small"; display: block;');
+    expect(shortLabel('Python 3 · GPU whole')).toBe('Python 3 · GPU whole');
+    expect(css.match(/content: url\("data:image\/svg\+xml,/g)?.length).toBe(3);
+  });
+  it('draws the share as a pie and the memory under it', () => {
+    expect(sizeIconSvg(1, 40960)).toContain('<circle cx="26" cy="22" r="17" fill="#f57c00"/>');
+    expect(sizeIconSvg(1, 40960)).toContain('>40 GiB</text>');
+    expect(sizeIconSvg(0.25, 10240)).toContain('A17 17 0 0 1 43.00 22.00 Z');
+    expect(sizeIconSvg(0.75, null)).toContain(' 0 1 1 ');
+    expect(sizeIconSvg(0.75, null)).not.toContain('<text');
   });
 });

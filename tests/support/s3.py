@@ -1,9 +1,13 @@
-"""A real S3-compatible server for the tests: SeaweedFS (``scripts/s3.sh build``), one per session.
+"""A real S3-compatible server for the tests (``scripts/s3.sh build``), one per test module.
 
-``weed server -s3`` runs SeaweedFS's master, volume server, filer and S3 gateway in one process on
-free loopback ports, with one admin identity (the server's credential) and one identity that may
-only read (to show a credential that is not the server's gets nothing written). Its data lives in
-a temporary folder. Skipped when the binary is missing, failed instead under ``ELASTIC_REQUIRE_S3``.
+Two servers, both Apache-2.0 and built from Go modules: Versity's S3 gateway (``versitygw``, the
+default: a 45 MB binary that builds cold in about 3 minutes, objects as plain files in a folder)
+and SeaweedFS (``weed server -s3``: master, volume server, filer and S3 gateway in one process; a
+233 MB binary, about an hour cold on two loaded cores). ``ELASTIC_S3_SERVER`` picks one
+(``versitygw`` or ``seaweedfs``); unset, the first one built. Each runs on free loopback ports with
+one admin identity (the server's credential) and one more identity that may not write (to show a
+credential that is not the server's gets nothing written). Its data lives in a temporary folder.
+Skipped when no binary is built, failed instead under ``ELASTIC_REQUIRE_S3``.
 """
 
 from __future__ import annotations
@@ -30,20 +34,37 @@ REQUIRE_ENV = "ELASTIC_REQUIRE_S3"
 START_SECONDS = 180.0
 
 
-def weed_binary() -> Path:
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "s3.sh"), "path"], capture_output=True, text=True)
+SERVER_ENV = "ELASTIC_S3_SERVER"
+SERVERS = ("versitygw", "seaweedfs")
+
+
+def server_binary(server: str) -> Path:
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "s3.sh"), "path", server], capture_output=True, text=True
+    )
     return Path(out.stdout.strip())
 
 
-def require_s3() -> Path:
-    """The ``weed`` binary; skips (or fails under ``ELASTIC_REQUIRE_S3``) when it is not built."""
+def weed_binary() -> Path:
+    return server_binary("seaweedfs")
+
+
+def require_s3() -> tuple[str, Path]:
+    """Which server and its binary; skips (or fails under ``ELASTIC_REQUIRE_S3``) when none is built."""
     import pytest
 
-    binary = weed_binary()
-    if binary.is_file():
-        return binary
+    wanted = os.environ.get(SERVER_ENV, "")
+    if wanted and wanted not in SERVERS:
+        pytest.fail(f"{SERVER_ENV}={wanted!r}: use one of {', '.join(SERVERS)}", pytrace=False)
+    for server in (wanted,) if wanted else SERVERS:
+        binary = server_binary(server)
+        if binary.is_file():
+            return server, binary
     if os.environ.get(REQUIRE_ENV):
-        pytest.fail(f"{REQUIRE_ENV} is set but {binary} is missing: run scripts/s3.sh build", pytrace=False)
+        pytest.fail(
+            f"{REQUIRE_ENV} is set but no S3 server is built: run scripts/s3.sh build {wanted}".rstrip(),
+            pytrace=False,
+        )
     pytest.skip("no S3 server built: run `bash scripts/s3.sh build` (needs Go; a few minutes)")
 
 
@@ -83,9 +104,66 @@ def _bindable(port: int) -> bool:
 
 @contextmanager
 def running_s3(workdir: Path) -> Iterator[S3Server]:
-    binary = require_s3()
+    kind, binary = require_s3()
     admin = Credentials("elastic-admin", secrets.token_hex(20))
     reader = Credentials("elastic-reader", secrets.token_hex(20))
+    workdir.mkdir(parents=True, exist_ok=True)
+    if kind == "versitygw":
+        with _running_versitygw(binary, workdir, admin, reader) as server:
+            yield server
+        return
+    with _running_weed(binary, workdir, admin, reader) as server:
+        yield server
+
+
+@contextmanager
+def _running_versitygw(
+    binary: Path, workdir: Path, admin: Credentials, reader: Credentials
+) -> Iterator[S3Server]:
+    """``versitygw posix``: buckets are folders under ``workdir/data``, users in ``workdir/iam``."""
+    for name in ("data", "iam"):
+        (workdir / name).mkdir(exist_ok=True)
+    s3, admin_port = _ports(2)
+    log_path = workdir / "versitygw.log"
+    env = {**os.environ, "ROOT_ACCESS_KEY": admin.access_key, "ROOT_SECRET_KEY": admin.secret_key}
+    args = [
+        str(binary), f"--port=127.0.0.1:{s3}", f"--admin-port=127.0.0.1:{admin_port}",
+        f"--iam-dir={workdir / 'iam'}", "--quiet", "posix", str(workdir / "data"),
+    ]  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = S3Server(f"http://127.0.0.1:{s3}", admin, reader, proc, log_path)
+    try:
+        _wait_ready(server)
+        # The second identity: a plain user, who owns no bucket and is granted nothing.
+        create_user = [
+            str(binary), "admin", f"--endpoint-url=http://127.0.0.1:{admin_port}", "create-user",
+            f"--access={reader.access_key}", f"--secret={reader.secret_key}", "--role=user",
+        ]  # fmt: skip
+        subprocess.run(
+            create_user,
+            env={**os.environ, "ADMIN_ACCESS_KEY": admin.access_key, "ADMIN_SECRET_KEY": admin.secret_key},
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        yield server
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextmanager
+def _running_weed(binary: Path, workdir: Path, admin: Credentials, reader: Credentials) -> Iterator[S3Server]:
     config = {
         "identities": [
             {
@@ -100,7 +178,6 @@ def running_s3(workdir: Path) -> Iterator[S3Server]:
             },
         ]
     }
-    workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "data").mkdir(exist_ok=True)
     config_path = workdir / "s3.json"
     config_path.write_text(json.dumps(config))
@@ -120,13 +197,7 @@ def running_s3(workdir: Path) -> Iterator[S3Server]:
         _wait_ready(server)
         yield server
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _stop(proc)
 
 
 def _wait_ready(server: S3Server) -> None:
@@ -136,7 +207,7 @@ def _wait_ready(server: S3Server) -> None:
     last = ""
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(f"weed exited with {server.process.returncode}:\n{server.log_tail()}")
+            raise RuntimeError(f"the S3 server exited with {server.process.returncode}:\n{server.log_tail()}")
         try:
             probe.create()
             probe.put("probe", b"ok")

@@ -207,14 +207,16 @@ class RunningServer:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
 
-    def request(self, method: str, path: str, body: Any = None, token: str | None = TOKEN) -> Reply:
+    def request(
+        self, method: str, path: str, body: Any = None, token: str | None = TOKEN, timeout: float = 60
+    ) -> Reply:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         if token:
             req.add_header("Authorization", f"token {token}")
         req.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
                 raw = resp.read()
                 return Reply(resp.status, json.loads(raw) if raw else None)
         except urllib.error.HTTPError as err:

@@ -245,5 +245,28 @@ serves no files, so the claim's folder is as good a root as any. */ -}}
   "CullPolicy" $cull
   "ElasticGateway" $gateway
   "ElasticQuota" $quota -}}
+{{- if eq $v.checkpoints.store "s3" }}
+{{- $s3 := $v.checkpoints.objectStore -}}
+{{- $_ := required "checkpoints.objectStore.endpoint is required with checkpoints.store s3" $s3.endpoint -}}
+{{- $_ := required "checkpoints.objectStore.bucket is required with checkpoints.store s3" $s3.bucket -}}
+{{- $_ := required "checkpoints.objectStore.existingSecret (the gateway's credential) is required with checkpoints.store s3" $s3.existingSecret -}}
+{{- $_ := set $elastic "checkpoint_store" "s3" -}}
+{{- $_ := set $config "S3Checkpoints" (dict
+  "endpoint" $s3.endpoint
+  "bucket" $s3.bucket
+  "region" $s3.region
+  "prefix" $s3.prefix
+  "access_key_id_env" "ELASTIC_S3_ACCESS_KEY_ID"
+  "secret_access_key_env" "ELASTIC_S3_SECRET_ACCESS_KEY"
+  "presign_seconds" $s3.presignSeconds
+  "part_size_mib" $s3.partSizeMib) -}}
+{{- if $s3.encryptionSecret }}
+{{- $files := list -}}
+{{- range $s3.encryptionKeys }}
+{{- $files = append $files (printf "/etc/jupyter-elastic-encryption/%s" .) -}}
+{{- end }}
+{{- $_ := set (index $config "S3Checkpoints") "encryption_key_files" $files -}}
+{{- end }}
+{{- end }}
 {{- mustMergeOverwrite $config (deepCopy $v.extraConfig) | toPrettyJson -}}
 {{- end -}}

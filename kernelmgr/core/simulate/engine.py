@@ -5,7 +5,7 @@ shutdown); only its next event is on the heap. When a user has to wait (for a sl
 resume) the cursor stalls, and once the kernel is ready the rest of the session moves later by
 that wait: the user sat in front of the notebook, so everything they did after happens later.
 
-The three policies differ only in what the culler tick does with an idle kernel:
+The policies differ only in what the culler tick does with an idle kernel:
 
 * ``static`` — no culler: each session holds its GPU size from start to end;
 * ``cull_shutdown`` — jupyter_server-style culling: the same ``idle_timeout`` (per size),
@@ -13,7 +13,15 @@ The three policies differ only in what the culler tick does with an idle kernel:
   variables lost; the next cell starts a fresh kernel ("restart with state lost");
 * ``policy`` — this project: :func:`~kernelmgr.core.policy.decide` on the same snapshot the
   server's culler builds (last execution, GPU idle seconds, busy state, warning state); a
-  hibernation holds the slice while the checkpoint is written, the next cell resumes it.
+  hibernation holds the slice while the checkpoint is written, the next cell resumes it;
+* ``pressure`` — the same, plus culling under pressure: while kernels wait for a slice,
+  :func:`~kernelmgr.core.policy.under_pressure` picks the longest-idle kernels idle past
+  ``CullPolicy.pressure_idle_minimum`` (run only when that is set).
+
+Waiting kernels are served by the server's own :class:`~kernelmgr.core.queue.SliceQueue` (priority
+per size, each user's first before anyone's second, arrival). On Kubernetes a pod has to be
+scheduled and started, and a node's first kernel pulls the image: :class:`DelayModel`'s ``pod_s``
+and ``pull_s`` (a simulated GPU stands for a node).
 
 Slices come from the real :class:`~kernelmgr.core.allocator.SliceAllocator`, so binpacking,
 memory limits and whole-GPU sizes behave as in the server. Hibernations run at most
@@ -23,7 +31,7 @@ and ask the policy again when it comes (a cell run meanwhile drops them). What i
 failed hibernations, GPU sampling delay (GPU activity is known exactly), and users who give up
 while waiting.
 
-Long because the three policies run on one event loop and one simulated clock: a policy is a
+Long because the policies run on one event loop and one simulated clock: a policy is a
 branch of the culler tick, not a module of its own.
 """
 
@@ -46,11 +54,13 @@ from kernelmgr.core.policy import (
     PolicyRule,
     decide,
     review,
+    under_pressure,
 )
 from kernelmgr.core.profiles import GpuProfile
+from kernelmgr.core.queue import SliceQueue
 from kernelmgr.core.simulate.trace import Session, TraceError
 
-MODES = ("static", "cull_shutdown", "policy")
+MODES = ("static", "cull_shutdown", "policy", "pressure")
 #: The default simulated GPU when the configuration declares none: an 80 GiB device.
 DEFAULT_GPU_MODEL = "Simulated GPU"
 DEFAULT_GPU_MIB = 80 * 1024
@@ -80,6 +90,10 @@ class DelayModel:
     read_mib_s: float = 1650.0
     hibernate_fixed_s: float = 0.27
     write_mib_s: float = 965.0
+    #: Kubernetes: a kernel pod's scheduling and container start, before the kernel starts.
+    pod_s: float = 0.0
+    #: Kubernetes: the image pull on a node's first kernel pod (each simulated GPU is a node).
+    pull_s: float = 0.0
 
     def resume(self, state_mib: float) -> float:
         return self.start_s + state_mib / self.read_mib_s
@@ -183,6 +197,7 @@ class _Run:
         "last_execution",
         "offset",
         "pending",
+        "pressure",
         "profile",
         "requested_at",
         "session",
@@ -207,6 +222,7 @@ class _Run:
         self.busy_warned = False
         self.hibernated_at: float | None = None
         self.pending = False
+        self.pressure = False
         self.requested_at = 0.0
         self.wait_kind = ""
         self.held_milli = 0
@@ -240,8 +256,10 @@ class _Replay:
         grow: bool,
     ) -> None:
         self.mode = mode
+        if mode != "pressure":
+            policy = replace(policy, pressure_idle_minimum=0.0)
         self.policy = without_warnings(policy) if mode == "cull_shutdown" else policy
-        self.gpu_signal = mode == "policy"
+        self.gpu_signal = mode in ("policy", "pressure")
         self.threshold = policy.defaults.gpu_idle_threshold
         self.delays = delays
         self.allocator = SliceAllocator(inventory, strategy=strategy)
@@ -250,9 +268,15 @@ class _Replay:
         #: starting with one device per session: placement scans every device).
         self.grow = grow
         self.runs = [_Run(s, profiles[s.size]) for s in sessions]
+        self.sizes = dict(profiles)
         self.heap: list[tuple[float, int, int, int, _Run | None]] = []
         self.seq = 0
-        self.queue: deque[_Run] = deque()
+        self.queue = SliceQueue()
+        self.waiting: dict[str, _Run] = {}
+        #: Simulated GPUs (nodes) that have pulled the kernel image already.
+        self.pulled: set[str] = set()
+        #: User -> slices their kernels hold.
+        self.holding: dict[str, int] = {}
         self.running: dict[int, _Run] = {}
         self.hibernated: dict[int, _Run] = {}
         #: Checkpoints being written, and the policy hibernations waiting for one to finish.
@@ -303,7 +327,8 @@ class _Replay:
 
     # -- slices ----------------------------------------------------------------------------
 
-    def take(self, run: _Run, now: float) -> None:
+    def take(self, run: _Run, now: float) -> float:
+        """Allocate ``run``'s slice; the pod's delay before its kernel starts (Kubernetes)."""
         granted = self.allocator.allocate(run.session.id, run.profile)
         run.held_milli = sum(p.milli for p in granted.placements)
         run.held_since = now
@@ -313,11 +338,20 @@ class _Replay:
         self.result.peak_gpus = max(self.result.peak_gpus, len(self.device_holders))
         self.result.peak_gpus_held = max(self.result.peak_gpus_held, self.held_milli / MILLI)
         self.result.timeline.append((now, self.held_milli / MILLI))
+        user = run.session.user or run.session.id
+        self.holding[user] = self.holding.get(user, 0) + 1
+        fresh = {p.device_uuid for p in granted.placements} - self.pulled
+        self.pulled |= fresh
+        return self.delays.pod_s + (self.delays.pull_s if fresh else 0.0)
 
     def give_back(self, run: _Run, now: float) -> None:
         granted = self.allocator.release(run.session.id)
         if granted is None:
             return
+        user = run.session.user or run.session.id
+        self.holding[user] -= 1
+        if not self.holding[user]:
+            del self.holding[user]
         self.gpu_milli_seconds += run.held_milli * (now - run.held_since)
         for p in granted.placements:
             left = self.device_holders[p.device_uuid] - 1
@@ -335,11 +369,13 @@ class _Replay:
         run.wait_kind, run.requested_at = kind, requested_at
         if self.grow:
             self.make_room(run.profile)
-        if not self.queue and self.allocator.fits(run.profile):
+        if not len(self.queue) and self.allocator.fits(run.profile):
             self.grant(run, now)
         else:
             run.state = "waiting"
-            self.queue.append(run)
+            key = run.session.id
+            self.queue.join(key, run.session.user or key, run.profile.name, now, run.profile.queue_priority)
+            self.waiting[key] = run
 
     def make_room(self, profile: GpuProfile) -> None:
         """Add empty devices, like the last one, until ``profile`` fits."""
@@ -351,31 +387,48 @@ class _Replay:
             self.allocator.replace_inventory(grown)
 
     def serve(self, now: float) -> None:
-        """Hand freed capacity to waiting kernels, first come first served (a small size that
-        fits may go before a big one that does not: the allocator is asked for each)."""
-        for run in list(self.queue):
-            if self.allocator.fits(run.profile):
-                self.queue.remove(run)
-                self.grant(run, now)
+        """Hand freed capacity to waiting kernels in the queue's order (a smaller size may go
+        before a bigger one that does not fit, a bounded number of times)."""
+        fits = self.fits_size
+        granted = True
+        while granted and len(self.queue):
+            granted = False
+            for waiter in self.queue.order(self.held_by):
+                if self.queue.may_take(waiter.key, fits, held=self.held_by):
+                    self.queue.granted(waiter.key, now, self.held_by)
+                    self.grant(self.waiting.pop(waiter.key), now)
+                    granted = True
+                    break
+
+    def held_by(self, user: str) -> int:
+        """Slices the user's kernels hold now (the queue's fair share counts them)."""
+        return self.holding.get(user, 0)
+
+    def fits_size(self, size: str) -> bool:
+        return self.allocator.fits(self.sizes[size])
 
     def grant(self, run: _Run, now: float) -> None:
-        self.take(run, now)
+        pod = self.take(run, now)
         waited = now - run.requested_at
         if waited > 0:
             self.result.slice_waits += 1
             self.result.slice_wait_total_s += waited
             self.result.slice_wait_max_s = max(self.result.slice_wait_max_s, waited)
         if run.wait_kind == "start":
+            run.cursor += 1
+            if pod:  # the notebook waits for its pod; ready() moves the session on by the whole wait
+                run.state = "starting"
+                self.push(now + pod, _READY, _READY, run)
+                return
             run.offset += waited
             self.become_running(run, now)
-            run.cursor += 1
             self.push(run.event_time(), _SESSION, _SESSION, run)
             return
         if run.wait_kind == "resume":
-            delay = self.delays.resume(run.session.state_mib)
+            delay = pod + self.delays.resume(run.session.state_mib)
             self.result.resumes += 1
         else:
-            delay = self.delays.start_s
+            delay = pod + self.delays.start_s
             self.result.restarts_state_lost += 1
         self.resume_waits.append(waited + delay)
         run.state = "resuming"
@@ -484,7 +537,8 @@ class _Replay:
             if id(run) not in self.queued_for_hibernation:
                 continue  # its session ended while it waited
             self.queued_for_hibernation.discard(id(run))
-            decision = decide(self.policy, self.snapshot(run, now, KernelState.RUNNING), now)
+            pressure = run.pressure and len(self.queue) > 0
+            decision = decide(self.policy, self.snapshot(run, now, KernelState.RUNNING), now, pressure)
             if decision.action is Action.HIBERNATE:
                 self.start_hibernation(run, now)
             else:
@@ -493,15 +547,23 @@ class _Replay:
     def tick(self, now: float) -> None:
         """One culler pass, in the order :meth:`kernelmgr.server.culler.Culler.tick` takes."""
         policy = self.policy
+        snapshots = {id(run): self.snapshot(run, now, KernelState.RUNNING) for run in self.running.values()}
+        # As the server's culler: the waiting kernels, less the hibernations that will free a slice.
+        waiting = len(self.queue) - self.checkpointing - len(self.queued_for_hibernation)
+        pressured = set(under_pressure(policy, list(snapshots.values()), now, waiting))
         for run in list(self.running.values()):
-            reviewed = review(policy, self.snapshot(run, now, KernelState.RUNNING), now)
+            pressure = run.session.id in pressured
+            reviewed = review(policy, snapshots[id(run)], now, pressure)
             if reviewed.warning_cancelled:
                 run.warned_at = None
+                run.pressure = False
             if not run.busy:
                 run.busy_warned = False
             action = reviewed.decision.action
             if action is Action.NOTHING:
                 continue
+            if action in (Action.WARN, Action.HIBERNATE):
+                run.pressure = pressure
             if action is Action.WARN:
                 run.warned_at = now
                 self.result.warnings += 1
@@ -555,6 +617,8 @@ def simulate(
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; modes are {', '.join(MODES)}")
+        if mode == "pressure" and policy.pressure_idle_minimum <= 0:
+            continue  # nothing to compare: CullPolicy.pressure_idle_minimum is not set
         replay = _Replay(mode, sessions, profiles, policy, inventory, delays or DelayModel(), strategy, grow)
         result = replay.run()
         result.resumes_per_session_day = result.resumes / days if days else 0.0

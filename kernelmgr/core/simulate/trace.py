@@ -17,7 +17,7 @@ from kernelmgr.core.errors import ConfigError
 
 #: Checkpoint size assumed for a session that gives none (MiB).
 DEFAULT_STATE_MIB = 0.0
-_SESSION_KEYS = {"id", "size", "start", "end", "cells", "state_mib"}
+_SESSION_KEYS = {"id", "size", "start", "end", "cells", "state_mib", "user"}
 
 
 class TraceError(ConfigError):
@@ -43,6 +43,9 @@ class Session:
     end: float
     cells: tuple[Cell, ...]
     state_mib: float = DEFAULT_STATE_MIB
+    #: Whose notebook it is (the queue serves each user's first waiter before anyone's second);
+    #: a trace without users counts each session as its own user.
+    user: str = ""
 
     @property
     def duration(self) -> float:
@@ -102,6 +105,9 @@ def parse_session(position: int, raw: Any, sizes: Collection[str]) -> Session:
     cells_raw = raw.get("cells", [])
     if isinstance(cells_raw, str | bytes | Mapping) or not isinstance(cells_raw, list | tuple):
         raise TraceError(f"{where}.cells: must be a list of [start_s, end_s, gpu_util_percent]")
+    user = raw.get("user", "")
+    if not isinstance(user, str):
+        raise TraceError(f"{where}.user: must be a string (the notebook's user), got {user!r}")
     session = Session(ident, size, start, end, (), float(state))
     cells = tuple(_cell(f"{where}.cells[{i}]", c, session) for i, c in enumerate(cells_raw))
     for i in range(1, len(cells)):
@@ -110,7 +116,7 @@ def parse_session(position: int, raw: Any, sizes: Collection[str]) -> Session:
                 f"{where}.cells[{i}]: starts at {cells[i].start:g}, before cells[{i - 1}] ends at "
                 f"{cells[i - 1].end:g} (a kernel runs one cell at a time; sort the cells)"
             )
-    return Session(ident, size, start, end, cells, float(state))
+    return Session(ident, size, start, end, cells, float(state), user)
 
 
 def parse_trace(raw: Any, sizes: Collection[str]) -> list[Session]:
@@ -139,6 +145,7 @@ def trace_to_dict(sessions: list[Session]) -> dict[str, Any]:
                 "start": s.start,
                 "end": s.end,
                 "state_mib": s.state_mib,
+                **({"user": s.user} if s.user else {}),
                 "cells": [[c.start, c.end, c.gpu_util] for c in s.cells],
             }
             for s in sessions

@@ -1,0 +1,111 @@
+"""The slice queue's order: priority, each owner's first before anyone's second, arrival; backfill
+bounded by ``max_bypass``; one claim at a time."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernelmgr.core.queue import SliceQueue
+
+pytestmark = pytest.mark.pure
+
+
+def keys(queue: SliceQueue) -> list[str]:
+    return [waiter.key for waiter in queue.order()]
+
+
+def test_arrival_order_within_one_priority_and_one_owner() -> None:
+    queue = SliceQueue()
+    for n, key in enumerate(["a", "b", "c"]):
+        queue.join(key, "ann", "small", now=n)
+    assert keys(queue) == ["a", "b", "c"]
+    assert [queue.position(k) for k in "abc"] == [1, 2, 3]
+    assert queue.position("zzz") is None
+
+
+def test_joining_again_keeps_the_place() -> None:
+    queue = SliceQueue()
+    queue.join("a", "ann", "small", now=0)
+    queue.join("b", "bob", "small", now=1)
+    queue.join("a", "ann", "small", now=2)
+    assert keys(queue) == ["a", "b"]
+
+
+def test_higher_priority_goes_first() -> None:
+    queue = SliceQueue()
+    queue.join("low", "ann", "small", now=0)
+    queue.join("high", "bob", "whole", now=1, priority=5)
+    assert keys(queue) == ["high", "low"]
+
+
+def test_each_owners_first_waiter_before_anyones_second() -> None:
+    queue = SliceQueue()
+    for n in range(3):
+        queue.join(f"ann{n}", "ann", "small", now=n)
+    queue.join("bob0", "bob", "small", now=10)
+    queue.join("cat0", "cat", "small", now=11)
+    assert keys(queue) == ["ann0", "bob0", "cat0", "ann1", "ann2"]
+
+
+def test_a_waiter_behind_one_that_does_not_fit_may_backfill_a_bounded_number_of_times() -> None:
+    queue = SliceQueue(max_bypass=2)
+    queue.join("big", "ann", "whole", now=0)
+    only_small_fits = {"whole": False, "small": True}.__getitem__
+    for n in range(2):
+        queue.join(f"small{n}", "bob", "small", now=1 + n)
+        assert queue.may_take(f"small{n}", only_small_fits)
+        queue.granted(f"small{n}", now=1 + n)
+        queue.settle(f"small{n}")
+    queue.join("small2", "bob", "small", now=5)
+    assert not queue.may_take("small2", only_small_fits)  # the head has been overtaken twice
+    assert queue.may_take("big", lambda size: True)
+
+
+def test_nobody_overtakes_a_waiter_that_fits() -> None:
+    queue = SliceQueue()
+    queue.join("first", "ann", "small", now=0)
+    queue.join("second", "bob", "small", now=1)
+    assert not queue.may_take("second", lambda size: True)
+    assert queue.may_take("first", lambda size: True)
+
+
+def test_a_newcomer_goes_straight_through_only_when_nobody_waits() -> None:
+    queue = SliceQueue()
+    assert queue.may_take("new", lambda size: True)
+    queue.join("waiting", "ann", "whole", now=0)
+    assert not queue.may_take("new", lambda size: True)
+
+
+def test_one_claim_at_a_time_until_the_slice_is_taken() -> None:
+    queue = SliceQueue()
+    queue.join("a", "ann", "small", now=0)
+    queue.join("b", "bob", "small", now=1)
+    assert queue.may_take("a", lambda size: True)
+    queue.granted("a", now=2)
+    taken: set[str] = set()
+    # "a" has not taken its slice yet: the free capacity the check saw is still counted for it.
+    assert not queue.may_take("b", lambda size: True, claimed=taken.__contains__)
+    taken.add("a")
+    assert queue.may_take("b", lambda size: True, claimed=taken.__contains__)
+
+
+def test_a_waiter_that_leaves_frees_its_place() -> None:
+    queue = SliceQueue()
+    queue.join("a", "ann", "small", now=0)
+    queue.join("b", "bob", "small", now=1)
+    queue.leave("a")
+    assert queue.position("b") == 1 and len(queue) == 1
+
+
+def test_the_estimate_needs_two_grants_then_scales_with_the_position() -> None:
+    queue = SliceQueue()
+    for n, key in enumerate(["a", "b", "c", "d"]):
+        queue.join(key, f"user{n}", "small", now=0)
+    assert queue.estimate("c") is None
+    queue.granted("a", now=10)
+    queue.settle("a")
+    assert queue.estimate("c") is None
+    queue.granted("b", now=40)  # 30 s between grants
+    queue.settle("b")
+    assert queue.position("d") == 2
+    assert queue.estimate("d") == 60
