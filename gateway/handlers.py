@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import os
 from typing import Any
 
 import prometheus_client
@@ -59,6 +60,21 @@ class _Guarded:
             raise no_such_kernel(kernel_id)
 
 
+def _client_env(raw: Any) -> dict[str, Any]:
+    """The start's ``env`` argument from a request's ``env``: its ``KERNEL_*`` names (Enterprise
+    Gateway's convention) over the server's own environment, as a local kernel inherits it."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
+    ):
+        raise http_error(
+            400, 'env must be an object of names to strings, e.g. {"KERNEL_WORKING_DIR": "/home/me"}'
+        )
+    chosen = {k: v for k, v in raw.items() if k.startswith("KERNEL_")}
+    return {"env": {**os.environ, **chosen}} if chosen else {}
+
+
 class MainKernelHandler(kernel_handlers.MainKernelHandler):
     @web.authenticated
     async def get(self) -> None:
@@ -69,7 +85,8 @@ class MainKernelHandler(kernel_handlers.MainKernelHandler):
 
     @web.authenticated
     async def post(self) -> None:
-        """Start a kernel of the user's, within their quota (``env`` from GatewayClient is ignored)."""
+        """Start a kernel of the user's, within their quota. Of the ``env`` GatewayClient sends, the
+        ``KERNEL_*`` names reach the provisioner (``KERNEL_WORKING_DIR``: the notebook's folder)."""
         try:
             model = self.get_json_body() or {}
         except web.HTTPError:
@@ -82,9 +99,10 @@ class MainKernelHandler(kernel_handlers.MainKernelHandler):
         name = model.get("name") or km.default_kernel_name
         if not isinstance(name, str):
             raise http_error(400, "name must be a kernelspec name (a string); list them at /api/kernelspecs")
+        options = _client_env(model.get("env"))
         access = _access(self)
         if access is None:  # single-tenant: the server's own user owns every kernel
-            kernel_id: str = await km.start_kernel(kernel_name=name)
+            kernel_id: str = await km.start_kernel(kernel_name=name, **options)
         else:
             owner = self.current_user.username
             token = requesting_owner.set(owner)
@@ -92,7 +110,7 @@ class MainKernelHandler(kernel_handlers.MainKernelHandler):
                 # The id is chosen first, so the quota counts this start exactly once while it runs.
                 kernel_id = km.new_kernel_id()
                 with access.reserve_start(owner, _profile_of(self, name), kernel_id):
-                    kernel_id = await km.start_kernel(kernel_name=name, kernel_id=kernel_id)
+                    kernel_id = await km.start_kernel(kernel_name=name, kernel_id=kernel_id, **options)
                     if access.runtime.kernels.get(kernel_id) is None:
                         access.started_by[kernel_id] = owner  # a kernel without a GPU size
             finally:

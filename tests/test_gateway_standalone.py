@@ -202,3 +202,33 @@ def test_hub_mode_without_a_hub_token_refuses_to_start_in_one_line(tmp_path: Pat
         and "ElasticGateway.auth is 'jupyterhub' but there is no Hub API token" in refusals[0]
     )
     assert "ElasticGateway.auth = 'token'" in refusals[0] and "Traceback" not in log
+
+
+def test_a_gateway_kernel_starts_in_the_notebooks_folder(tmp_path: Path, gateway: RunningServer) -> None:
+    """GatewayClient sends the notebook's folder as KERNEL_WORKING_DIR: a local kernel at the gateway
+    starts there (a pod kernel: in the same folder on the user's volume, tests/test_kube_user_files.py)."""
+    user = start_server(
+        tmp_path / "user",
+        {},
+        extra_args=[f"--GatewayClient.url={gateway.url}", f"--GatewayClient.auth_token={TOKEN}"],
+    )
+    try:
+        folder = tmp_path / "user" / "root" / "proj"
+        folder.mkdir(parents=True)
+        (folder / "data.csv").write_text("a,b\n1,2\n")
+        specs = user.get("/api/kernelspecs")["kernelspecs"]
+        small = next(
+            n for n, s in specs.items() if s["spec"]["metadata"].get("elastic", {}).get("profile") == "small"
+        )
+        made = user.request(
+            "POST", "/api/sessions", {"path": "proj/nb.ipynb", "type": "notebook", "kernel": {"name": small}}
+        )
+        assert made.status == 201, made
+        kernel_id = made.body["kernel"]["id"]
+        with user.channel(kernel_id, timeout=120) as channel:
+            result = channel.execute("import os; print(os.getcwd(), open('data.csv').read().split()[1])")
+        assert result.stdout.split() == [str(folder), "1,2"], result
+        bad = gateway.request("POST", "/api/kernels", {"name": small, "env": ["KERNEL_WORKING_DIR"]})
+        assert bad.status == 400 and "env must be an object" in bad.body["message"], bad
+    finally:
+        user.stop()

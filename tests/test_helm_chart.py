@@ -139,6 +139,12 @@ def test_lint_strict() -> None:
         # Label values are strings: an unquoted true is refused, not rendered into a broken pod.
         ({"gateway": {"podLabels": {"hub.jupyter.org/network-access-hub": True}}}, "podLabels"),
         ({"tests": {"gatewayUrl": "gateway:8888"}}, "gatewayUrl"),
+        ({"kernels": {"sizePodSettings": {"whole": {"gpus": 2}}}}, "gpus"),
+        ({"kernels": {"sizePodSettings": {"whole": {"shmSize": "lots"}}}}, "shmSize"),
+        ({"kernels": {"podPatch": {"status": {}}}}, "status"),
+        ({"kernels": {"userVolumes": [{"name": "home", "mountPath": "/home/jovyan"}]}}, "userVolumes"),
+        ({"kernels": {"homeAccessMode": "ReadWriteSometimes"}}, "homeAccessMode"),
+        ({"kernels": {"clientEnv": ["PATH"]}}, "clientEnv"),
         ({"checkpoints": {"store": "gcs"}}, "store"),
         ({"checkpoints": {"objectStore": {"partSizeMib": 1}}}, "partSizeMib"),
     ],
@@ -676,6 +682,53 @@ def test_kernel_pod_resources_reach_the_provisioner(tmp_path: Path) -> None:
     assert pod_resources_refusal(config["cpu_kernel_resources"], "cpu") is None
     assert pod_resources_refusal(config["resources"], "gpu") is None
     assert pod_resources_refusal(config["size_resources"]["whole"], "whole") is None
+
+
+def test_size_pod_settings_and_the_pod_patch_reach_the_provisioner(tmp_path: Path) -> None:
+    from kernelmgr.kube.settings import KubeSettings
+
+    sized = {
+        "whole": {
+            "image": "registry.example/torch:2",
+            "nodeSelector": {"gpu": "a100"},
+            "priorityClassName": "kernels",
+            "imagePullSecrets": ["pull"],
+            "shmSize": "8Gi",
+            "resources": {
+                "requests": {"cpu": "8", "memory": "64Gi"},
+                "limits": {"cpu": "8", "memory": "64Gi"},
+            },
+        }
+    }
+    patch = {"spec": {"dnsPolicy": "ClusterFirst"}}
+    values = {"kernels": {"sizePodSettings": sized, "podPatch": patch, "validatePodsAtStart": False}}
+    config = server_config(render(values, tmp_path))["ElasticKubernetesProvisioner"]
+    assert config["size_pod_settings"] == sized and config["pod_patch"] == patch
+    assert config["validate_pods_at_start"] is False
+    # The provisioner accepts what the chart renders.
+    settings = KubeSettings(size_pod_settings=config["size_pod_settings"], pod_patch=config["pod_patch"])
+    settings.check_sizes(["whole"])
+
+
+def test_user_volumes_reach_the_provisioner(tmp_path: Path) -> None:
+    from kernelmgr.kube.settings import KubeSettings
+
+    home = {"name": "home", "claimName": "claim-{owner}", "mountPath": "/home/jovyan"}
+    values = {"kernels": {"userVolumes": [home], "homeVolume": "home", "homeAccessMode": "ReadWriteOnce"}}
+    config = server_config(render(values, tmp_path))["ElasticKubernetesProvisioner"]
+    assert config["user_volumes"] == [home] and config["home_volume"] == "home"
+    assert config["notebook_root"] == "/home/jovyan" and config["home_access_mode"] == "ReadWriteOnce"
+    assert config["user_pod_selector"] == {
+        "component": "singleuser-server",
+        "hub.jupyter.org/username": "{owner}",
+    }
+    settings = KubeSettings(**{k: config[k] for k in ("user_volumes", "home_volume", "home_access_mode")})
+    settings.check_sizes(["whole"])
+    values = {"kernels": {"clientEnv": ["KERNEL_PROJECT"], "kernelspecImages": {"python3": "reg/torch:2"}}}
+    config = server_config(render(values, tmp_path))["ElasticKubernetesProvisioner"]
+    assert config["client_env"] == ["KERNEL_PROJECT"] and config["kernelspec_images"] == {
+        "python3": "reg/torch:2"
+    }
 
 
 def test_values_reach_the_server_config(tmp_path: Path) -> None:

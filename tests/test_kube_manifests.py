@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -210,3 +211,312 @@ def test_settings_read_the_documented_section_and_their_own() -> None:
     spec = KernelSpec(argv=["python"], display_name="k", language="python")
     provisioner = ElasticKubernetesProvisioner(kernel_id="k", kernel_spec=spec, config=config, image="spec:1")
     assert (provisioner.image, provisioner.first_port, provisioner.namespace) == ("spec:1", 41000, "kernels")
+
+
+# ---- per-size pod settings and the pod patch (issue 28)
+
+
+def test_a_sizes_pod_settings_apply_to_its_pods_only() -> None:
+    settings = KubeSettings(
+        node_selector={"pool": "gpu"},
+        tolerations=[{"key": "gpu", "operator": "Exists"}],
+        size_pod_settings={
+            "one": {
+                "image": "registry/torch:2",
+                "nodeSelector": {"gpu-model": "a100"},
+                "tolerations": [{"key": "a100", "operator": "Exists"}],
+                "priorityClassName": "kernels",
+                "runtimeClassName": "nvidia",
+                "imagePullSecrets": ["pull", {"name": "other"}],
+                "affinity": {"podAntiAffinity": {}},
+                "shmSize": "4Gi",
+                "ephemeralStorage": "20Gi",
+            }
+        },
+    )
+    template = settings.pod_template()
+    pod = kernel_pod(template)
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    assert container["image"] == "registry/torch:2"
+    assert spec["nodeSelector"] == {"pool": "gpu", "gpu-model": "a100"}
+    keys = [t["key"] for t in spec["tolerations"]]
+    assert keys[:2] == ["gpu", "a100"]
+    assert spec["priorityClassName"] == "kernels" and spec["runtimeClassName"] == "nvidia"
+    assert spec["imagePullSecrets"] == [{"name": "pull"}, {"name": "other"}]
+    assert spec["affinity"] == {"podAntiAffinity": {}}
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}} in spec["volumes"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
+    assert container["resources"]["limits"]["ephemeral-storage"] == "20Gi"
+    # A CPU kernel's pod and another size's have none of it.
+    for other in (
+        kernel_pod(template, profile=None),
+        kernel_pod(template, parse_profile("two", {"gpu_fraction": 1})),
+    ):
+        assert other["spec"]["containers"][0]["image"] == settings.image
+        assert other["spec"]["nodeSelector"] == {"pool": "gpu"}
+        assert not {"priorityClassName", "runtimeClassName", "imagePullSecrets", "affinity"} & set(
+            other["spec"]
+        )
+        assert all(v["name"] != "dshm" for v in other["spec"]["volumes"])
+
+
+def test_a_sizes_resources_replace_the_defaults_and_can_be_guaranteed() -> None:
+    guaranteed = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "2", "memory": "8Gi"}}
+    template = KubeSettings(size_pod_settings={"one": {"resources": guaranteed}}).pod_template()
+    assert kernel_pod(template)["spec"]["containers"][0]["resources"] == {
+        "requests": {"cpu": "2", "memory": "8Gi"},  # the API server sets the GPU's request to its limit
+        "limits": {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": "1"},
+    }
+
+
+def test_the_pod_patch_merges_last_by_strategic_merge_rules() -> None:
+    patch = {
+        "metadata": {"labels": {"team": "ml"}},
+        "spec": {
+            "dnsPolicy": "None",
+            "terminationGracePeriodSeconds": None,
+            "containers": [
+                {"name": "kernel", "env": [{"name": "OMP_NUM_THREADS", "value": "4"}], "workingDir": "/work"},
+                {"name": "sidecar", "image": "busybox"},
+            ],
+            "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}],
+        },
+    }
+    pod = kernel_pod(KubeSettings(pod_patch=patch).pod_template())
+    spec = pod["spec"]
+    assert pod["metadata"]["labels"]["team"] == "ml" and pod["metadata"]["labels"][KERNEL_ID_LABEL] == "k-1"
+    assert spec["dnsPolicy"] == "None" and "terminationGracePeriodSeconds" not in spec
+    kernel, sidecar = spec["containers"]
+    assert sidecar == {"name": "sidecar", "image": "busybox"}
+    assert kernel["workingDir"] == "/work" and env_of(pod)["OMP_NUM_THREADS"] == "4"
+    assert env_of(pod)["ELASTIC_CHECKPOINT_DIR"] == f"{CHECKPOINT_MOUNT}/k-1"  # merged, not replaced
+    assert kernel["resources"]["limits"]["nvidia.com/gpu"] == "1"  # after the slice's fragment
+    assert {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}} in spec["volumes"]
+    # The patch cannot widen the slice either.
+    bad = {
+        "spec": {
+            "containers": [{"name": "kernel", "env": [{"name": "CUDA_VISIBLE_DEVICES", "value": "all"}]}]
+        }
+    }
+    with pytest.raises(ConfigError, match="may not set CUDA_VISIBLE_DEVICES"):
+        kernel_pod(KubeSettings(pod_patch=bad).pod_template())
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"size_pod_settings": {"one": {"gpus": 2}}}, "size_pod_settings['one'].gpus: unknown key"),
+        ({"size_pod_settings": {"one": {"shmSize": "lots"}}}, "size_pod_settings['one'].shmSize"),
+        ({"size_pod_settings": {"one": {"nodeSelector": {"a": 1}}}}, "size_pod_settings['one'].nodeSelector"),
+        (
+            {"size_pod_settings": {"one": {"resources": {"limits": {"nvidia.com/gpu": "2"}}}}},
+            "size_pod_settings['one'].resources.limits.nvidia.com/gpu",
+        ),
+        ({"pod_patch": {"status": {}}}, "only metadata and spec"),
+    ],
+)
+def test_bad_pod_settings_are_refused_naming_the_size_and_key(setting: dict[str, Any], named: str) -> None:
+    from traitlets import TraitError
+
+    with pytest.raises(TraitError) as raised:
+        KubeSettings(**setting)
+    assert named in str(raised.value)
+
+
+def test_pod_settings_for_an_unknown_size_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"size_pod_settings names unknown GPU sizes \['big'\]"):
+        KubeSettings(size_pod_settings={"big": {"image": "x"}}).check_sizes(["one"])
+
+
+# ---- the user's files (issue 28)
+
+HOME_CLAIM = {"name": "home", "claimName": "claim-{owner}", "mountPath": "/home/jovyan"}
+DATA = {"name": "data", "volume": {"nfs": {"server": "nfs.example", "path": "/export"}}, "mountPath": "/data",
+        "subPath": "users/{owner}", "readOnly": True}  # fmt: skip
+
+
+def user_pod(settings: KubeSettings, owner: str = "alice", requested: str | None = None) -> dict[str, Any]:
+    return make_kernel_pod(
+        settings.pod_template(),
+        name="kernel-k-1",
+        kernel_id="k-1",
+        cmd=["python"],
+        agent_env=AGENT_ENV,
+        owner=owner,
+        kernelspec="python3-one",
+        profile=WHOLE,
+        checkpoint_sub_path="alice",
+        requested_dir=requested,
+    )
+
+
+def test_the_owners_volumes_mount_into_their_pods_and_home_is_on_the_home_volume() -> None:
+    settings = KubeSettings(user_volumes=[HOME_CLAIM, DATA], home_volume="home")
+    pod = user_pod(settings, owner="Bob.Smith")
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    slug = volumes["user-home"]["persistentVolumeClaim"]["claimName"].removeprefix("claim-")
+    assert slug.startswith("bob-smith-")  # a DNS-1123 label: the claim name must be one
+    assert volumes["user-data"] == {"name": "user-data", "nfs": {"server": "nfs.example", "path": "/export"}}
+    assert mounts["user-data"] == {
+        "name": "user-data",
+        "mountPath": "/data",
+        "subPath": f"users/{slug}",
+        "readOnly": True,
+    }
+    assert mounts["user-home"] == {"name": "user-home", "mountPath": "/home/jovyan"}
+    assert env_of(pod)["HOME"] == "/home/jovyan"  # not the emptyDir: pip --user and ~/.cache stay
+    assert "home" not in volumes and "home" not in mounts
+    assert pod["spec"]["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    assert "affinity" not in pod["spec"]  # ReadWriteMany by default: any node
+    plain = user_pod(settings, owner="alice")
+    assert {v["name"]: v for v in plain["spec"]["volumes"]}["user-home"]["persistentVolumeClaim"] == {
+        "claimName": "claim-alice"
+    }
+
+
+@pytest.mark.parametrize(
+    ("requested", "chosen"),
+    [
+        ("/home/jovyan/project/sub", "/home/jovyan/project/sub"),  # GatewayClient's KERNEL_WORKING_DIR
+        ("/home/jovyan", "/home/jovyan"),
+        ("project", "/home/jovyan/project"),  # relative: under the home volume
+        ("/data/set", "/data/set"),  # on another of the user's volumes
+        ("/etc", None),  # not the user's: the image's default
+        ("/home/jovyan/../../etc", None),
+        (None, None),
+    ],
+)
+def test_the_working_directory_follows_the_notebook(requested: str | None, chosen: str | None) -> None:
+    pod = user_pod(KubeSettings(user_volumes=[HOME_CLAIM, DATA], home_volume="home"), requested=requested)
+    assert pod["spec"]["containers"][0].get("workingDir") == chosen
+
+
+def test_the_notebook_root_maps_onto_the_home_volumes_mount() -> None:
+    home = {**HOME_CLAIM, "mountPath": "/home/user"}
+    settings = KubeSettings(user_volumes=[home], home_volume="home", notebook_root="/srv/notebooks")
+    pod = user_pod(settings, requested="/srv/notebooks/project")
+    assert pod["spec"]["containers"][0]["workingDir"] == "/home/user/project"
+
+
+def test_a_read_write_once_home_pins_the_pod_to_the_owners_single_user_pod() -> None:
+    settings = KubeSettings(
+        user_volumes=[HOME_CLAIM],
+        home_volume="home",
+        home_access_mode="ReadWriteOnce",
+        user_pod_namespace="jhub",
+        size_pod_settings={"one": {"affinity": {"podAntiAffinity": {"x": 1}}}},
+    )
+    affinity = user_pod(settings)["spec"]["affinity"]
+    assert affinity["podAntiAffinity"] == {"x": 1}  # the size's own affinity stays
+    assert affinity["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"] == [
+        {
+            "labelSelector": {
+                "matchLabels": {"component": "singleuser-server", "hub.jupyter.org/username": "alice"}
+            },
+            "topologyKey": "kubernetes.io/hostname",
+            "namespaces": ["jhub"],
+        }
+    ]
+
+
+def test_warm_pods_and_pods_without_user_volumes_are_unchanged() -> None:
+    assert "workingDir" not in user_pod(KubeSettings(), requested="/home/jovyan/x")["spec"]["containers"][0]
+    warm = make_warm_pod(
+        KubeSettings(user_volumes=[HOME_CLAIM], home_volume="home").pod_template(),
+        name="warm-1",
+        profile=WHOLE,
+        preload=(),
+    )
+    assert not [v for v in warm["spec"]["volumes"] if v["name"].startswith("user-")]
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"user_volumes": [{"name": "Home", "claimName": "c", "mountPath": "/h"}]}, "user_volumes[0].name"),
+        ({"user_volumes": [{"name": "h", "mountPath": "/h"}]}, "needs one of claimName"),
+        (
+            {"user_volumes": [{"name": "h", "claimName": "c", "mountPath": "rel"}]},
+            "mountPath must be an absolute",
+        ),
+        ({"user_volumes": [{"name": "h", "claimName": "c", "mountPath": "/tmp/x"}]}, "overlaps"),
+        (
+            {"user_volumes": [{"name": "h", "claimName": "c", "mountPath": "/h", "subPath": "../x"}]},
+            "subPath",
+        ),
+        ({"home_access_mode": "ReadWriteSometimes"}, "home_access_mode"),
+    ],
+)
+def test_bad_user_volumes_are_refused(setting: dict[str, Any], named: str) -> None:
+    from traitlets import TraitError
+
+    with pytest.raises(TraitError) as raised:
+        KubeSettings(**setting)
+    assert named in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        (
+            {"user_volumes": [HOME_CLAIM], "home_volume": "nope"},
+            "home_volume 'nope' is not a user_volumes entry",
+        ),
+        ({"home_access_mode": "ReadWriteOnce"}, "needs user_volumes"),
+        ({"user_volumes": [HOME_CLAIM], "warm_pods": {"one": {"count": 1}}}, "warm_pods cannot be used"),
+        ({"user_volumes": [{**HOME_CLAIM, "mountPath": "/home/kernel"}]}, "make it the home_volume"),
+    ],
+)
+def test_user_volume_settings_that_cannot_work_together_are_refused_at_start(
+    setting: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        KubeSettings(**setting).check_sizes(["one"])
+
+
+# ---- the kernelspec's environment and image, the client's KERNEL_* (issue 28)
+
+
+def test_the_kernelspecs_env_and_the_allowed_client_env_reach_the_pod() -> None:
+    from kernelmgr.kube.pod_settings import kernel_environment
+
+    env = kernel_environment(
+        {"FRAMEWORK": "jax", "XLA_FLAGS": "--x"},
+        {"KERNEL_PROJECT": "p1", "KERNEL_EXTRA_A": "a", "KERNEL_SECRET": "s", "PATH": "/evil", "KERNEL_N": 1},
+        ["KERNEL_PROJECT", "KERNEL_EXTRA_*", "PATH"],
+    )
+    # Only KERNEL_* names, only allowed ones, only strings; the kernelspec's own always.
+    assert env == {"FRAMEWORK": "jax", "XLA_FLAGS": "--x", "KERNEL_PROJECT": "p1", "KERNEL_EXTRA_A": "a"}
+    template = KubeSettings(extra_env={"TEAM": "ml"}).pod_template()
+    pod = make_kernel_pod(
+        template,
+        name="kernel-k-1",
+        kernel_id="k-1",
+        cmd=["python"],
+        agent_env=AGENT_ENV,
+        owner="alice",
+        kernelspec="jax-one",
+        profile=WHOLE,
+        checkpoint_sub_path="alice",
+        kernel_env=env,
+        image="registry/jax:0.4",
+    )
+    assert pod["spec"]["containers"][0]["image"] == "registry/jax:0.4"
+    names = [e["name"] for e in pod["spec"]["containers"][0]["env"]]
+    assert names[:4] == ["POD_IP", "TEAM", "FRAMEWORK", "XLA_FLAGS"] and env_of(pod)["KERNEL_PROJECT"] == "p1"
+    for bad, named in (({"CUDA_VISIBLE_DEVICES": "0"}, "CUDA_VISIBLE_DEVICES"), ({"HOME": "/x"}, "HOME")):
+        with pytest.raises(ConfigError, match=f"the kernelspec 'jax-one' may not set {named}"):
+            make_kernel_pod(
+                template,
+                name="kernel-k-1",
+                kernel_id="k-1",
+                cmd=["python"],
+                agent_env=AGENT_ENV,
+                owner="alice",
+                kernelspec="jax-one",
+                profile=WHOLE,
+                checkpoint_sub_path="alice",
+                kernel_env=bad,
+            )

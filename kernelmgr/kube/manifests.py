@@ -8,6 +8,7 @@ the checkpoint claim's sub-path, checked on disk) and pass it in; the API server
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,6 +18,9 @@ from kernelmgr.backends.kubernetes import render_pod_fragment
 from kernelmgr.checkpoint.keys import encode_key
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.profiles import GpuProfile
+from kernelmgr.kube.namespaces import MAX_LABEL, dns_label
+from kernelmgr.kube.pod_settings import SHM_MOUNT, SHM_VOLUME, pull_secrets, strategic_merge
+from kernelmgr.kube.user_volumes import home_pod_affinity, user_mounts, working_dir
 from kernelmgr.kube.warm_pod import ENV_CHECKPOINTS, ENV_TOKEN_FILE
 
 APP_LABELS = {"app.kubernetes.io/name": "jupyter-elastic-kernels", "component": "kernel"}
@@ -84,6 +88,25 @@ class PodTemplate:
     cpu_resources: Mapping[str, Any] = field(default_factory=dict)
     gpu_resources: Mapping[str, Any] = field(default_factory=dict)
     size_resources: Mapping[str, Any] = field(default_factory=dict)
+    #: Per GPU size: image, resources, placement, /dev/shm... (:mod:`kernelmgr.kube.pod_settings`).
+    size_pods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: Strategic-merge patch applied last to every kernel and warm pod.
+    pod_patch: Mapping[str, Any] = field(default_factory=dict)
+    #: The owner's volumes (:mod:`kernelmgr.kube.user_volumes`), which of them is HOME, where the
+    #: notebooks are on the single-user server, and (ReadWriteOnce homes) the single-user pod to join.
+    user_volumes: tuple[Mapping[str, Any], ...] = ()
+    home_volume: str = ""
+    notebook_root: str = ""
+    user_pod_selector: Mapping[str, str] | None = None
+    user_pod_namespace: str = ""
+
+    @property
+    def home(self) -> str:
+        """The kernel's HOME: the home volume's mountPath, else the kernel_home emptyDir."""
+        for entry in self.user_volumes:
+            if entry["name"] == self.home_volume:
+                return str(entry["mountPath"])
+        return self.kernel_home
 
     @property
     def warm_pod_port(self) -> int:
@@ -93,7 +116,16 @@ class PodTemplate:
     def resources(self, size: str | None) -> dict[str, Any]:
         """The kernel container's requests/limits before the size's GPU resources are added."""
         chosen = self.cpu_resources if size is None else self.size_resources.get(size, self.gpu_resources)
-        return {kind: dict(values) for kind, values in chosen.items() if values}
+        own = self.size_settings(size)
+        chosen = own.get("resources", chosen)
+        resources = {kind: dict(values) for kind, values in chosen.items() if values}
+        if "ephemeralStorage" in own:
+            resources.setdefault("limits", {})["ephemeral-storage"] = own["ephemeralStorage"]
+        return resources
+
+    def size_settings(self, size: str | None) -> Mapping[str, Any]:
+        """The pod settings of ``size`` (none for CPU kernels: the global ones and pod_patch)."""
+        return self.size_pods.get(size, {}) if size is not None else {}
 
 
 def make_kernel_pod(
@@ -107,9 +139,14 @@ def make_kernel_pod(
     kernelspec: str,
     profile: GpuProfile | None,
     checkpoint_sub_path: str | None,
+    requested_dir: str | None = None,
+    kernel_env: Mapping[str, str] | None = None,
+    image: str | None = None,
 ) -> dict[str, Any]:
     """A kernel's pod: ``agent_env`` is the checkpoint agent's environment (paths are replaced by
-    the pod's own), ``checkpoint_sub_path`` the owner's folder of the claim (``None``: no claim)."""
+    the pod's own), ``checkpoint_sub_path`` the owner's folder of the claim (``None``: no claim),
+    ``requested_dir`` the notebook's folder on the single-user server (``KERNEL_WORKING_DIR``),
+    ``kernel_env`` the kernelspec's and the client's variables, ``image`` the kernelspec's image."""
     own_env = dict(agent_env)
     own_env["ELASTIC_CHECKPOINT_DIR"] = f"{CHECKPOINT_MOUNT}/{kernel_id}"
     own_env[ENV_KEY_MOUNTED] = "1"
@@ -122,7 +159,65 @@ def make_kernel_pod(
     else:
         volume = {"name": "checkpoints", "emptyDir": {}}
     sub_path = {"subPath": checkpoint_sub_path} if checkpoint_sub_path is not None else {}
-    return _pod(template, name, cmd, own_env, labels, annotations, volume, sub_path, profile, kernel_id)
+    pod = _pod(
+        template,
+        name,
+        cmd,
+        own_env,
+        labels,
+        annotations,
+        volume,
+        sub_path,
+        profile,
+        kernel_id,
+        owner,
+        requested_dir,
+    )
+    container = pod["spec"]["containers"][0]
+    if image:
+        container["image"] = image
+    if kernel_env:
+        reserved = sorted(n for n in kernel_env if n in RESERVED_ENV or n.startswith("ELASTIC_"))
+        refusal = slice_env_refusal(set(kernel_env), f"the kernelspec {kernelspec!r}")
+        if refusal is None and reserved:
+            refusal = (
+                f"the kernelspec {kernelspec!r} may not set {', '.join(reserved)}: the kernel pod sets them"
+            )
+        if refusal is not None:
+            raise ConfigError(refusal)
+        # Before the pod's own variables (HOME, TMPDIR, the agent's), after extra_env.
+        first = 1 + len(template.extra_env)
+        container["env"][first:first] = [{"name": k, "value": v} for k, v in kernel_env.items()]
+    return pod
+
+
+def _add_user_files(
+    template: PodTemplate, pod: dict[str, Any], owner: str, requested_dir: str | None
+) -> None:
+    """The owner's volumes, their HOME on one of them, the notebook's folder as working directory,
+    and (a ReadWriteOnce home) the node of the owner's single-user pod."""
+    slug = dns_label(owner, MAX_LABEL)
+    spec = pod["spec"]
+    container = spec["containers"][0]
+    volumes, mounts = user_mounts(list(template.user_volumes), slug)
+    if template.home_volume:  # HOME is the user's, not an emptyDir
+        spec["volumes"] = [v for v in spec["volumes"] if v["name"] != "home"]
+        container["volumeMounts"] = [m for m in container["volumeMounts"] if m["name"] != "home"]
+    spec["volumes"] += volumes
+    container["volumeMounts"] += mounts
+    home = template.home if template.home_volume else None
+    chosen = working_dir(requested_dir, template.notebook_root, home, list(template.user_volumes))
+    if chosen is not None:
+        container["workingDir"] = chosen
+    # The kubelet would otherwise chown a whole home at every start (fsGroup); once is enough.
+    spec["securityContext"]["fsGroupChangePolicy"] = "OnRootMismatch"
+    if template.user_pod_selector is not None:
+        join = home_pod_affinity(template.user_pod_selector, template.user_pod_namespace, slug)
+        affinity = spec.setdefault("affinity", {})
+        terms = affinity.setdefault("podAffinity", {}).setdefault(
+            "requiredDuringSchedulingIgnoredDuringExecution", []
+        )
+        terms += join["podAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
 
 
 def make_kernel_secret(
@@ -177,9 +272,10 @@ def checkpoint_sub_path(claim_path: str, owner_dir: str) -> str:
     return f"{prefix}/{owner_dir}" if prefix else owner_dir
 
 
-def tolerations(template: PodTemplate) -> list[dict[str, Any]]:
-    """The configured tolerations, plus how long to wait for a node that stopped answering."""
-    chosen = [dict(t) for t in template.tolerations]
+def tolerations(template: PodTemplate, own: Any = ()) -> list[dict[str, Any]]:
+    """The configured tolerations (global, then the size's ``own``), plus how long to wait for a
+    node that stopped answering."""
+    chosen = [dict(t) for t in (*template.tolerations, *own)]
     for taint in NODE_LOST_TAINTS:
         if not any(t.get("key") == taint for t in chosen):
             chosen.append(
@@ -204,6 +300,8 @@ def _pod(
     sub_path: dict[str, str],
     profile: GpuProfile | None,
     fragment_id: str,
+    owner: str | None = None,
+    requested_dir: str | None = None,
 ) -> dict[str, Any]:
     """What a kernel pod and a warm pod share: security, the environment every kernel sees
     (so a warm kernel's is a cold one's), volumes, ports, placement and the size's resources."""
@@ -211,9 +309,10 @@ def _pod(
     env += [{"name": k, "value": v} for k, v in template.extra_env.items()]
     # The root filesystem is read-only: HOME (IPython's profile, Jupyter's runtime files) and
     # /tmp are emptyDirs.
-    env += [{"name": "HOME", "value": template.kernel_home}, {"name": "TMPDIR", "value": TMP_MOUNT}]
+    env += [{"name": "HOME", "value": template.home}, {"name": "TMPDIR", "value": TMP_MOUNT}]
     env += [{"name": k, "value": v} for k, v in own_env.items()]
     user = template.run_as_user
+    own = template.size_settings(profile.name if profile is not None else None)
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": template.stop_grace_seconds,
@@ -228,7 +327,7 @@ def _pod(
         "containers": [
             {
                 "name": "kernel",
-                "image": template.image,
+                "image": own.get("image", template.image),
                 "command": cmd,
                 # A kernel that fails (exits non-zero) leaves its last log lines in its status, where
                 # the start error quotes them: its pod is deleted at once, and `kubectl logs` with it.
@@ -261,22 +360,39 @@ def _pod(
             {"name": "tmp", "emptyDir": {}},
         ],
     }
+    if "shmSize" in own:
+        # 64 MiB by default: a DataLoader with workers dies with a bus error.
+        spec["volumes"].append(
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": own["shmSize"]}}
+        )
+        spec["containers"][0]["volumeMounts"].append({"name": SHM_VOLUME, "mountPath": SHM_MOUNT})
     if template.service_account:
         spec["serviceAccountName"] = template.service_account
-    if template.node_selector:
-        spec["nodeSelector"] = dict(template.node_selector)
-    spec["tolerations"] = tolerations(template)
+    # A size's node selector and tolerations add to the global ones (its own keys win).
+    node_selector = {**template.node_selector, **own.get("nodeSelector", {})}
+    if node_selector:
+        spec["nodeSelector"] = node_selector
+    spec["tolerations"] = tolerations(template, own.get("tolerations", ()))
+    for key in ("priorityClassName", "runtimeClassName", "affinity"):
+        if key in own:
+            spec[key] = copy.deepcopy(own[key])
+    if "imagePullSecrets" in own:
+        spec["imagePullSecrets"] = pull_secrets(own["imagePullSecrets"])
     pod: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": name, "labels": labels, "annotations": annotations},
         "spec": spec,
     }
+    if owner is not None and template.user_volumes:  # a kernel's pod (a warm pod has no owner yet)
+        _add_user_files(template, pod, owner, requested_dir)
     slice_env: set[str] = set()
     if profile is not None:
         fragment = render_pod_fragment(profile, fragment_id)
         pod = fragment.apply_to(pod)
         slice_env = set(fragment.env)  # the slice backend's own limits (MPS) may set CUDA_*
+    if template.pod_patch:
+        pod = strategic_merge(pod, template.pod_patch)
     named = {e["name"] for c in pod["spec"]["containers"] for e in c.get("env") or []}
     refusal = slice_env_refusal(named - slice_env, f"the pod {name}")
     if refusal is not None:

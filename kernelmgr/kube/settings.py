@@ -6,26 +6,33 @@ configuration; each kernel's provisioner is one too (it subclasses this), so a k
 
 Config sections: ``ElasticKubernetesProvisioner`` (the documented name, what the Helm chart renders)
 and ``KubeSettings``; both apply, and ``ElasticKubernetesProvisioner`` wins where both set a key.
+
+Long because every Kubernetes setting is one trait here with its help text and its check: the one
+place the generated settings reference, the chart's ConfigMap and the provisioner all read.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from traitlets import Bool, Dict, Float, Integer, List, TraitError, Unicode, validate
+from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
 from traitlets.config import LoggingConfigurable
 
 from kernelmgr import __version__
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.kube.manifests import (
+    CHECKPOINT_MOUNT,
     CONNECTION_FILE,
     PORT_NAMES,
     RESERVED_ENV,
     SECRET_MOUNT,
+    TMP_MOUNT,
     PodTemplate,
     slice_env_refusal,
 )
 from kernelmgr.kube.node_agents import DEFAULT_INSTANCE
+from kernelmgr.kube.pod_settings import SHM_MOUNT, pod_patch_refusal, size_pod_settings_refusal
+from kernelmgr.kube.user_volumes import ACCESS_MODES, user_volume_refusal
 from kernelmgr.nodeagent import DEFAULT_PORT as NODE_AGENT_PORT
 
 #: The project's kernel image at this version (scripts/images.sh builds it; the chart's default).
@@ -278,6 +285,152 @@ class KubeSettings(LoggingConfigurable):
         {"whole": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "64Gi"}}}.""",
     )
 
+    size_pod_settings = Dict(
+        config=True,
+        help="""Per GPU size, pod settings (pod spec names): image, resources (requests/limits of cpu,
+        memory, ephemeral-storage; replaces `resources`/size_resources; requests = limits gives
+        Guaranteed QoS), priorityClassName, nodeSelector and tolerations (added to node_selector /
+        tolerations), affinity, runtimeClassName, imagePullSecrets (names), shmSize (a memory-backed
+        emptyDir at /dev/shm: PyTorch DataLoader workers need more than the runtime's 64 MiB; it counts
+        towards the memory limit) and ephemeralStorage (the container's ephemeral-storage limit), e.g.
+        {"a100": {"image": "registry/torch:2", "nodeSelector": {"gpu": "a100"}, "shmSize": "8Gi"}}.
+        The API server checks each size's pod at start-up (a dry-run; see validate_pods_at_start).""",
+    )
+    pod_patch = Dict(
+        config=True,
+        help="""A strategic-merge patch ({"metadata": {...}, "spec": {...}}) applied last to every kernel
+        and warm pod, for what no setting covers (topologySpreadConstraints, dnsConfig, an extra volume
+        or sidecar...): maps merge, null removes a key, containers/volumes/env merge by name, other
+        lists replace. Kernel pods must still pass the namespace's Pod Security level.""",
+    )
+    validate_pods_at_start = Bool(
+        True,
+        config=True,
+        help="""At start-up, send a CPU kernel's pod and each GPU size's pod to the API server as a
+        dry-run create in `namespace`: a value it refuses (a missing PriorityClass or RuntimeClass, an
+        unknown field in pod_patch, Pod Security) stops the server with one line naming the size and
+        the field. Skipped, with a warning, when the namespace does not exist yet or the API server
+        cannot be reached.""",
+    )
+
+    user_volumes = List(
+        Dict(),
+        config=True,
+        help="""The user's volumes, mounted into each of their kernel pods (docs/pods.md), e.g. z2jh's
+        home: [{"name": "home", "claimName": "claim-{owner}", "mountPath": "/home/jovyan"}], or any
+        volume source: {"name": "data", "volume": {"nfs": {"server": "nfs", "path": "/export"}},
+        "mountPath": "/data", "subPath": "{owner}", "readOnly": false}. {owner} is the kernel's owner
+        as a DNS-1123 label (the name itself when it is one: KubeSpawner's 'safe' slug for plain names).
+        Warm pods cannot serve such kernels (a warm pod has no owner): warm_pods is refused with them.""",
+    )
+    home_volume = Unicode(
+        "",
+        config=True,
+        help="""The name of the user_volumes entry that is the kernel's HOME (instead of an emptyDir
+        at kernel_home), so `pip install --user`, ~/.cache/huggingface and ~/.cache/torch survive a
+        hibernation, and the notebook's folder (KERNEL_WORKING_DIR under notebook_root) is found.""",
+    )
+    notebook_root = Unicode(
+        "/home/jovyan",
+        config=True,
+        help="""Where home_volume is on the single-user server: the notebook's folder there
+        (KERNEL_WORKING_DIR, which GatewayClient sends, or the server's own cwd) maps from under this
+        onto home_volume's mountPath, and becomes the kernel's working directory.""",
+    )
+    home_access_mode = Enum(
+        ACCESS_MODES,
+        default_value="ReadWriteMany",
+        config=True,
+        help="""How the user's volumes can be mounted. ReadWriteMany (NFS, EFS, CephFS, Filestore): on
+        any node, at the same time as the single-user server. ReadWriteOnce (EBS, PD, most block
+        storage): on one node only, so each kernel pod is pinned (required pod affinity) to the node of
+        its owner's single-user pod (user_pod_selector, user_pod_namespace): that node must have the
+        GPU, or the kernel fails to start with the scheduler's reason. See docs/pods.md.""",
+    )
+    user_pod_selector = Dict(
+        default_value={"component": "singleuser-server", "hub.jupyter.org/username": "{owner}"},
+        value_trait=Unicode(),
+        config=True,
+        help="Labels of an owner's single-user pod (z2jh's by default; {owner} as in user_volumes), "
+        "joined by kernel pods when home_access_mode is ReadWriteOnce.",
+    )
+    user_pod_namespace = Unicode(
+        "", config=True, help="Namespace of the single-user pods (empty: the kernel pod's own)."
+    )
+
+    client_env = List(
+        Unicode(),
+        config=True,
+        help="""The client's KERNEL_* variables that reach the kernel pod (names, or prefixes ending in
+        *, e.g. ["KERNEL_PROJECT", "KERNEL_EXTRA_*"]; ["KERNEL_*"]: all, as Enterprise Gateway does).
+        jupyter_server's GatewayClient sends every KERNEL_* variable of the single-user server (and
+        GatewayClient.allowed_envs). KERNEL_WORKING_DIR is read for the working directory either way.
+        The env a kernelspec declares always reaches its pods.""",
+    )
+    kernelspec_images = Dict(
+        value_trait=Unicode(),
+        config=True,
+        help="""Per base kernelspec (ElasticKernels.base_kernels), the image of its pods, e.g.
+        {"python3": "registry/kernel-torch:2.5", "jax": "registry/kernel-jax:0.4"}: several
+        environments, each an image; it wins over a size's image (size_pod_settings).""",
+    )
+
+    @validate("user_volumes")
+    def _check_user_volumes(self, proposal: Any) -> list[Any]:
+        reserved = (SECRET_MOUNT, CHECKPOINT_MOUNT, TMP_MOUNT, SHM_MOUNT)
+        refusal = user_volume_refusal(
+            proposal["value"], "ElasticKubernetesProvisioner.user_volumes", reserved
+        )
+        if refusal is not None:
+            raise TraitError(refusal)
+        return list(proposal["value"])
+
+    def check_user_files(self) -> None:
+        """Refuse (ConfigError, at server start) user-volume settings that cannot work together."""
+        names = [entry["name"] for entry in self.user_volumes]
+        where = "ElasticKubernetesProvisioner"
+        if self.home_volume and self.home_volume not in names:
+            raise ConfigError(
+                f"{where}.home_volume {self.home_volume!r} is not a user_volumes entry; entries: "
+                f"{', '.join(names) or 'none'}"
+            )
+        if not self.user_volumes:
+            if self.home_access_mode == "ReadWriteOnce":
+                raise ConfigError(
+                    f"{where}.home_access_mode ReadWriteOnce needs user_volumes (the home to follow)"
+                )
+            return
+        if self.warm_pods:
+            raise ConfigError(
+                f"{where}.warm_pods cannot be used with user_volumes: a warm pod is made before it has an "
+                "owner, so it cannot mount the owner's volumes"
+            )
+        if not self.home_volume:
+            for entry in self.user_volumes:
+                mount = entry["mountPath"].rstrip("/")
+                home = self.kernel_home.rstrip("/")
+                if mount == home or mount.startswith(home + "/") or home.startswith(mount + "/"):
+                    raise ConfigError(
+                        f"{where}.user_volumes entry {entry['name']!r} is mounted at {entry['mountPath']!r}, "
+                        f"over the kernel_home emptyDir {self.kernel_home!r}: make it the home_volume"
+                    )
+
+    @validate("size_pod_settings")
+    def _check_size_pod_settings(self, proposal: Any) -> dict[str, Any]:
+        for size, raw in proposal["value"].items():
+            where = f"ElasticKubernetesProvisioner.size_pod_settings[{size!r}]"
+            refusal = size_pod_settings_refusal(raw, where, pod_resources_refusal)
+            if refusal is not None:
+                raise TraitError(refusal)
+        return dict(proposal["value"])
+
+    @validate("pod_patch")
+    def _check_pod_patch(self, proposal: Any) -> dict[str, Any]:
+        refusal = pod_patch_refusal(proposal["value"], "ElasticKubernetesProvisioner.pod_patch")
+        if refusal is not None:
+            raise TraitError(refusal)
+        return dict(proposal["value"])
+
     @validate("cpu_kernel_resources", "resources")
     def _check_resources(self, proposal: Any) -> dict[str, Any]:
         refusal = pod_resources_refusal(
@@ -296,13 +449,16 @@ class KubeSettings(LoggingConfigurable):
         return dict(proposal["value"])
 
     def check_sizes(self, sizes: list[str]) -> None:
-        """Refuse (ConfigError, at server start) size_resources naming a size that does not exist."""
-        unknown = sorted(set(self.size_resources) - set(sizes))
-        if unknown:
-            raise ConfigError(
-                f"ElasticKubernetesProvisioner.size_resources names unknown GPU sizes {unknown}; "
-                f"sizes: {', '.join(sizes) or 'none'}"
-            )
+        """Refuse (ConfigError, at server start) size_resources or size_pod_settings naming a size
+        that does not exist."""
+        self.check_user_files()
+        for trait in ("size_resources", "size_pod_settings"):
+            unknown = sorted(set(getattr(self, trait)) - set(sizes))
+            if unknown:
+                raise ConfigError(
+                    f"ElasticKubernetesProvisioner.{trait} names unknown GPU sizes {unknown}; "
+                    f"sizes: {', '.join(sizes) or 'none'}"
+                )
 
     def pod_resources(self, size: str | None) -> dict[str, Any]:
         """The kernel container's requests/limits before the size's GPU resources are added."""
@@ -352,4 +508,13 @@ class KubeSettings(LoggingConfigurable):
             cpu_resources=dict(self.cpu_kernel_resources),
             gpu_resources=dict(self.resources),
             size_resources=dict(self.size_resources),
+            size_pods={size: dict(own) for size, own in self.size_pod_settings.items()},
+            pod_patch=dict(self.pod_patch),
+            user_volumes=tuple(dict(entry) for entry in self.user_volumes),
+            home_volume=self.home_volume,
+            notebook_root=self.notebook_root,
+            user_pod_selector=dict(self.user_pod_selector)
+            if self.home_access_mode == "ReadWriteOnce"
+            else None,
+            user_pod_namespace=self.user_pod_namespace,
         )

@@ -124,3 +124,18 @@ def release_slice(runtime: ElasticRuntime, kernel_id: str, reason: str, log: log
             ", ".join(released.device_uuids),
             reason,
         )
+
+
+#: The notebook's folder, as jupyter_server's GatewayClient sends it (Enterprise Gateway's name).
+WORKING_DIR_ENV = "KERNEL_WORKING_DIR"
+
+
+def requested_dir(launch_kwargs: dict[str, Any]) -> str | None:
+    """The folder a kernel start asks for: the client's ``KERNEL_WORKING_DIR``, else the server's
+    ``cwd`` (jupyter_server's: the notebook's folder under its root)."""
+    env = launch_kwargs.get("env") or {}
+    asked = env.get(WORKING_DIR_ENV) if isinstance(env, dict) else None
+    if isinstance(asked, str) and asked:
+        return asked
+    cwd = launch_kwargs.get("cwd")
+    return str(cwd) if cwd else None

@@ -55,6 +55,7 @@ from kernelmgr.kube.manifests import (
 )
 from kernelmgr.kube.namespaces import namespace_for
 from kernelmgr.kube.nodes import follow_pod_node
+from kernelmgr.kube.pod_settings import kernel_environment
 from kernelmgr.kube.pods import (
     FoundKernel,
     evicted,
@@ -75,6 +76,7 @@ from kernelmgr.provisioners.common import (
     mark_launched,
     profile_name_of,
     release_slice,
+    requested_dir,
     with_agent,
 )
 from kernelmgr.provisioners.kube_warm import WarmHandoff
@@ -114,6 +116,10 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         self._kept_pods: set[str] = set()
         #: The hand-off to (and checkpoints from) the warm pod this kernel's pod was.
         self.warm = WarmHandoff(self)
+        #: The notebook's folder on the single-user server (:mod:`kernelmgr.kube.user_volumes`).
+        self._requested_dir: str | None = None
+        #: The kernelspec's env and the client's allowed KERNEL_* (kube.pod_settings.kernel_environment).
+        self._kernel_env: dict[str, str] = {}
 
     # ---- plumbing
 
@@ -186,6 +192,11 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
                 self._warm = None
             raise
         self._record.launch_path = "warm" if self._warm is not None else "cold"
+        self._requested_dir = requested_dir(kwargs) or self._requested_dir
+        self._kernel_env = (
+            kernel_environment(self.kernel_spec.env, kwargs.get("env"), list(self.client_env))
+            or self._kernel_env
+        )
         try:
             await self._select_namespace()
             self.informer  # noqa: B018  (start the watch now: the pod's first events must be seen)
@@ -270,7 +281,15 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             kernelspec=record.kernelspec,
             profile=runtime.profile(granted.profile) if granted is not None else None,
             checkpoint_sub_path=sub_path,
+            requested_dir=self._requested_dir,
+            kernel_env=self._kernel_env,
+            image=self.kernelspec_images.get(self._base_kernelspec()),
         )
+
+    def _base_kernelspec(self) -> str:
+        """The base kernelspec this kernel's GPU-size (or CPU) kernelspec was made from."""
+        elastic = (self.kernel_spec.metadata or {}).get("elastic") or {}
+        return str(elastic.get("base_kernelspec") or "")
 
     def secret_manifest(self) -> dict[str, Any]:
         """Connection file and checkpoint key (:func:`~kernelmgr.kube.manifests.make_kernel_secret`)."""
@@ -572,7 +591,12 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
     async def get_provisioner_info(self) -> dict[str, Any]:
         info: dict[str, Any] = await super().get_provisioner_info()
         info.update(
-            pod_name=self._pod_name, launched=self._launched, namespace=self._namespace, warm=self.warm.origin
+            pod_name=self._pod_name,
+            launched=self._launched,
+            namespace=self._namespace,
+            warm=self.warm.origin,
+            requested_dir=self._requested_dir,
+            kernel_env=self._kernel_env,
         )
         return info
 
@@ -582,3 +606,5 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         self._namespace = provisioner_info.get("namespace") or self._namespace
         self._pod_name = provisioner_info.get("pod_name") or self._pod_name
         self.warm.origin = bool(provisioner_info.get("warm"))
+        self._requested_dir = provisioner_info.get("requested_dir") or self._requested_dir
+        self._kernel_env = dict(provisioner_info.get("kernel_env") or self._kernel_env)

@@ -51,6 +51,7 @@ from kernelmgr.core.modes import LOCAL_PROVISIONER
 from kernelmgr.provisioners.accounts import AccountError, KernelAccount
 from kernelmgr.provisioners.common import (
     AGENT_EXTENSION,
+    WORKING_DIR_ENV,
     claim_slice,
     find_loss_reports,
     find_runtime,
@@ -195,6 +196,12 @@ class ElasticLocalProvisioner(LocalProvisioner):
                 env.pop(name, None)
             if account is not None:
                 env = self._as_account(account, env, kwargs)
+            else:
+                asked = env.get(WORKING_DIR_ENV)
+                if asked and os.path.isabs(asked) and os.path.isdir(asked):
+                    # The notebook's folder, as a gateway client sends it (jupyter_server's own
+                    # start already passes it as cwd). Not with per-user accounts: see _as_account.
+                    kwargs["cwd"] = asked
             env.update(slice_env)
             env.update(agent_environment(runtime, record, plan, self.key_file, account))
         except BaseException:

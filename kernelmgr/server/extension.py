@@ -184,8 +184,9 @@ class ElasticKernelsExtension(ExtensionApp):
         self._start_warm_pools(runtime)
 
     def _make_cluster(self, km: ElasticMappingKernelManager, runtime: ElasticRuntime) -> Any:
-        """The server's KubeCluster, its settings (pod resources, their sizes) checked at start: a
-        bad one is exit code 2 and one line, not a failure at the first kernel. The kernel manager
+        """The server's KubeCluster, its settings (pod resources, their sizes) checked at start, and
+        each size's pod by the API server (a dry-run): a bad one is exit code 2 and one line, not a
+        failure at the first kernel. The kernel manager
         stops its watches once the kernels are shut down."""
         try:
             kube_optional.require()
@@ -202,7 +203,16 @@ class ElasticKernelsExtension(ExtensionApp):
             message = exc.message if isinstance(exc, ConfigError) else " ".join(str(exc).split())
             self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", message)
             sys.exit(CONFIG_ERROR_EXIT)
-        return KubeCluster(settings, self.log)
+        cluster = KubeCluster(settings, self.log)
+        from kernelmgr.kube.dry_run import check_kernel_pods
+
+        try:
+            check_kernel_pods(cluster, runtime.profiles, self.log)
+        except ConfigError as exc:
+            cluster.stop()
+            self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", exc.message)
+            sys.exit(CONFIG_ERROR_EXIT)
+        return cluster
 
     def _start_warm_pools(self, runtime: ElasticRuntime) -> None:
         """Local warm processes (``ElasticKernels.warm_pool``), or Kubernetes warm pods

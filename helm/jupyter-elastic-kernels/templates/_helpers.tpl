@@ -200,6 +200,17 @@ items:
   "cpu_kernel_resources" $v.kernels.cpuResources
   "resources" $v.kernels.resources
   "size_resources" $v.kernels.sizeResources
+  "size_pod_settings" $v.kernels.sizePodSettings
+  "pod_patch" $v.kernels.podPatch
+  "validate_pods_at_start" $v.kernels.validatePodsAtStart
+  "user_volumes" $v.kernels.userVolumes
+  "home_volume" $v.kernels.homeVolume
+  "notebook_root" $v.kernels.notebookRoot
+  "home_access_mode" $v.kernels.homeAccessMode
+  "user_pod_selector" $v.kernels.userPodSelector
+  "user_pod_namespace" $v.kernels.userPodNamespace
+  "client_env" $v.kernels.clientEnv
+  "kernelspec_images" $v.kernels.kernelspecImages
   "warm_pods" $v.kernels.warmPods -}}
 {{- if $v.nodeAgent.enabled }}
 {{- $_ := set $provisioner "node_agent_token_file" (printf "%s/token" (include "jek.agentTokenDir" .)) -}}
