@@ -43,17 +43,21 @@ def place(server: RunningServer, kernel_id: str) -> Any:
     return resume.get("position") if resume else None
 
 
-class Resume(threading.Thread):
-    """``POST .../resume`` in the background (it answers once the kernel runs or the wait fails)."""
+class InBackground(threading.Thread):
+    """A request in the background: a resume or a queued start answers once the kernel has its slice."""
 
-    def __init__(self, server: RunningServer, kernel_id: str) -> None:
+    def __init__(self, server: RunningServer, method: str, path: str, body: Any = None) -> None:
         super().__init__(daemon=True)
-        self.server, self.kernel_id = server, kernel_id
+        self.server, self.method, self.path, self.body = server, method, path, body
         self.reply: Any = None
         self.start()
 
     def run(self) -> None:
-        self.reply = self.server.request("POST", f"/api/elastic/kernels/{self.kernel_id}/resume", timeout=900)
+        self.reply = self.server.request(self.method, self.path, self.body, timeout=900)
+
+
+def resuming(server: RunningServer, kernel_id: str) -> InBackground:
+    return InBackground(server, "POST", f"/api/elastic/kernels/{kernel_id}/resume")
 
 
 def hibernated_with(server: RunningServer, value: int, size: str = "whole") -> str:
@@ -69,7 +73,7 @@ def test_waiting_resumes_are_served_in_order_and_told_their_place(server: Runnin
     hogs = [server.start_kernel("python3-gpu-whole") for _ in range(2)]  # both GPUs taken
     resumes = {}
     for kernel_id, places in ((first, [first]), (second, [first, second]), (urgent, [urgent, first, second])):
-        resumes[kernel_id] = Resume(server, kernel_id)
+        resumes[kernel_id] = resuming(server, kernel_id)
         for n, waiting in enumerate(places, start=1):
             wait_for(lambda k=waiting, n=n: place(server, k) == n, timeout=60, what=f"{waiting} at place {n}")
     assert model(server, second)["resume"]["waiting"] == 3
@@ -135,17 +139,8 @@ def test_a_waiting_kernel_gets_the_gpu_of_the_longest_idle_one_under_pressure(tm
         running.stop()
 
 
-class Start(threading.Thread):
-    """``POST /api/kernels`` in the background (a queued start answers once it has its slice)."""
-
-    def __init__(self, server: RunningServer, kernelspec: str) -> None:
-        super().__init__(daemon=True)
-        self.server, self.kernelspec = server, kernelspec
-        self.reply: Any = None
-        self.start()
-
-    def run(self) -> None:
-        self.reply = self.server.request("POST", "/api/kernels", {"name": self.kernelspec}, timeout=900)
+def starting(server: RunningServer, kernelspec: str) -> InBackground:
+    return InBackground(server, "POST", "/api/kernels", {"name": kernelspec})
 
 
 def test_starts_wait_in_the_queue_behind_a_waiting_resume(tmp_path: Path) -> None:
@@ -155,9 +150,9 @@ def test_starts_wait_in_the_queue_behind_a_waiting_resume(tmp_path: Path) -> Non
     try:
         sleeper = hibernated_with(running, 3)
         hogs = [running.start_kernel("python3-gpu-whole") for _ in range(2)]
-        resume = Resume(running, sleeper)
+        resume = resuming(running, sleeper)
         wait_for(lambda: place(running, sleeper) == 1, timeout=60, what="the resume in the queue")
-        start = Start(running, "python3-gpu-whole")
+        start = starting(running, "python3-gpu-whole")
         queued = lambda: running.get("/api/elastic/queue")["waiting"] == 2  # noqa: E731
         wait_for(queued, timeout=60, what="the start in the queue")
         entries = running.get("/api/elastic/queue")["entries"]
