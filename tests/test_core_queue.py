@@ -109,3 +109,20 @@ def test_the_estimate_needs_two_grants_then_scales_with_the_position() -> None:
     queue.settle("b")
     assert queue.position("d") == 2
     assert queue.estimate("d") == 60
+
+
+def test_a_wait_counts_warm_slices_as_free() -> None:
+    """A warm workload gives its slice back to any kernel that needs it: nobody waits for one."""
+    import asyncio
+
+    from kernelmgr.core.allocator import SliceAllocator
+    from kernelmgr.core.inventory import GpuDevice, GpuInventory
+    from kernelmgr.core.profiles import parse_profile
+    from kernelmgr.core.waiting import SliceWaits
+
+    whole = parse_profile("whole", {"gpu_fraction": 1})
+    allocator = SliceAllocator(GpuInventory([GpuDevice("gpu-0", "GPU", 40960, 0)], source="declared"))
+    allocator.allocate("warm:pool-1", whole)
+    waits = SliceWaits(SliceQueue(), allocator, lambda _name: whole, poll=0.01)
+    asyncio.run(asyncio.wait_for(waits.wait("k", "ann", whole, 0, "max"), timeout=5))
+    assert "k" not in waits.queue

@@ -81,7 +81,8 @@ class SliceWaits:
         told = False
 
         def fits(size: str) -> bool:
-            return self.allocator.fits(self.profile(size))
+            # Warm slices count as free: the launch takes one, or warm workloads give theirs back.
+            return self.allocator.fits(self.profile(size), warm_gives_way=True)
 
         def claimed(other: str) -> bool:
             return self.allocator.slice_of(other) is not None
