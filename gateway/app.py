@@ -115,6 +115,30 @@ class ElasticGatewayApp(ServerApp):
         message = int(self.tornado_settings.get("websocket_max_message_size", WEBSOCKET_MAX_MESSAGE_SIZE))
         return max(DEFAULT_MAX_BUFFER_SIZE, self.max_body_size, message + 1024 * 1024)
 
+    @default("reraise_server_extension_failures")
+    def _default_reraise_server_extension_failures(self) -> bool:
+        return True  # load_server_extensions below turns the failure into one line
+
+    def load_server_extensions(self) -> None:
+        """A gateway whose kernelmgr extension failed has no elastic kernels, yet jupyter_server only
+        warns and serves on (a pod Running and Ready to its probe): stop in one line, exit code 2.
+        Found deploying the chart: a checkpoint claim the gateway's user could not write."""
+        try:
+            super().load_server_extensions()
+        except Exception as exc:
+            self.log.debug("the kernelmgr extension's failure", exc_info=True)
+            # A file the gateway cannot write is most often the storage's owner: say whose it must be.
+            account = ""
+            if isinstance(exc, OSError):
+                account = f" (running as uid {os.getuid()}, gid {os.getgid()})"
+            self.log.critical(
+                "elastic-gateway: the kernelmgr extension failed to start%s: %s: %s",
+                account,
+                type(exc).__name__,
+                " ".join(str(exc).split()),
+            )
+            sys.exit(CONFIG_ERROR_EXIT)
+
     def init_httpserver(self) -> None:
         """Answer an oversized body with 413 from its headers, before reading (and buffering) it."""
         super().init_httpserver()

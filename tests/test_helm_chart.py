@@ -761,6 +761,16 @@ def test_values_reach_the_server_config(tmp_path: Path) -> None:
     assert hub["ElasticGateway"]["auth"] == "jupyterhub"
 
 
+def test_the_admins_gpu_sizes_replace_the_default_size(tmp_path: Path) -> None:
+    """Helm merges a values file's maps into the chart's: a default size in values.yaml was offered
+    beside every admin's own (found following docs/deploy-kubernetes.md: "whole" next to "gpu-1")."""
+    mine = {"gpu-1": {"display_name": "1 GPU", "gpu_fraction": 1, "backend": "whole"}}
+    config = server_config(render({"gpu": {"profiles": mine}}, tmp_path))
+    assert config["ElasticKernels"]["profiles"] == mine
+    default = server_config(render({}, tmp_path))["ElasticKernels"]["profiles"]
+    assert default == {"whole": {"display_name": "1 GPU", "gpu_fraction": 1, "backend": "whole"}}
+
+
 # ---- helm install into the real API server; the gateway with the chart's identity
 
 

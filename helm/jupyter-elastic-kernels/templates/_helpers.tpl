@@ -177,7 +177,7 @@ items:
 {{- define "jek.serverConfig" -}}
 {{- $v := .Values -}}
 {{- $elastic := dict
-  "profiles" $v.gpu.profiles
+  "profiles" (default (dict "whole" (dict "display_name" "1 GPU" "gpu_fraction" 1 "backend" "whole")) $v.gpu.profiles)
   "gpu_inventory_source" $v.gpu.inventorySource
   "gpu_inventory" $v.gpu.inventory
   "allocation_strategy" $v.gpu.allocationStrategy
