@@ -304,10 +304,10 @@ def test_a_read_write_once_home_puts_kernels_on_the_node_of_the_owners_server(
 
             assert wait_for(running, 120, "the kernel pod to run").spec.node_name == setup["nodes"]["l4"]
         refused = server.request("POST", "/api/kernels", {"name": "python3-gpu-a100"})
-        # The reason is the scheduler's (the answer itself is jupyter_server's 500 for a failed start:
-        # docs/status.md).
-        assert refused.status >= 400, refused.body
-        assert "didn't match pod affinity rules" in server.log()
+        # The answer says why, in the scheduler's words (it was jupyter_server's 500 "Unhandled error").
+        assert refused.status == 503, refused.body
+        assert "didn't match pod affinity rules" in refused.body["message"], refused.body
+        assert "launch_timeout" in refused.body["message"], refused.body
         for kernel_id in kernels:
             server.shutdown_kernel(kernel_id)
     finally:

@@ -37,6 +37,11 @@ from kernelmgr.kube.pods import FoundKernel, finished, pod_failure, running
 from kernelmgr.kube.settings import KubeSettings
 
 
+class PodNotRunning(RuntimeError):
+    """A kernel's pod did not run (not scheduled, image not pulled, ended at once): the message
+    says why, from its conditions, container states and events, for the user's start answer."""
+
+
 class KubeCluster:
     """The settings, API clients and pod watches of one server's cluster."""
 
@@ -188,11 +193,12 @@ class KubeCluster:
         except TimeoutError:
             seen = informer.get(kernel_id)
             explained = pod_failure(seen, await asyncio.to_thread(events))
-            raise RuntimeError(
-                f"kernel pod {namespace}/{name} not running after {timeout:g} s: {explained}"
+            raise PodNotRunning(
+                f"kernel pod {namespace}/{name} not running after {timeout:g} s "
+                f"(ElasticKubernetesProvisioner.launch_timeout): {explained}"
             ) from None
         if not running(seen):
-            raise RuntimeError(f"kernel pod {namespace}/{name} ended: {pod_failure(seen)}")
+            raise PodNotRunning(f"kernel pod {namespace}/{name} ended: {pod_failure(seen)}")
         return seen
 
     async def delete_pod_and_secret(self, namespace: str, name: str, kubeconfig: str | None = None) -> None:

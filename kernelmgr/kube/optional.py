@@ -35,3 +35,12 @@ def refusals() -> tuple[type[Exception], ...]:
     from kernelmgr.kube.access import KubeRefused
 
     return (KubeRefused,)
+
+
+def launch_failures() -> tuple[type[Exception], ...]:
+    """What ``except`` should catch for a kernel pod that did not run (its message says why)."""
+    if not available():
+        return ()
+    from kernelmgr.kube.cluster import PodNotRunning
+
+    return (PodNotRunning,)

@@ -185,9 +185,10 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             raise http_error(409, exc.message) from None
         except UnknownProfileError as exc:
             raise http_error(400, exc.message) from None
-        # the server's RBAC or an admission policy: the admin's to fix
-        except kube_optional.refusals() as exc:
+        except kube_optional.refusals() as exc:  # RBAC or an admission policy: the admin's to fix
             raise http_error(500, f"could not start the kernel: {exc}") from None
+        except kube_optional.launch_failures() as exc:  # not scheduled, not pulled, ended: say why
+            raise http_error(503, f"could not start the kernel: {exc}") from None
         except AccountError as exc:  # a multi-user gateway: no OS account for this user's kernels
             raise http_error(403, exc.message) from None
         finally:
