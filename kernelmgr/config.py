@@ -113,13 +113,14 @@ class ElasticRuntime:
         """Swap in new devices; returns what changed, with the slices lost on removed devices."""
         return self.allocator.replace_inventory(inventory)
 
-    def slices_held_by(self, owner: str) -> int:
-        """GPU slices the owner's kernels hold now (the slice queue's fair share counts them)."""
-        return sum(
-            1
-            for granted in self.allocator.slices()
-            if (record := self.kernels.get(granted.kernel_id)) is not None and record.owner == owner
-        )
+    def slices_held(self) -> dict[str, int]:
+        """GPU slices each owner's kernels hold now (the slice queue's fair share counts them)."""
+        held: dict[str, int] = {}
+        for granted in self.allocator.slices():
+            record = self.kernels.get(granted.kernel_id)
+            if record is not None:
+                held[record.owner] = held.get(record.owner, 0) + 1
+        return held
 
     @property
     def gpus_available(self) -> bool:

@@ -21,15 +21,16 @@ source: callers pass ``fits`` and ``now``, so the server's controller and the si
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-#: How many slices an owner holds now (the caller knows; the queue only sees waiters).
-Held = Callable[[str], int]
+#: The slices each owner holds now (the caller knows; the queue only sees waiters). Asked once per
+#: ordering: a waiter polls the queue, so one pass over the slices, not one per waiter.
+Held = Callable[[], Mapping[str, int]]
 
 
-def _none_held(_owner: str) -> int:
-    return 0
+def _none_held() -> Mapping[str, int]:
+    return {}
 
 
 #: How often a waiter may be overtaken by smaller ones before freed capacity is held for it.
@@ -79,10 +80,11 @@ class SliceQueue:
 
     def order(self, held: Held = _none_held) -> list[Waiter]:
         """The waiters in the order they are served."""
+        holding = held()
         share: dict[tuple[int, str], int] = {}
         ranked = []
         for waiter in sorted(self._waiters.values(), key=lambda w: w.seq):
-            nth = share.get((waiter.priority, waiter.owner), held(waiter.owner))
+            nth = share.get((waiter.priority, waiter.owner), holding.get(waiter.owner, 0))
             share[(waiter.priority, waiter.owner)] = nth + 1
             ranked.append(((-waiter.priority, nth, waiter.seq), waiter))
         return [waiter for _rank, waiter in sorted(ranked, key=lambda pair: pair[0])]
@@ -141,7 +143,10 @@ class SliceQueue:
     def estimate(self, key: str, held: Held = _none_held) -> float | None:
         """Seconds until ``key`` is served, from the recent time between grants; ``None`` until
         two grants have been seen (no basis for a guess)."""
-        place = self.position(key, held)
+        return self.estimate_at(self.position(key, held))
+
+    def estimate_at(self, place: int | None) -> float | None:
+        """:meth:`estimate` for a known place in the queue."""
         if place is None or self._grant_interval is None:
             return None
         return place * self._grant_interval

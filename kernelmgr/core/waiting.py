@@ -40,7 +40,7 @@ class SliceWaits:
         self.queue = queue
         self.allocator = allocator
         self.profile = profile
-        self.held: Held = held or (lambda _owner: 0)
+        self.held: Held = held or dict
         self.poll = poll
         self._wakes: dict[str, asyncio.Event] = {}
 

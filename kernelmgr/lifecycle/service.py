@@ -95,7 +95,7 @@ class Hibernator:
             states=runtime.states,
             queue=runtime.slice_queue,
             max_wait=runtime.max_slice_wait,
-            held=runtime.slices_held_by,
+            held=runtime.slices_held,
         )
         self.loss = KernelLoss(
             mkm, runtime, self.controller, self.platform, self.records, self.events, self._pruning

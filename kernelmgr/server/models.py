@@ -81,10 +81,11 @@ def _resume_progress(
     """
     if waiting_for_slice and not has_slice:
         queue = runtime.slice_queue
-        estimate = queue.estimate(record.kernel_id, runtime.slices_held_by)
+        place = queue.position(record.kernel_id, runtime.slices_held)
+        estimate = queue.estimate_at(place)
         return {
             "phase": "waiting_for_slice",
-            "position": queue.position(record.kernel_id, runtime.slices_held_by),
+            "position": place,
             "waiting": len(queue),
             "estimate_s": None if estimate is None else round(estimate),
         }
@@ -166,14 +167,14 @@ def queue_model(runtime: ElasticRuntime, user: str | None, admin: bool) -> dict[
     wait. ``estimate_s`` is a guess from the recent time between grants (``null`` until two).
     """
     queue = runtime.slice_queue
-    held = runtime.slices_held_by
+    held = runtime.slices_held
     now = time.monotonic()
     entries = []
     for place, waiter in enumerate(queue.order(held), start=1):
         if not admin and waiter.owner != user:
             continue
         record = runtime.kernels.get(waiter.key)
-        estimate = queue.estimate(waiter.key, held)
+        estimate = queue.estimate_at(place)
         entries.append(
             {
                 "position": place,

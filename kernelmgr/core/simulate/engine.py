@@ -400,9 +400,9 @@ class _Replay:
                     granted = True
                     break
 
-    def held_by(self, user: str) -> int:
-        """Slices the user's kernels hold now (the queue's fair share counts them)."""
-        return self.holding.get(user, 0)
+    def held_by(self) -> dict[str, int]:
+        """Slices each user's kernels hold now (the queue's fair share counts them)."""
+        return self.holding
 
     def fits_size(self, size: str) -> bool:
         return self.allocator.fits(self.sizes[size])
