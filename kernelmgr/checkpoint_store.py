@@ -142,6 +142,10 @@ class CheckpointStore:
         with SafeDir.open(self.root) as root, root.subdir(owner, create=create) as owner_dir:
             return owner_dir.subdir(kernel_id, create=create)
 
+    def prepare(self, owner: str) -> None:
+        """Read what a kernel of ``owner``'s environment will need (blocking: call it off the event
+        loop). Nothing here; an object store loads the owner's encryption key."""
+
     def key_for(self, owner: str) -> bytes:
         """The key ``owner``'s kernels sign and verify with.
 

@@ -88,6 +88,15 @@ class ObjectCheckpointStore(CheckpointStore):
         suffix = ENCRYPTED if encrypted else ""
         return DATA_FILE + suffix, MANIFEST_FILE + suffix
 
+    def prepare(self, owner: str) -> None:
+        """The owner's key is in the bucket (one GET, then cached): read it before
+        :meth:`agent_env`, which runs on the event loop."""
+        if self.envelope is not None:
+            try:
+                self.envelope.owner_key(owner)
+            except EnvelopeError as exc:
+                raise CheckpointRefused(str(exc)) from None
+
     def _checkpoint_key(self, owner: str, checkpoint_id: str) -> bytes:
         assert self.envelope is not None
         try:

@@ -26,6 +26,7 @@ The provisioner is selected by kernelspec metadata (``kernel_provisioner.provisi
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections import deque
 from pathlib import Path
@@ -190,6 +191,8 @@ class ElasticLocalProvisioner(LocalProvisioner):
             self.choose_new_ports()
         try:
             account = self._prepare_account(record)
+            if plan.restore:  # an object store's key: read off the event loop, before agent_environment
+                await asyncio.to_thread(runtime.checkpoints.prepare, record.owner)
             kwargs = await super().pre_launch(**kwargs)
             env = kwargs.get("env") or {}
             for name in (*MANAGED_VARIABLES, *HANDED_OVER):
