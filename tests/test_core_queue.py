@@ -126,3 +126,24 @@ def test_a_wait_counts_warm_slices_as_free() -> None:
     waits = SliceWaits(SliceQueue(), allocator, lambda _name: whole, poll=0.01)
     asyncio.run(asyncio.wait_for(waits.wait("k", "ann", whole, 0, "max"), timeout=5))
     assert "k" not in waits.queue
+
+
+def test_the_queue_listing_shows_a_user_only_their_own_entries(tmp_path: object) -> None:
+    """``GET /api/elastic/queue``'s model: another user's kernel ids and owners are not shown to a
+    user (only how many wait); an admin sees every entry in order."""
+    from kernelmgr.config import ElasticKernels
+    from kernelmgr.server.models import queue_model
+
+    runtime = ElasticKernels(
+        profiles={"whole": {"gpu_fraction": 1}}, checkpoint_root=str(tmp_path), gpu_inventory=[]
+    ).build()
+    runtime.slice_queue.join("alice-1", "alice", "whole", now=0)
+    runtime.slice_queue.join("bob-1", "bob", "whole", now=1)
+    runtime.slice_queue.join("alice-2", "alice", "whole", now=2)
+    mine = queue_model(runtime, "alice", admin=False)
+    assert mine["waiting"] == 3
+    assert [(e["position"], e["kernel_id"]) for e in mine["entries"]] == [(1, "alice-1"), (3, "alice-2")]
+    assert "bob" not in str(mine)
+    everyone = queue_model(runtime, "carol", admin=True)
+    assert [e["kernel_id"] for e in everyone["entries"]] == ["alice-1", "bob-1", "alice-2"]
+    assert queue_model(runtime, None, admin=False)["entries"] == []
