@@ -517,6 +517,52 @@ def test_the_server_runs_with_only_the_shipped_rbac(cluster: PodCluster, tmp_pat
         rbac.delete(api, docs)
 
 
+def test_a_restarted_server_adopts_running_pods_only_once_it_knows_the_nodes_gpus(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    """With the GPU inventory from the nodes, a restarted server knows no GPU until it has listed the
+    nodes, and so no GPU kernelspec to adopt a running pod under: adoption waits for that list (here
+    held back by a missing right) instead of leaving the pod unadopted for good."""
+    from tests.support import rbac
+
+    api = cluster.core.api_client
+    docs = rbac.load(rbac.RBAC, NAMESPACE, "e2e-late-nodes")
+    rbac.apply(api, docs)
+    account = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    kubeconfig, token = rbac.service_account_kubeconfig(
+        cluster.plane, api, NAMESPACE, account, tmp_path / "server.kubeconfig"
+    )
+    rbac.wait_allowed(cluster.plane, token, "list", "nodes", "")
+    config = cluster.config(kubeconfig=str(kubeconfig))
+    del config["ElasticKernels"]["gpu_inventory"]
+    config["ElasticKernels"]["gpu_inventory_source"] = "kubernetes"
+    roles = client.RbacAuthorizationV1Api(api)
+    nodes_role = next(d for d in docs if d["kind"] == "ClusterRole" and "nodes" in str(d["rules"]))
+    running = start_server(tmp_path, config)
+    try:
+        kernel_id = running.start_kernel(SIZE)
+        pid = running.execute(kernel_id, "import os; x = 41; print(os.getpid())").strip()
+        running.process.send_signal(signal.SIGKILL)  # the server dies; its kernel pod does not
+        running.process.wait()
+        no_list = next(
+            d for d in rbac.without(docs, "nodes", "list") if d["metadata"] == nodes_role["metadata"]
+        )
+        roles.replace_cluster_role(nodes_role["metadata"]["name"], no_list)
+        rbac.wait_allowed(cluster.plane, token, "list", "nodes", "", allowed=False)
+        running = start_server(tmp_path, config)
+        wait_for(lambda: "may not list nodes" in running.log(), 60, "the node list to be refused")
+        assert kernel_id not in {k["id"] for k in running.get("/api/kernels")}
+        roles.replace_cluster_role(nodes_role["metadata"]["name"], nodes_role)
+        wait_for(lambda: model(running, kernel_id)["state"] == "running", 120, "the pod to be adopted")
+        assert "Could not adopt" not in running.log(), running.log()[-3000:]
+        assert running.execute(kernel_id, "print(os.getpid(), x + 1)").split() == [pid, "42"]
+        running.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+    finally:
+        running.stop()
+        rbac.delete(api, docs)
+
+
 def test_missing_rights_are_named_in_the_api_answer(cluster: PodCluster, tmp_path: Path) -> None:
     """A server whose ServiceAccount lacks a rule answers with the rule to add, not "Unhandled
     error", and loses nothing: the kernel comes back with its variables once the rule is added."""

@@ -66,6 +66,7 @@ from kubernetes import client
 
 from kernelmgr.core.allocator import InventoryChange, Slice, SliceAllocator
 from kernelmgr.core.inventory import GpuDevice, GpuInventory
+from kernelmgr.kube.access import ExplainedCoreV1Api
 from kernelmgr.kube.fields import field_of as _field
 from kernelmgr.kube.informer import Informer
 from kernelmgr.kube.placement import Placement
@@ -360,7 +361,7 @@ class NodeInventorySync:
         self.loop = loop
         kwargs = {"label_selector": label_selector} if label_selector else {}
         self.informer = Informer(
-            client.CoreV1Api(api).list_node,
+            ExplainedCoreV1Api(api).list_node,
             key=node_name,
             name="node",
             list_kwargs=kwargs,

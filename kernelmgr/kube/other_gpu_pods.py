@@ -26,6 +26,7 @@ from kubernetes import client
 
 from kernelmgr.core.allocator import OTHER_POD_PREFIX, SliceAllocator
 from kernelmgr.core.profiles import GpuProfile
+from kernelmgr.kube.access import ExplainedCoreV1Api
 from kernelmgr.kube.fields import field_of as _field
 from kernelmgr.kube.informer import Informer
 from kernelmgr.kube.manifests import APP_LABELS
@@ -77,7 +78,7 @@ class OtherGpuPods:
     def __init__(self, api: client.ApiClient, allocator: SliceAllocator, watch_timeout: int = 300) -> None:
         self.allocator = allocator
         self.informer = Informer(
-            client.CoreV1Api(api).list_pod_for_all_namespaces,
+            ExplainedCoreV1Api(api).list_pod_for_all_namespaces,
             key=self._key,
             name="GPU pod",
             list_kwargs={"field_selector": FIELD_SELECTOR},

@@ -22,6 +22,7 @@ hibernated from its checkpoint (the provisioner's loss path), still running, it 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -63,10 +64,17 @@ def cluster_of(mkm: PodAdopter) -> KubeCluster:
     return runtime.kube
 
 
-async def adopt_kernel_pods(mkm: PodAdopter) -> list[str]:
-    """Adopt the running kernel pods, clean up the others; returns the kernel ids adopted."""
+async def adopt_kernel_pods(mkm: PodAdopter, node_sync: NodeInventorySync | None = None) -> list[str]:
+    """Adopt the running kernel pods, clean up the others; returns the kernel ids adopted.
+
+    With the nodes' inventory (``node_sync``), only once the nodes were listed: before that the
+    server knows no GPUs, so it offers no GPU kernelspec and has no device to claim the slice on,
+    and a running pod adopted then would be left unadopted for good.
+    """
     hibernator = mkm.hibernator
     assert hibernator is not None
+    if node_sync is not None:
+        await _nodes_listed(mkm, node_sync)
     adopted: list[str] = []
     found: list[FoundKernel] = []
     cluster = cluster_of(mkm)
@@ -123,6 +131,16 @@ async def adopt_kernel_pods(mkm: PodAdopter) -> list[str]:
     if adopted:
         mkm.log.info("Adopted %d running kernel pod(s): %s", len(adopted), ", ".join(adopted))
     return adopted
+
+
+async def _nodes_listed(mkm: PodAdopter, node_sync: NodeInventorySync, every: float = 30.0) -> None:
+    """Wait for the first list of the nodes, saying why every ``every`` s while it does not come."""
+    while not await asyncio.to_thread(node_sync.wait_until, lambda _inventory: True, every):
+        failure = node_sync.informer.failure
+        mkm.log.warning(
+            "Adopting the kernel pods waits for the first list of the nodes (%s)",
+            failure.message if failure is not None else "not answered yet",
+        )
 
 
 def _kernel_namespaces(mkm: PodAdopter) -> list[str]:

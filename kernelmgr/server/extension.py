@@ -135,7 +135,7 @@ class ElasticKernelsExtension(ExtensionApp):
             from kernelmgr.server.adoption import adopt_kernel_pods
 
             # Once the loop runs (the pod watch must sync first); the server starts meanwhile.
-            ioloop.IOLoop.current().add_callback(adopt_kernel_pods, km)
+            ioloop.IOLoop.current().add_callback(adopt_kernel_pods, km, self.node_sync)
         sampler: GpuActivitySampler | ClusterGpuSampler | None = None
         if runtime.mode.in_pods:
             # The kernels run on other nodes: their GPU activity comes from the node agents.

@@ -103,8 +103,11 @@ def service_account_kubeconfig(
     return write_kubeconfig(path, plane.server, plane.pki.ca_cert, token=token), token
 
 
-def wait_allowed(plane: ControlPlane, token: str, verb: str, resource: str, namespace: str) -> None:
-    """Wait until the authorizer has seen the bindings (it reads them from a cache)."""
+def wait_allowed(
+    plane: ControlPlane, token: str, verb: str, resource: str, namespace: str, allowed: bool = True
+) -> None:
+    """Wait until the authorizer has seen the bindings (it reads them from a cache): ``verb`` on
+    ``resource`` allowed (or, with ``allowed=False``, refused)."""
     with plane.api_client(token=token) as api:
         authorization: Any = client.AuthorizationV1Api(api)
         deadline = time.monotonic() + 30
@@ -118,7 +121,7 @@ def wait_allowed(plane: ControlPlane, token: str, verb: str, resource: str, name
                     },
                 }
             )
-            if review.status.allowed:
+            if bool(review.status.allowed) is allowed:
                 return
-            assert time.monotonic() < deadline, f"{verb} {resource} in {namespace} never allowed"
+            assert time.monotonic() < deadline, f"{verb} {resource} in {namespace!r}: allowed never {allowed}"
             time.sleep(0.1)
