@@ -88,3 +88,26 @@ def test_a_pods_stop_is_when_the_watch_first_saw_it(kube_api: Any, kube_namespac
         assert informer.stop_began("a", final) == first
     finally:
         informer.stop()
+
+
+def test_a_relist_comes_in_pages_keeps_unchanged_pods_and_only_their_node(
+    kube_api: Any, kube_namespace: str
+) -> None:
+    """A re-list's memory is the cache plus one page: lists in pages, a pod whose resourceVersion
+    the cache holds keeps the cached copy, and a cached pod keeps of its spec only the node."""
+    core: Any = client.CoreV1Api(kube_api)
+    for n in range(7):
+        pod = pending_pod(str(n))
+        core.create_namespaced_pod(kube_namespace, {**pod, "spec": {**pod["spec"], "nodeName": "no-kubelet"}})
+    informer = PodInformer(kube_api, kube_namespace, "component=kernel")  # not started: lists on demand
+    informer.page_size = 3
+    informer.relist()
+    assert (informer.pages, sorted(informer.items())) == (3, [str(n) for n in range(7)])
+    kept, changed = informer.get("0"), informer.get("1")
+    assert kept.spec.node_name == "no-kubelet" and kept.spec.containers == [], kept.spec
+    assert kept.metadata.labels["kernel_id"] == "0" and kept.status.phase == "Pending"
+    core.patch_namespaced_pod("p-1", kube_namespace, {"metadata": {"labels": {"seen": "again"}}})
+    informer.relist()
+    assert informer.pages == 6
+    assert informer.get("0") is kept  # unchanged: not replaced by the listed copy
+    assert informer.get("1") is not changed and informer.get("1").metadata.labels["seen"] == "again"

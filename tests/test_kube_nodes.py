@@ -229,21 +229,20 @@ def test_inventory_source_setting(tmp_path: Path) -> None:
 def test_client_model_nodes_read_the_same_and_are_slimmed_for_the_cache() -> None:
     from kubernetes import client
 
-    from kernelmgr.kube.nodes import slim_node
+    from kernelmgr.kube.shapes import NODE
 
-    model = client.V1Node(
-        metadata=client.V1ObjectMeta(
-            name="n1", labels=GFD, managed_fields=[client.V1ManagedFieldsEntry(manager="kubelet")]
-        ),
-        spec=client.V1NodeSpec(unschedulable=None),
-        status=client.V1NodeStatus(
-            allocatable={"nvidia.com/gpu": "2", "nvidia.com/mig-1g.10gb": "1"},
-            conditions=[client.V1NodeCondition(type="Ready", status="True")],
-            images=[client.V1ContainerImage(names=["registry.example/big:1"], size_bytes=1 << 30)],
-        ),
-    )
+    raw = {
+        "metadata": {"name": "n1", "labels": GFD, "managedFields": [{"manager": "kubelet"}]},
+        "spec": {},
+        "status": {
+            "allocatable": {"nvidia.com/gpu": "2", "nvidia.com/mig-1g.10gb": "1"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+            "images": [{"names": ["registry.example/big:1"], "sizeBytes": 1 << 30}],
+        },
+    }
+    model = client.V1Node.from_dict(raw)
     assert [d.uuid for d in node_devices(model)] == ["n1/gpu-0", "n1/gpu-1", "n1/mig-1g.10gb-0"]
-    slim = slim_node(model)
+    slim = NODE.build(raw)
     assert slim.status.images is None and slim.metadata.managed_fields is None
     assert node_devices(slim) == node_devices(model)
 

@@ -14,6 +14,11 @@ listeners what changed, in batches (a whole re-list is one batch). :class:`PodIn
 kernel pods' informer (keyed by the ``kernel_id`` label); the node inventory
 (:mod:`kernelmgr.kube.nodes`) uses a node informer.
 
+Memory stays bounded through a re-list (a restart, or 410 Gone after a long disconnect): the
+list comes in pages of :attr:`Informer.page_size` objects, each transformed (fields nobody reads
+dropped) as it arrives, and an object whose resourceVersion the cache already holds keeps the
+cached copy, so a re-list holds the cache plus one page, not two full copies of every pod.
+
 A watch the server's Role does not allow (403 on list or watch) is not retried silently while a
 kernel start waits out its whole launch timeout: the refusal (a
 :class:`~kernelmgr.kube.access.KubeForbidden` naming the missing rule) is kept in
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -36,10 +42,13 @@ from kubernetes import client, watch
 
 from kernelmgr.kube.access import ExplainedCoreV1Api, KubeRefused
 from kernelmgr.kube.pods import stop_began
+from kernelmgr.kube.shapes import KERNEL_POD, Shape, ShapedWatch
 
 log = logging.getLogger(__name__)
 
 KERNEL_ID_LABEL = "kernel_id"
+#: Objects per page of a list: bounds a re-list's peak memory (a page of full pods is a few MiB).
+PAGE_SIZE = 500
 
 Predicate = Callable[[Any], bool]
 #: Called on the informer's thread after the cache changed: ``{key: object, or None if gone}``.
@@ -54,7 +63,9 @@ class Informer:
     keys that changed (after a re-list: every key that was or is in the cache) mapped to the new
     object, or ``None`` for one that is gone. They must be quick and must not raise (an exception
     is logged and swallowed, so one bad listener cannot stop the watch). ``transform`` (optional)
-    is applied to every object before it is cached, e.g. to drop fields nobody reads.
+    is applied to every object before it is cached; ``shape`` (optional) reads the API's JSON
+    itself and keeps only what its :class:`~kernelmgr.kube.shapes.Shape` names (cheaper than
+    the client's whole models).
     """
 
     def __init__(
@@ -68,8 +79,12 @@ class Informer:
         watch_timeout: int = 300,
         retry_delay: float = 1.0,
         transform: Callable[[Any], Any] | None = None,
+        page_size: int | None = PAGE_SIZE,
+        shape: Shape | None = None,
     ) -> None:
         self.list_func = list_func
+        self.page_size = page_size
+        self.shape = shape
         self.key = key
         self.transform = transform
         self.name = name
@@ -79,6 +94,8 @@ class Informer:
         self.retry_delay = retry_delay
         #: How often the cache was rebuilt from a list (the first list included): tests read it.
         self.lists = 0
+        #: How many pages those lists took (one per ``page_size`` objects).
+        self.pages = 0
         #: The resourceVersion of the last event applied: where a broken watch resumes.
         self._seen: str | None = None
         #: Why the watch cannot run (the API server refused it), ``None`` while it can.
@@ -120,7 +137,7 @@ class Informer:
         while not self._stopped.is_set():
             try:
                 if version is None:
-                    version = self._relist()
+                    version = self.relist()
                     self._seen = version
                 self._watch_from(version)
                 version = self._seen
@@ -147,21 +164,70 @@ class Informer:
                 log.warning("%s watch disconnected (%s); resuming", self.name, exc)
                 self._stopped.wait(self.retry_delay)
 
-    def _relist(self) -> str:
-        listed = self.list_func(*self.list_args, **self.list_kwargs)
-        items = listed.items if self.transform is None else [self.transform(i) for i in listed.items]
-        fresh = {k: item for item in items if (k := self.key(item))}
+    def relist(self) -> str:
+        """List everything again, page by page; the new cache replaces the old one at the end
+        (what the watch thread does at its start and after 410 Gone; benchmarks call it too).
+
+        All pages are one snapshot (the first page's resourceVersion, which the watch resumes
+        from). A continue token that expired mid-list is a 410: :meth:`_run` lists again.
+        """
+        with self._lock:
+            cached = {obj.metadata.uid: (k, obj) for k, obj in self._items.items() if obj.metadata.uid}
+        fresh: dict[str, Any] = {}
+        version, token = "", None
+        while True:
+            kwargs = dict(self.list_kwargs)
+            if self.page_size:
+                kwargs["limit"] = self.page_size
+            if token:
+                kwargs["_continue"] = token
+            items, page_version, token = self._list_page(kwargs)
+            self.pages += 1
+            version = version or page_version
+            for item in items:
+                uid, resource_version = _identity(item)
+                known = cached.get(uid)
+                if (
+                    known is not None
+                    and resource_version
+                    and known[1].metadata.resource_version == resource_version
+                ):
+                    fresh[known[0]] = known[1]  # unchanged: the cached copy stays, nothing is built
+                    continue
+                obj = self.shape.build(item) if self.shape is not None else item
+                k = self.key(obj)
+                if k:
+                    fresh[k] = obj if self.transform is None else self.transform(obj)
+            del items  # one page alive at a time
+            if not token:
+                break
+        del cached
         with self._lock:
             changed = set(self._items) | set(fresh)
             self._items = fresh
         self.lists += 1
         self._synced.set()
         self._changed({k: fresh.get(k) for k in changed}, always=True)
-        return str(getattr(listed.metadata, "resource_version", "") or "")
+        return version
+
+    def _list_page(self, kwargs: dict[str, Any]) -> tuple[list[Any], str, str | None]:
+        """One page: its objects (plain JSON with a shape), the list's resourceVersion, the token."""
+        if self.shape is None:
+            listed = self.list_func(*self.list_args, **kwargs)
+            meta = listed.metadata
+            return list(listed.items), str(meta.resource_version or ""), meta._continue or None
+        response = self.list_func(*self.list_args, **kwargs, _preload_content=False)
+        doc = json.loads(response.data)
+        meta = doc.get("metadata") or {}
+        return (
+            list(doc.get("items") or []),
+            str(meta.get("resourceVersion") or ""),
+            meta.get("continue") or None,
+        )
 
     def _watch_from(self, version: str) -> str:
         """Apply events until the watch ends; return the last resourceVersion seen."""
-        self._watch = watch.Watch()
+        self._watch = watch.Watch() if self.shape is None else ShapedWatch(self.shape)
         stream = self._watch.stream(
             self.list_func,
             *self.list_args,
@@ -313,6 +379,7 @@ class PodInformer(Informer):
         super().__init__(
             ExplainedCoreV1Api(api).list_namespaced_pod,
             transform=self._seen_pod,
+            shape=KERNEL_POD,
             key=_kernel_id,
             name=f"pod-{namespace}",
             list_args=(namespace,),
@@ -327,7 +394,6 @@ class PodInformer(Informer):
 
     def _seen_pod(self, pod: Any) -> Any:
         """Every pod the watch brings: remember when its stop began, the first time it is seen."""
-        pod = without_managed_fields(pod)
         began, kernel_id = stop_began(pod), _kernel_id(pod)
         if began is not None and kernel_id is not None:
             with self._stops_lock:
@@ -365,6 +431,14 @@ class PodInformer(Informer):
             return await super().wait_for(kernel_id, predicate, timeout)
         except TimeoutError:
             raise TimeoutError(f"pod of kernel {kernel_id} did not reach the expected state") from None
+
+
+def _identity(item: Any) -> tuple[str | None, str | None]:
+    """(uid, resourceVersion) of a listed object, a model or plain JSON."""
+    if isinstance(item, dict):
+        meta = item.get("metadata") or {}
+        return meta.get("uid"), meta.get("resourceVersion")
+    return item.metadata.uid, item.metadata.resource_version
 
 
 def _kernel_id(pod: Any) -> str | None:

@@ -70,6 +70,7 @@ from kernelmgr.kube.access import ExplainedCoreV1Api
 from kernelmgr.kube.fields import field_of as _field
 from kernelmgr.kube.informer import Informer
 from kernelmgr.kube.placement import Placement
+from kernelmgr.kube.shapes import NODE
 
 log = logging.getLogger(__name__)
 
@@ -102,21 +103,6 @@ def node_name(node: Any) -> str:
 def node_schedulable(node: Any) -> bool:
     """Not cordoned, and its ``Ready`` condition is ``True``."""
     return not _field(_field(node, "spec"), "unschedulable") and node_ready(node)
-
-
-def slim_node(node: Any) -> Any:
-    """``node`` without the parts that are large and unused here (its image list, managed fields).
-
-    A real node lists every image it holds (often tens of KiB); the cache keeps one per node.
-    """
-    if isinstance(node, Mapping):
-        return node
-    status, metadata = _field(node, "status"), _field(node, "metadata")
-    if status is not None and getattr(status, "images", None):
-        status.images = None
-    if metadata is not None and getattr(metadata, "managed_fields", None):
-        metadata.managed_fields = None
-    return node
 
 
 def _count(value: Any) -> int:
@@ -367,7 +353,7 @@ class NodeInventorySync:
             list_kwargs=kwargs,
             watch_timeout=watch_timeout,
             retry_delay=retry_delay,
-            transform=slim_node,
+            shape=NODE,
         )
         self.informer.add_listener(self._apply)
         #: How many times a new inventory was swapped in (tests and metrics read it).

@@ -31,6 +31,7 @@ from kernelmgr.kube.fields import field_of as _field
 from kernelmgr.kube.informer import Informer
 from kernelmgr.kube.manifests import APP_LABELS
 from kernelmgr.kube.nodes import GPU
+from kernelmgr.kube.shapes import GPU_POD
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class OtherGpuPods:
         self.informer = Informer(
             ExplainedCoreV1Api(api).list_pod_for_all_namespaces,
             key=self._key,
+            shape=GPU_POD,
             name="GPU pod",
             list_kwargs={"field_selector": FIELD_SELECTOR},
             watch_timeout=watch_timeout,
