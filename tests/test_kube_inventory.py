@@ -433,3 +433,46 @@ def test_gpus_of_pods_that_are_not_kernels_are_not_offered_to_kernels(cluster: C
         for name in (job, kernel_like):
             with contextlib.suppress(client.ApiException):
                 cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+
+
+def test_mig_instances_of_pods_that_are_not_kernels_are_not_offered_to_kernels(cluster: Cluster) -> None:
+    """A job holding one of a node's two MIG 1g.10gb instances (mixed strategy): one kernel of the
+    MIG size fits, not two; the job's end gives its instance back."""
+    runtime, alloc = cluster.runtime, cluster.runtime.allocator
+    node = cluster.add("mig-shared", gpus=0, mig={"1g.10gb": 2})
+    others = OtherGpuPods(cluster.api, alloc)
+    cluster.sync.after_change.append(others.retry)
+    cluster.sync.companions.append(others)
+    cluster.sync.start()
+    others.start()
+    cluster.wait(has(f"{node}/mig-1g.10gb-0", f"{node}/mig-1g.10gb-1"), "the node's MIG instances")
+    mig = runtime.profile("mig")
+    job = f"mig-job-{cluster.tag}"
+    resources = {"limits": {"nvidia.com/mig-1g.10gb": "1"}}
+    cluster.core.create_namespaced_pod(
+        "default",
+        {
+            "metadata": {"name": job},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "containers": [{"name": "c", "image": "x", "resources": resources}],
+            },
+        },
+    )
+    try:
+        holder = f"pod:default/{job}#nvidia.com/mig-1g.10gb"
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline and alloc.slice_of(holder) is None:
+            time.sleep(0.1)
+        booked = alloc.slice_of(holder)
+        assert booked is not None, "the job's MIG instance was not booked"
+        assert booked.device_uuids[0].startswith(f"{node}/mig-1g.10gb-")
+        alloc.allocate("m1", mig)
+        assert not alloc.fits(mig)  # two instances: the job's and m1's
+        cluster.core.delete_namespaced_pod(job, "default", grace_period_seconds=0)
+        while time.monotonic() < deadline and alloc.slice_of(holder) is not None:
+            time.sleep(0.1)
+        assert alloc.fits(mig), "the job ended but its MIG instance is still booked"
+    finally:
+        with contextlib.suppress(client.ApiException):
+            cluster.core.delete_namespaced_pod(job, "default", grace_period_seconds=0)

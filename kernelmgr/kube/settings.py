@@ -156,7 +156,8 @@ class KubeSettings(LoggingConfigurable):
         True,
         config=True,
         help="""With ElasticKernels.gpu_inventory_source = "kubernetes": book the whole GPUs
-        (nvidia.com/gpu) that pods other than kernels hold on the nodes, so that no kernel is
+        (nvidia.com/gpu) and MIG instances (nvidia.com/mig-<profile>, mixed strategy) that pods
+        other than kernels hold on the nodes, so that no kernel is
         promised one of them (one cluster-wide pod watch: needs list and watch on pods in every
         namespace). Off: every advertised GPU counts as the kernels' own.""",
     )
