@@ -573,3 +573,56 @@ def test_a_size_pinned_to_some_nodes_fits_only_on_their_gpus(
                 cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
     finally:
         cluster.close()
+
+
+def test_replicas_of_a_time_sliced_gpu_that_other_pods_hold_are_booked_as_their_share(
+    kube_plane: ControlPlane, kube_api: Any, tmp_path: Path
+) -> None:
+    """A node's one GPU is shared as 4 replicas (GFD's nvidia.com/gpu.replicas, renamed to
+    nvidia.com/gpu.shared); a job holding 2 of them leaves room for two quarter-GPU kernels, not
+    four; its end gives its half back."""
+    sizes = {**PROFILES, "quarter": {"gpu_fraction": 0.25, "memory_mib": 10000, "backend": "shared"}}
+    runtime = ElasticKernels(
+        profiles=sizes, gpu_inventory_source="kubernetes", checkpoint_root=str(tmp_path / "ck")
+    ).build()
+    cluster = Cluster(kube_api, kube_plane, runtime)
+    job = f"ts-job-{cluster.tag}"
+    try:
+        labels = {**GFD, "nvidia.com/gpu.replicas": "4"}
+        node = cluster.add("ts", gpus=0, extra={"nvidia.com/gpu.shared": "4"}, labels=labels)
+        others = OtherGpuPods(cluster.api, runtime.allocator, replicas=cluster.sync.replicas)
+        cluster.sync.after_change.append(others.retry)
+        cluster.sync.companions.append(others)
+        cluster.sync.start()
+        others.start()
+        cluster.wait(has(f"{node}/gpu-shared-0"), "the node's shared GPU")
+        alloc, quarter = runtime.allocator, runtime.profile("quarter")
+        resources = {"limits": {"nvidia.com/gpu.shared": "2"}}
+        cluster.core.create_namespaced_pod(
+            "default",
+            {
+                "metadata": {"name": job},
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": node},
+                    "containers": [{"name": "c", "image": "x", "resources": resources}],
+                },
+            },
+        )
+        holder = f"pod:default/{job}#nvidia.com/gpu.shared"
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline and alloc.slice_of(holder) is None:
+            time.sleep(0.1)
+        booked = alloc.slice_of(holder)
+        assert booked is not None, "the job's replicas were not booked"
+        assert booked.placements[0].milli == 500  # 2 of 4 replicas: half the GPU
+        alloc.allocate("q1", quarter)
+        alloc.allocate("q2", quarter)
+        assert not alloc.fits(quarter)  # the job's half and two quarters
+        cluster.core.delete_namespaced_pod(job, "default", grace_period_seconds=0)
+        while time.monotonic() < deadline and alloc.slice_of(holder) is not None:
+            time.sleep(0.1)
+        assert alloc.fits(quarter), "the job ended but its replicas are still booked"
+    finally:
+        with contextlib.suppress(client.ApiException):
+            cluster.core.delete_namespaced_pod(job, "default", grace_period_seconds=0)
+        cluster.close()

@@ -309,3 +309,15 @@ def test_required_node_affinity_decides_as_the_scheduler_does() -> None:
     )
     fields = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]}
     assert admits(fields) and not admits({}) and admits()
+
+
+def test_other_pods_replicas_are_booked_as_their_share_of_a_gpu() -> None:
+    """K of a GPU's R time-slicing replicas are K/R of it (``nvidia.com/gpu`` or ``.shared``),
+    whole GPUs from R on; without sharing, and for MIG instances, whole devices."""
+    from kernelmgr.kube.other_gpu_pods import booked_size
+
+    assert booked_size(1, "nvidia.com/gpu", 4).gpu_fraction == 0.25
+    assert booked_size(3, "nvidia.com/gpu.shared", 4).gpu_fraction == 0.75
+    assert booked_size(5, "nvidia.com/gpu.shared", 4).whole_gpus == 2
+    assert booked_size(2, "nvidia.com/gpu", 1).whole_gpus == 2
+    assert booked_size(1, "nvidia.com/mig-1g.10gb", 4).whole_gpus == 1

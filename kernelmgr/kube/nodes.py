@@ -401,6 +401,11 @@ class NodeInventorySync:
         self.informer.start()
         return self
 
+    def replicas(self, node: str) -> int:
+        """How many replicas each GPU of ``node`` is shared as (GFD's label; 1 if unknown)."""
+        labels = _field(_field(self.informer.get(node), "metadata"), "labels") or {}
+        return _count(labels.get(REPLICAS_LABEL)) or 1
+
     def stop(self) -> None:
         self.informer.stop()
         for companion in self.companions:

@@ -4,15 +4,17 @@ A node's allocatable GPUs do not go down as pods use them, so a training job or 
 platform on the same nodes was invisible: the allocator counted its GPUs free and answered
 "fits" for a kernel pod kube-scheduler then left Pending. One cluster-wide pod watch (running
 and pending pods bound to a node) books, for each such pod, what it requests (in its containers'
-requests or limits, init containers counted as the scheduler counts them) on its node: whole GPUs
-(``nvidia.com/gpu``) under the holder ``pod:<namespace>/<name>``, and MIG instances of the mixed
-strategy (``nvidia.com/mig-<profile>``, each an exclusive device of that resource) under
-``pod:<namespace>/<name>#<resource>``; a pod that ends or is deleted gives them back. Bookings
-that do not fit this view yet (the node's devices not listed, or kernels booked there first) are
-kept and tried again at every change, node changes included (:meth:`OtherGpuPods.retry`).
+requests or limits, init containers counted as the scheduler counts them) on its node: GPUs
+(``nvidia.com/gpu``) under the holder ``pod:<namespace>/<name>``, time-slicing/MPS replicas
+(``nvidia.com/gpu.shared``) and MIG instances of the mixed strategy (``nvidia.com/mig-<profile>``,
+each an exclusive device of that resource) under ``pod:<namespace>/<name>#<resource>``; a pod
+that ends or is deleted gives them back. On a node whose GPUs are shared (GFD's
+``nvidia.com/gpu.replicas: R``), K replicas (of ``nvidia.com/gpu`` or ``.shared``) are K/R of a
+GPU (whole GPUs past one). Bookings that do not fit this view yet (the node's devices not listed,
+or kernels booked there first) are kept and tried again at every change, node changes included
+(:meth:`OtherGpuPods.retry`).
 
-Not counted yet: time-slicing/MPS replicas (``nvidia.com/gpu.shared``: a replica's share of its
-GPU depends on the node's replica count), HAMi and other vendors' resources. Pods of this
+Not counted yet: HAMi and other vendors' resources. Pods of this
 project (``app.kubernetes.io/name: jupyter-elastic-kernels``) are kernels or warm pods, booked
 by their own code. Needs ``list`` and ``watch`` on ``pods`` cluster-wide.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubernetes import client
@@ -32,7 +34,7 @@ from kernelmgr.kube.access import ExplainedCoreV1Api
 from kernelmgr.kube.fields import field_of as _field
 from kernelmgr.kube.informer import Informer
 from kernelmgr.kube.manifests import APP_LABELS
-from kernelmgr.kube.nodes import GPU, MIG_RESOURCE_RE
+from kernelmgr.kube.nodes import GPU, GPU_SHARED, MIG_RESOURCE_RE
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,8 @@ FIELD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
 
 
 def counted(resource: str) -> bool:
-    """The GPU resources booked for other pods: whole GPUs and mixed-strategy MIG instances."""
-    return resource == GPU or MIG_RESOURCE_RE.match(resource) is not None
+    """The GPU resources booked for other pods: GPUs, their replicas, and mixed-strategy MIG instances."""
+    return resource in (GPU, GPU_SHARED) or MIG_RESOURCE_RE.match(resource) is not None
 
 
 def _gpus(resources: Any) -> dict[str, int]:
@@ -85,6 +87,25 @@ def holder_of(pod: Any, resource: str = GPU) -> str:
     return holder if resource == GPU else f"{holder}#{resource}"
 
 
+def booked_size(count: int, resource: str, replicas: int) -> GpuProfile:
+    """What ``count`` of ``resource`` amount to on a node whose GPUs are ``replicas`` replicas each:
+    a share of one GPU, or whole GPUs (MIG instances: whole devices)."""
+    if resource in (GPU, GPU_SHARED) and replicas > 1:
+        if count < replicas:
+            fraction = count / replicas
+            return GpuProfile(
+                f"other-pod-{resource}-{count}-of-{replicas}",
+                f"{count} of {replicas} replicas of {resource} of another pod",
+                fraction,
+                None,
+                max(1, round(100 * fraction)),
+                "shared",
+                {"resource_name": resource},
+            )
+        count = -(-count // replicas)
+    return whole_gpus(count, resource)
+
+
 def whole_gpus(count: int, resource: str = GPU) -> GpuProfile:
     """The size another pod's request amounts to: ``count`` whole devices of ``resource`` (GPUs,
     or MIG instances) on one node."""
@@ -106,8 +127,16 @@ def whole_gpus(count: int, resource: str = GPU) -> GpuProfile:
 class OtherGpuPods:
     """Keeps ``allocator``'s bookings equal to the whole GPUs of the GPU pods that are not kernels."""
 
-    def __init__(self, api: client.ApiClient, allocator: SliceAllocator, watch_timeout: int = 300) -> None:
+    def __init__(
+        self,
+        api: client.ApiClient,
+        allocator: SliceAllocator,
+        watch_timeout: int = 300,
+        replicas: Callable[[str], int] | None = None,
+    ) -> None:
         self.allocator = allocator
+        #: A node's GPU replica count (GFD's label; 1 when unknown or not shared).
+        self.replicas = replicas or (lambda node: 1)
         self.informer = Informer(
             ExplainedCoreV1Api(api).list_pod_for_all_namespaces,
             key=self._key,
@@ -117,8 +146,8 @@ class OtherGpuPods:
         )
         self.informer.add_listener(self._apply)
         self._lock = threading.Lock()
-        #: holder -> (what it takes, node), one per pod and resource; booked or waiting for room.
-        self._wanted: dict[str, tuple[GpuProfile, str]] = {}
+        #: holder -> (resource, count, node), one per pod and resource; booked or waiting for room.
+        self._wanted: dict[str, tuple[str, int, str]] = {}
         self._unbooked: set[str] = set()
         #: pod (its cache key) -> its holders.
         self._holders: dict[str, set[str]] = {}
@@ -153,7 +182,7 @@ class OtherGpuPods:
             for key, pod in changes.items():
                 node = str(_field(_field(pod, "spec"), "node_name")) if pod is not None else ""
                 wanted = {
-                    holder_of(pod, resource): (whole_gpus(count, resource), node)
+                    holder_of(pod, resource): (resource, count, node)
                     for resource, count in (requests_of(pod) if pod is not None else {}).items()
                 }
                 for holder in self._holders.pop(key, set()) - set(wanted):
@@ -175,7 +204,8 @@ class OtherGpuPods:
 
     def _book_locked(self) -> None:
         for holder in sorted(self._unbooked):
-            profile, node = self._wanted[holder]
+            resource, count, node = self._wanted[holder]
+            profile = booked_size(count, resource, self.replicas(node))
             if self.allocator.occupy(holder, profile, node) is not None:
                 self._unbooked.discard(holder)
             else:

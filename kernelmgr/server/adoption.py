@@ -186,7 +186,7 @@ def start_node_inventory(runtime: ElasticRuntime, log: logging.Logger) -> NodeIn
         sizes=size_placements(template, runtime.profiles),
     )
     if runtime.kube.settings.count_other_gpu_pods:
-        others = OtherGpuPods(runtime.kube.api(), runtime.allocator)
+        others = OtherGpuPods(runtime.kube.api(), runtime.allocator, replicas=sync.replicas)
         sync.after_change.append(others.retry)
         sync.companions.append(others.start())
     return sync.start()
