@@ -242,6 +242,8 @@ def render_progress(action: str, model: dict[str, Any] | None) -> str:
         if phase == "waiting_for_slice":
             place = f"({model.get('profile')}){queue_place(progress)}"
             return f"resuming: waiting for a free GPU slice {place}; Ctrl-C stops waiting"
+        if phase == "waiting_for_node":
+            return f"resuming: its pod waits for the cluster to add a node ({model.get('profile')})"
         if phase == "restoring":
             done, total = human_mib(progress.get("restored_mib")), human_mib(progress.get("total_mib"))
             return f"resuming: restoring the variables, {done} of {total} read"

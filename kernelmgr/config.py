@@ -78,6 +78,9 @@ class ElasticRuntime:
     max_slice_wait: float = 0.0
     #: ``ElasticKernels.start_queue_wait``: seconds a new kernel waits in the queue (0: refused at once).
     start_queue_wait: float = 0.0
+    #: ``ElasticKernels.scale_up_wait``: seconds a kernel pod that found no slice may stay
+    #: Pending for a node the cluster autoscaler adds (0: off, such a kernel waits in the queue).
+    scale_up_wait: float = 0.0
     #: The one writer of the kernels' lifecycle states (provisioners report starts and exits to it).
     states: KernelStates = field(init=False)
 
@@ -125,6 +128,11 @@ class ElasticRuntime:
     @property
     def gpus_available(self) -> bool:
         return len(self.inventory) > 0
+
+    def waits_for_a_node(self, profile: GpuProfile) -> bool:
+        """``profile`` fits on no node now, but the cluster may grow (``scale_up_wait``): its pod is
+        created and left Pending for the autoscaler instead of waiting in the slice queue."""
+        return self.scale_up_wait > 0 and not self.allocator.fits(profile, warm_gives_way=True)
 
     def profile(self, name: str) -> GpuProfile:
         try:
@@ -250,6 +258,16 @@ class ElasticKernels(LoggingConfigurable):
         help="Seconds a new kernel whose GPU size does not fit now waits in the queue for a slice "
         "(behind the resumes and starts already waiting) before its start fails with 409 saying so. "
         "0: such a start is refused at once, as a size that does not fit has always been.",
+    )
+    scale_up_wait = Float(
+        0.0,
+        config=True,
+        help="Seconds a kernel pod whose GPU size fits on no node now may stay Pending, so that a "
+        "cluster autoscaler sees it and adds a node (a node's boot; its image pull counts in "
+        "ElasticKubernetesProvisioner.launch_timeout, the restore in resume_timeout). Such a start or "
+        "resume skips the slice queue: kube-scheduler places the pod and the server books the GPU "
+        "where it landed. Past it the pod is deleted and the start (503) or resume fails, saying so. "
+        'Needs gpu_inventory_source "kubernetes". 0: off (such kernels wait in the queue).',
     )
     start_timeout = Float(
         120.0,
@@ -382,6 +400,16 @@ class ElasticKernels(LoggingConfigurable):
             raise ConfigError(
                 f"ElasticKernels.max_slice_wait must be >= 0 seconds (0: no limit), got {self.max_slice_wait}"
             )
+        if self.scale_up_wait < 0:
+            raise ConfigError(
+                f"ElasticKernels.scale_up_wait must be >= 0 seconds (0: off), got {self.scale_up_wait}"
+            )
+        if self.scale_up_wait and source != "kubernetes":
+            raise ConfigError(
+                'ElasticKernels.scale_up_wait needs ElasticKernels.gpu_inventory_source = "kubernetes" '
+                "(the GPU of a pod the scheduler placed on a new node is booked from the nodes), "
+                f'not "{source}"; set it, or scale_up_wait = 0'
+            )
         if self.reap_interval <= 0:
             raise ConfigError(f"ElasticKernels.reap_interval must be > 0 seconds, got {self.reap_interval}")
         if not self.base_kernels:
@@ -407,6 +435,7 @@ class ElasticKernels(LoggingConfigurable):
             start_timeout=self.start_timeout,
             max_slice_wait=self.max_slice_wait,
             start_queue_wait=self.start_queue_wait,
+            scale_up_wait=self.scale_up_wait,
             hibernate_on_shutdown=self.hibernate_on_shutdown,
             nvml=nvml,
             gpu_sample_interval=self.gpu_sample_interval,

@@ -445,3 +445,15 @@ def test_demo_config_writes_a_file_and_keeps_an_existing_one(
     assert "exists; pass --force to replace it" in capsys.readouterr().err
     assert main(["demo-config", "--force", str(target)]) == 0
     assert target.read_text() == EXAMPLE_CONFIG.read_text()
+
+
+def test_a_resume_waiting_for_a_node_says_so() -> None:
+    """A resume whose pod waits for the cluster autoscaler (ElasticKernels.scale_up_wait) says that,
+    in the CLI and in the cell, not "starting"."""
+    from kernelmgr.cli_render import render_progress
+    from kernelmgr.server.websocket import resume_progress_text
+
+    phase = {"phase": "waiting_for_node", "scale_up_wait_s": 600}
+    model = {"state": "resuming", "profile": "whole", "resume": phase}
+    assert "waits for the cluster to add a node (whole)" in render_progress("resume", model)
+    assert "waiting for the cluster to add a node" in resume_progress_text(phase)

@@ -147,3 +147,20 @@ def test_the_queue_listing_shows_a_user_only_their_own_entries(tmp_path: object)
     everyone = queue_model(runtime, "carol", admin=True)
     assert [e["kernel_id"] for e in everyone["entries"]] == ["alice-1", "bob-1", "alice-2"]
     assert queue_model(runtime, None, admin=False)["entries"] == []
+
+
+def test_scale_up_wait_needs_the_inventory_from_the_nodes(tmp_path: object) -> None:
+    """A pod left Pending for the autoscaler books its GPU from the nodes: a declared inventory
+    cannot (the setting is refused at start-up, saying what to set)."""
+    from kernelmgr.config import ElasticKernels
+    from kernelmgr.core.errors import ConfigError
+
+    config = ElasticKernels(
+        profiles={"whole": {"gpu_fraction": 1}},
+        checkpoint_root=str(tmp_path),
+        gpu_inventory=[{"uuid": "GPU-a", "name": "A100", "memory_mib": 40960}],
+        scale_up_wait=60,
+    )
+    with pytest.raises(ConfigError) as refused:
+        config.build()
+    assert 'scale_up_wait needs ElasticKernels.gpu_inventory_source = "kubernetes"' in str(refused.value)

@@ -52,7 +52,12 @@ class Cluster:
     """This test's own kwok GPU nodes (deleted afterwards) and a node sync that watches only them."""
 
     def __init__(
-        self, api: Any, plane: ControlPlane, runtime: ElasticRuntime, placement: Placement | None = None
+        self,
+        api: Any,
+        plane: ControlPlane,
+        runtime: ElasticRuntime,
+        placement: Placement | None = None,
+        sizes: dict[str, Placement] | None = None,
     ) -> None:
         self.api = api
         self.core = client.CoreV1Api(api)
@@ -68,6 +73,7 @@ class Cluster:
             label_selector=self.selector,
             on_lost=self._on_lost,
             placement=placement,
+            sizes=sizes,
         )
 
     def _on_lost(self, lost: tuple[Slice, ...]) -> None:
@@ -433,3 +439,190 @@ def test_gpus_of_pods_that_are_not_kernels_are_not_offered_to_kernels(cluster: C
         for name in (job, kernel_like):
             with contextlib.suppress(client.ApiException):
                 cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+
+
+def test_mig_instances_of_pods_that_are_not_kernels_are_not_offered_to_kernels(cluster: Cluster) -> None:
+    """A job holding one of a node's two MIG 1g.10gb instances (mixed strategy): one kernel of the
+    MIG size fits, not two; the job's end gives its instance back."""
+    runtime, alloc = cluster.runtime, cluster.runtime.allocator
+    node = cluster.add("mig-shared", gpus=0, mig={"1g.10gb": 2})
+    others = OtherGpuPods(cluster.api, alloc)
+    cluster.sync.after_change.append(others.retry)
+    cluster.sync.companions.append(others)
+    cluster.sync.start()
+    others.start()
+    cluster.wait(has(f"{node}/mig-1g.10gb-0", f"{node}/mig-1g.10gb-1"), "the node's MIG instances")
+    mig = runtime.profile("mig")
+    job = f"mig-job-{cluster.tag}"
+    resources = {"limits": {"nvidia.com/mig-1g.10gb": "1"}}
+    cluster.core.create_namespaced_pod(
+        "default",
+        {
+            "metadata": {"name": job},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "containers": [{"name": "c", "image": "x", "resources": resources}],
+            },
+        },
+    )
+    try:
+        holder = f"pod:default/{job}#nvidia.com/mig-1g.10gb"
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline and alloc.slice_of(holder) is None:
+            time.sleep(0.1)
+        booked = alloc.slice_of(holder)
+        assert booked is not None, "the job's MIG instance was not booked"
+        assert booked.device_uuids[0].startswith(f"{node}/mig-1g.10gb-")
+        alloc.allocate("m1", mig)
+        assert not alloc.fits(mig)  # two instances: the job's and m1's
+        cluster.core.delete_namespaced_pod(job, "default", grace_period_seconds=0)
+        while time.monotonic() < deadline and alloc.slice_of(holder) is not None:
+            time.sleep(0.1)
+        assert alloc.fits(mig), "the job ended but its MIG instance is still booked"
+    finally:
+        with contextlib.suppress(client.ApiException):
+            cluster.core.delete_namespaced_pod(job, "default", grace_period_seconds=0)
+
+
+def test_a_size_pinned_to_some_nodes_fits_only_on_their_gpus(
+    kube_plane: ControlPlane, kube_api: Any, runtime: ElasticRuntime
+) -> None:
+    """Size "one" has pod settings of its own (a node selector, a toleration, a required node
+    affinity): it fits only on the nodes those admit, while the other sizes keep the rest; the
+    real kube-scheduler places pods with "one"'s settings on the same nodes and no others."""
+    from kernelmgr.kube.placement import size_placements
+    from kernelmgr.kube.settings import KubeSettings
+
+    toleration = {"key": "gpu", "operator": "Equal", "value": "big", "effect": "NoSchedule"}
+    not_z9 = {"key": "zone", "operator": "NotIn", "values": ["z9"]}
+    affinity = {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": [not_z9]}]
+            }
+        }
+    }
+    own = {"nodeSelector": {"pool": "big"}, "tolerations": [toleration], "affinity": affinity}
+    template = KubeSettings(size_pod_settings={"one": own}).pod_template()
+    sizes = size_placements(template, runtime.profiles)
+    assert sizes is not None
+    cluster = Cluster(kube_api, kube_plane, runtime, sizes=sizes)
+    try:
+        big = cluster.add("big", gpus=1, labels={**GFD, "pool": "big"})
+        taint = {"key": "gpu", "value": "big", "effect": "NoSchedule"}
+        tainted = cluster.add("bigtainted", gpus=1, labels={**GFD, "pool": "big"}, taints=[taint])
+        z9 = cluster.add("bigz9", gpus=1, labels={**GFD, "pool": "big", "zone": "z9"})
+        plain = cluster.add("plain", gpus=1, labels=GFD)
+        cluster.sync.start()
+        others = {"small", "two", "mig"}
+        cluster.wait(
+            lambda inventory: (
+                {d.uuid: d.refused_sizes for d in inventory}
+                == {
+                    f"{big}/gpu-0": frozenset(),
+                    f"{tainted}/gpu-0": frozenset(others),
+                    f"{z9}/gpu-0": frozenset({"one"}),
+                    f"{plain}/gpu-0": frozenset({"one"}),
+                }
+            ),
+            "each node's GPU refusing the sizes whose pods cannot land there",
+        )
+        alloc, one, small = runtime.allocator, runtime.profile("one"), runtime.profile("small")
+        placed = {alloc.allocate(k, one).device_uuids[0].split("/")[0] for k in ("k1", "k2")}
+        assert placed == {big, tainted}
+        assert not alloc.fits(one)  # two GPUs are free, but not where "one"'s pods may go
+        assert alloc.allocate("s1", small).device_uuids[0].split("/")[0] in {z9, plain}
+
+        # The scheduler's own answer for pods with "one"'s settings (one GPU each, among these nodes).
+        names = [f"size-{cluster.tag}-{n}" for n in range(3)]
+        for name in names:
+            cluster.core.create_namespaced_pod(
+                "default",
+                {
+                    "metadata": {"name": name},
+                    "spec": {
+                        "nodeSelector": {"pool": "big", "elastic.test/inventory": cluster.tag},
+                        "tolerations": [toleration],
+                        "affinity": affinity,
+                        "containers": [
+                            {"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "1"}}}
+                        ],
+                    },
+                },
+            )
+        try:
+
+            def where() -> dict[str, str | None]:
+                return {n: cluster.core.read_namespaced_pod(n, "default").spec.node_name for n in names}
+
+            def refused(name: str) -> bool:
+                conditions = cluster.core.read_namespaced_pod(name, "default").status.conditions or []
+                return any(c.type == "PodScheduled" and c.status == "False" for c in conditions)
+
+            deadline = time.monotonic() + WAIT
+            while time.monotonic() < deadline:
+                nodes = where()
+                waiting = [n for n, v in nodes.items() if not v]
+                if len(waiting) == 1 and refused(waiting[0]):
+                    break
+                time.sleep(0.2)
+            assert sorted(v for v in nodes.values() if v) == sorted([big, tainted]), nodes
+            assert len(waiting) == 1 and refused(waiting[0]), nodes
+        finally:
+            for name in names:
+                cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
+    finally:
+        cluster.close()
+
+
+def test_replicas_of_a_time_sliced_gpu_that_other_pods_hold_are_booked_as_their_share(
+    kube_plane: ControlPlane, kube_api: Any, tmp_path: Path
+) -> None:
+    """A node's one GPU is shared as 4 replicas (GFD's nvidia.com/gpu.replicas, renamed to
+    nvidia.com/gpu.shared); a job holding 2 of them leaves room for two quarter-GPU kernels, not
+    four; its end gives its half back."""
+    sizes = {**PROFILES, "quarter": {"gpu_fraction": 0.25, "memory_mib": 10000, "backend": "shared"}}
+    runtime = ElasticKernels(
+        profiles=sizes, gpu_inventory_source="kubernetes", checkpoint_root=str(tmp_path / "ck")
+    ).build()
+    cluster = Cluster(kube_api, kube_plane, runtime)
+    job = f"ts-job-{cluster.tag}"
+    try:
+        labels = {**GFD, "nvidia.com/gpu.replicas": "4"}
+        node = cluster.add("ts", gpus=0, extra={"nvidia.com/gpu.shared": "4"}, labels=labels)
+        others = OtherGpuPods(cluster.api, runtime.allocator, replicas=cluster.sync.replicas)
+        cluster.sync.after_change.append(others.retry)
+        cluster.sync.companions.append(others)
+        cluster.sync.start()
+        others.start()
+        cluster.wait(has(f"{node}/gpu-shared-0"), "the node's shared GPU")
+        alloc, quarter = runtime.allocator, runtime.profile("quarter")
+        resources = {"limits": {"nvidia.com/gpu.shared": "2"}}
+        cluster.core.create_namespaced_pod(
+            "default",
+            {
+                "metadata": {"name": job},
+                "spec": {
+                    "nodeSelector": {"kubernetes.io/hostname": node},
+                    "containers": [{"name": "c", "image": "x", "resources": resources}],
+                },
+            },
+        )
+        holder = f"pod:default/{job}#nvidia.com/gpu.shared"
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline and alloc.slice_of(holder) is None:
+            time.sleep(0.1)
+        booked = alloc.slice_of(holder)
+        assert booked is not None, "the job's replicas were not booked"
+        assert booked.placements[0].milli == 500  # 2 of 4 replicas: half the GPU
+        alloc.allocate("q1", quarter)
+        alloc.allocate("q2", quarter)
+        assert not alloc.fits(quarter)  # the job's half and two quarters
+        cluster.core.delete_namespaced_pod(job, "default", grace_period_seconds=0)
+        while time.monotonic() < deadline and alloc.slice_of(holder) is not None:
+            time.sleep(0.1)
+        assert alloc.fits(quarter), "the job ended but its replicas are still booked"
+    finally:
+        with contextlib.suppress(client.ApiException):
+            cluster.core.delete_namespaced_pod(job, "default", grace_period_seconds=0)
+        cluster.close()

@@ -279,3 +279,44 @@ def test_prefer_no_schedule_does_not_close_and_the_node_selector_does() -> None:
     assert not node_devices(soft, Placement({"zone": "a"}))[0].closed
     assert node_devices(soft, Placement({"zone": "b"}))[0].closed
     assert node_devices(soft, Placement({"pool": "gpu"}))[0].closed
+
+
+def test_required_node_affinity_decides_as_the_scheduler_does() -> None:
+    """Terms are ORed, a term's expressions and fields ANDed; an empty term matches nothing."""
+
+    node = {"metadata": {"name": "n1", "labels": {"zone": "a", "gpus": "8"}}, "spec": {}}
+
+    def admits(*terms: dict[str, Any]) -> bool:
+        return Placement(node_terms=terms).admits(node)
+
+    def term(key: str, operator: str, *values: str) -> dict[str, Any]:
+        return {"matchExpressions": [{"key": key, "operator": operator, "values": list(values)}]}
+
+    assert admits(term("zone", "In", "a", "b")) and not admits(term("zone", "In", "b"))
+    assert admits(term("zone", "NotIn", "b")) and admits(term("rack", "NotIn", "r1"))
+    assert admits(term("zone", "Exists")) and not admits(term("rack", "Exists"))
+    assert admits(term("rack", "DoesNotExist")) and not admits(term("zone", "DoesNotExist"))
+    assert admits(term("gpus", "Gt", "4")) and not admits(term("gpus", "Lt", "4"))
+    assert admits(term("zone", "In", "b"), term("zone", "In", "a"))  # ORed
+    assert not admits(
+        {
+            "matchExpressions": [
+                *term("zone", "In", "a")["matchExpressions"],
+                {"key": "rack", "operator": "Exists"},
+            ]
+        }
+    )
+    fields = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]}
+    assert admits(fields) and not admits({}) and admits()
+
+
+def test_other_pods_replicas_are_booked_as_their_share_of_a_gpu() -> None:
+    """K of a GPU's R time-slicing replicas are K/R of it (``nvidia.com/gpu`` or ``.shared``),
+    whole GPUs from R on; without sharing, and for MIG instances, whole devices."""
+    from kernelmgr.kube.other_gpu_pods import booked_size
+
+    assert booked_size(1, "nvidia.com/gpu", 4).gpu_fraction == 0.25
+    assert booked_size(3, "nvidia.com/gpu.shared", 4).gpu_fraction == 0.75
+    assert booked_size(5, "nvidia.com/gpu.shared", 4).whole_gpus == 2
+    assert booked_size(2, "nvidia.com/gpu", 1).whole_gpus == 2
+    assert booked_size(1, "nvidia.com/mig-1g.10gb", 4).whole_gpus == 1

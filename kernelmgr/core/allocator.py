@@ -392,12 +392,11 @@ class SliceAllocator:
         )
 
     def _eligible_devices(self, profile: GpuProfile, node: str | None = None) -> list[GpuDevice]:
-        """The devices ``profile`` may be placed on (its resource asked once, not per device).
-
-        With ``node``: that node's devices, closed ones included (the workload is there already).
-        """
+        """The devices ``profile`` may be placed on (its resource asked once, not per device): the
+        open ones that do not refuse the size, or with ``node`` that node's, closed ones included
+        (the workload is there already)."""
         if node is None:
-            inventory = [d for d in self.inventory if not d.closed]  # one snapshot; closed take nothing new
+            inventory = [d for d in self.inventory if not d.closed and profile.name not in d.refused_sizes]
         else:
             inventory = [d for d in self.inventory if d.node == node]
         wanted = self.profile_resource(profile) if self.profile_resource is not None else None

@@ -92,7 +92,8 @@ class KernelPlatform(Protocol):
         """Stop the process now, whatever it is doing; nothing if there is none."""
 
     async def launch(self, kernel_id: str, restore: Committed | None, timeout: float) -> None:
-        """Start the process (taking the slice) and wait until it serves, within ``timeout``."""
+        """Start the process (taking the slice; a pod within its own launch budget) and wait until
+        it serves, within ``timeout`` counted from when it runs ("kernel restored")."""
 
     def release_slice(self, kernel_id: str) -> None:
         """Give the kernel's slice back (idempotent)."""
@@ -266,6 +267,7 @@ class LifecycleController:
         queue: SliceQueue | None = None,
         max_wait: float = 0.0,
         held: Held | None = None,
+        node_may_come: Callable[[GpuProfile], bool] | None = None,
     ) -> None:
         self.registry = registry
         self.states = states or KernelStates(registry)
@@ -281,6 +283,9 @@ class LifecycleController:
         )
         self.queue = self.waits.queue
         self.max_wait = max_wait
+        #: Whether a size that fits nowhere now goes to a pod left Pending for a node the cluster
+        #: autoscaler adds (``ElasticKernels.scale_up_wait``) instead of the queue.
+        self.node_may_come = node_may_come
         self._slots: dict[str, _Slot] = {}
 
     # -- queries ---------------------------------------------------------------------------
@@ -564,6 +569,16 @@ class LifecycleController:
             return
         profile = self.profile(record.profile)
         slot = self._slot(kernel_id)
+        if self.node_may_come is not None and self.node_may_come(profile):
+            # Its pod waits Pending (the autoscaler sees it); kube-scheduler's order, not the queue's.
+            message = (
+                f"No node has a free GPU slice of size {profile.display_name}: this kernel's pod "
+                "waits for the cluster to add a node (ElasticKernels.scale_up_wait), then resumes."
+            )
+            said = notify(message) if notify is not None else None
+            if said is not None:
+                await said
+            return
 
         def told(place: int | None, why: str) -> Awaitable[None] | None:
             record.waiting_for_slice = True

@@ -39,6 +39,9 @@ class GpuDevice:
     resource: str = ""
     exclusive: bool = False
     closed: bool = False
+    #: GPU sizes whose pods may not land here (their own node selector, affinity or tolerations
+    #: leave this node out, kernelmgr.kube.placement); the other sizes may.
+    refused_sizes: frozenset[str] = frozenset()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +53,7 @@ class GpuDevice:
             "resource": self.resource,
             "exclusive": self.exclusive,
             "closed": self.closed,
+            **({"refused_sizes": sorted(self.refused_sizes)} if self.refused_sizes else {}),
         }
 
 

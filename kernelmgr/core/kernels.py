@@ -105,6 +105,8 @@ class ManagedKernel:
     committed: Committed | None = None
     #: A resume of this kernel is waiting for a free GPU slice now (its shown phase).
     waiting_for_slice: bool = False
+    #: Its pod waits Pending for a node a cluster autoscaler adds (``scale_up_wait``): no slice yet.
+    waiting_for_node: bool = False
     #: Taken with the last checkpoint: the kernel_info reply, and the kernel's own last cell
     #: number (the server's IOPub watcher can lag behind the notebook's).
     kernel_info: dict[str, Any] = field(default_factory=dict)

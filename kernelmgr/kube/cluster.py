@@ -15,6 +15,7 @@ import base64
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client, config
@@ -172,12 +173,60 @@ class KubeCluster:
         """The kernel's just created ``pod`` as the watch sees it Running with an IP; RuntimeError
         explaining why not (conditions, container states, and then its events) when it ended or
         did not run within ``timeout``."""
+        return await self._wait_pod(
+            informer,
+            kernel_id,
+            pod,
+            namespace,
+            timeout,
+            kubeconfig,
+            running,
+            "not running",
+            "ElasticKubernetesProvisioner.launch_timeout",
+        )
+
+    async def wait_scheduled(
+        self,
+        informer: PodInformer,
+        kernel_id: str,
+        pod: Any,
+        namespace: str,
+        timeout: float,
+        kubeconfig: str | None = None,
+    ) -> Any:
+        """The kernel's Pending ``pod`` once kube-scheduler bound it to a node (one a cluster
+        autoscaler may add meanwhile); :class:`PodNotRunning` saying why not (the scheduler's
+        reason) when it ended or was not placed within ``timeout`` (``scale_up_wait``)."""
+        return await self._wait_pod(
+            informer,
+            kernel_id,
+            pod,
+            namespace,
+            timeout,
+            kubeconfig,
+            lambda seen: bool(seen.spec.node_name),
+            "not placed on a node",
+            "ElasticKernels.scale_up_wait",
+        )
+
+    async def _wait_pod(
+        self,
+        informer: PodInformer,
+        kernel_id: str,
+        pod: Any,
+        namespace: str,
+        timeout: float,
+        kubeconfig: str | None,
+        reached: Callable[[Any], bool],
+        not_yet: str,
+        setting: str,
+    ) -> Any:
         uid, name = pod.metadata.uid, pod.metadata.name
 
         def ready_or_done(seen: Any) -> bool:
             if seen is None or seen.metadata.uid != uid:
                 return False
-            return running(seen) or finished(seen)
+            return bool(reached(seen)) or finished(seen)
 
         def events() -> list[Any]:  # read once, only to explain a failed launch
             core = self.core(kubeconfig)
@@ -194,10 +243,9 @@ class KubeCluster:
             seen = informer.get(kernel_id)
             explained = pod_failure(seen, await asyncio.to_thread(events))
             raise PodNotRunning(
-                f"kernel pod {namespace}/{name} not running after {timeout:g} s "
-                f"(ElasticKubernetesProvisioner.launch_timeout): {explained}"
+                f"kernel pod {namespace}/{name} {not_yet} after {timeout:g} s ({setting}): {explained}"
             ) from None
-        if not running(seen):
+        if finished(seen):
             raise PodNotRunning(f"kernel pod {namespace}/{name} ended: {pod_failure(seen)}")
         return seen
 

@@ -44,6 +44,13 @@ node, or one advertising fewer GPUs, takes slices away):
   (256 MiB units, all GPUs together) gives N devices ``<node>/vcuda-<i>`` of resource
   ``tencent.com/vcuda-core`` with ``U * 256 / N`` MiB each.
 
+A GPU size with placement settings of its own (``size_pod_settings``: node selector, tolerations,
+required node affinity) fits only on the nodes its pods may land on: the other nodes' devices name
+it in ``refused_sizes``.
+
+Long because it reads every mechanism's node format (whole, time-slicing, MIG, HAMi, gpushare,
+vCUDA) into one device model and keeps that view current with one watch.
+
 Kernel pods consume node resources that the allocator already tracks by kernel id, so nothing
 here subtracts pod requests: the allocator's slices *are* the usage. The whole GPUs of pods that
 are not kernels are booked by :mod:`kernelmgr.kube.other_gpu_pods`.
@@ -121,14 +128,22 @@ def node_ready(node: Any) -> bool:
     return False
 
 
-def node_devices(node: Any, placement: Placement | None = None) -> tuple[GpuDevice, ...]:
+def node_devices(
+    node: Any, placement: Placement | None = None, sizes: Mapping[str, Placement] | None = None
+) -> tuple[GpuDevice, ...]:
     """The GPU devices ``node`` contributes (see the module docstring): ``closed`` ones (no new
     slices, the old ones kept) while it is cordoned or not Ready, or where ``placement`` says
-    kernel pods cannot land."""
+    kernel pods cannot land; with ``sizes`` (each GPU size's own placement), the sizes whose pods
+    cannot land here are the devices' ``refused_sizes`` (closed when every size is)."""
     name = node_name(node)
     if not name:
         return ()
     devices = _advertised_devices(node, name)
+    if sizes:
+        refused = frozenset(size for size, admitted in sizes.items() if not admitted.admits(node))
+        if node_schedulable(node) and len(refused) < len(sizes):
+            return tuple(dataclasses.replace(d, refused_sizes=refused) for d in devices)
+        return tuple(dataclasses.replace(d, closed=True) for d in devices)
     if not node_schedulable(node) or (placement is not None and not placement.admits(node)):
         return tuple(dataclasses.replace(d, closed=True) for d in devices)
     return devices
@@ -340,9 +355,11 @@ class NodeInventorySync:
         watch_timeout: int = 300,
         retry_delay: float = 1.0,
         placement: Placement | None = None,
+        sizes: Mapping[str, Placement] | None = None,
     ) -> None:
         self.allocator = allocator
         self.placement = placement
+        self.sizes = sizes
         self.on_lost = on_lost
         self.loop = loop
         kwargs = {"label_selector": label_selector} if label_selector else {}
@@ -370,6 +387,11 @@ class NodeInventorySync:
         self.informer.start()
         return self
 
+    def replicas(self, node: str) -> int:
+        """How many replicas each GPU of ``node`` is shared as (GFD's label; 1 if unknown)."""
+        labels = _field(_field(self.informer.get(node), "metadata"), "labels") or {}
+        return _count(labels.get(REPLICAS_LABEL)) or 1
+
     def stop(self) -> None:
         self.informer.stop()
         for companion in self.companions:
@@ -385,7 +407,7 @@ class NodeInventorySync:
         with self._cond:
             dirty = self.updates == 0  # the first list always yields a snapshot, even an empty one
             for name, node in changes.items():
-                devices = node_devices(node, self.placement) if node is not None else ()
+                devices = node_devices(node, self.placement, self.sizes) if node is not None else ()
                 if node is not None and node_schedulable(node):
                     self._schedulable.add(name)
                 else:

@@ -155,8 +155,10 @@ class KubeSettings(LoggingConfigurable):
     count_other_gpu_pods = Bool(
         True,
         config=True,
-        help="""With ElasticKernels.gpu_inventory_source = "kubernetes": book the whole GPUs
-        (nvidia.com/gpu) that pods other than kernels hold on the nodes, so that no kernel is
+        help="""With ElasticKernels.gpu_inventory_source = "kubernetes": book the GPUs
+        (nvidia.com/gpu), time-slicing replicas (their share of a GPU) and MIG instances
+        (nvidia.com/mig-<profile>, mixed strategy) that pods other than kernels hold on the nodes,
+        so that no kernel is
         promised one of them (one cluster-wide pod watch: needs list and watch on pods in every
         namespace). Off: every advertised GPU counts as the kernels' own.""",
     )

@@ -423,10 +423,11 @@ class JupyterKernelPlatform:
         relaunches = 0
         while True:
             await self._start_process(km, record, restore, deadline)
+            # Two budgets: the process (a pod: scheduled, its node booted, its image pulled) has the
+            # provisioner's; "kernel restored" (``timeout``) counts from when it runs, so a slow
+            # pod start never eats the restore's time.
             try:
-                await self._wait_ready(
-                    km, kernel_id if restore else None, max(1.0, deadline - time.monotonic())
-                )
+                await self._wait_ready(km, kernel_id if restore else None, timeout)
                 break
             except LifecycleError:
                 # A resume launches on the ports the kernel had before it slept: another process

@@ -96,6 +96,7 @@ class Hibernator:
             queue=runtime.slice_queue,
             max_wait=runtime.max_slice_wait,
             held=runtime.slices_held,
+            node_may_come=runtime.waits_for_a_node,
         )
         self.loss = KernelLoss(
             mkm, runtime, self.controller, self.platform, self.records, self.events, self._pruning

@@ -76,6 +76,7 @@ def claim_slice(
     kernelspec_name: str,
     profile_name: str | None,
     take_over: str | None = None,
+    node_may_come: bool = False,
 ) -> Claim:
     """Register the kernel (or find it, for a resume), take the launch's plan and its slice,
     before anything starts.
@@ -85,6 +86,8 @@ def claim_slice(
     fit raises here; a new kernel is then marked dead and forgotten, while a resume keeps its
     record and checkpoint (the hibernator decides what a failed resume means). ``take_over``
     names a warm holder whose slice the kernel takes instead of booking a new one.
+    ``node_may_come`` (a pod, with ``ElasticKernels.scale_up_wait``): a size that fits nowhere now
+    claims nothing (``granted`` is ``None``); the pod waits for a node and books where it lands.
     """
     owner = requesting_owner.get() or runtime.owner  # a gateway starts kernels for many users
     record = runtime.states.starting(kernel_id, kernelspec_name, profile_name, owner)
@@ -95,7 +98,10 @@ def claim_slice(
     try:
         granted = runtime.allocator.transfer(take_over, kernel_id) if take_over else None
         if granted is None:
-            granted = runtime.allocator.allocate(kernel_id, runtime.profile(profile_name))
+            profile = runtime.profile(profile_name)
+            if node_may_come and runtime.waits_for_a_node(profile):
+                return Claim(record, None, plan)
+            granted = runtime.allocator.allocate(kernel_id, profile)
     except Exception as exc:
         if not resuming:
             runtime.states.start_refused(record, str(exc))

@@ -55,6 +55,7 @@ from kernelmgr.kube.manifests import (
 )
 from kernelmgr.kube.namespaces import namespace_for
 from kernelmgr.kube.nodes import follow_pod_node
+from kernelmgr.kube.placement import book_where_placed
 from kernelmgr.kube.pod_settings import kernel_environment
 from kernelmgr.kube.pods import (
     FoundKernel,
@@ -120,6 +121,9 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         self._requested_dir: str | None = None
         #: The kernelspec's env and the client's allowed KERNEL_* (kube.pod_settings.kernel_environment).
         self._kernel_env: dict[str, str] = {}
+        #: The GPU size of a pod created without a slice (it fit nowhere; ElasticKernels.scale_up_wait):
+        #: it waits Pending for a node, and books its slice where the scheduler placed it.
+        self._unplaced: str | None = None
 
     # ---- plumbing
 
@@ -184,6 +188,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
                 kernelspec_name,
                 size,
                 take_over=self._warm.holder if self._warm else None,
+                node_may_come=self._warm is None,
             )
         except BaseException:
             if self._warm is not None:
@@ -192,6 +197,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
                 self._warm = None
             raise
         self._record.launch_path = "warm" if self._warm is not None else "cold"
+        self._unplaced = size if size is not None and self._granted is None else None
         self._requested_dir = requested_dir(kwargs) or self._requested_dir
         self._kernel_env = (
             kernel_environment(self.kernel_spec.env, kwargs.get("env"), list(self.client_env))
@@ -270,7 +276,6 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         if self.checkpoint_claim:
             owner_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             sub_path = checkpoint_sub_path(self.checkpoint_claim_path, owner_dir.name)
-        granted = self._granted
         return make_kernel_pod(
             self.pod_template(),
             name=self._pod_name,
@@ -279,12 +284,17 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             agent_env=agent_env,
             owner=record.owner,
             kernelspec=record.kernelspec,
-            profile=runtime.profile(granted.profile) if granted is not None else None,
+            profile=runtime.profile(self._size) if self._size is not None else None,
             checkpoint_sub_path=sub_path,
             requested_dir=self._requested_dir,
             kernel_env=self._kernel_env,
             image=self.kernelspec_images.get(self._base_kernelspec()),
         )
+
+    @property
+    def _size(self) -> str | None:
+        """The GPU size the pod asks for: its slice's, or the one it waits for a node with."""
+        return self._granted.profile if self._granted is not None else self._unplaced
 
     def _base_kernelspec(self) -> str:
         """The base kernelspec this kernel's GPU-size (or CPU) kernelspec was made from."""
@@ -340,10 +350,11 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
                 pool.hit(warm.size, self.warm.use)
                 return self.connection_info
         core = self.core
-        if self._granted is not None:
-            fragment = render_pod_fragment(self.runtime.profile(self._granted.profile), self.kernel_id)
+        size = self._size
+        if size is not None:
+            fragment = render_pod_fragment(self.runtime.profile(size), self.kernel_id)
             await self.cluster.ensure_side_objects(
-                self.kubeconfig, self._namespace, self._granted.profile, list(fragment.side_objects)
+                self.kubeconfig, self._namespace, size, list(fragment.side_objects)
             )
         # Secret, pod, then the Secret's owner: the pod must find its Secret at once (a kubelet
         # retries a missing Secret volume with back-off, seconds per start), and the Secret must
@@ -361,6 +372,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             self._namespace,
             owner_reference(self._pod_name, pod.metadata.uid),
         )
+        if self._unplaced is not None:
+            pod = await self._wait_for_a_node(pod, self._unplaced)
         seen = await self.cluster.wait_running(
             self.informer, self.kernel_id, pod, self._namespace, self.launch_timeout, self.kubeconfig
         )
@@ -368,6 +381,33 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         self.log.info("Kernel %s runs in pod %s at %s", self.kernel_id, self._pod_name, seen.status.pod_ip)
         self._follow_pod_node(seen)
         return self.connection_info
+
+    async def _wait_for_a_node(self, pod: Any, size: str) -> Any:
+        """The pod fit on no node: it stays Pending, where a cluster autoscaler sees it and adds a
+        node, at most ``ElasticKernels.scale_up_wait`` seconds (the node's boot; its image pull is
+        in ``launch_timeout``); then its slice is booked on the node kube-scheduler bound it to."""
+        runtime, record = self.runtime, self._record
+        wait = runtime.scale_up_wait
+        self.log.info(
+            "Kernel %s: no node has a free GPU of size %s; pod %s waits Pending for a node (at most %g s)",
+            self.kernel_id,
+            size,
+            self._pod_name,
+            wait,
+        )
+        record.waiting_for_node = True
+        try:
+            placed = await self.cluster.wait_scheduled(
+                self.informer, self.kernel_id, pod, self._namespace, wait, self.kubeconfig
+            )
+        finally:
+            record.waiting_for_node = False
+        node = str(placed.spec.node_name)
+        self._granted = await book_where_placed(
+            runtime, self.kernel_id, runtime.profile(size), node, self.launch_timeout, self.log
+        )
+        self._unplaced = None if self._granted is not None else size
+        return placed
 
     async def collect_checkpoint(self) -> None:
         """Commit in the server's store the checkpoint the agent just wrote, when it is in a warm pod's

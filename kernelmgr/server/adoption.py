@@ -33,7 +33,7 @@ from kernelmgr.kube.manifests import tolerations
 from kernelmgr.kube.namespaces import namespace_for
 from kernelmgr.kube.nodes import NodeInventorySync
 from kernelmgr.kube.other_gpu_pods import OtherGpuPods
-from kernelmgr.kube.placement import Placement
+from kernelmgr.kube.placement import Placement, size_placements
 from kernelmgr.kube.pods import FoundKernel
 
 if TYPE_CHECKING:
@@ -183,9 +183,10 @@ def start_node_inventory(runtime: ElasticRuntime, log: logging.Logger) -> NodeIn
         runtime.allocator,
         on_lost=lost,  # logs only: fine on the watch thread
         placement=placement,
+        sizes=size_placements(template, runtime.profiles),
     )
     if runtime.kube.settings.count_other_gpu_pods:
-        others = OtherGpuPods(runtime.kube.api(), runtime.allocator)
+        others = OtherGpuPods(runtime.kube.api(), runtime.allocator, replicas=sync.replicas)
         sync.after_change.append(others.retry)
         sync.companions.append(others.start())
     return sync.start()

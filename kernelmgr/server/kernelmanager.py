@@ -141,8 +141,8 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
     def check_size(self, kernel_name: str, queued: bool = False) -> GpuProfile | None:
         """Refuse, with a 4xx that says what to do, a kernelspec whose GPU size is unknown or full.
 
-        ``queued``: a size that fits later is not refused; its profile is returned instead (the
-        start then waits its turn in the slice queue).
+        ``queued``: a size that fits later is returned (the start waits its turn in the slice
+        queue). With ``scale_up_wait`` one that fits nowhere now passes: its pod waits for a node.
         """
         runtime = self._require_runtime()
         ksm = self.kernel_spec_manager
@@ -152,12 +152,12 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             if isinstance(ksm, ElasticKernelSpecManager):
                 raise http_error(404, ksm.not_offered(kernel_name)) from None
             raise http_error(404, f"no kernelspec named {kernel_name!r}; see /api/kernelspecs") from None
-        if profile_name is None:
-            return None
         try:
-            profile = runtime.profile(profile_name)
+            profile = runtime.profile(profile_name) if profile_name is not None else None
         except UnknownProfileError as exc:
             raise http_error(400, f"kernelspec {kernel_name!r} asks for an {exc.message}") from None
+        if profile is None or runtime.waits_for_a_node(profile):
+            return None
         if queued and runtime.allocator.ever_fits(profile):
             return profile
         try:

@@ -73,12 +73,14 @@ def _resume_progress(
     runtime: ElasticRuntime, record: ManagedKernel, has_slice: bool, waiting_for_slice: bool
 ) -> dict[str, Any]:
     """Where a resume is: waiting for a GPU slice (its place in the queue, of how many, and a
-    guess of the wait from the recent time between grants), starting the process, or reading
-    N of M MiB.
+    guess of the wait from the recent time between grants), waiting for a node (its pod Pending
+    for the autoscaler), starting the process, or reading N of M MiB.
 
     The reading phase comes from the file the kernel's agent writes while it reads its
     checkpoint (:mod:`kernelmgr.checkpoint.progress`); one small read, only when asked.
     """
+    if record.waiting_for_node and not has_slice:
+        return {"phase": "waiting_for_node", "scale_up_wait_s": runtime.scale_up_wait}
     if waiting_for_slice and not has_slice:
         queue = runtime.slice_queue
         place = queue.position(record.kernel_id, runtime.slices_held)

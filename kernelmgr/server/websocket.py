@@ -101,6 +101,8 @@ def resume_progress_text(phase: dict[str, Any] | None) -> str:
     it waits for a slice (the waiting note says so) or when it is over."""
     if not phase or phase.get("phase") == "waiting_for_slice":
         return ""
+    if phase.get("phase") == "waiting_for_node":
+        return "Resuming the kernel: waiting for the cluster to add a node with a free GPU…"
     if phase.get("phase") == "restoring":
         done, total = phase.get("restored_mib") or 0, phase.get("total_mib") or 0
         if total and done >= total:
