@@ -348,6 +348,44 @@ def test_restarted_server_adopts_running_pods_and_recovers_lost_ones(
         restarted.stop()
 
 
+#: What no checkpoint can keep: a half-consumed generator and a held lock (both unpicklable).
+UNPICKLABLE = "import os, threading; g = iter(range(10)); next(g); lock = threading.Lock(); lock.acquire()"
+
+
+def test_a_stopped_server_leaves_its_kernel_pods_running_and_the_next_adopts_them(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    """SIGTERM (an upgrade, a drain, a restart) with three running kernels: in Kubernetes mode the
+    default is to leave the pods running, so the next server adopts the same processes with what no
+    checkpoint keeps; nothing is hibernated."""
+    config = cluster.config()
+    del config["ElasticKernels"]["hibernate_on_shutdown"]  # the default of pod mode
+    first = start_server(tmp_path, config)
+    kernels = [first.start_kernel(SIZE), first.start_kernel(SIZE), first.start_kernel("python3-cpu")]
+    pids = {}
+    for kernel_id in kernels:
+        pids[kernel_id] = first.execute(kernel_id, f"{UNPICKLABLE}; print(os.getpid())").strip()
+    pods = {kernel_id: cluster.pod_of(kernel_id).metadata.uid for kernel_id in kernels}
+    first.stop()  # SIGTERM, as Kubernetes stops a gateway pod
+    assert first.process.returncode == 0, first.log()[-3000:]
+    assert "left running in its pod for the next server to adopt" in first.log()
+    for kernel_id in kernels:
+        pod = cluster.pod_of(kernel_id)
+        assert pod is not None and pod.metadata.uid == pods[kernel_id] and pod.status.phase == "Running"
+    second = start_server(tmp_path, config)  # the same root: as a new gateway pod
+    try:
+        for kernel_id in kernels:
+            wait_for(lambda k=kernel_id: model(second, k)["state"] == "running", 60, "the pod to be adopted")
+            said = second.execute(kernel_id, "print(os.getpid(), next(g), lock.locked())").split()
+            assert said == [pids[kernel_id], "1", "True"], said
+            assert cluster.pod_of(kernel_id).metadata.uid == pods[kernel_id]
+        for kernel_id in kernels:
+            second.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pods() == [], 60, "every kernel pod to be deleted")
+    finally:
+        second.stop()
+
+
 def test_background_checkpoint_brings_back_a_never_hibernated_kernel_whose_node_died(
     cluster: PodCluster, tmp_path: Path
 ) -> None:

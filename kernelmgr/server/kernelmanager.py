@@ -258,6 +258,11 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             await hibernator.hibernate_all(self._running_elastic_kernels(), limit)
             for kernel_id in self._running_elastic_kernels():  # could not hibernate (busy, disk full)
                 self._leave_running(kernel_id)
+        elif runtime is not None and runtime.mode.in_pods and not now:
+            # Kernel pods outlive the gateway (upgrade, drain, restart): the next one adopts them
+            # as they are, with what no checkpoint could keep (generators, connections, locks).
+            for kernel_id in self._running_elastic_kernels():
+                self._leave_running(kernel_id, adopted=True)
         self._exiting = True
         await super()._async_shutdown_all(now=now)
         if hibernator is not None:
@@ -268,7 +273,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
 
     shutdown_all = _async_shutdown_all  # type: ignore[assignment]
 
-    def _leave_running(self, kernel_id: str) -> None:
+    def _leave_running(self, kernel_id: str, adopted: bool = False) -> None:
         """At a server stop, leave an elastic kernel that could not hibernate (a cell running) to
         itself instead of shutting it down, which would lose its variables and its checkpoints.
 
@@ -278,6 +283,9 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         """
         self.get_kernel(kernel_id).stop_restarter()
         self._unregister(kernel_id)
+        if adopted:
+            self.log.info("Kernel %s left running in its pod for the next server to adopt", kernel_id)
+            return
         self.log.warning(
             "Kernel %s could not hibernate at shutdown: left running; it checkpoints itself (once a "
             "running cell ends) and the next start lists it",
