@@ -147,6 +147,8 @@ def test_lint_strict() -> None:
         ({"kernels": {"clientEnv": ["PATH"]}}, "clientEnv"),
         ({"checkpoints": {"store": "gcs"}}, "store"),
         ({"checkpoints": {"objectStore": {"partSizeMib": 1}}}, "partSizeMib"),
+        # 0 would block every drain of the gateway's node.
+        ({"gateway": {"podDisruptionBudget": {"maxUnavailable": 0}}}, "maxUnavailable"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(values: dict[str, Any], named: str, tmp_path: Path) -> None:
@@ -383,6 +385,26 @@ def test_default_images_are_the_projects_at_the_charts_version(tmp_path: Path) -
     assert server_config(moved)["ElasticKubernetesProvisioner"]["image"] == "registry.example/jek-kernel:7"
     own = render({"kernels": {"image": "registry.example/mine:1"}}, tmp_path)
     assert server_config(own)["ElasticKubernetesProvisioner"]["image"] == "registry.example/mine:1"
+
+
+def test_gateway_has_a_disruption_budget_and_probes_on_its_heartbeat_and_readiness(tmp_path: Path) -> None:
+    """The probes' paths are under the gateway's base URL (a Hub service's in Hub mode); the budget
+    selects exactly the gateway's pods and lets a drain evict one at a time."""
+    for values, base in (({}, "/services/elastic-gateway/"), ({"gateway": {"auth": "token"}}, "/")):
+        docs = render(values, tmp_path)
+        deployment = only(docs, "Deployment")
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert container["livenessProbe"]["httpGet"] == {"path": f"{base}api/elastic/healthz", "port": "http"}
+        assert container["startupProbe"]["httpGet"] == container["livenessProbe"]["httpGet"]
+        assert container["readinessProbe"]["httpGet"] == {"path": f"{base}api/elastic/readyz", "port": "http"}
+        budget = only(docs, "PodDisruptionBudget")
+        assert budget["spec"]["maxUnavailable"] == 1
+        assert budget["spec"]["selector"] == deployment["spec"]["selector"]
+    assert not [
+        d for d in render({"gateway": {"replicas": 0}}, tmp_path) if d["kind"] == "PodDisruptionBudget"
+    ]
+    off = {"gateway": {"podDisruptionBudget": {"enabled": False}}}
+    assert not [d for d in render(off, tmp_path) if d["kind"] == "PodDisruptionBudget"]
 
 
 def test_kernel_pods_get_the_grace_period_to_checkpoint_at_sigterm(tmp_path: Path) -> None:

@@ -10,9 +10,12 @@ also uses as its ``checkpoint_root`` (as a server pod mounting the same ReadWrit
 from __future__ import annotations
 
 import getpass
+import json
 import re
 import signal
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,15 @@ def server(cluster: PodCluster, tmp_path: Path) -> Iterator[RunningServer]:
 
 def model(server: RunningServer, kernel_id: str) -> dict[str, Any]:
     return dict(server.get(f"/api/elastic/kernels/{kernel_id}"))
+
+
+def probe(server: RunningServer, name: str) -> tuple[int, Any]:
+    """A kubelet's probe: no token."""
+    try:
+        with urllib.request.urlopen(f"{server.url}/api/elastic/{name}", timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
 
 
 def hibernate(server: RunningServer, cluster: PodCluster, kernel_id: str) -> None:
@@ -590,8 +602,11 @@ def test_a_restarted_server_adopts_running_pods_only_once_it_knows_the_nodes_gpu
         running = start_server(tmp_path, config)
         wait_for(lambda: "may not list nodes" in running.log(), 60, "the node list to be refused")
         assert kernel_id not in {k["id"] for k in running.get("/api/kernels")}
+        # Not ready (the Service sends it no one) until the nodes are listed and the pods adopted.
+        assert probe(running, "readyz") == (503, {"message": "not ready yet"})
         roles.replace_cluster_role(nodes_role["metadata"]["name"], nodes_role)
-        wait_for(lambda: model(running, kernel_id)["state"] == "running", 120, "the pod to be adopted")
+        wait_for(lambda: probe(running, "readyz")[0] == 200, 120, "the server to be ready")
+        assert model(running, kernel_id)["state"] == "running"  # ready: the pod was adopted
         assert "Could not adopt" not in running.log(), running.log()[-3000:]
         assert running.execute(kernel_id, "print(os.getpid(), x + 1)").split() == [pid, "42"]
         running.shutdown_kernel(kernel_id)

@@ -35,6 +35,7 @@ from kernelmgr.server.culler import Culler
 from kernelmgr.server.execution_state import ExecutionStates
 from kernelmgr.server.gateway_relay import gateway_relay_handlers
 from kernelmgr.server.handlers import elastic_handlers, gateway_mode_handlers
+from kernelmgr.server.health import Health, health_handlers
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.sessions import ElasticSessionManager, server_identity
@@ -56,6 +57,9 @@ class ElasticKernelsExtension(ExtensionApp):
     runtime: ElasticRuntime | None = None
     background: BackgroundCheckpoints | None = None
     node_sync: Any = None
+    health: Health | None = None
+    #: The kernel pods a previous server left were adopted (Kubernetes mode; readiness waits for it).
+    adopted = False
     #: The server runs its kernels at a gateway (``GatewayClient.url``): the kernels, their GPU
     #: slices and their culling are the gateway's, and this extension stays out of the way.
     kernels_at_gateway = False
@@ -131,11 +135,16 @@ class ElasticKernelsExtension(ExtensionApp):
             from kernelmgr.server.adoption import start_node_inventory
 
             self.node_sync = start_node_inventory(runtime, self.log)
+        self.health = Health(self.log).start()
+        self.settings["elastic_health"] = self.health
+        if self.node_sync is not None:
+            node_sync = self.node_sync
+            self.health.readiness.append(lambda: None if node_sync.informer.synced else "nodes not listed")
         if runtime.mode.in_pods:
-            from kernelmgr.server.adoption import adopt_kernel_pods
-
-            # Once the loop runs (the pod watch must sync first); the server starts meanwhile.
-            ioloop.IOLoop.current().add_callback(adopt_kernel_pods, km, self.node_sync)
+            # Once the loop runs (the pod watch must sync first); the server starts meanwhile,
+            # unready (readyz) until the kernel pods are adopted.
+            ioloop.IOLoop.current().add_callback(self._adopt_kernel_pods, km)
+            self.health.readiness.append(lambda: None if self.adopted else "kernel pods not adopted")
         sampler: GpuActivitySampler | ClusterGpuSampler | None = None
         if runtime.mode.in_pods:
             # The kernels run on other nodes: their GPU activity comes from the node agents.
@@ -182,6 +191,12 @@ class ElasticKernelsExtension(ExtensionApp):
         reaper = ioloop.PeriodicCallback(km.reap_dead_slices, runtime.reap_interval * 1000)
         reaper.start()
         self._start_warm_pools(runtime)
+
+    async def _adopt_kernel_pods(self, km: ElasticMappingKernelManager) -> None:
+        from kernelmgr.server.adoption import adopt_kernel_pods
+
+        await adopt_kernel_pods(km, self.node_sync)
+        self.adopted = True
 
     def _make_cluster(self, km: ElasticMappingKernelManager, runtime: ElasticRuntime) -> Any:
         """The server's KubeCluster, its settings (pod resources, their sizes) checked at start, and
@@ -249,6 +264,7 @@ class ElasticKernelsExtension(ExtensionApp):
             self.handlers.extend(gateway_relay_handlers())
         else:
             self.handlers.extend(elastic_handlers())
+            self.handlers.extend(health_handlers())
 
     async def stop_extension(self) -> None:
         """Server stop: the culler stops first, letting running hibernations finish.
@@ -263,6 +279,8 @@ class ElasticKernelsExtension(ExtensionApp):
             await culler.close()
         if self.background is not None:
             await self.background.close()
+        if self.health is not None:
+            self.health.stop()
         if self.node_sync is not None:
             await asyncio.to_thread(self.node_sync.stop)
         if self.runtime is not None and self.runtime.warm_pools is not None:

@@ -66,6 +66,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (printf "%s-metrics-token" (include "jek.fullname" .)) .Values.metrics.tokenSecret -}}
 {{- end -}}
 
+{{/* The gateway's ServerApp.base_url ("/", or "/services/<name>/" as a Hub service), from the config it
+is given (extraConfig included), for the probes' paths. */}}
+{{- define "jek.basePath" -}}
+{{- $server := (include "jek.serverConfig" . | fromJson).ServerApp | default dict -}}
+{{- $base := index $server "base_url" | default "/" | toString | trimPrefix "/" | trimSuffix "/" -}}
+{{- if $base }}/{{ $base }}/{{ else }}/{{ end -}}
+{{- end -}}
+
 {{/* Where the gateway serves /metrics: under its ServerApp.base_url (/services/<name>/ as a Hub service),
 read from the config it is given, extraConfig included. */}}
 {{- define "jek.metricsPath" -}}
