@@ -271,6 +271,20 @@ class ElasticKernels(LoggingConfigurable):
         kernel pod is left running for the next server to adopt.""",
     )
 
+    live_config_file = Unicode(
+        "",
+        config=True,
+        help="""A JSON file of the settings that may change while the server runs (CullPolicy,
+        ElasticQuota), read at start over the rest of the configuration and re-read every
+        live_config_interval seconds: a change is applied without a restart (an invalid one is
+        logged and refused). The chart mounts it from a ConfigMap of its own. Empty: none.""",
+    )
+    live_config_interval = Float(
+        10.0,
+        config=True,
+        help="Seconds between checks of live_config_file for a change.",
+    )
+
     nvml_class = Type(
         default_value=PynvmlNvml,
         klass=object,

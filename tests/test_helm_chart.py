@@ -11,8 +11,9 @@
   chart fails this test;
 - per-user namespaces: the gateway, with only the chart's rights, creates the owner's namespace, binds
   itself the kernel role there and hibernates and resumes a kernel pod in it;
-- ``helm upgrade`` with a changed configuration keeps a kernel: the old gateway, stopped by SIGTERM,
-  hibernates it; claim and registry survive the restart; ``helm uninstall`` keeps the claim.
+- ``helm upgrade`` with a changed configuration keeps three running kernels: the old gateway, stopped by
+  SIGTERM, leaves their pods running and the new one adopts them (same processes: a generator and a
+  held lock survive); the probes answer without a token; ``helm uninstall`` keeps the claim.
 
 The helm binary comes from ``scripts/helm.sh build``; without it these tests skip, or fail when
 ``ELASTIC_REQUIRE_HELM`` is set (as in CI).
@@ -990,6 +991,10 @@ def kernel_pods(release: dict[str, Any], kernel_id: str) -> list[Any]:
     return list(pods)
 
 
+#: What no checkpoint can keep: a half-used generator and a held lock (neither pickles).
+UNPICKLABLE = "import os, threading; g = iter(range(10)); next(g); lock = threading.Lock(); lock.acquire()"
+
+
 def hibernate(gateway: Any, release: dict[str, Any], kernel_id: str) -> None:
     reply = gateway.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
     assert reply.status == 200, (reply, gateway.log()[-3000:])
@@ -1002,6 +1007,8 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
     kube_plane: Any, kube_api: Any, release: dict[str, Any], tmp_path: Path
 ) -> None:
     from kubernetes import client
+
+    from tests.support.kube import wait_for
 
     namespace = release["namespace"]
     apps = client.AppsV1Api(kube_api)
@@ -1056,17 +1063,30 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
                 assert result.stdout.strip() == str(42 + n)
                 (pod,) = kernel_pods(release, kernel_id)
                 assert pod.metadata.labels["component"] == "kernel"
+        # The Deployment's probes, as the kubelet sends them (no token), answer on the real gateway.
+        (container,) = apps.read_namespaced_deployment(RELEASE, namespace).spec.template.spec.containers
+        for probe in (container.startup_probe, container.liveness_probe, container.readiness_probe):
+            assert _get(gateway.url + probe.http_get.path, "")[0] == 200, probe.http_get.path
+        # Three running kernels (the GPU size and two CPU kernels: the runner has one GPU), each with
+        # what no checkpoint keeps: a half-used generator and a held lock.
+        kernels = [kernel_id, gateway.start_kernel("python3-cpu"), gateway.start_kernel("python3-cpu")]
+        pids = {
+            k: gateway.execute(k, f"{UNPICKLABLE}; print(os.getpid())", timeout=120).strip() for k in kernels
+        }
+        pods = {k: kernel_pods(release, k)[0].metadata.uid for k in kernels}
     finally:
-        # SIGTERM, as Kubernetes stops the old gateway pod on an upgrade: the running idle kernel is
-        # hibernated (checkpoint committed, pod deleted) before the gateway exits.
+        # SIGTERM, as Kubernetes stops the old gateway pod on an upgrade: the kernel pods are left
+        # running for the next gateway (ElasticKernels.hibernate_on_shutdown: false with pods).
         gateway.stop()
     assert gateway.process.returncode == 0, gateway.log()[-3000:]
-    assert kernel_pods(release, kernel_id) == []
+    assert {k: [p.metadata.uid for p in kernel_pods(release, k)] for k in kernels} == {
+        k: [uid] for k, uid in pods.items()
+    }
 
-    # helm upgrade with a changed configuration: the Deployment's pod template changes (the gateway
-    # restarts); the claim and the registry on it keep the hibernated kernel.
+    # helm upgrade with a changed setting that needs a restart: the Deployment's pod template changes
+    # (the gateway restarts); the new gateway adopts the three pods, same processes.
     values = json.loads(json.dumps(release["values"]))
-    values["cull"] = {"idleTimeout": 1800}
+    values["kernels"]["launchTimeout"] = 61
     before = apps.read_namespaced_deployment(RELEASE, namespace).spec.template.metadata.annotations
     helm(
         "upgrade",
@@ -1089,11 +1109,18 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
     gateway = start_gateway(tmp_path, kube_plane, kube_api, release, "after-upgrade")
     try:
         stored = json.loads((gateway.home / "jupyter_server_config.json").read_text())
-        assert stored["CullPolicy"]["idle_timeout"] == 1800
-        assert gateway.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernated"
-        assert kernel_pods(release, kernel_id) == []
+        assert stored["ElasticKubernetesProvisioner"]["launch_timeout"] == 61
+        wait_for(
+            lambda: _get(gateway.url + "/api/elastic/readyz", "")[0] == 200, 120, "the gateway to be ready"
+        )
+        for k in kernels:
+            assert gateway.get(f"/api/elastic/kernels/{k}")["state"] == "running"
+            said = gateway.execute(k, "print(os.getpid(), next(g), lock.locked())", timeout=120).split()
+            assert said == [pids[k], "1", "True"], said
+            assert [p.metadata.uid for p in kernel_pods(release, k)] == [pods[k]]
         assert gateway.execute(kernel_id, "print(x)", timeout=120).strip() == "43"
-        gateway.shutdown_kernel(kernel_id)
+        for k in kernels:
+            gateway.shutdown_kernel(k)
     finally:
         gateway.stop()
 

@@ -38,6 +38,7 @@ from kernelmgr.server.handlers import elastic_handlers, gateway_mode_handlers
 from kernelmgr.server.health import Health, health_handlers
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
+from kernelmgr.server.live_config import LiveConfig
 from kernelmgr.server.sessions import ElasticSessionManager, server_identity
 from kernelmgr.server.websocket import ElasticWebsocketConnection
 from kernelmgr.warm.pool import WarmPools
@@ -58,6 +59,7 @@ class ElasticKernelsExtension(ExtensionApp):
     background: BackgroundCheckpoints | None = None
     node_sync: Any = None
     health: Health | None = None
+    live_config: LiveConfig | None = None
     #: The kernel pods a previous server left were adopted (Kubernetes mode; readiness waits for it).
     adopted = False
     #: The server runs its kernels at a gateway (``GatewayClient.url``): the kernels, their GPU
@@ -92,6 +94,7 @@ class ElasticKernelsExtension(ExtensionApp):
     def initialize_settings(self) -> None:
         if self.kernels_at_gateway:
             return
+        live = self._read_live_config()
         try:
             runtime = ElasticKernels(parent=self.serverapp, log=self.log).build()
             policy = CullPolicy(parent=self.serverapp, log=self.log).build(list(runtime.profiles))
@@ -168,6 +171,10 @@ class ElasticKernelsExtension(ExtensionApp):
         )
         km.hibernator.on_resumed.append(ElasticWebsocketConnection.attach_all)
         km.culler.start()
+        if live is not None:
+            live.appliers.append(self._live_policy(km.culler, list(runtime.profiles)))
+            self.settings["elastic_live_config"] = live
+            self.live_config = live.start()
         if runtime.background_checkpoint_interval > 0:
             self.background = BackgroundCheckpoints(
                 km.hibernator, runtime.background_checkpoint_interval, policy.max_concurrent_hibernations
@@ -191,6 +198,46 @@ class ElasticKernelsExtension(ExtensionApp):
         reaper = ioloop.PeriodicCallback(km.reap_dead_slices, runtime.reap_interval * 1000)
         reaper.start()
         self._start_warm_pools(runtime)
+
+    def _read_live_config(self) -> LiveConfig | None:
+        """``ElasticKernels.live_config_file``, merged into the server's configuration before anything
+        is built from it; invalid: exit code 2 and one line."""
+        assert self.serverapp is not None
+        elastic = ElasticKernels(parent=self.serverapp)
+        if not elastic.live_config_file:
+            return None
+        if elastic.live_config_interval <= 0:
+            self.log.critical(
+                "jupyter-elastic-kernels: invalid configuration: ElasticKernels.live_config_interval "
+                "must be > 0 seconds, got %s",
+                elastic.live_config_interval,
+            )
+            sys.exit(CONFIG_ERROR_EXIT)
+        live = LiveConfig(
+            elastic.live_config_file, self.serverapp.config, self.log, elastic.live_config_interval
+        )
+        try:
+            self.serverapp.update_config(live.initial())
+        except ConfigError as exc:
+            self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", exc.message)
+            sys.exit(CONFIG_ERROR_EXIT)
+        return live
+
+    def _live_policy(self, culler: Culler, profiles: list[str]) -> Any:
+        """The cull policy's part of a live change: built (validated) first, then applied."""
+
+        def prepare(config: Any) -> Any:
+            policy = CullPolicy(config=config, log=self.log).build(profiles)
+
+            def apply() -> None:
+                culler.set_policy(policy)
+                if self.serverapp is not None and self.serverapp.web_app is not None:
+                    self.serverapp.web_app.settings["elastic_policy"] = policy
+                self.log.info("jupyter-elastic-kernels: cull policy %s", policy.to_dict())
+
+            return apply
+
+        return prepare
 
     async def _adopt_kernel_pods(self, km: ElasticMappingKernelManager) -> None:
         from kernelmgr.server.adoption import adopt_kernel_pods
@@ -281,6 +328,8 @@ class ElasticKernelsExtension(ExtensionApp):
             await self.background.close()
         if self.health is not None:
             self.health.stop()
+        if self.live_config is not None:
+            self.live_config.stop()
         if self.node_sync is not None:
             await asyncio.to_thread(self.node_sync.stop)
         if self.runtime is not None and self.runtime.warm_pools is not None:
