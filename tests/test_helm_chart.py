@@ -108,9 +108,19 @@ def only(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict
     return found[0]
 
 
+LIVE_CONFIG_DIR = "/etc/jupyter-elastic-live"
+
+
 def server_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    config: dict[str, Any] = json.loads(only(docs, "ConfigMap")["data"]["jupyter_server_config.json"])
-    return config
+    """The configuration the gateway runs with: its ConfigMap's file, with the live file's sections
+    (``ElasticKernels.live_config_file``, mounted from the live ConfigMap) merged over it."""
+    config: dict[str, Any] = json.loads(
+        only(docs, "ConfigMap", f"{RELEASE}-config")["data"]["jupyter_server_config.json"]
+    )
+    assert config["ElasticKernels"]["live_config_file"] == f"{LIVE_CONFIG_DIR}/live_config.json"
+    live = json.loads(only(docs, "ConfigMap", f"{RELEASE}-live")["data"]["live_config.json"])
+    assert not set(live) & set(config), "a live section is also in the restart-requiring file"
+    return {**config, **live}
 
 
 # ---- helm lint and the values schema
@@ -784,6 +794,31 @@ def test_values_reach_the_server_config(tmp_path: Path) -> None:
     assert hub["ElasticGateway"]["auth"] == "jupyterhub"
 
 
+def test_quotas_and_the_cull_policy_change_without_restarting_the_gateway(tmp_path: Path) -> None:
+    """They are the live ConfigMap's, mounted as a folder (the kubelet updates it) and out of the
+    checksum that restarts the gateway; any other setting, or extraConfig, restarts it."""
+
+    def checksum(values: dict[str, Any]) -> str:
+        annotations = only(render(values, tmp_path), "Deployment")["spec"]["template"]["metadata"][
+            "annotations"
+        ]
+        return str(annotations["checksum/config"])
+
+    docs = render({}, tmp_path)
+    live = json.loads(only(docs, "ConfigMap", f"{RELEASE}-live")["data"]["live_config.json"])
+    assert set(live) == {"CullPolicy", "ElasticQuota"}
+    pod = only(docs, "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "live-config", "configMap": {"name": f"{RELEASE}-live"}} in pod["volumes"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "live-config"]
+    assert mount == {"name": "live-config", "mountPath": LIVE_CONFIG_DIR, "readOnly": True}  # no subPath
+    base = checksum({})
+    assert checksum({"quota": {"users": {"alice": {"max_kernels": 1}}}}) == base
+    assert checksum({"cull": {"idleTimeout": 600, "rules": [{"profiles": ["*"], "warn_before": 30}]}}) == base
+    assert checksum({"extraConfig": {"CullPolicy": {"busy_gpu_idle_warning": 60}}}) == base
+    assert checksum({"kernels": {"launchTimeout": 61}}) != base
+    assert checksum({"extraConfig": {"ElasticKernels": {"reap_interval": 2}}}) != base
+
+
 def test_the_admins_gpu_sizes_replace_the_default_size(tmp_path: Path) -> None:
     """Helm merges a values file's maps into the chart's: a default size in values.yaml was offered
     beside every admin's own (found following docs/deploy-kubernetes.md: "whole" next to "gpu-1")."""
@@ -892,6 +927,21 @@ def require_envtest() -> None:
     require()
 
 
+def live_file(home: Path) -> Path:
+    return home / "live_config.json"
+
+
+def read_live(api: Any, namespace: str) -> str:
+    """The live ConfigMap's file as the API server holds it (what the kubelet copies into the pod)."""
+    from kubernetes import client
+
+    return str(
+        client.CoreV1Api(api)
+        .read_namespaced_config_map(f"{RELEASE}-live", namespace)
+        .data["live_config.json"]
+    )
+
+
 def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any], name: str) -> Any:
     """The chart's command with the ConfigMap as the API server holds it, as the chart's ServiceAccount."""
     from kubernetes import client
@@ -905,6 +955,8 @@ def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any],
     stored = client.CoreV1Api(api).read_namespaced_config_map(f"{RELEASE}-config", namespace)
     config_file = home / "jupyter_server_config.json"
     config_file.write_text(stored.data["jupyter_server_config.json"])
+    # The live ConfigMap's file, where the pod would have it mounted (the kubelet's copy: live_file()).
+    live_file(home).write_text(read_live(api, namespace))
     # In the pod the ServiceAccount token is mounted; here: a TokenRequest token in a kubeconfig.
     kubeconfig, token = rbac.service_account_kubeconfig(
         plane, api, namespace, RELEASE, home / "sa.kubeconfig"
@@ -937,6 +989,8 @@ def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any],
         "--ip=127.0.0.1",
         "--allow-root",
         f"--IdentityProvider.token={TOKEN}",
+        f"--ElasticKernels.live_config_file={live_file(home)}",
+        "--ElasticKernels.live_config_interval=0.5",
         *mounted,
     ]
     log_path = home / "gateway.log"
