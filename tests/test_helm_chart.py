@@ -1173,6 +1173,25 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
             assert said == [pids[k], "1", "True"], said
             assert [p.metadata.uid for p in kernel_pods(release, k)] == [pods[k]]
         assert gateway.execute(kernel_id, "print(x)", timeout=120).strip() == "43"
+        # helm upgrade with a live change (the idle timeout): the pod template is the same (no restart);
+        # the live ConfigMap changes, and the running gateway applies its file once the kubelet has
+        # copied it (here: the test does).
+        generation = apps.read_namespaced_deployment(RELEASE, namespace).metadata.generation
+        values["cull"] = {"idleTimeout": 1234}
+        helm(
+            "upgrade",
+            RELEASE,
+            str(CHART),
+            "-n",
+            namespace,
+            *release["kubeconfig"],
+            *values_args(values, tmp_path),
+        )
+        assert apps.read_namespaced_deployment(RELEASE, namespace).metadata.generation == generation
+        live_file(gateway.home).write_text(read_live(kube_api, namespace))
+        wait_for(lambda: gateway.get("/api/elastic/policy")["idle_timeout"] == 1234, 60, "the live change")
+        said = gateway.execute(kernel_id, "print(os.getpid(), next(g))", timeout=120).split()
+        assert said == [pids[kernel_id], "2"], said
         for k in kernels:
             gateway.shutdown_kernel(k)
     finally:
