@@ -36,6 +36,7 @@ from gateway.limits import (
 from kernelmgr.config import CullPolicy, ElasticKernels
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.modes import LOCAL_PROVISIONER
+from kernelmgr.server.live_config import LiveConfig
 from kernelmgr.server.ownership import SETTINGS_KEY
 
 CONFIG_ERROR_EXIT = 2
@@ -215,9 +216,27 @@ class ElasticGatewayApp(ServerApp):
             self.gateway_settings.admin_groups,
         )
         self.web_app.settings[SETTINGS_KEY] = access
+        live = self.web_app.settings.get("elastic_live_config")
+        if isinstance(live, LiveConfig):
+            live.appliers.append(self._live_quotas(access, list(runtime.profiles)))
         if km.hibernator is not None:
             km.hibernator.admission = access.reserve_resume  # quota held until the resume ends
         self.log.info("elastic-gateway: JupyterHub users own their kernels; quotas %s", quotas)
+
+    def _live_quotas(self, access: GatewayAccess, profiles: list[str]) -> Any:
+        """The quotas' part of a live change (ElasticKernels.live_config_file): the next start or
+        resume is checked against the new table; running kernels keep running."""
+
+        def prepare(config: Any) -> Any:
+            table = ElasticQuota(config=config).build(profiles)
+
+            def apply() -> None:
+                access.quotas = table
+                self.log.info("elastic-gateway: quotas %s", table)
+
+            return apply
+
+        return prepare
 
 
 def _keep_hub_token_from_kernels(identity: HubIdentityProvider) -> None:

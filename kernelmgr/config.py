@@ -277,12 +277,30 @@ class ElasticKernels(LoggingConfigurable):
         "kernel's last stderr lines.",
     )
     hibernate_on_shutdown = Bool(
-        True,
+        None,
+        allow_none=True,
         config=True,
-        help="""When the server stops, hibernate idle elastic kernels instead of shutting them down,
-        so the next server start lists them and the next cell resumes them with their variables. A
-        kernel running a cell then is left running: it checkpoints itself once the cell ends (a
-        kernel pod is adopted by the next server).""",
+        help="""What a stopping server does with its running elastic kernels. Unset: per mode, true
+        for local kernels (they are processes of this server), false with kernel pods (a pod
+        outlives the gateway: an upgrade, drain or restart leaves it running and the next gateway
+        adopts it, unpicklable state included). true: hibernate the idle ones (checkpoint, release
+        the slice); a kernel running a cell is left running: it checkpoints itself once the cell
+        ends (a kernel pod is adopted by the next server). false: a local kernel is shut down, a
+        kernel pod is left running for the next server to adopt.""",
+    )
+
+    live_config_file = Unicode(
+        "",
+        config=True,
+        help="""A JSON file of the settings that may change while the server runs (CullPolicy,
+        ElasticQuota), read at start over the rest of the configuration and re-read every
+        live_config_interval seconds: a change is applied without a restart (an invalid one is
+        logged and refused). The chart mounts it from a ConfigMap of its own. Empty: none.""",
+    )
+    live_config_interval = Float(
+        10.0,
+        config=True,
+        help="Seconds between checks of live_config_file for a change.",
     )
 
     nvml_class = Type(
@@ -436,12 +454,18 @@ class ElasticKernels(LoggingConfigurable):
             max_slice_wait=self.max_slice_wait,
             start_queue_wait=self.start_queue_wait,
             scale_up_wait=self.scale_up_wait,
-            hibernate_on_shutdown=self.hibernate_on_shutdown,
+            hibernate_on_shutdown=self._hibernate_on_shutdown(),
             nvml=nvml,
             gpu_sample_interval=self.gpu_sample_interval,
             mode=KernelMode(self.kernel_provisioner),
             background_checkpoint_interval=self._background_checkpoint_interval(),
         )
+
+    def _hibernate_on_shutdown(self) -> bool:
+        """Unset: only local kernels are hibernated at a stop (a kernel pod is adopted instead)."""
+        if self.hibernate_on_shutdown is None:
+            return not KernelMode(self.kernel_provisioner).in_pods
+        return bool(self.hibernate_on_shutdown)
 
     def _background_checkpoint_interval(self) -> float:
         interval = self.background_checkpoint_interval

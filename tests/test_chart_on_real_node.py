@@ -6,14 +6,16 @@ pods run the kernel image; the checkpoint claim binds a hostPath volume on the n
 module (installs are slow); through the gateway's REST API and websockets, as a notebook uses it:
 
 - a GPU-size kernel runs a cell, is hibernated (its pod gone) and resumed (the variable back);
-  ``helm upgrade`` restarts the gateway pod and the kernel is still there after it; ``helm test``;
+  ``helm upgrade`` with a live change (the idle timeout) keeps the gateway pod, which applies it once the
+  kubelet updates its file; one that needs a restart replaces the gateway pod, and three running
+  kernels are adopted by the new one, same processes (a generator and a held lock survive); ``helm test``;
 - an interrupt reaches a cell running in the container (PID 1's signal handling), a restart gives a
   new pod and an empty namespace;
 - five hibernate/resume cycles, each checked with the namespace oracle (``tests/support/oracle.py``);
 - the kernel pod evicted (Eviction API) during a cell: the cell finishes, its output arrives, the
   kernel checkpoints at SIGTERM and resumes with what the cell made;
-- the gateway pod deleted while kernels run: the new gateway pod takes them over (the busy one adopted
-  in its pod, the idle one hibernated by the old gateway and resumed), same kernel ids.
+- the gateway pod deleted while kernels run: the new gateway pod adopts them in their pods (the busy one
+  and the idle one), same kernel ids, same processes.
 
 The values override only what an admin must set (images) and what this test cluster forces, each with
 its reason beside it. Needs root, the node and the images (as ``tests/test_real_node.py``): skipped
@@ -61,6 +63,10 @@ ON_THE_NODE = {
 }
 #: Where a kernel pod sees its owner's folder of the checkpoint claim.
 CLAIM_IN_KERNEL = "/var/lib/elastic/checkpoints"
+
+
+#: What no checkpoint can keep: a half-used generator and a held lock (neither pickles).
+UNPICKLABLE = "import os, threading; g = iter(range(10)); next(g); lock = threading.Lock(); lock.acquire()"
 
 
 class Gateway:
@@ -159,9 +165,10 @@ class Chart:
     def log(self) -> str:
         return gateway_log(self.core, self.namespace, self.pod)
 
-    def start_kernel(self, gateway: Gateway) -> str:
+    def start_kernel(self, gateway: Gateway, name: str = "") -> str:
+        """A kernel of kernelspec ``name`` (empty: the GPU size)."""
         specs = gateway.request("GET", "/api/kernelspecs")[1]["kernelspecs"]
-        size = next(name for name in specs if name.endswith("gpu-whole"))
+        size = name or next(name for name in specs if name.endswith("gpu-whole"))
         status, body = gateway.request("POST", "/api/kernels", {"name": size}, timeout=600)
         assert status == 201, (status, body, self.log())
         return str(body["id"])
@@ -362,15 +369,38 @@ def test_chart_defaults_on_the_real_node_start_hibernate_resume_and_upgrade(char
     chart.hibernate(gateway, kernel_id)
     assert gateway.execute(kernel_id, "x += 1; print(x)").strip() == "42"
 
-    # helm upgrade with a changed setting: the gateway pod is replaced (Recreate); the old one
-    # hibernates the kernel at SIGTERM, the new one resumes it at the next cell.
+    # helm upgrade with a live change (the idle timeout): the same gateway pod applies it once the
+    # kubelet has updated its copy of the live ConfigMap; no restart.
     chart.values["cull"] = {"idleTimeout": 1800}
+    chart.upgrade()
+    wait_for(
+        lambda: gateway.request("GET", "/api/elastic/policy")[1]["idle_timeout"] == 1800,
+        600,
+        "the kubelet's update of the live ConfigMap to be applied",
+    )
+    gateways = core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=gateway").items
+    assert [p.metadata.uid for p in gateways] == [pod.metadata.uid]  # not restarted
+
+    # helm upgrade with a setting that needs a restart, three kernels running (two GPU sizes and a CPU
+    # kernel), each holding what no checkpoint keeps: the gateway pod is replaced (Recreate); the old
+    # one leaves the kernel pods running at SIGTERM, the new one adopts them, same processes.
+    kernels = [kernel_id, chart.start_kernel(gateway), chart.start_kernel(gateway, "python3-cpu")]
+    pids = {k: gateway.execute(k, f"{UNPICKLABLE}; print(os.getpid())").strip() for k in kernels}
+    pods = {k: chart.kernel_pod(k).metadata.uid for k in kernels}
+    chart.values["kernels"]["launchTimeout"] = 301
     chart.upgrade()
     gateway = chart.gateway(not_uid=pod.metadata.uid)
     new = chart.pod
     status, body = gateway.request("GET", f"/api/elastic/kernels/{kernel_id}")
     assert status == 200, (status, body, chart.log())
+    for k in kernels:
+        assert gateway.model(k)["state"] == "running", chart.log()
+        assert chart.kernel_pod(k).metadata.uid == pods[k]
+        said = gateway.execute(k, "print(os.getpid(), next(g), lock.locked())").split()
+        assert said == [pids[k], "1", "True"], said
     assert gateway.execute(kernel_id, "print(x)").strip() == "42"
+    for k in kernels[1:]:
+        assert gateway.request("DELETE", f"/api/kernels/{k}", timeout=300)[0] == 204
     # helm test: its pod (the gateway's image, on the node) asks the gateway. Forced here: no cluster
     # DNS resolves the Service's name, so the test pod is given the gateway pod's address.
     chart.values["tests"] = {"gatewayUrl": gateway.url}
@@ -518,9 +548,9 @@ def test_a_kernel_pod_evicted_during_a_cell_loses_nothing(chart: Chart) -> None:
 
 
 def test_the_gateway_pod_deleted_while_kernels_run_is_replaced_and_keeps_them(chart: Chart) -> None:
-    """``kubectl delete pod`` on the gateway: the old pod, stopping, hibernates its idle kernel and
-    leaves the busy one running; the Deployment's new pod adopts the running kernel pod as it is
-    (same pod, same process, the cell's result there) and resumes the idle one at its next cell."""
+    """``kubectl delete pod`` on the gateway: the old pod, stopping, leaves both kernel pods running
+    (the idle one and the one running a cell); the Deployment's new pod adopts them as they are
+    (same pods, same processes, the cell's result there)."""
     gateway = chart.gateway()
     old = chart.pod
     idle = chart.start_kernel(gateway)
@@ -534,6 +564,7 @@ def test_the_gateway_pod_deleted_while_kernels_run_is_replaced_and_keeps_them(ch
         )
         gate.wait_running()
     busy_pod = chart.kernel_pod(busy).metadata.uid
+    idle_pod = chart.kernel_pod(idle).metadata.uid
     chart.core.delete_namespaced_pod(old.metadata.name, chart.namespace)
     wait_for(
         lambda: (
@@ -553,6 +584,8 @@ def test_the_gateway_pod_deleted_while_kernels_run_is_replaced_and_keeps_them(ch
     assert {idle, busy} <= set(kernels), (kernels, chart.log())
     assert gateway.model(busy)["state"] == "running", chart.log()
     assert chart.kernel_pod(busy).metadata.uid == busy_pod  # adopted, not restarted
+    assert gateway.model(idle)["state"] == "running", chart.log()  # adopted too, not hibernated
+    assert chart.kernel_pod(idle).metadata.uid == idle_pod
     gate.open()
     said = gateway.execute(busy, "print(y, made)")
     assert said.strip() == "busy while the gateway changed", said

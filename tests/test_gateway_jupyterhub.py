@@ -19,7 +19,7 @@ import pytest
 import websocket
 
 from tests.support.hub import Hub, running_hub
-from tests.support.server import KernelChannel
+from tests.support.server import KernelChannel, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -207,3 +207,43 @@ def test_gpu_quota_counts_running_kernels_only_and_guards_resumes(tmp_path: Path
             "gpu_hours_released": None,
         }
         assert run(hub, "carol", carol, small_id, "y + 1") == "8"
+
+
+def test_a_quota_change_takes_effect_without_restarting_the_gateway(tmp_path: Path) -> None:
+    """The gateway re-reads its live file (ElasticKernels.live_config_file, the chart's live
+    ConfigMap): a higher quota admits the next start, a new idle timeout is the policy, in the same
+    gateway process; an invalid change is refused and the previous quota stays."""
+    live = tmp_path / "live_config.json"
+    live.write_text(json.dumps({"ElasticQuota": {"users": {"bob": {"max_kernels": 1}}}}))
+    with running_hub(tmp_path / "hub", live_config=live) as hub:
+        bob = hub.login_token("bob")
+        hub.start_server("bob", bob)
+        spec = sized_spec(hub, "bob", bob, "small")
+        first = gateway(hub, "POST", "/api/kernels", bob, json={"name": spec})
+        assert first.status_code == 201, first.text
+        over = gateway(hub, "POST", "/api/kernels", bob, json={"name": spec})
+        assert over.status_code == 403 and "you have 1 of 1 kernels" in over.json()["message"], over.text
+
+        live.write_text(
+            json.dumps(
+                {"ElasticQuota": {"users": {"bob": {"max_kernels": 2}}}, "CullPolicy": {"idle_timeout": 1234}}
+            )
+        )
+        wait_for(
+            lambda: gateway(hub, "GET", "/api/elastic/policy", bob).json()["idle_timeout"] == 1234,
+            60,
+            what="the live change to be applied",
+        )
+        assert gateway(hub, "POST", "/api/kernels", bob, json={"name": spec}).status_code == 201
+        over = gateway(hub, "POST", "/api/kernels", bob, json={"name": spec})
+        assert over.status_code == 403 and "you have 2 of 2 kernels" in over.json()["message"], over.text
+
+        live.write_text(json.dumps({"ElasticQuota": {"users": {"bob": {"max_kernels": -1}}}}))
+        wait_for(lambda: "Live configuration refused" in hub.log(), 60, what="the bad change to be refused")
+        assert "max_kernels must be a whole number" in hub.log()
+        over = gateway(hub, "POST", "/api/kernels", bob, json={"name": spec})
+        assert over.status_code == 403 and "you have 2 of 2 kernels" in over.json()["message"], over.text
+        # The same gateway throughout: a restart would have hibernated the first kernel.
+        model = gateway(hub, "GET", f"/api/elastic/kernels/{first.json()['id']}", bob).json()
+        assert model["state"] == "running", model
+        assert hub.log().count("Live configuration reloaded") == 1

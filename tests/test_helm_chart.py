@@ -11,8 +11,9 @@
   chart fails this test;
 - per-user namespaces: the gateway, with only the chart's rights, creates the owner's namespace, binds
   itself the kernel role there and hibernates and resumes a kernel pod in it;
-- ``helm upgrade`` with a changed configuration keeps a kernel: the old gateway, stopped by SIGTERM,
-  hibernates it; claim and registry survive the restart; ``helm uninstall`` keeps the claim.
+- ``helm upgrade`` with a changed configuration keeps three running kernels: the old gateway, stopped by
+  SIGTERM, leaves their pods running and the new one adopts them (same processes: a generator and a
+  held lock survive); the probes answer without a token; ``helm uninstall`` keeps the claim.
 
 The helm binary comes from ``scripts/helm.sh build``; without it these tests skip, or fail when
 ``ELASTIC_REQUIRE_HELM`` is set (as in CI).
@@ -107,9 +108,19 @@ def only(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict
     return found[0]
 
 
+LIVE_CONFIG_DIR = "/etc/jupyter-elastic-live"
+
+
 def server_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    config: dict[str, Any] = json.loads(only(docs, "ConfigMap")["data"]["jupyter_server_config.json"])
-    return config
+    """The configuration the gateway runs with: its ConfigMap's file, with the live file's sections
+    (``ElasticKernels.live_config_file``, mounted from the live ConfigMap) merged over it."""
+    config: dict[str, Any] = json.loads(
+        only(docs, "ConfigMap", f"{RELEASE}-config")["data"]["jupyter_server_config.json"]
+    )
+    assert config["ElasticKernels"]["live_config_file"] == f"{LIVE_CONFIG_DIR}/live_config.json"
+    live = json.loads(only(docs, "ConfigMap", f"{RELEASE}-live")["data"]["live_config.json"])
+    assert not set(live) & set(config), "a live section is also in the restart-requiring file"
+    return {**config, **live}
 
 
 # ---- helm lint and the values schema
@@ -147,6 +158,8 @@ def test_lint_strict() -> None:
         ({"kernels": {"clientEnv": ["PATH"]}}, "clientEnv"),
         ({"checkpoints": {"store": "gcs"}}, "store"),
         ({"checkpoints": {"objectStore": {"partSizeMib": 1}}}, "partSizeMib"),
+        # 0 would block every drain of the gateway's node.
+        ({"gateway": {"podDisruptionBudget": {"maxUnavailable": 0}}}, "maxUnavailable"),
     ],
 )
 def test_schema_refuses_bad_values_naming_them(values: dict[str, Any], named: str, tmp_path: Path) -> None:
@@ -383,6 +396,26 @@ def test_default_images_are_the_projects_at_the_charts_version(tmp_path: Path) -
     assert server_config(moved)["ElasticKubernetesProvisioner"]["image"] == "registry.example/jek-kernel:7"
     own = render({"kernels": {"image": "registry.example/mine:1"}}, tmp_path)
     assert server_config(own)["ElasticKubernetesProvisioner"]["image"] == "registry.example/mine:1"
+
+
+def test_gateway_has_a_disruption_budget_and_probes_on_its_heartbeat_and_readiness(tmp_path: Path) -> None:
+    """The probes' paths are under the gateway's base URL (a Hub service's in Hub mode); the budget
+    selects exactly the gateway's pods and lets a drain evict one at a time."""
+    for values, base in (({}, "/services/elastic-gateway/"), ({"gateway": {"auth": "token"}}, "/")):
+        docs = render(values, tmp_path)
+        deployment = only(docs, "Deployment")
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        assert container["livenessProbe"]["httpGet"] == {"path": f"{base}api/elastic/healthz", "port": "http"}
+        assert container["startupProbe"]["httpGet"] == container["livenessProbe"]["httpGet"]
+        assert container["readinessProbe"]["httpGet"] == {"path": f"{base}api/elastic/readyz", "port": "http"}
+        budget = only(docs, "PodDisruptionBudget")
+        assert budget["spec"]["maxUnavailable"] == 1
+        assert budget["spec"]["selector"] == deployment["spec"]["selector"]
+    assert not [
+        d for d in render({"gateway": {"replicas": 0}}, tmp_path) if d["kind"] == "PodDisruptionBudget"
+    ]
+    off = {"gateway": {"podDisruptionBudget": {"enabled": False}}}
+    assert not [d for d in render(off, tmp_path) if d["kind"] == "PodDisruptionBudget"]
 
 
 def test_kernel_pods_get_the_grace_period_to_checkpoint_at_sigterm(tmp_path: Path) -> None:
@@ -761,6 +794,31 @@ def test_values_reach_the_server_config(tmp_path: Path) -> None:
     assert hub["ElasticGateway"]["auth"] == "jupyterhub"
 
 
+def test_quotas_and_the_cull_policy_change_without_restarting_the_gateway(tmp_path: Path) -> None:
+    """They are the live ConfigMap's, mounted as a folder (the kubelet updates it) and out of the
+    checksum that restarts the gateway; any other setting, or extraConfig, restarts it."""
+
+    def checksum(values: dict[str, Any]) -> str:
+        annotations = only(render(values, tmp_path), "Deployment")["spec"]["template"]["metadata"][
+            "annotations"
+        ]
+        return str(annotations["checksum/config"])
+
+    docs = render({}, tmp_path)
+    live = json.loads(only(docs, "ConfigMap", f"{RELEASE}-live")["data"]["live_config.json"])
+    assert set(live) == {"CullPolicy", "ElasticQuota"}
+    pod = only(docs, "Deployment")["spec"]["template"]["spec"]
+    assert {"name": "live-config", "configMap": {"name": f"{RELEASE}-live"}} in pod["volumes"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "live-config"]
+    assert mount == {"name": "live-config", "mountPath": LIVE_CONFIG_DIR, "readOnly": True}  # no subPath
+    base = checksum({})
+    assert checksum({"quota": {"users": {"alice": {"max_kernels": 1}}}}) == base
+    assert checksum({"cull": {"idleTimeout": 600, "rules": [{"profiles": ["*"], "warn_before": 30}]}}) == base
+    assert checksum({"extraConfig": {"CullPolicy": {"busy_gpu_idle_warning": 60}}}) == base
+    assert checksum({"kernels": {"launchTimeout": 61}}) != base
+    assert checksum({"extraConfig": {"ElasticKernels": {"reap_interval": 2}}}) != base
+
+
 def test_the_admins_gpu_sizes_replace_the_default_size(tmp_path: Path) -> None:
     """Helm merges a values file's maps into the chart's: a default size in values.yaml was offered
     beside every admin's own (found following docs/deploy-kubernetes.md: "whole" next to "gpu-1")."""
@@ -869,6 +927,21 @@ def require_envtest() -> None:
     require()
 
 
+def live_file(home: Path) -> Path:
+    return home / "live_config.json"
+
+
+def read_live(api: Any, namespace: str) -> str:
+    """The live ConfigMap's file as the API server holds it (what the kubelet copies into the pod)."""
+    from kubernetes import client
+
+    return str(
+        client.CoreV1Api(api)
+        .read_namespaced_config_map(f"{RELEASE}-live", namespace)
+        .data["live_config.json"]
+    )
+
+
 def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any], name: str) -> Any:
     """The chart's command with the ConfigMap as the API server holds it, as the chart's ServiceAccount."""
     from kubernetes import client
@@ -882,6 +955,8 @@ def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any],
     stored = client.CoreV1Api(api).read_namespaced_config_map(f"{RELEASE}-config", namespace)
     config_file = home / "jupyter_server_config.json"
     config_file.write_text(stored.data["jupyter_server_config.json"])
+    # The live ConfigMap's file, where the pod would have it mounted (the kubelet's copy: live_file()).
+    live_file(home).write_text(read_live(api, namespace))
     # In the pod the ServiceAccount token is mounted; here: a TokenRequest token in a kubeconfig.
     kubeconfig, token = rbac.service_account_kubeconfig(
         plane, api, namespace, RELEASE, home / "sa.kubeconfig"
@@ -914,6 +989,8 @@ def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any],
         "--ip=127.0.0.1",
         "--allow-root",
         f"--IdentityProvider.token={TOKEN}",
+        f"--ElasticKernels.live_config_file={live_file(home)}",
+        "--ElasticKernels.live_config_interval=0.5",
         *mounted,
     ]
     log_path = home / "gateway.log"
@@ -968,6 +1045,10 @@ def kernel_pods(release: dict[str, Any], kernel_id: str) -> list[Any]:
     return list(pods)
 
 
+#: What no checkpoint can keep: a half-used generator and a held lock (neither pickles).
+UNPICKLABLE = "import os, threading; g = iter(range(10)); next(g); lock = threading.Lock(); lock.acquire()"
+
+
 def hibernate(gateway: Any, release: dict[str, Any], kernel_id: str) -> None:
     reply = gateway.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
     assert reply.status == 200, (reply, gateway.log()[-3000:])
@@ -980,6 +1061,8 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
     kube_plane: Any, kube_api: Any, release: dict[str, Any], tmp_path: Path
 ) -> None:
     from kubernetes import client
+
+    from tests.support.kube import wait_for
 
     namespace = release["namespace"]
     apps = client.AppsV1Api(kube_api)
@@ -1034,17 +1117,30 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
                 assert result.stdout.strip() == str(42 + n)
                 (pod,) = kernel_pods(release, kernel_id)
                 assert pod.metadata.labels["component"] == "kernel"
+        # The Deployment's probes, as the kubelet sends them (no token), answer on the real gateway.
+        (container,) = apps.read_namespaced_deployment(RELEASE, namespace).spec.template.spec.containers
+        for probe in (container.startup_probe, container.liveness_probe, container.readiness_probe):
+            assert _get(gateway.url + probe.http_get.path, "")[0] == 200, probe.http_get.path
+        # Three running kernels (the GPU size and two CPU kernels: the runner has one GPU), each with
+        # what no checkpoint keeps: a half-used generator and a held lock.
+        kernels = [kernel_id, gateway.start_kernel("python3-cpu"), gateway.start_kernel("python3-cpu")]
+        pids = {
+            k: gateway.execute(k, f"{UNPICKLABLE}; print(os.getpid())", timeout=120).strip() for k in kernels
+        }
+        pods = {k: kernel_pods(release, k)[0].metadata.uid for k in kernels}
     finally:
-        # SIGTERM, as Kubernetes stops the old gateway pod on an upgrade: the running idle kernel is
-        # hibernated (checkpoint committed, pod deleted) before the gateway exits.
+        # SIGTERM, as Kubernetes stops the old gateway pod on an upgrade: the kernel pods are left
+        # running for the next gateway (ElasticKernels.hibernate_on_shutdown: false with pods).
         gateway.stop()
     assert gateway.process.returncode == 0, gateway.log()[-3000:]
-    assert kernel_pods(release, kernel_id) == []
+    assert {k: [p.metadata.uid for p in kernel_pods(release, k)] for k in kernels} == {
+        k: [uid] for k, uid in pods.items()
+    }
 
-    # helm upgrade with a changed configuration: the Deployment's pod template changes (the gateway
-    # restarts); the claim and the registry on it keep the hibernated kernel.
+    # helm upgrade with a changed setting that needs a restart: the Deployment's pod template changes
+    # (the gateway restarts); the new gateway adopts the three pods, same processes.
     values = json.loads(json.dumps(release["values"]))
-    values["cull"] = {"idleTimeout": 1800}
+    values["kernels"]["launchTimeout"] = 61
     before = apps.read_namespaced_deployment(RELEASE, namespace).spec.template.metadata.annotations
     helm(
         "upgrade",
@@ -1067,11 +1163,37 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
     gateway = start_gateway(tmp_path, kube_plane, kube_api, release, "after-upgrade")
     try:
         stored = json.loads((gateway.home / "jupyter_server_config.json").read_text())
-        assert stored["CullPolicy"]["idle_timeout"] == 1800
-        assert gateway.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernated"
-        assert kernel_pods(release, kernel_id) == []
+        assert stored["ElasticKubernetesProvisioner"]["launch_timeout"] == 61
+        wait_for(
+            lambda: _get(gateway.url + "/api/elastic/readyz", "")[0] == 200, 120, "the gateway to be ready"
+        )
+        for k in kernels:
+            assert gateway.get(f"/api/elastic/kernels/{k}")["state"] == "running"
+            said = gateway.execute(k, "print(os.getpid(), next(g), lock.locked())", timeout=120).split()
+            assert said == [pids[k], "1", "True"], said
+            assert [p.metadata.uid for p in kernel_pods(release, k)] == [pods[k]]
         assert gateway.execute(kernel_id, "print(x)", timeout=120).strip() == "43"
-        gateway.shutdown_kernel(kernel_id)
+        # helm upgrade with a live change (the idle timeout): the pod template is the same (no restart);
+        # the live ConfigMap changes, and the running gateway applies its file once the kubelet has
+        # copied it (here: the test does).
+        generation = apps.read_namespaced_deployment(RELEASE, namespace).metadata.generation
+        values["cull"] = {"idleTimeout": 1234}
+        helm(
+            "upgrade",
+            RELEASE,
+            str(CHART),
+            "-n",
+            namespace,
+            *release["kubeconfig"],
+            *values_args(values, tmp_path),
+        )
+        assert apps.read_namespaced_deployment(RELEASE, namespace).metadata.generation == generation
+        live_file(gateway.home).write_text(read_live(kube_api, namespace))
+        wait_for(lambda: gateway.get("/api/elastic/policy")["idle_timeout"] == 1234, 60, "the live change")
+        said = gateway.execute(kernel_id, "print(os.getpid(), next(g))", timeout=120).split()
+        assert said == [pids[kernel_id], "2"], said
+        for k in kernels:
+            gateway.shutdown_kernel(k)
     finally:
         gateway.stop()
 

@@ -313,6 +313,8 @@ def server_config(plane: ControlPlane, namespace: str, checkpoints: Path) -> dic
             "gpu_sample_interval": 0.5,
             "checkpoint_root": str(checkpoints),
             "kernel_provisioner": "elastic-kubernetes-provisioner",
+            # The stop cleans the namespace for the next test (pod mode's default leaves pods running).
+            "hibernate_on_shutdown": True,
         },
         # node_agent_namespace left empty: the agents are found in the kernel namespace.
         "ElasticKubernetesProvisioner": {

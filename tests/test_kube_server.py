@@ -10,9 +10,12 @@ also uses as its ``checkpoint_root`` (as a server pod mounting the same ReadWrit
 from __future__ import annotations
 
 import getpass
+import json
 import re
 import signal
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,15 @@ def server(cluster: PodCluster, tmp_path: Path) -> Iterator[RunningServer]:
 
 def model(server: RunningServer, kernel_id: str) -> dict[str, Any]:
     return dict(server.get(f"/api/elastic/kernels/{kernel_id}"))
+
+
+def probe(server: RunningServer, name: str) -> tuple[int, Any]:
+    """A kubelet's probe: no token."""
+    try:
+        with urllib.request.urlopen(f"{server.url}/api/elastic/{name}", timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
 
 
 def hibernate(server: RunningServer, cluster: PodCluster, kernel_id: str) -> None:
@@ -348,6 +360,44 @@ def test_restarted_server_adopts_running_pods_and_recovers_lost_ones(
         restarted.stop()
 
 
+#: What no checkpoint can keep: a half-consumed generator and a held lock (both unpicklable).
+UNPICKLABLE = "import os, threading; g = iter(range(10)); next(g); lock = threading.Lock(); lock.acquire()"
+
+
+def test_a_stopped_server_leaves_its_kernel_pods_running_and_the_next_adopts_them(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    """SIGTERM (an upgrade, a drain, a restart) with three running kernels: in Kubernetes mode the
+    default is to leave the pods running, so the next server adopts the same processes with what no
+    checkpoint keeps; nothing is hibernated."""
+    config = cluster.config()
+    del config["ElasticKernels"]["hibernate_on_shutdown"]  # the default of pod mode
+    first = start_server(tmp_path, config)
+    kernels = [first.start_kernel(SIZE), first.start_kernel(SIZE), first.start_kernel("python3-cpu")]
+    pids = {}
+    for kernel_id in kernels:
+        pids[kernel_id] = first.execute(kernel_id, f"{UNPICKLABLE}; print(os.getpid())").strip()
+    pods = {kernel_id: cluster.pod_of(kernel_id).metadata.uid for kernel_id in kernels}
+    first.stop()  # SIGTERM, as Kubernetes stops a gateway pod
+    assert first.process.returncode == 0, first.log()[-3000:]
+    assert "left running in its pod for the next server to adopt" in first.log()
+    for kernel_id in kernels:
+        pod = cluster.pod_of(kernel_id)
+        assert pod is not None and pod.metadata.uid == pods[kernel_id] and pod.status.phase == "Running"
+    second = start_server(tmp_path, config)  # the same root: as a new gateway pod
+    try:
+        for kernel_id in kernels:
+            wait_for(lambda k=kernel_id: model(second, k)["state"] == "running", 60, "the pod to be adopted")
+            said = second.execute(kernel_id, "print(os.getpid(), next(g), lock.locked())").split()
+            assert said == [pids[kernel_id], "1", "True"], said
+            assert cluster.pod_of(kernel_id).metadata.uid == pods[kernel_id]
+        for kernel_id in kernels:
+            second.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pods() == [], 60, "every kernel pod to be deleted")
+    finally:
+        second.stop()
+
+
 def test_background_checkpoint_brings_back_a_never_hibernated_kernel_whose_node_died(
     cluster: PodCluster, tmp_path: Path
 ) -> None:
@@ -552,8 +602,11 @@ def test_a_restarted_server_adopts_running_pods_only_once_it_knows_the_nodes_gpu
         running = start_server(tmp_path, config)
         wait_for(lambda: "may not list nodes" in running.log(), 60, "the node list to be refused")
         assert kernel_id not in {k["id"] for k in running.get("/api/kernels")}
+        # Not ready (the Service sends it no one) until the nodes are listed and the pods adopted.
+        assert probe(running, "readyz") == (503, {"message": "not ready yet"})
         roles.replace_cluster_role(nodes_role["metadata"]["name"], nodes_role)
-        wait_for(lambda: model(running, kernel_id)["state"] == "running", 120, "the pod to be adopted")
+        wait_for(lambda: probe(running, "readyz")[0] == 200, 120, "the server to be ready")
+        assert model(running, kernel_id)["state"] == "running"  # ready: the pod was adopted
         assert "Could not adopt" not in running.log(), running.log()[-3000:]
         assert running.execute(kernel_id, "print(os.getpid(), x + 1)").split() == [pid, "42"]
         running.shutdown_kernel(kernel_id)

@@ -156,6 +156,8 @@ def server_config(kube_plane: ControlPlane, image: str) -> dict[str, Any]:
             "gpu_inventory": [{"uuid": "GPU-real-0000", "name": "Test A100", "memory_mib": 40960}],
             "reap_interval": 1,
             "kernel_provisioner": "elastic-kubernetes-provisioner",
+            # The stop cleans the namespace for the next test (pod mode's default leaves pods running).
+            "hibernate_on_shutdown": True,
         },
         "ElasticKubernetesProvisioner": {
             "namespace": NAMESPACE,

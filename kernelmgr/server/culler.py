@@ -164,6 +164,8 @@ class Culler:
         )
         self.removals = BoundedScheduler(MAX_CONCURRENT_REMOVALS, mkm.log, "removal")
         self._callbacks: list[ioloop.PeriodicCallback] = []
+        self._ticks: ioloop.PeriodicCallback | None = None
+        self._started = False
         self._sampling = False
 
     # -- timers ----------------------------------------------------------------------------
@@ -171,14 +173,35 @@ class Culler:
     def start(self) -> None:
         if self.sampler is not None:
             self._callbacks.append(ioloop.PeriodicCallback(self.sample, self.sample_interval * 1000))
-        if self.policy.enabled:
-            self._callbacks.append(ioloop.PeriodicCallback(self.tick, self.policy.interval * 1000))
         for callback in self._callbacks:
             callback.start()
+        self._started = True
+        self._start_ticks()
+
+    def _start_ticks(self) -> None:
+        if self.policy.enabled:
+            self._ticks = ioloop.PeriodicCallback(self.tick, self.policy.interval * 1000)
+            self._ticks.start()
 
     def stop(self) -> None:
+        self._started = False
         for callback in self._callbacks:
             callback.stop()
+        if self._ticks is not None:
+            self._ticks.stop()
+            self._ticks = None
+
+    def set_policy(self, policy: Policy) -> None:
+        """A new policy (the live configuration): the next tick decides by it, at its interval."""
+        retime = (policy.enabled, policy.interval) != (self.policy.enabled, self.policy.interval)
+        self.policy = policy
+        if self.sampler is not None:
+            self.sampler.busy_threshold = policy.defaults.gpu_idle_threshold
+        if retime and self._started:  # the ticks follow the new interval
+            if self._ticks is not None:
+                self._ticks.stop()
+                self._ticks = None
+            self._start_ticks()
 
     async def close(self) -> None:
         """Server stop: no more ticks, queued jobs dropped, running ones allowed to finish.

@@ -35,8 +35,10 @@ from kernelmgr.server.culler import Culler
 from kernelmgr.server.execution_state import ExecutionStates
 from kernelmgr.server.gateway_relay import gateway_relay_handlers
 from kernelmgr.server.handlers import elastic_handlers, gateway_mode_handlers
+from kernelmgr.server.health import Health, health_handlers
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
+from kernelmgr.server.live_config import LiveConfig
 from kernelmgr.server.sessions import ElasticSessionManager, server_identity
 from kernelmgr.server.websocket import ElasticWebsocketConnection
 from kernelmgr.warm.pool import WarmPools
@@ -56,6 +58,10 @@ class ElasticKernelsExtension(ExtensionApp):
     runtime: ElasticRuntime | None = None
     background: BackgroundCheckpoints | None = None
     node_sync: Any = None
+    health: Health | None = None
+    live_config: LiveConfig | None = None
+    #: The kernel pods a previous server left were adopted (Kubernetes mode; readiness waits for it).
+    adopted = False
     #: The server runs its kernels at a gateway (``GatewayClient.url``): the kernels, their GPU
     #: slices and their culling are the gateway's, and this extension stays out of the way.
     kernels_at_gateway = False
@@ -88,6 +94,7 @@ class ElasticKernelsExtension(ExtensionApp):
     def initialize_settings(self) -> None:
         if self.kernels_at_gateway:
             return
+        live = self._read_live_config()
         try:
             runtime = ElasticKernels(parent=self.serverapp, log=self.log).build()
             policy = CullPolicy(parent=self.serverapp, log=self.log).build(list(runtime.profiles))
@@ -131,11 +138,16 @@ class ElasticKernelsExtension(ExtensionApp):
             from kernelmgr.server.adoption import start_node_inventory
 
             self.node_sync = start_node_inventory(runtime, self.log)
+        self.health = Health(self.log).start()
+        self.settings["elastic_health"] = self.health
+        if self.node_sync is not None:
+            node_sync = self.node_sync
+            self.health.readiness.append(lambda: None if node_sync.informer.synced else "nodes not listed")
         if runtime.mode.in_pods:
-            from kernelmgr.server.adoption import adopt_kernel_pods
-
-            # Once the loop runs (the pod watch must sync first); the server starts meanwhile.
-            ioloop.IOLoop.current().add_callback(adopt_kernel_pods, km, self.node_sync)
+            # Once the loop runs (the pod watch must sync first); the server starts meanwhile,
+            # unready (readyz) until the kernel pods are adopted.
+            ioloop.IOLoop.current().add_callback(self._adopt_kernel_pods, km)
+            self.health.readiness.append(lambda: None if self.adopted else "kernel pods not adopted")
         sampler: GpuActivitySampler | ClusterGpuSampler | None = None
         if runtime.mode.in_pods:
             # The kernels run on other nodes: their GPU activity comes from the node agents.
@@ -159,6 +171,10 @@ class ElasticKernelsExtension(ExtensionApp):
         )
         km.hibernator.on_resumed.append(ElasticWebsocketConnection.attach_all)
         km.culler.start()
+        if live is not None:
+            live.appliers.append(self._live_policy(km.culler, list(runtime.profiles)))
+            self.settings["elastic_live_config"] = live
+            self.live_config = live.start()
         if runtime.background_checkpoint_interval > 0:
             self.background = BackgroundCheckpoints(
                 km.hibernator, runtime.background_checkpoint_interval, policy.max_concurrent_hibernations
@@ -182,6 +198,52 @@ class ElasticKernelsExtension(ExtensionApp):
         reaper = ioloop.PeriodicCallback(km.reap_dead_slices, runtime.reap_interval * 1000)
         reaper.start()
         self._start_warm_pools(runtime)
+
+    def _read_live_config(self) -> LiveConfig | None:
+        """``ElasticKernels.live_config_file``, merged into the server's configuration before anything
+        is built from it; invalid: exit code 2 and one line."""
+        assert self.serverapp is not None
+        elastic = ElasticKernels(parent=self.serverapp)
+        if not elastic.live_config_file:
+            return None
+        if elastic.live_config_interval <= 0:
+            self.log.critical(
+                "jupyter-elastic-kernels: invalid configuration: ElasticKernels.live_config_interval "
+                "must be > 0 seconds, got %s",
+                elastic.live_config_interval,
+            )
+            sys.exit(CONFIG_ERROR_EXIT)
+        live = LiveConfig(
+            elastic.live_config_file, self.serverapp.config, self.log, elastic.live_config_interval
+        )
+        try:
+            self.serverapp.update_config(live.initial())
+        except ConfigError as exc:
+            self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", exc.message)
+            sys.exit(CONFIG_ERROR_EXIT)
+        return live
+
+    def _live_policy(self, culler: Culler, profiles: list[str]) -> Any:
+        """The cull policy's part of a live change: built (validated) first, then applied."""
+
+        def prepare(config: Any) -> Any:
+            policy = CullPolicy(config=config, log=self.log).build(profiles)
+
+            def apply() -> None:
+                culler.set_policy(policy)
+                if self.serverapp is not None and self.serverapp.web_app is not None:
+                    self.serverapp.web_app.settings["elastic_policy"] = policy
+                self.log.info("jupyter-elastic-kernels: cull policy %s", policy.to_dict())
+
+            return apply
+
+        return prepare
+
+    async def _adopt_kernel_pods(self, km: ElasticMappingKernelManager) -> None:
+        from kernelmgr.server.adoption import adopt_kernel_pods
+
+        await adopt_kernel_pods(km, self.node_sync)
+        self.adopted = True
 
     def _make_cluster(self, km: ElasticMappingKernelManager, runtime: ElasticRuntime) -> Any:
         """The server's KubeCluster, its settings (pod resources, their sizes) checked at start, and
@@ -249,6 +311,7 @@ class ElasticKernelsExtension(ExtensionApp):
             self.handlers.extend(gateway_relay_handlers())
         else:
             self.handlers.extend(elastic_handlers())
+            self.handlers.extend(health_handlers())
 
     async def stop_extension(self) -> None:
         """Server stop: the culler stops first, letting running hibernations finish.
@@ -263,6 +326,10 @@ class ElasticKernelsExtension(ExtensionApp):
             await culler.close()
         if self.background is not None:
             await self.background.close()
+        if self.health is not None:
+            self.health.stop()
+        if self.live_config is not None:
+            self.live_config.stop()
         if self.node_sync is not None:
             await asyncio.to_thread(self.node_sync.stop)
         if self.runtime is not None and self.runtime.warm_pools is not None:

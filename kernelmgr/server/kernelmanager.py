@@ -10,8 +10,12 @@ websockets, culling and restarts behave exactly as users know them) plus:
   instead of jupyter_client logging a traceback and the user seeing a 500;
 * it keeps hibernated kernels registered (no process, same id, same sessions) and knows what
   shutdown, interrupt, restart and culling mean for them;
-* on server exit it hibernates idle elastic kernels instead of killing them (configurable),
-  and on start it re-registers the hibernated kernels of the previous run.
+* on server exit it hibernates idle local kernels instead of killing them and leaves kernel pods
+  running for the next server (``hibernate_on_shutdown``), and on start it re-registers the
+  hibernated kernels of the previous run.
+
+Long because each of jupyter_server's kernel operations is overridden here once, in one class: each
+override is short, and splitting the class would spread one kernel lifecycle over modules.
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ def _answered_as_http(what: str) -> Iterator[None]:
         raise http_error(exc.status, exc.message) from None
     except kube_optional.refusals() as exc:
         raise http_error(500, f"could not {what}: {exc}") from None
+
+
+NOT_HIBERNATED = "could not hibernate at shutdown: left running, to checkpoint itself once its cell ends"
+ADOPTED = "left running in its pod for the next server to adopt"
 
 
 class ElasticMappingKernelManager(AsyncMappingKernelManager):
@@ -258,6 +266,9 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             await hibernator.hibernate_all(self._running_elastic_kernels(), limit)
             for kernel_id in self._running_elastic_kernels():  # could not hibernate (busy, disk full)
                 self._leave_running(kernel_id)
+        elif runtime is not None and runtime.mode.in_pods and not now:  # pods outlive the server:
+            for kernel_id in self._running_elastic_kernels():  # the next adopts them, unpicklables too
+                self._leave_running(kernel_id, ADOPTED)
         self._exiting = True
         await super()._async_shutdown_all(now=now)
         if hibernator is not None:
@@ -268,7 +279,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
 
     shutdown_all = _async_shutdown_all  # type: ignore[assignment]
 
-    def _leave_running(self, kernel_id: str) -> None:
+    def _leave_running(self, kernel_id: str, why: str = NOT_HIBERNATED) -> None:
         """At a server stop, leave an elastic kernel that could not hibernate (a cell running) to
         itself instead of shutting it down, which would lose its variables and its checkpoints.
 
@@ -278,11 +289,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         """
         self.get_kernel(kernel_id).stop_restarter()
         self._unregister(kernel_id)
-        self.log.warning(
-            "Kernel %s could not hibernate at shutdown: left running; it checkpoints itself (once a "
-            "running cell ends) and the next start lists it",
-            kernel_id,
-        )
+        self.log.warning("Kernel %s %s", kernel_id, why)
 
     def _unregister(self, kernel_id: str) -> Any:
         """Drop ``kernel_id`` from this manager without stopping any process; return its manager."""

@@ -189,6 +189,7 @@ def running_hub(
     quota_users: str = "",
     users: str = "alice,bob,carol,ada",
     admins: str = "",
+    live_config: Path | None = None,
 ) -> Iterator[Hub]:
     """The example's Hub and gateway; each user's kernels run as ``ekt-<user>``."""
     proxy = require_proxy()
@@ -200,7 +201,7 @@ def running_hub(
         state.chmod(0o711)
         make_enterable(state)
         log_path = tmp / ("hub.log" if attempt == 1 else f"hub-{attempt}.log")
-        hub = _launch(tmp, state, log_path, proxy, quota_users, users, admins)
+        hub = _launch(tmp, state, log_path, proxy, quota_users, users, admins, live_config)
         try:
             up = _wait_up(hub)
         except BaseException:
@@ -221,7 +222,14 @@ def running_hub(
 
 
 def _launch(
-    tmp: Path, state: Path, log_path: Path, proxy: str, quota_users: str, users: str, admins: str
+    tmp: Path,
+    state: Path,
+    log_path: Path,
+    proxy: str,
+    quota_users: str,
+    users: str,
+    admins: str,
+    live_config: Path | None = None,
 ) -> Hub:
     env = isolated_env(tmp / "jupyter-home")
     hub_port, api_port, proxy_api_port, gateway_port = (free_port() for _ in range(4))
@@ -237,6 +245,9 @@ def _launch(
         ELASTIC_HUB_ADMINS=admins,
         ELASTIC_HUB_ALLOW_ROOT="1" if os.geteuid() == 0 else "",
         ELASTIC_QUOTA_USERS=quota_users,
+        # The gateway's live file (quotas, cull policy), re-read twice a second here.
+        ELASTIC_LIVE_CONFIG=str(live_config or ""),
+        ELASTIC_LIVE_CONFIG_INTERVAL="0.5",
         ELASTIC_KERNEL_ACCOUNT=ACCOUNT_TEMPLATE,
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     )

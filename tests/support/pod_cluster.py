@@ -69,6 +69,10 @@ class PodCluster:
                 "reap_interval": 1,
                 "checkpoint_root": str(self.checkpoints),
                 "kernel_provisioner": "elastic-kubernetes-provisioner",
+                # Each test's stop leaves the namespace clean for the next test's server (which would
+                # adopt running pods of the same owner). The pod-mode default, pods left running and
+                # adopted, is test_kube_server's test_a_stopped_server_leaves_its_kernel_pods_running.
+                "hibernate_on_shutdown": True,
             },
             "ElasticKubernetesProvisioner": {
                 "namespace": self.namespace,

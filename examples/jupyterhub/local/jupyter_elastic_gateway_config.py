@@ -48,6 +48,11 @@ if os.environ.get("ELASTIC_QUOTA_USERS"):  # e.g. the tests' tighter limits, as 
 
 c.CullPolicy.idle_timeout = 1800
 c.CullPolicy.warn_before = 120
+# Quotas and the cull policy that change without a restart: a JSON file of CullPolicy/ElasticQuota
+# sections, re-read every live_config_interval seconds (the chart's live ConfigMap is one).
+if os.environ.get("ELASTIC_LIVE_CONFIG"):
+    c.ElasticKernels.live_config_file = os.environ["ELASTIC_LIVE_CONFIG"]
+    c.ElasticKernels.live_config_interval = float(os.environ.get("ELASTIC_LIVE_CONFIG_INTERVAL") or 10)
 
 try:
     PynvmlNvml().devices()

@@ -85,6 +85,8 @@ c.JupyterHub.services = [
         "environment": {
             "ELASTIC_HUB_STATE": state,
             "ELASTIC_QUOTA_USERS": os.environ.get("ELASTIC_QUOTA_USERS", ""),
+            "ELASTIC_LIVE_CONFIG": os.environ.get("ELASTIC_LIVE_CONFIG", ""),
+            "ELASTIC_LIVE_CONFIG_INTERVAL": os.environ.get("ELASTIC_LIVE_CONFIG_INTERVAL", ""),
             "ELASTIC_KERNEL_ACCOUNT": os.environ.get("ELASTIC_KERNEL_ACCOUNT", ""),
             "ELASTIC_SINGLE_TENANT": os.environ.get("ELASTIC_SINGLE_TENANT", ""),
             # Prometheus scrapes /metrics with this token (without it: the gateway's admins only).

@@ -66,6 +66,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- default (printf "%s-metrics-token" (include "jek.fullname" .)) .Values.metrics.tokenSecret -}}
 {{- end -}}
 
+{{/* The gateway's ServerApp.base_url ("/", or "/services/<name>/" as a Hub service), from the config it
+is given (extraConfig included), for the probes' paths. */}}
+{{- define "jek.basePath" -}}
+{{- $server := (include "jek.serverConfig" . | fromJson).ServerApp | default dict -}}
+{{- $base := index $server "base_url" | default "/" | toString | trimPrefix "/" | trimSuffix "/" -}}
+{{- if $base }}/{{ $base }}/{{ else }}/{{ end -}}
+{{- end -}}
+
 {{/* Where the gateway serves /metrics: under its ServerApp.base_url (/services/<name>/ as a Hub service),
 read from the config it is given, extraConfig included. */}}
 {{- define "jek.metricsPath" -}}
@@ -171,6 +179,36 @@ items:
         {{- with .Values.networkPolicy.kernels.egress }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
+{{- end -}}
+
+{{/* The sections of the server's config that change without a restart: a ConfigMap of their own,
+mounted as a folder (the kubelet replaces the file when it changes) and re-read by the gateway
+(ElasticKernels.live_config_file), outside the checksum that restarts the gateway. */}}
+{{- define "jek.liveSections" -}}CullPolicy ElasticQuota{{- end -}}
+{{- define "jek.liveConfigDir" -}}/etc/jupyter-elastic-live{{- end -}}
+
+{{/* The gateway's jupyter_server_config.json: all but the live sections, and where those are. */}}
+{{- define "jek.gatewayConfig" -}}
+{{- $config := include "jek.serverConfig" . | fromJson -}}
+{{- range (include "jek.liveSections" . | splitList " ") }}
+{{- $_ := unset $config . -}}
+{{- end }}
+{{- $elastic := index $config "ElasticKernels" | default dict -}}
+{{- $_ := set $elastic "live_config_file" (printf "%s/live_config.json" (include "jek.liveConfigDir" .)) -}}
+{{- $_ := set $config "ElasticKernels" $elastic -}}
+{{- toPrettyJson $config -}}
+{{- end -}}
+
+{{/* live_config.json: the live sections of the server's config (extraConfig's included). */}}
+{{- define "jek.liveConfig" -}}
+{{- $config := include "jek.serverConfig" . | fromJson -}}
+{{- $live := dict -}}
+{{- range (include "jek.liveSections" . | splitList " ") }}
+{{- if hasKey $config . }}
+{{- $_ := set $live . (index $config .) -}}
+{{- end }}
+{{- end }}
+{{- toPrettyJson $live -}}
 {{- end -}}
 
 {{/* jupyter_server_config.json, built from the values (extraConfig merged over it). */}}
