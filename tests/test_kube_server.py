@@ -261,7 +261,11 @@ def test_a_cell_sent_while_the_pod_stops_waits_for_the_resume(
         assert tab.execute(code).stdout.strip() == "41"
         evict(cluster, kernel_id)
         wait_for(gate.is_reached, 60, "the kernel to checkpoint at SIGTERM")
-        time.sleep(6)  # two of the restarter's polls: the server has seen the pod stopping
+        wait_for(
+            lambda: f"Kernel {kernel_id}: its pod is being stopped" in server.log(),
+            60,
+            "the server to see the pod stopping (it holds the notebook's messages from then on)",
+        )
         held = tab.send("execute_request", {"code": "print(x + 1)", "silent": False, "store_history": True})
         gate.open()
         reply, iopub = tab.collect(held, 120)
