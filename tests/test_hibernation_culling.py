@@ -17,7 +17,7 @@ import websocket
 from tests.conftest import INVENTORY, PROFILES
 from tests.support.disk import small_disk
 from tests.support.gate import Gate
-from tests.support.server import RunningServer, launch, start_server, wait_for
+from tests.support.server import START_SECONDS, RunningServer, launch, start_server, wait_for
 
 POLICY = {
     "idle_timeout": 6,
@@ -267,7 +267,7 @@ def test_bad_policy_stops_the_server(tmp_path: Path) -> None:
         "CullPolicy": {"idle_timeout": 10, "warn_before": 20},
     }
     proc, log_path, _url, _env = launch(tmp_path, config)
-    proc.wait(timeout=60)
+    proc.wait(timeout=START_SECONDS)  # a whole server start, then the refusal
     log = log_path.read_text()
     assert proc.returncode != 0
     assert "CullPolicy.warn_before (20s) must be shorter than idle_timeout (10s)" in log

@@ -29,7 +29,7 @@ from kubernetes import client  # noqa: E402
 from tests.support.node_runner import NodeRunner  # noqa: E402
 from tests.support.oracle import SETUP, Reference, check_same, cycle_cell, run_both  # noqa: E402
 from tests.support.pod_cluster import CLAIM, PodCluster, pod_cluster  # noqa: E402
-from tests.support.server import RunningServer, start_server  # noqa: E402
+from tests.support.server import START_SECONDS, RunningServer, start_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 pytest.importorskip("numpy")
@@ -167,7 +167,7 @@ def test_bad_pod_resources_stop_the_server_at_start_with_one_line(
 
     process, log_path, _url, _env = launch(tmp_path, cluster.config(**setting), None, None, "jupyter_server")
     try:
-        assert process.wait(timeout=120) == 2
+        assert process.wait(timeout=START_SECONDS) == 2
     finally:
         if process.poll() is None:
             process.kill()
