@@ -47,6 +47,7 @@ class KernelManagerStandIn:
     def __init__(self) -> None:
         self.kernels: dict[str, Any] = {}
         self.log = logging.getLogger("bench")
+        self.starting_kernels: set[str] = set()
 
     def __contains__(self, kernel_id: object) -> bool:
         return kernel_id in self.kernels

@@ -372,6 +372,7 @@ class KernelManagerStandIn:
     def __init__(self, kernels: dict[str, AsyncKernelManager]) -> None:
         self.kernels = kernels
         self.log = logging.getLogger("bench")
+        self.starting_kernels: set[str] = set()
 
     def __contains__(self, kernel_id: object) -> bool:
         return kernel_id in self.kernels

@@ -18,7 +18,6 @@ import stat
 import subprocess
 import sys
 import textwrap
-import time
 import tracemalloc
 import types
 from collections.abc import Callable, Iterator
@@ -730,9 +729,17 @@ import os, sys, time
 from kernelmgr.checkpoint.format import write_checkpoint
 directory, key = sys.argv[1], bytes.fromhex(sys.argv[2])
 
+written = 0
+
 def slow(fd, data):
+    # Halfway through the data, the writer stops until it is killed: the kill lands mid-write
+    # however slow the machine is (no race between the writer and the test's polling).
+    global written
     count = os.write(fd, data[: 1 << 20])
-    time.sleep(0.01)
+    written += count
+    if written >= 16 << 20:
+        print("halfway", flush=True)
+        time.sleep(600)
     return count
 
 print("writing", flush=True)
@@ -751,15 +758,12 @@ def test_kill_9_in_the_middle_of_a_write_keeps_the_old_checkpoint(kdir: Path) ->
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
-        deadline = time.monotonic() + 30
-        partial_data: Path | None = None
-        while time.monotonic() < deadline and process.poll() is None:
-            partials = list(kdir.glob(".partial-*/data.bin"))
-            if partials and partials[0].stat().st_size > 8 << 20:
-                partial_data = partials[0]
-                break
-            time.sleep(0.005)
-        assert partial_data is not None, "the writer never got going"
+        assert process.stdout is not None
+        assert process.stdout.readline() == b"writing\n"
+        assert process.stdout.readline() == b"halfway\n", "the writer never got going"
+        partials = list(kdir.glob(".partial-*/data.bin"))
+        assert len(partials) == 1 and partials[0].stat().st_size >= 16 << 20, partials
+        partial_data = partials[0]
         process.send_signal(signal.SIGKILL)
         process.wait(10)
     finally:

@@ -207,6 +207,23 @@ def run(kc: Any, code: str) -> dict[str, Any]:
     return reply
 
 
+def wait_for_output(kc: Any, marker: str, timeout: float = 60) -> None:
+    """Wait until the running cell prints ``marker``: it has got that far (a sleep would only guess,
+    and lose on a loaded machine)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["msg_type"] == "stream" and marker in msg["content"]["text"]:
+            return
+
+
+def wait_for_file(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
 def test_sigterm_checkpoints_an_idle_kernel_and_flushes_its_files(
     store: CheckpointStore, start_kernel: Callable[[bool], tuple[Any, Any]], tmp_path: Path
 ) -> None:
@@ -235,11 +252,8 @@ def test_sigterm_during_an_awaiting_cell_waits_for_it_and_its_reply(
     km, kc = start_kernel(True)
     run(kc, "x = 1")
     # A cell that awaits leaves the loop running: the SIGTERM callback comes during the cell.
-    msg_id = kc.execute("import asyncio\nawait asyncio.sleep(2)\ny = 2")
-    busy = kc.get_iopub_msg(timeout=10)
-    while not (busy["msg_type"] == "status" and busy["content"]["execution_state"] == "busy"):
-        busy = kc.get_iopub_msg(timeout=10)
-    time.sleep(0.5)  # inside the cell
+    msg_id = kc.execute("import asyncio\nprint('in the cell', flush=True)\nawait asyncio.sleep(2)\ny = 2")
+    wait_for_output(kc, "in the cell")
     process = km.provisioner.process
     os.kill(process.pid, signal.SIGTERM)
     reply = kc.get_shell_msg(timeout=30)
@@ -263,17 +277,22 @@ def test_sigterm_after_a_committed_checkpoint_writes_nothing_new(
 
 
 def test_a_kernel_shut_down_by_its_server_leaves_no_checkpoint(
-    store: CheckpointStore, start_kernel: Callable[[bool], tuple[Any, Any]]
+    store: CheckpointStore, start_kernel: Callable[[bool], tuple[Any, Any]], tmp_path: Path
 ) -> None:
     """A user deleting a kernel: shutdown_request, then (as jupyter_client does for a kernel slow to
     go) SIGTERM. Neither may write a checkpoint of a kernel its user deleted."""
     km, kc = start_kernel(True)
     # The kernel's exit takes a while (an atexit handler of the user's): SIGTERM lands in it.
-    run(kc, "x = 1\nimport atexit, time\natexit.register(time.sleep, 3)")
+    exiting = tmp_path / "exiting"
+    run(
+        kc,
+        "x = 1\nimport atexit, pathlib, time\n"
+        f"atexit.register(lambda: (pathlib.Path({str(exiting)!r}).touch(), time.sleep(600)))",
+    )
     kc.shutdown()
     reply = kc.get_control_msg(timeout=10)
     assert reply["msg_type"] == "shutdown_reply"
-    time.sleep(0.5)
+    wait_for_file(exiting)
     assert terminate(km) == -signal.SIGTERM
     assert store.summary(OWNER, KERNEL) is None
 
@@ -285,8 +304,8 @@ def test_a_busy_kernel_its_server_shuts_down_ends_at_sigterm_without_waiting_for
     jupyter_client sends SIGTERM, which must end the kernel then, not after the cell."""
     km, kc = start_kernel(True)
     run(kc, "x = 1")
-    kc.execute("import time\ntime.sleep(60)")
-    time.sleep(1)  # in the cell
+    kc.execute("import time\nprint('in the cell', flush=True)\ntime.sleep(600)")
+    wait_for_output(kc, "in the cell")
     kc.shutdown()
     assert kc.get_control_msg(timeout=10)["msg_type"] == "shutdown_reply"
     process = km.provisioner.process

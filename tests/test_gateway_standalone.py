@@ -15,7 +15,7 @@ import pytest
 
 from benchmarks.bench_roundtrip import server_side_nodelay
 from tests.conftest import elastic_config
-from tests.support.server import TOKEN, RunningServer, launch, start_server
+from tests.support.server import START_SECONDS, TOKEN, RunningServer, launch, start_server
 
 pytestmark = pytest.mark.pure
 
@@ -115,7 +115,7 @@ def test_a_bad_quota_stops_the_gateway_with_one_clear_line(tmp_path: Path) -> No
     config["ElasticQuota"] = {"users": {"ann": {"profiles": ["enormous"]}}}
     proc, log_path, _url, _env = launch(tmp_path / "gateway", config, app_module="gateway.app")
     try:
-        assert proc.wait(timeout=60) == 2
+        assert proc.wait(timeout=START_SECONDS) == 2  # a whole start, then the refusal
     finally:  # a gateway that failed to stop must not outlive the test
         if proc.poll() is None:
             proc.kill()
@@ -190,7 +190,7 @@ def test_hub_mode_without_a_hub_token_refuses_to_start_in_one_line(tmp_path: Pat
         tmp_path / "gateway", elastic_config(tmp_path / "checkpoints"), app_module="gateway.app"
     )
     try:
-        assert proc.wait(timeout=120) == 2, log_path.read_text()
+        assert proc.wait(timeout=START_SECONDS) == 2, log_path.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -356,6 +356,30 @@ def test_failed_scheduled_hibernation_backs_off(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
+def test_a_kernel_still_starting_is_left_to_its_start(tmp_path: Path) -> None:
+    """While the server waits for a new kernel's first answer, the policy neither warns nor
+    hibernates it, however long it has been since its launch: a hibernation then stopped the start
+    midway, and its creator got a 500 (seen at the lowest pins on a loaded machine). Once up, it is
+    counted as any other kernel; a hibernation asked by the API meanwhile is refused with a 409."""
+    culler, fake, broadcasts = build_culler(tmp_path, POLICY, {"slow": 500, "whole-slow": 60})
+    culler.mkm.starting_kernels.update({"slow", "whole-slow"})  # type: ignore[attr-defined]
+
+    async def scenario() -> None:
+        assert await culler.tick() == []
+        assert broadcasts == [] and len(culler.hibernations) == 0
+        with pytest.raises(LifecycleError) as refused:
+            await Hibernator.hibernate(culler.hibernator, "slow")  # the real one, not the stand-in's
+        assert refused.value.status == 409 and "still starting" in refused.value.message
+        culler.mkm.starting_kernels.clear()  # type: ignore[attr-defined]
+        decided = dict(await culler.tick())
+        assert decided["slow"].action is Action.HIBERNATE and decided["whole-slow"].action is Action.WARN
+        await settle(lambda: fake.gates.started == ["slow"])
+        await fake.gates.release("slow")
+        await culler.hibernations.join()
+
+    asyncio.run(scenario())
+
+
 def test_tombstones_are_bounded_in_number_and_age() -> None:
     now = [1000.0]
     tombs = Tombstones(limit=3, ttl=100, clock=lambda: now[0])

@@ -29,6 +29,7 @@ from kernelmgr import __version__
 from kernelmgr.checkpoint.version import KERNEL_INFO_KEY
 from kernelmgr.core.manifest import FORMAT
 from tests.support.containerd import Containerd, require_node_tools
+from tests.test_project_urls import CANONICAL
 
 # The image builds and a cell in the container take minutes under a loaded full suite (the cell once
 # took over 120 s there): the same budget as the real-node tests.
@@ -176,7 +177,7 @@ def test_a_cell_runs_in_a_real_ipykernel_in_the_kernel_container(
         proc.wait(timeout=60)
 
 
-def test_the_archives_carry_the_version_label(archives: dict[str, Path], tmp_path: Path) -> None:
+def test_the_archives_carry_the_version_and_project_labels(archives: dict[str, Path], tmp_path: Path) -> None:
     for which, archive in archives.items():
         done = subprocess.run(
             ["skopeo", "inspect", "--config", f"oci-archive:{archive}"],
@@ -187,3 +188,6 @@ def test_the_archives_carry_the_version_label(archives: dict[str, Path], tmp_pat
         )
         labels = json.loads(done.stdout)["config"]["Labels"]
         assert labels["org.opencontainers.image.version"] == __version__, which
+        # Where a registry's page (and `skopeo inspect`) sends someone who found the image.
+        assert labels["org.opencontainers.image.source"] == CANONICAL, which
+        assert labels["org.opencontainers.image.licenses"] == "BSD-3-Clause", which

@@ -22,7 +22,7 @@ require_envtest(module_level=True)
 
 from kubernetes import client  # noqa: E402
 
-from tests.support.server import RunningServer, launch, start_server  # noqa: E402
+from tests.support.server import START_SECONDS, RunningServer, launch, start_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -201,7 +201,7 @@ def test_a_setting_the_api_server_refuses_stops_the_server_naming_the_size(
     base["ElasticKubernetesProvisioner"].update(change)
     process, log_path, _url, _env = launch(tmp_path, base, None, None, "jupyter_server")
     try:
-        assert process.wait(timeout=120) == 2, log_path.read_text()[-3000:]
+        assert process.wait(timeout=START_SECONDS) == 2, log_path.read_text()[-3000:]
     finally:
         if process.poll() is None:
             process.kill()

@@ -94,8 +94,11 @@ def test_kernel_pod_executes_interrupts_and_shuts_down(
             assert reply["content"]["status"] == "ok"
             assert results == [repr((pod.status.pod_ip, 42))]
 
-            msg_id = kc.execute("import time; time.sleep(60)")
-            await asyncio.sleep(1.0)
+            msg_id = kc.execute("import time; print('in the cell', flush=True); time.sleep(60)")
+            while True:  # the cell runs: an interrupt before it would find nothing to interrupt
+                msg = await kc.get_iopub_msg(timeout=60)
+                if msg["msg_type"] == "stream" and "in the cell" in msg["content"]["text"]:
+                    break
             await km.interrupt_kernel()
             interrupted = await kc.get_shell_msg(timeout=15)
             assert interrupted["parent_header"]["msg_id"] == msg_id

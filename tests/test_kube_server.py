@@ -32,7 +32,7 @@ from kubernetes import client  # noqa: E402
 from tests.support.node_runner import NodeRunner  # noqa: E402
 from tests.support.oracle import SETUP, Reference, check_same, cycle_cell, run_both  # noqa: E402
 from tests.support.pod_cluster import CLAIM, PodCluster, pod_cluster  # noqa: E402
-from tests.support.server import RunningServer, start_server  # noqa: E402
+from tests.support.server import START_SECONDS, RunningServer, start_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 pytest.importorskip("numpy")
@@ -179,7 +179,7 @@ def test_bad_pod_resources_stop_the_server_at_start_with_one_line(
 
     process, log_path, _url, _env = launch(tmp_path, cluster.config(**setting), None, None, "jupyter_server")
     try:
-        assert process.wait(timeout=120) == 2
+        assert process.wait(timeout=START_SECONDS) == 2
     finally:
         if process.poll() is None:
             process.kill()
@@ -273,7 +273,11 @@ def test_a_cell_sent_while_the_pod_stops_waits_for_the_resume(
         assert tab.execute(code).stdout.strip() == "41"
         evict(cluster, kernel_id)
         wait_for(gate.is_reached, 60, "the kernel to checkpoint at SIGTERM")
-        time.sleep(6)  # two of the restarter's polls: the server has seen the pod stopping
+        wait_for(
+            lambda: f"Kernel {kernel_id}: its pod is being stopped" in server.log(),
+            60,
+            "the server to see the pod stopping (it holds the notebook's messages from then on)",
+        )
         held = tab.send("execute_request", {"code": "print(x + 1)", "silent": False, "store_history": True})
         gate.open()
         reply, iopub = tab.collect(held, 120)

@@ -263,7 +263,11 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     assert _model(server, kernel_id)["activity"]["warning"] is None  # cancelled by the click itself
     gpu.set(pid, memory_mib=2048, sm_percent=35)  # busy again: no new warning
     assert _model(server, kernel_id)["state"] == "running"
-    time.sleep(1.5)  # the GPU sampler (every 0.5 s) sees it busy
+    wait_for(
+        lambda: _model(server, kernel_id)["activity"]["gpu_utilization"] == 35,
+        timeout=30,
+        what="the GPU sampler to see it busy",
+    )
     # A warning cancelled another way (a cell run from elsewhere) goes away too.
     gpu.set(pid, memory_mib=2048, sm_percent=0)
     expect(toast).to_be_visible(timeout=20_000)

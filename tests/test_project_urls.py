@@ -5,6 +5,7 @@ in the docs, examples and images. A placeholder or a second spelling is a dead l
 from __future__ import annotations
 
 import ast
+import json
 import re
 import sys
 from pathlib import Path
@@ -76,3 +77,32 @@ def test_every_link_to_the_project_uses_that_url() -> None:
                 wrong.append(f"{path.relative_to(ROOT)}: {match.group(0)}")
     assert not wrong, "links to the project under another owner (use " + CANONICAL + "):\n" + "\n".join(wrong)
     assert found > 5  # the scan does reach the docs that hold them
+
+
+def containerfile_labels(path: Path) -> dict[str, str]:
+    """The ``LABEL key="value"`` pairs of a Containerfile (its continued lines joined)."""
+    text = path.read_text().replace("\\\n", " ")
+    labels: dict[str, str] = {}
+    for line in text.splitlines():
+        if line.startswith("LABEL "):
+            labels.update(re.findall(r'([\w.\-]+)="([^"]*)"', line))
+    return labels
+
+
+@pytest.mark.parametrize("image", ["kernel", "gateway"])
+def test_the_images_name_the_project_url(image: str) -> None:
+    """A registry shows ``org.opencontainers.image.source`` as the image's repository link."""
+    labels = containerfile_labels(ROOT / "images" / image / "Containerfile")
+    assert labels["org.opencontainers.image.source"] == CANONICAL
+    assert labels["org.opencontainers.image.url"] == CANONICAL
+    assert labels["org.opencontainers.image.documentation"].startswith(CANONICAL)
+    assert labels["org.opencontainers.image.licenses"] == "BSD-3-Clause"
+
+
+@pytest.mark.parametrize("package", ["labextension/package.json", "kernelmgr/labextension/package.json"])
+def test_the_labextension_names_the_project_url(package: str) -> None:
+    """The source and the built copy JupyterLab's extension manager reads (it links ``homepage``)."""
+    meta = json.loads((ROOT / package).read_text())
+    assert meta["homepage"] == CANONICAL
+    assert meta["repository"] == {"type": "git", "url": CANONICAL + ".git"}
+    assert meta["bugs"] == {"url": CANONICAL + "/issues"}

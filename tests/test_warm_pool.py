@@ -23,7 +23,7 @@ import pytest
 
 from tests.conftest import elastic_config
 from tests.support.gate import slow_to_load_cell
-from tests.support.server import RunningServer, launch, process_alive, start_server, wait_for
+from tests.support.server import START_SECONDS, RunningServer, launch, process_alive, start_server, wait_for
 
 pytestmark = pytest.mark.pure
 
@@ -326,7 +326,7 @@ def test_a_bad_setting_stops_the_server_with_one_line(tmp_path: Path) -> None:
     config = elastic_config(tmp_path / "checkpoints", warm_pool={"python3": {"size": "two"}})
     proc, log_path, _url, _env = launch(tmp_path, config)
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=START_SECONDS)  # a whole server start, then the refusal
     except subprocess.TimeoutExpired:
         proc.kill()
         raise

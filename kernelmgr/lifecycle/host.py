@@ -21,6 +21,9 @@ class KernelHost(Protocol):
     ports and connection file across the processes a hibernation stops and a resume starts."""
 
     log: logging.Logger
+    #: New kernels whose start has not finished (the server still waits for their first answer):
+    #: not the lifecycle's to hibernate yet, since stopping one ends its start with an error.
+    starting_kernels: set[str]
 
     def __contains__(self, kernel_id: str) -> bool: ...
 

@@ -144,6 +144,10 @@ class Hibernator:
                 f"kernel {kernel_id} (kernelspec {spec!r}) is not an elastic kernel; only kernels started "
                 "from a GPU-size kernelspec (metadata.elastic.profile) can hibernate"
             )
+        if kernel_id in self.mkm.starting_kernels:
+            raise LifecycleError(
+                f"kernel {kernel_id} is still starting: it can hibernate once it has answered its server"
+            )
         size = size_label(record.profile)
         started = time.time()
         try:

@@ -303,6 +303,11 @@ class Culler:
         waiting = len(self.runtime.slice_queue) - len(self.hibernations)
         pressured = set(under_pressure(self.policy, list(snapshots.values()), now, waiting))
         for record in records:
+            if record.kernel_id in self.mkm.starting_kernels:
+                # Still in its start (the POST /api/kernels waits for its first answer): counted
+                # from its launch, a slow start on a loaded machine outlasted a short start_grace,
+                # and the hibernation stopped the start midway (a 500 for the kernel's creator).
+                continue
             snapshot = snapshots[record.kernel_id]
             state = record.cull
             pressure = record.kernel_id in pressured
