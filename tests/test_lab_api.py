@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kernelmgr.checkpoint.progress import ProgressFile, read_progress
-from tests.conftest import elastic_config
+from tests.conftest import INVENTORY, elastic_config
 from tests.support.server import RunningServer, start_server, wait_for
 
 POLICY = {"idle_timeout": 6, "warn_before": 4, "interval": 1}
@@ -23,9 +24,16 @@ POLICY = {"idle_timeout": 6, "warn_before": 4, "interval": 1}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     home = tmp_path_factory.mktemp("lab-api")
-    config = elastic_config(home / "checkpoints")
+    # The NVML TEST DOUBLE, scripted by gpu_script(): no process uses a GPU until a test says so.
+    gpu_file = home / "gpu.json"
+    gpu_file.write_text(json.dumps({"devices": INVENTORY, "processes": []}))
+    config = elastic_config(
+        home / "checkpoints",
+        nvml_class="kernelmgr.activity.nvml_double.FileNvmlDouble",
+        gpu_sample_interval=0.5,
+    )
     config["CullPolicy"] = POLICY
-    running = start_server(home, config)
+    running = start_server(home, config, env_extra={"ELASTIC_NVML_DOUBLE_FILE": str(gpu_file)})
     yield running
     running.stop()
 
@@ -83,7 +91,49 @@ def test_me_says_admin_and_gpu_hours_released(server: RunningServer) -> None:
     assert me["admin"] is True  # one user's server: its user is the admin
     # small = 1/4 GPU, hibernated for at least a second.
     assert me["gpu_hours_released"]["small"] >= 0.25 * 1.0 / 3600
+    assert me["gpus_released_now"] == 0.25  # the trend: a quarter GPU released at this moment
     assert server.request("GET", "/api/elastic/me", token=None).status == 403
+
+
+def gpu_script(server: RunningServer, processes: list[dict]) -> None:
+    """What the NVML double shows: each process's memory and SM % on a test GPU."""
+    path = server.home / "gpu.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"devices": INVENTORY, "processes": processes}))
+    tmp.replace(path)
+
+
+def test_gpus_carry_each_devices_live_use_from_its_kernels(server: RunningServer) -> None:
+    """``GET /api/elastic/gpus``: per device, the sum of its kernels' sampled use (the panel's meters)."""
+    idle = server.get("/api/elastic/gpus")["devices"]
+    assert [d["activity"] for d in idle] == [{"gpu_utilization": None, "memory_used_mib": None}] * 2
+    first = server.start_kernel("python3-gpu-small")
+    second = server.start_kernel("python3-gpu-small")
+    pids = [int(server.execute(k, "import os; print(os.getpid())").strip()) for k in (first, second)]
+    slices = {
+        s["kernel_id"]: d["uuid"] for d in server.get("/api/elastic/gpus")["devices"] for s in d["slices"]
+    }
+    assert slices[first] == slices[second]  # packed on one GPU
+    device = slices[first]
+    gpu_script(
+        server,
+        [
+            {"pid": pids[0], "device": device, "memory_mib": 3072, "sm_percent": 40},
+            {"pid": pids[1], "device": device, "memory_mib": 1024, "sm_percent": 15},
+        ],
+    )
+
+    def device_use() -> dict | None:
+        for entry in server.get("/api/elastic/gpus")["devices"]:
+            if entry["uuid"] == device and entry["activity"]["gpu_utilization"] == 55:
+                return entry["activity"]  # type: ignore[no-any-return]
+        return None
+
+    use = wait_for(device_use, timeout=20, what="the GPU's use from its two kernels")
+    assert use == {"gpu_utilization": 55.0, "memory_used_mib": 4096.0}
+    other = [d for d in server.get("/api/elastic/gpus")["devices"] if d["uuid"] != device]
+    assert other[0]["activity"] == {"gpu_utilization": None, "memory_used_mib": None}  # no kernel there
+    gpu_script(server, [])
 
 
 def test_resume_shows_its_phases(server: RunningServer) -> None:

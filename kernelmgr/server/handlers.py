@@ -20,7 +20,7 @@ from kernelmgr.config import ElasticRuntime
 from kernelmgr.server.errors import gateway_refusal, http_error, no_such_kernel
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
-from kernelmgr.server.models import gpus_model, profiles_model, queue_model
+from kernelmgr.server.models import add_device_activity, gpus_model, profiles_model, queue_model
 from kernelmgr.server.ownership import access_of
 
 AUTH_RESOURCE = "kernels"
@@ -75,6 +75,7 @@ class GpusHandler(ElasticHandler):
     @authorized
     async def get(self) -> None:
         model = gpus_model(self.runtime)
+        add_device_activity(model, self.elastic_kernel_manager.activity_of)
         access = access_of(self.settings)
         if not access.is_admin_request(self):
             for device in model["devices"]:
@@ -207,7 +208,8 @@ class MeHandler(ElasticHandler):
         admin = access_of(self.settings).is_admin_request(self)
         user = self.current_user
         km = self.elastic_kernel_manager
-        released = km.hibernator.released.totals() if admin and km.hibernator is not None else None
+        tally = km.hibernator.released if admin and km.hibernator is not None else None
+        released = tally.totals() if tally is not None else None
         self.write_json(
             {
                 "user": getattr(user, "username", None),
@@ -215,6 +217,8 @@ class MeHandler(ElasticHandler):
                 "gpu_hours_released": {size: seconds / 3600 for size, seconds in released.items()}
                 if released is not None
                 else None,
+                # The trend: the share of a GPU held by no one right now because its kernels sleep.
+                "gpus_released_now": tally.releasing_now() if tally is not None else None,
             }
         )
 

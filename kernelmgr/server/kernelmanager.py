@@ -474,6 +474,10 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             self.culler.cancel_warning(kernel_id)
         return self.elastic_model(kernel_id)
 
+    def activity_of(self, kernel_id: str) -> dict[str, Any]:
+        """The kernel's ``activity`` model (GPU use, idle time), as in its elastic model."""
+        return self._activity(kernel_id)
+
     def _activity(self, kernel_id: str) -> dict[str, Any]:
         return self.culler.activity_model(kernel_id) if self.culler is not None else {}
 
