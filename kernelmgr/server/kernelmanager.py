@@ -397,7 +397,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         return elastic_kernel_model(
             runtime,
             self.kernel_model(kernel_id),
-            self._activity(kernel_id),
+            self.activity_of(kernel_id),
             self._pod_annotations(kernel_id),
             self._waiting(kernel_id),
         )
@@ -433,7 +433,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             elastic_kernel_model(
                 runtime,
                 model,
-                self._activity(model["id"]),
+                self.activity_of(model["id"]),
                 self._pod_annotations(model["id"]),
                 self._waiting(model["id"]),
             )
@@ -474,11 +474,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             self.culler.cancel_warning(kernel_id)
         return self.elastic_model(kernel_id)
 
-    def activity_of(self, kernel_id: str) -> dict[str, Any]:
-        """The kernel's ``activity`` model (GPU use, idle time), as in its elastic model."""
-        return self._activity(kernel_id)
-
-    def _activity(self, kernel_id: str) -> dict[str, Any]:
+    def activity_of(self, kernel_id: str) -> dict[str, Any]:  # GPU use, idle time: the model's "activity"
         return self.culler.activity_model(kernel_id) if self.culler is not None else {}
 
     async def hibernate(self, kernel_id: str, reason: str = "api") -> dict[str, Any]:
