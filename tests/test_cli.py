@@ -445,3 +445,28 @@ def test_demo_config_writes_a_file_and_keeps_an_existing_one(
     assert "exists; pass --force to replace it" in capsys.readouterr().err
     assert main(["demo-config", "--force", str(target)]) == 0
     assert target.read_text() == EXAMPLE_CONFIG.read_text()
+
+
+def test_resize_from_the_cli(plain_server: RunningServer) -> None:
+    """``jupyter elastic resize KERNEL SIZE``: the kernel runs at the new size, its variables kept;
+    refusals are one line (exit 1 for the server's 4xx, 2 for an unknown kernel)."""
+    kernel_id = plain_server.start_kernel("python3-gpu-small")
+    try:
+        plain_server.execute(kernel_id, "kept = 5")
+        result = cli(plain_server, "--json", "resize", kernel_id, "whole")
+        assert result.returncode == 0, result.stderr
+        model = json.loads(result.stdout)
+        assert (model["profile"], model["state"]) == ("whole", "running")
+        assert plain_server.execute(kernel_id, "print(kept)").strip() == "5"
+        refused = cli(plain_server, "resize", kernel_id, "tiny")
+        assert refused.returncode == 1
+        assert refused.stderr.strip().splitlines() == [
+            f"jupyter elastic: HTTP 400 from {plain_server.url}/api/elastic/kernels/{kernel_id}/resize: "
+            "unknown GPU size 'tiny'; the sizes here: huge, small, whole"
+        ]
+        missing = cli(plain_server, "resize", "no-such-kernel", "small")
+        assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+        usage = cli(plain_server, "resize", kernel_id)
+        assert usage.returncode == 2 and "size" in usage.stderr
+    finally:
+        plain_server.shutdown_kernel(kernel_id)

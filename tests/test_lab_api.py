@@ -183,3 +183,47 @@ def test_progress_file_is_throttled_and_dated(tmp_path: Path) -> None:
     progress("ckpt-a", 100, 100)  # the last one always
     assert read_progress(tmp_path, since=0)["read_bytes"] == 100
     assert read_progress(tmp_path, since=now[0] + 1) is None  # an earlier resume's
+
+
+def test_resize_hibernates_and_resumes_at_the_other_size_with_the_variables(server: RunningServer) -> None:
+    """``POST /api/elastic/kernels/{id}/resize``: same kernel id, the new size's slice, variables back."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    server.execute(kernel_id, "kept = 41")
+    reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/resize", {"size": "whole"})
+    assert reply.status == 200, reply.body
+    assert (reply.body["profile"], reply.body["state"], reply.body["name"]) == (
+        "whole",
+        "running",
+        "python3-gpu-whole",
+    )
+    assert [d["fraction"] for d in reply.body["slice"]["devices"]] == [1.0]
+    assert server.execute(kernel_id, "print(kept + 1)").strip() == "42"
+    assert server.get(f"/api/kernels/{kernel_id}")["name"] == "python3-gpu-whole"
+    # A hibernated kernel changes size too (and comes back running).
+    assert server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate").status == 200
+    back = server.request("POST", f"/api/elastic/kernels/{kernel_id}/resize", {"size": "small"})
+    assert back.status == 200, back.body
+    assert (back.body["profile"], back.body["state"]) == ("small", "running")
+    assert server.execute(kernel_id, "print(kept)").strip() == "41"
+
+
+def test_resize_refuses_with_what_to_fix(server: RunningServer) -> None:
+    kernel_id = server.start_kernel("python3-gpu-small")
+    path = f"/api/elastic/kernels/{kernel_id}/resize"
+    no_body = server.request("POST", path, {})
+    assert (
+        no_body.status == 400
+        and '{"size": "<GPU size>"}, one of: huge, small, whole' in no_body.body["message"]
+    )
+    unknown = server.request("POST", path, {"size": "tiny"})
+    assert unknown.status == 400 and "unknown GPU size 'tiny'" in unknown.body["message"]
+    same = server.request("POST", path, {"size": "small"})
+    assert same.status == 400 and "already of GPU size 'small'" in same.body["message"]
+    never = server.request("POST", path, {"size": "huge"})
+    assert never.status == 409 and "never fits" in never.body["message"]
+    missing = server.request("POST", "/api/elastic/kernels/no-such-kernel/resize", {"size": "whole"})
+    assert missing.status == 404
+    cpu = server.start_kernel("python3")
+    sizeless = server.request("POST", f"/api/elastic/kernels/{cpu}/resize", {"size": "whole"})
+    assert sizeless.status == 409 and "has no GPU size" in sizeless.body["message"]
+    assert model(server, kernel_id)["state"] == "running"  # nothing was done to it

@@ -22,6 +22,7 @@ from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import add_device_activity, gpus_model, profiles_model, queue_model
 from kernelmgr.server.ownership import access_of
+from kernelmgr.server.resize import resize_kernel, size_from_body
 
 AUTH_RESOURCE = "kernels"
 _KERNEL_ID = r"(?P<kernel_id>[\w-]+)"
@@ -167,6 +168,16 @@ class ResumeHandler(ElasticHandler):
         self.write_json(await self.elastic_kernel_manager.resume(kernel_id, "api"))
 
 
+class ResizeHandler(ElasticHandler):
+    """Change the GPU size: hibernate, then resume at ``{"size": ...}`` when it fits."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        size = size_from_body(self.get_json_body(), sorted(self.runtime.profiles))
+        self.write_json(await resize_kernel(self.elastic_kernel_manager, kernel_id, size))
+
+
 class CancelHandler(ElasticHandler):
     """Stop a resume that is waiting for a free GPU slice; the kernel stays hibernated."""
 
@@ -307,6 +318,7 @@ def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:
         (rf"/api/elastic/kernels/{_KERNEL_ID}/resume", ResumeHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/report", ReportHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/cancel", CancelHandler),
+        (rf"/api/elastic/kernels/{_KERNEL_ID}/resize", ResizeHandler),
         (r"/api/sessions", SessionsPreflightHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/activity", ActivityHandler),
         (r"/api/elastic/me", MeHandler),
