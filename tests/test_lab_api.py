@@ -227,3 +227,40 @@ def test_resize_refuses_with_what_to_fix(server: RunningServer) -> None:
     sizeless = server.request("POST", f"/api/elastic/kernels/{cpu}/resize", {"size": "whole"})
     assert sizeless.status == 409 and "has no GPU size" in sizeless.body["message"]
     assert model(server, kernel_id)["state"] == "running"  # nothing was done to it
+
+
+def test_hibernation_shows_the_bytes_written(server: RunningServer) -> None:
+    """While hibernating, the kernel model's ``hibernate`` says how much of the checkpoint is written
+    (the agent's progress file) and the writer's estimate of the whole."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    server.execute(
+        kernel_id,
+        "big = bytearray(300 * 2**20)\n"
+        "class SlowToSave:  # pickled after big: 3 s during which big's bytes are on disk\n"
+        "    def __reduce__(self):\n"
+        "        import time\n"
+        "        time.sleep(3)\n"
+        "        return (int, (1,))\n"
+        "slow = SlowToSave()",
+    )
+    assert model(server, kernel_id)["hibernate"] is None  # only while hibernating
+    outcome: list[int] = []
+    sender = threading.Thread(
+        target=lambda: outcome.append(
+            server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate").status
+        )
+    )
+    sender.start()
+    seen: list[dict] = []
+    while sender.is_alive():
+        current = model(server, kernel_id)
+        if current["state"] == "hibernating" and current["hibernate"]:
+            seen.append(current["hibernate"])
+        time.sleep(0.05)
+    sender.join()
+    assert outcome == [200]
+    assert seen, "no bytes written were shown while hibernating"
+    written = [s["written_mib"] for s in seen]
+    assert written == sorted(written) and written[-1] > 0, seen  # grows while the file is written
+    assert all(s["expected_mib"] >= 300 for s in seen), seen
+    assert model(server, kernel_id)["hibernate"] is None

@@ -63,6 +63,21 @@ def elastic_kernel_model(
         "resume": _resume_progress(runtime, record, granted is not None, waiting_for_slice)
         if record and record.state is KernelState.RESUMING
         else None,
+        "hibernate": _hibernate_progress(runtime, record)
+        if record and record.state is KernelState.HIBERNATING
+        else None,
+    }
+
+
+def _hibernate_progress(runtime: ElasticRuntime, record: ManagedKernel) -> dict[str, Any]:
+    """How much of the checkpoint a hibernation has written (the agent's progress file), and the
+    writer's estimate of the whole; ``{}`` before the first bytes."""
+    progress = runtime.checkpoints.checkpoint_progress(record.owner, record.kernel_id, record.lifecycle.since)
+    if progress is None:
+        return {}
+    return {
+        "written_mib": round(int(progress.get("read_bytes", 0)) / MIB, 1),
+        "expected_mib": round(int(progress.get("total_bytes", 0)) / MIB, 1),
     }
 
 

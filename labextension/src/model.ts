@@ -46,6 +46,8 @@ export interface ElasticKernel {
     warning?: Warning | null;
   };
   resume?: ResumeProgress | null;
+  /** While hibernating: the checkpoint's bytes written so far, and the writer's estimate. */
+  hibernate?: { written_mib?: number; expected_mib?: number } | null;
   last_error?: string;
   checkpoint?: { bytes?: number } | null;
 }
@@ -129,6 +131,15 @@ export function kernelLabel(kernelId: string, notebooks: Map<string, string>): s
   return kernelId.slice(0, 8);
 }
 
+/** A hibernation's progress: "hibernating: 120 MiB of about 400 MiB written". */
+export function hibernateText(progress: ElasticKernel['hibernate']): string {
+  if (!progress || progress.written_mib === undefined) {
+    return 'hibernating';
+  }
+  const expected = progress.expected_mib ? ` of about ${formatMib(progress.expected_mib)}` : '';
+  return `hibernating: ${formatMib(progress.written_mib)}${expected} written`;
+}
+
 /** The phase of a resume, in words. */
 export function resumeText(resume: ResumeProgress | null | undefined): string {
   if (!resume) {
@@ -167,6 +178,8 @@ export function stateText(kernel: ElasticKernel, live?: string): string {
     }
     case 'resuming':
       return resumeText(kernel.resume);
+    case 'hibernating':
+      return hibernateText(kernel.hibernate);
     default:
       return kernel.state;
   }

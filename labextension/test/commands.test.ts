@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 
-import { ElasticKernel, sizeChoices, statusText } from '../src/model';
+import { ElasticKernel, hibernateText, sizeChoices, statusText } from '../src/model';
 
 function kernel(over: Partial<ElasticKernel> = {}): ElasticKernel {
   return {
@@ -40,5 +40,16 @@ describe('sizeChoices', () => {
       { name: 'medium', label: 'medium (50% of a GPU, 20.0 GiB)' },
       { name: 'whole', label: 'whole (1 GPU) · waits for a free slice' }
     ]);
+  });
+});
+
+describe('hibernateText', () => {
+  it('says how much of the checkpoint is written', () => {
+    expect(hibernateText({ written_mib: 120, expected_mib: 400 })).toBe('hibernating: 120 MiB of about 400 MiB written');
+    expect(hibernateText({})).toBe('hibernating');
+    expect(hibernateText(null)).toBe('hibernating');
+    expect(statusText(kernel({ state: 'hibernating', hibernate: { written_mib: 2048, expected_mib: 0 } }))).toBe(
+      'GPU small · hibernating: 2.0 GiB written'
+    );
   });
 });
