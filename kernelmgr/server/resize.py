@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.server.errors import http_error, no_such_kernel
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
@@ -28,7 +29,8 @@ def size_from_body(body: Any, offered: list[str]) -> str:
 
 async def resize_kernel(km: Any, kernel_id: str, size: str) -> dict[str, Any]:
     """``POST /api/elastic/kernels/{id}/resize``: 404 unknown kernel; 400 unknown or same size;
-    409 a kernel without a size, one busy changing state, or a size that never fits these GPUs.
+    409 a kernel without a size, one busy changing state, or a size that never fits these GPUs;
+    403 a size over the user's quota at a gateway (checked before the kernel is hibernated).
     Returns the kernel's model once it runs at the new size."""
     runtime = km._require_runtime()
     if kernel_id not in km:
@@ -58,6 +60,13 @@ async def resize_kernel(km: Any, kernel_id: str, size: str) -> dict[str, Any]:
             409,
             f"kernel {kernel_id} is {record.state.value}: change its size once it is running or hibernated",
         )
+    admission = km.hibernator.admission if km.hibernator is not None else None
+    if admission is not None:  # a gateway's quota: refused (403) before anything is stopped
+        try:
+            with admission(record.owner, size, kernel_id):
+                pass
+        except LifecycleError as exc:
+            raise http_error(exc.status, exc.message) from None
     if record.state is KernelState.RUNNING:
         await km.hibernate(kernel_id, "resize")
     if record.state is not KernelState.HIBERNATED:  # a cell woke it meanwhile
