@@ -48,7 +48,7 @@ from kernelmgr.checkpoint.layout import (
     read_current,
     remove_stale,
 )
-from kernelmgr.checkpoint.progress import read_progress
+from kernelmgr.checkpoint.progress import CHECKPOINT_PROGRESS, read_progress
 from kernelmgr.checkpoint.safedir import SafeDir, TooLarge, UnsafePath
 from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
 from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest, load_verified_manifest
@@ -336,6 +336,14 @@ class CheckpointStore:
         try:
             with self.open_kernel_dir(owner, kernel_id) as directory:
                 return read_progress(directory, since)
+        except (OSError, ValueError):
+            return None
+
+    def checkpoint_progress(self, owner: str, kernel_id: str, since: float) -> dict[str, Any] | None:
+        """How far the kernel's agent has written a checkpoint begun after ``since`` (a hibernation)."""
+        try:
+            with self.open_kernel_dir(owner, kernel_id) as directory:
+                return read_progress(directory, since, CHECKPOINT_PROGRESS)
         except (OSError, ValueError):
             return None
 

@@ -7,11 +7,11 @@ server through its runtime file, the way ``jupyter server list`` does.
 ``node-agent``, ``simulate`` and ``demo-config`` are different: they run here and talk to no server
 (:mod:`kernelmgr.cli_local`). The tables are drawn by :mod:`kernelmgr.cli_render`.
 
-``hibernate`` and ``resume`` wait for the outcome, however long the server allows: a request
-that outlasts ``--request-timeout`` is not a failure (the server keeps going), so the CLI then
-polls the kernel until it is hibernated (or running), until the server reports the attempt
-failed, or until the server's own ``checkpoint_timeout`` (from ``/api/elastic/policy``) plus a
-margin has passed.
+``hibernate``, ``resume`` and ``resize`` (hibernate, then resume at another GPU size when it fits)
+wait for the outcome, however long the server allows: a request that outlasts
+``--request-timeout`` is not a failure (the server keeps going), so the CLI then polls the kernel
+until it is hibernated (or running), until the server reports the attempt failed, or until the
+server's own ``checkpoint_timeout`` (from ``/api/elastic/policy``) plus a margin has passed.
 
 ``hibernate`` and ``resume`` show where they are on stderr (``--progress``, the default on a
 terminal): the phase, the bytes read back, "waiting for a free GPU slice". Ctrl-C while a resume
@@ -137,11 +137,18 @@ def resolve_target(url: str | None, token: str | None) -> Target:
     return Target(url=found.url, token=token or found.token)
 
 
-def fetch(target: Target, path: str, method: str = "GET", timeout: float = DEFAULT_REQUEST_TIMEOUT) -> Any:
+def fetch(
+    target: Target,
+    path: str,
+    method: str = "GET",
+    timeout: float = DEFAULT_REQUEST_TIMEOUT,
+    body: dict[str, Any] | None = None,
+) -> Any:
     """Call the API, turning every failure into one readable :class:`CliError`."""
-    request = urllib.request.Request(
-        f"{target.url}{path}", method=method, data=b"" if method == "POST" else None
-    )
+    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
+    request = urllib.request.Request(f"{target.url}{path}", method=method, data=data)
+    if body is not None:
+        request.add_header("Content-Type", "application/json")
     if target.token:
         request.add_header("Authorization", f"token {target.token}")
     try:
@@ -187,10 +194,13 @@ def _outcome(action: str, model: dict[str, Any], before: dict[str, Any] | None) 
     on from the reading taken before the request, which tells a failure from "not started yet".
     """
     state = model.get("state")
-    if state == ("hibernated" if action == "hibernate" else "running"):
-        return "done"
     if state == "dead":
         return f"kernel {model.get('id')} died: {model.get('state_reason') or 'no reason given'}"
+    if action == "resize":  # running at another size; hibernated between is on the way, not a failure
+        changed = before is None or model.get("profile") != before.get("profile")
+        return "done" if state == "running" and changed else None
+    if state == ("hibernated" if action == "hibernate" else "running"):
+        return "done"
     back_where_it_was = state == ("running" if action == "hibernate" else "hibernated")
     if not back_where_it_was:
         return None  # hibernating / resuming / starting: still under way
@@ -238,7 +248,7 @@ class Progress:
 def cancel_on_interrupt(target: Target, action: str, kernel_id: str, timeout: float) -> Interrupted:
     """Ctrl-C: a resume waiting for a slice is cancelled on the server (``POST .../cancel``);
     anything further along goes on there, and the message says so."""
-    if action == "resume":
+    if action in ("resume", "resize"):
         try:
             fetch(target, f"/api/elastic/kernels/{kernel_id}/cancel", "POST", timeout=timeout)
         except CliError as err:
@@ -264,8 +274,9 @@ def run_kernel_action(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     progress: Progress | None = None,
+    body: dict[str, Any] | None = None,
 ) -> Any:
-    """POST hibernate/resume and return the kernel's model once the action is done.
+    """POST hibernate/resume/resize (``body``: its JSON) and return the kernel's model once done.
 
     The POST runs in a thread while the kernel's model is polled for ``progress`` (the phase,
     bytes read, "waiting for a free GPU slice"). A hibernation takes as long as the kernel's
@@ -276,7 +287,7 @@ def run_kernel_action(
     """
     progress = progress or Progress(False)
     try:
-        return _run_kernel_action(target, action, kernel_id, request_timeout, clock, sleep, progress)
+        return _run_kernel_action(target, action, kernel_id, request_timeout, clock, sleep, progress, body)
     except KeyboardInterrupt:
         progress.done()
         raise cancel_on_interrupt(target, action, kernel_id, request_timeout) from None
@@ -292,6 +303,7 @@ def _run_kernel_action(
     clock: Callable[[], float],
     sleep: Callable[[float], None],
     progress: Progress,
+    body: dict[str, Any] | None = None,
 ) -> Any:
     path = f"/api/elastic/kernels/{kernel_id}"
     try:
@@ -304,7 +316,7 @@ def _run_kernel_action(
 
     def post() -> None:
         try:
-            answer["model"] = fetch(target, f"{path}/{action}", "POST", timeout=request_timeout)
+            answer["model"] = fetch(target, f"{path}/{action}", "POST", timeout=request_timeout, body=body)
         except CliError as err:
             answer["error"] = err
 
@@ -359,6 +371,7 @@ COMMANDS: dict[str, tuple[str, Renderer, str]] = {
 KERNEL_ACTIONS = {
     "hibernate": "checkpoint a kernel's variables, stop it and release its GPU slice",
     "resume": "bring a hibernated kernel back now",
+    "resize": "change a kernel's GPU size: hibernate it, resume it at SIZE when that fits",
 }
 #: Read-only views of one kernel: ``jupyter elastic report <id>``.
 KERNEL_VIEWS: dict[str, tuple[str, Renderer, str]] = {
@@ -408,6 +421,8 @@ def build_parser() -> OneLineParser:
     for name, help_text in KERNEL_ACTIONS.items():
         action = _json_too(sub.add_parser(name, help=help_text))
         action.add_argument("kernel_id", help="the kernel's id (see `jupyter elastic list`)")
+        if name == "resize":
+            action.add_argument("size", help="the new GPU size (see `jupyter elastic profiles`)")
     add_node_agent(sub)
     add_simulate(sub)
     add_demo_config(sub)
@@ -455,7 +470,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if method == "POST":
             shown = sys.stderr.isatty() if args.progress is None else args.progress
             doc = run_kernel_action(
-                target, args.command, args.kernel_id, args.request_timeout, progress=Progress(shown)
+                target,
+                args.command,
+                args.kernel_id,
+                args.request_timeout,
+                progress=Progress(shown),
+                body={"size": args.size} if args.command == "resize" else None,
             )
         else:
             doc = fetch(target, path, method, timeout=args.request_timeout)

@@ -235,7 +235,11 @@ def render_progress(action: str, model: dict[str, Any] | None) -> str:
         return f"{action}: no answer from the server yet"
     state = model.get("state")
     if state == "hibernating":
-        return "hibernating: writing the checkpoint"
+        written = model.get("hibernate") or {}
+        if written.get("written_mib") is None:
+            return "hibernating: writing the checkpoint"
+        about = f" of about {human_mib(written['expected_mib'])}" if written.get("expected_mib") else ""
+        return f"hibernating: writing the checkpoint, {human_mib(written['written_mib'])}{about} written"
     if state == "resuming":
         progress = model.get("resume") or {}
         phase = progress.get("phase")

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kernelmgr.cli import _outcome
-from kernelmgr.cli_render import human_bytes, human_mib, render_kernel, render_kernels
+from kernelmgr.cli_render import human_bytes, human_mib, render_kernel, render_kernels, render_progress
 from tests.conftest import CONFIG
 from tests.support.server import TOKEN, RunningServer, start_server
 
@@ -291,6 +291,17 @@ def test_tiny_checkpoints_and_memory_read_as_bytes_not_exponents() -> None:
     assert human_mib(10240) == "10 GiB" and human_mib(512) == "512 MiB"
 
 
+def test_hibernate_progress_says_the_bytes_written() -> None:
+    """The kernel model's ``hibernate`` (the agent's progress file) in the CLI's progress line."""
+    model = {"state": "hibernating", "hibernate": {"written_mib": 120.0, "expected_mib": 2048.0}}
+    assert render_progress("hibernate", model) == (
+        "hibernating: writing the checkpoint, 120 MiB of about 2 GiB written"
+    )
+    assert render_progress("hibernate", {"state": "hibernating", "hibernate": {}}) == (
+        "hibernating: writing the checkpoint"
+    )
+
+
 def test_json_after_the_command_too(plain_server: RunningServer) -> None:
     for args in (["gpus", "--json"], ["--json", "gpus"]):
         result = cli(plain_server, *args)
@@ -307,9 +318,10 @@ def test_hibernate_shows_its_progress_and_human_sizes(plain_server: RunningServe
         plain_server.execute(kernel_id, slow_both_ways(3) + "slow = SlowBoth(); kept = 7")
         result = cli(plain_server, "--progress", "hibernate", kernel_id)
         assert result.returncode == 0, result.stderr
-        assert f"jupyter elastic: kernel {kernel_id} hibernating: writing the checkpoint" in (
-            result.stderr.splitlines()
-        )
+        assert any(
+            text.startswith(f"jupyter elastic: kernel {kernel_id} hibernating: writing the checkpoint")
+            for text in result.stderr.splitlines()
+        ), result.stderr
         line = result.stdout.strip()
         assert re.fullmatch(
             rf"kernel {kernel_id} is hibernated: \d variable\(s\) saved \(\d+(\.\d+)? KiB\), not saved: none",
@@ -457,3 +469,28 @@ def test_a_resume_waiting_for_a_node_says_so() -> None:
     model = {"state": "resuming", "profile": "whole", "resume": phase}
     assert "waits for the cluster to add a node (whole)" in render_progress("resume", model)
     assert "waiting for the cluster to add a node" in resume_progress_text(phase)
+
+
+def test_resize_from_the_cli(plain_server: RunningServer) -> None:
+    """``jupyter elastic resize KERNEL SIZE``: the kernel runs at the new size, its variables kept;
+    refusals are one line (exit 1 for the server's 4xx, 2 for an unknown kernel)."""
+    kernel_id = plain_server.start_kernel("python3-gpu-small")
+    try:
+        plain_server.execute(kernel_id, "kept = 5")
+        result = cli(plain_server, "--json", "resize", kernel_id, "whole")
+        assert result.returncode == 0, result.stderr
+        model = json.loads(result.stdout)
+        assert (model["profile"], model["state"]) == ("whole", "running")
+        assert plain_server.execute(kernel_id, "print(kept)").strip() == "5"
+        refused = cli(plain_server, "resize", kernel_id, "tiny")
+        assert refused.returncode == 1
+        assert refused.stderr.strip().splitlines() == [
+            f"jupyter elastic: HTTP 400 from {plain_server.url}/api/elastic/kernels/{kernel_id}/resize: "
+            "unknown GPU size 'tiny'; the sizes here: huge, small, whole"
+        ]
+        missing = cli(plain_server, "resize", "no-such-kernel", "small")
+        assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+        usage = cli(plain_server, "resize", kernel_id)
+        assert usage.returncode == 2 and "size" in usage.stderr
+    finally:
+        plain_server.shutdown_kernel(kernel_id)

@@ -205,3 +205,23 @@ def test_resumes_sent_at_once_are_held_to_the_quota(tmp_path: Path) -> None:
         # max_kernels 4 with three hibernated: one start; the others name the kernel limit.
         assert sorted(a.status_code for a in started) == [201, 403, 403], [a.text for a in started]
         assert all("kernel quota reached" in a.json()["message"] for a in started if a.status_code == 403)
+
+
+def test_a_size_change_over_the_quota_is_refused_before_the_kernel_stops(tmp_path: Path) -> None:
+    """``POST .../resize`` at the gateway: the user's sizes and GPU quota are checked first (403
+    naming the limit) and the kernel keeps running at its size; a change within them goes through."""
+    with running_hub(tmp_path, quota_users=json.dumps({"carol": {"max_gpu": 0.5, "max_kernels": 3}})) as hub:
+        carol = hub.login_token("carol")
+        kernel_id = start_kernel(hub, carol, "small")
+        other = start_kernel(hub, carol, "small")  # 0.25 + 0.25 of carol's 0.5
+        path = f"/api/elastic/kernels/{kernel_id}/resize"
+        not_offered = gateway(hub, "POST", path, carol, json={"size": "whole"})
+        assert not_offered.status_code == 403 and "not offered to you" in not_offered.json()["message"]
+        over = gateway(hub, "POST", path, carol, json={"size": "medium"})  # 0.25 + 0.5 > 0.5
+        assert over.status_code == 403 and "GPU quota reached" in over.json()["message"], over.text
+        model = gateway(hub, "GET", f"/api/elastic/kernels/{kernel_id}", carol).json()
+        assert (model["state"], model["profile"]) == ("running", "small")
+        assert gateway(hub, "DELETE", f"/api/kernels/{other}", carol).status_code == 204
+        within = gateway(hub, "POST", path, carol, json={"size": "medium"})
+        assert within.status_code == 200, within.text
+        assert (within.json()["state"], within.json()["profile"]) == ("running", "medium")

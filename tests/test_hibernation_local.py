@@ -394,8 +394,8 @@ def test_resume_waits_for_a_slice_and_interrupt_stops_waiting(server: RunningSer
         waiting = ""
         while time.monotonic() < deadline and "Waiting for a GPU slice" not in waiting:
             msg = __import__("json").loads(chan.conn.recv())
-            if msg["msg_type"] == "stream":
-                waiting += msg["content"]["text"]
+            if msg["msg_type"] in ("display_data", "update_display_data"):  # one display, in place
+                waiting += msg["content"]["data"]["text/plain"]
         assert "Waiting for a GPU slice of size GPU whole" in waiting
         chan.send("interrupt_request", {}, channel="control")
         reply, _iopub = chan.collect(msg_id)
@@ -623,24 +623,27 @@ def test_the_cell_that_wakes_the_kernel_shows_the_resume_and_then_only_its_outpu
         server.shutdown_kernel(hogs.pop(0))
         _reply, iopub = chan.collect(msg_id, timeout=120)
     kinds = [m["msg_type"] for m in iopub]
-    waiting = next(
-        i for i, m in enumerate(iopub) if m["msg_type"] == "stream" and "Waiting" in m["content"]["text"]
-    )
+    assert not [m for m in iopub if m["msg_type"] == "stream" and "Waiting" in m["content"]["text"]]
     shown = [
         i
         for i, kind in enumerate(kinds)
         if kind == "display_data" and "display_id" in iopub[i]["content"].get("transient", {})
     ]
-    assert shown, kinds  # the restore takes 3 s: its progress shows, updated in place
+    # One display, updated in place: the waiting note (with the queue place), then the restore's
+    # progress (it takes 3 s).
+    assert len(shown) == 1, kinds
     texts = [
         iopub[i]["content"]["data"]["text/plain"]
         for i, k in enumerate(kinds)
         if k in ("display_data", "update_display_data")
         and "display_id" in iopub[i]["content"].get("transient", {})
     ]
-    assert all(text.startswith("Resuming the kernel: ") for text in texts), texts
+    waiting = [t for t in texts if t.startswith("Waiting for a GPU slice")]
+    assert texts[: len(waiting)] == waiting and waiting, texts
+    assert all("number 1 " in t and "in the queue" in t for t in waiting), texts
+    assert texts[len(waiting) :] and all(t.startswith("Resuming the kernel: ") for t in texts[len(waiting) :])
     cleared = kinds.index("clear_output")
-    assert waiting < shown[0] < cleared
+    assert shown[0] < cleared
     output = next(
         i for i, m in enumerate(iopub) if m["msg_type"] == "stream" and m["content"]["text"] == "7\n"
     )

@@ -292,6 +292,20 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     segment = devices.first.locator('.jp-ElasticPanel-slice[data-profile="small"]')
     assert gpus[0]["slices"][0]["fraction"] == 0.25
     assert segment.evaluate("e => e.style.width") == "25%"
+    # Live meters of the GPU's use and memory, the figures of /api/elastic/gpus (the NVML double
+    # says 35% and 2 GiB of the kernel's process), with a history that grows at each poll.
+    util = devices.first.locator('.jp-ElasticPanel-meter[data-kind="util"]')
+    memory = devices.first.locator('.jp-ElasticPanel-meter[data-kind="memory"]')
+    expect(util.locator(".jp-ElasticPanel-meterText")).to_have_text("GPU use 35%", timeout=10_000)
+    expect(memory.locator(".jp-ElasticPanel-meterText")).to_have_text("Memory 2.0 GiB of 40.0 GiB")
+    live = server.get("/api/elastic/gpus")["devices"][0]
+    assert live["activity"] == {"gpu_utilization": 35.0, "memory_used_mib": 2048.0}
+    assert float(util.get_attribute("data-fraction") or -1) == live["activity"]["gpu_utilization"] / 100
+    assert float(memory.get_attribute("data-fraction") or -1) == 2048 / live["memory_mib"]
+    expect(devices.nth(1).locator(".jp-ElasticPanel-meterText").first).to_have_text("GPU use: not measured")
+    spark = util.locator(".jp-ElasticPanel-spark")
+    expect(spark).to_have_attribute("data-samples", re.compile(r"^([3-9]|\d\d)$"), timeout=15_000)
+    expect(spark.locator("path")).to_have_count(1)
     shots("jupyterlab-gpus-panel")
     row.get_by_role("button", name="Hibernate").click()
     expect(status).to_have_text("GPU small · hibernated", timeout=60_000)
@@ -302,6 +316,11 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     )
     expect(page.locator(".jp-ElasticPanel-device").first).to_contain_text("0% allocated")
     expect(page.locator(".jp-ElasticPanel-sliceList").first).to_have_text("no slices")
+    # The trend: a quarter GPU released at this moment, as /api/elastic/me says.
+    assert server.get("/api/elastic/me")["gpus_released_now"] == 0.25
+    expect(page.locator(".jp-ElasticPanel-releasedText")).to_contain_text(
+        "0.25 GPU released now (+15 GPU-minutes per hour)", timeout=10_000
+    )
     shots("jupyterlab-hibernated")
 
     # 4. Both GPUs taken: the next cell's resume waits for a slice, visibly; then restores and reports.
@@ -313,6 +332,10 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
         "GPU small · resuming: waiting for a free GPU slice (1 of 1 in the queue)", timeout=15_000
     )
     expect(badge).to_have_text("Resuming: waiting for a GPU…")
+    # In the cell: one note, updated in place with the place in the queue (not a block per GPU).
+    note = cells.nth(1).locator(".jp-OutputArea-output", has_text="Waiting for a GPU slice")
+    expect(note).to_contain_text("number 1 of 1 in the queue", timeout=10_000)
+    expect(note).to_have_count(1)
     # The admin view follows: both GPUs wholly held by the two whole-GPU kernels.
     for index in (0, 1):
         expect(page.locator(".jp-ElasticPanel-device").nth(index)).to_contain_text("100% allocated")
@@ -328,6 +351,7 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     )
     # ... and so does the cell that woke the kernel, in one line updated in place.
     expect(cells.nth(1).locator(".jp-OutputArea-output", has_text="Resuming the kernel: ")).to_have_count(1)
+    expect(cells.nth(1)).not_to_contain_text("Waiting for a GPU slice")  # the same display, updated
     shots("jupyterlab-resume-restoring")
     report = page.locator(".Toastify__toast", has_text="Kernel resumed")
     expect(report).to_be_visible(timeout=90_000)
@@ -342,12 +366,18 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     dialog.get_by_role("button", name="Close").click()
     released = page.locator(".jp-ElasticPanel-released")
     # A quarter GPU, hibernated for as long as this (possibly loaded) machine took: more than 0,
-    # in words (not "0.0000"), the same figure as /api/elastic/me.
-    expect(released).to_have_text(
-        re.compile(r"^GPU time released by hibernation: (under 1 GPU-minute|\d+ GPU-minutes?)$"),
+    # in words (not "0.0000"), the same figure as /api/elastic/me; with what is released now
+    # (nothing, or the quarter again if the demo policy has hibernated the idle kernel since), the
+    # trend drawn beside it.
+    expect(released.locator(".jp-ElasticPanel-releasedText")).to_have_text(
+        re.compile(
+            r"^GPU time released by hibernation: (under 1 GPU-minute|\d+ GPU-minutes?) · "
+            r"(none released now|0\.25 GPU released now \(\+15 GPU-minutes per hour\))$"
+        ),
         timeout=10_000,
     )
     assert float(released.get_attribute("data-hours") or 0) > 0
+    expect(released.locator(".jp-ElasticPanel-spark path")).to_have_count(1)
     expect(cells.nth(1).locator('.jp-OutputArea-output[data-mime-type="text/plain"]')).to_have_text(
         "42", timeout=30_000
     )
@@ -597,3 +627,102 @@ def test_a_server_without_the_server_part_shows_nothing(lab_without_server_part:
             assert not [e for e in errors if "elastic" in e.lower()], errors
         finally:
             browser.close()
+
+
+def test_change_size_from_the_panel_and_the_running_kernels_context_menu(
+    lab: tuple[RunningServer, GpuScript], tmp_path: Path
+) -> None:
+    """Change GPU size (hibernate, resume at the size picked; variables kept) from the GPUs panel;
+    hibernate and resume from the running-kernels panel's context menu; a status-bar setting."""
+    from playwright.sync_api import expect
+
+    server, _gpu = lab
+    notebook = {
+        **CPU_NOTEBOOK,
+        "cells": [
+            *CPU_NOTEBOOK["cells"],
+            {**CPU_NOTEBOOK["cells"][0], "source": "kept = 7"},
+            {**CPU_NOTEBOOK["cells"][0], "source": "kept * 6"},
+        ],
+        # medium and whole: sizes the test policy leaves alone while the test clicks.
+        "metadata": {"kernelspec": {"name": "python3-gpu-medium", "display_name": "Python 3 · GPU medium"}},
+    }
+    (server.home / "root" / "resize.ipynb").write_text(json.dumps(notebook))
+    sync_playwright = _require_browser()
+    folder = Path(os.environ.get("ELASTIC_UI_SCREENSHOTS") or tmp_path / "screenshots")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--headless", "--no-sandbox"]
+        )
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 720})
+            shots = Shots(page, folder)
+            cells = _open(page, server, "resize.ipynb")
+            kernel_id = _kernel_of(server, "resize.ipynb")
+            assert kernel_id is not None
+            cells.nth(1).click()
+            page.keyboard.press("Shift+Enter")
+            status = page.locator(".jp-ElasticStatus")
+            expect(status).to_contain_text("GPU medium", timeout=15_000)
+
+            # 1. The GPUs panel's "Size…": the sizes that fit these GPUs, smallest first.
+            page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]').click()
+            row = page.locator(f'.jp-ElasticPanel-kernel[data-kernel-id="{kernel_id}"]')
+            row.get_by_role("button", name="Size…").click()
+            dialog = page.locator(".jp-Dialog", has_text="Change GPU size")
+            select = dialog.locator("select")
+            expect(select).to_be_visible(timeout=10_000)
+            options = select.locator("option").all_inner_texts()
+            assert options == ["small (25% of a GPU, 10.0 GiB)", "whole (1 GPU)"], options  # never 'huge'
+            select.select_option(label="whole (1 GPU)")
+            shots("jupyterlab-change-size")
+            dialog.get_by_role("button", name="Change size").click()
+            expect(status).to_have_text(re.compile(r"^GPU whole · .*idle$"), timeout=90_000)
+            model = _model(server, kernel_id)
+            assert (model["profile"], model["state"], model["name"]) == (
+                "whole",
+                "running",
+                "python3-gpu-whole",
+            )
+            assert [d["fraction"] for d in model["slice"]["devices"]] == [1.0]
+            cells.nth(2).click()
+            page.keyboard.press("Shift+Enter")
+            result = cells.nth(2).locator('.jp-OutputArea-output[data-mime-type="text/plain"]')
+            expect(result).to_have_text("42", timeout=30_000)  # the variable came back
+            expect(row.locator(".jp-ElasticPanel-kernelInfo")).to_contain_text("whole · ", timeout=10_000)
+
+            # 2. The running-kernels panel's context menu: hibernate, then resume.
+            page.locator('.lm-TabBar-tab[data-id="jp-running-sessions"]').click()
+            item = page.locator(f'.jp-RunningSessions-item.jp-mod-kernel[data-context="{kernel_id}"]')
+            expect(item).to_have_count(1, timeout=10_000)
+            item.click(button="right")
+            menu = page.locator(".lm-Menu")
+            hibernate = menu.get_by_role("menuitem", name=re.compile("^Hibernate Kernel"))
+            expect(hibernate).to_be_enabled(timeout=5_000)
+            expect(menu.get_by_role("menuitem", name="Resume Kernel")).to_be_disabled()
+            expect(menu.get_by_role("menuitem", name="Change GPU Size…")).to_be_enabled()
+            shots("jupyterlab-running-kernels-menu")
+            hibernate.click()
+            expect(status).to_have_text("GPU whole · hibernated", timeout=60_000)
+            assert _model(server, kernel_id)["state"] == "hibernated"
+            item.click(button="right")
+            menu.get_by_role("menuitem", name="Resume Kernel").click()
+            expect(status).to_have_text(re.compile(r"^GPU whole · .*idle$"), timeout=60_000)
+            assert _model(server, kernel_id)["state"] == "running"
+
+            # 3. The settings for the status item (Settings Editor or the settings API): no size,
+            # no GPU use; the state stays.
+            settings = server.request(
+                "PUT",
+                "/lab/api/settings/jupyter-elastic-kernels:plugin",
+                {"raw": json.dumps({"statusShowsSize": False, "statusShowsGpuUse": False})},
+            )
+            assert settings.status == 204, settings.body
+            page.reload()
+            expect(page.locator(".jp-ElasticStatus")).to_have_text(
+                re.compile(r"^idle( for \d+ min)?$"), timeout=60_000
+            )
+        finally:
+            server.request("PUT", "/lab/api/settings/jupyter-elastic-kernels:plugin", {"raw": "{}"})
+            browser.close()
+            server.shutdown_all_kernels()

@@ -89,7 +89,7 @@ from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_key_file
 from kernelmgr.checkpoint.layout import DATA_FILE, MANIFEST_FILE, RESTORE_REPORT, write_file_atomic
 from kernelmgr.checkpoint.namespace import UserNamespace
-from kernelmgr.checkpoint.progress import ProgressFile
+from kernelmgr.checkpoint.progress import CHECKPOINT_PROGRESS, ProgressFile
 from kernelmgr.checkpoint.quick_exit import flush, open_files
 from kernelmgr.checkpoint.quick_exit import install as install_quick_exit
 from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
@@ -395,6 +395,7 @@ class _Agent:
                 names=self.namespace.user_names(),
                 prune=False,  # the server prunes once the kernel has stopped (off the hibernate path)
                 cells=[cell.to_dict() for cell in self.cells],
+                on_progress=ProgressFile(self.config.kernel_dir, name=CHECKPOINT_PROGRESS),
             )
         except CheckpointFailed as exc:
             self.log.error("checkpoint failed: %s", exc)

@@ -24,6 +24,9 @@ from typing import Any
 from kernelmgr.checkpoint.safedir import SafeDir, opened
 
 RESTORE_PROGRESS = "restore-progress.json"
+#: The same for a checkpoint being written (``read_bytes``: bytes written so far, ``total_bytes``:
+#: the writer's estimate before pickling), so a hibernation shows how far it has got.
+CHECKPOINT_PROGRESS = "checkpoint-progress.json"
 
 #: Seconds between two writes of the progress file while reading.
 INTERVAL = 0.2
@@ -35,8 +38,10 @@ class ProgressFile:
     A failed write (a full disk) only costs the progress display, never the restore.
     """
 
-    def __init__(self, kernel_dir: Path, clock: Callable[[], float] = time.time) -> None:
-        self.path = kernel_dir / RESTORE_PROGRESS
+    def __init__(
+        self, kernel_dir: Path, clock: Callable[[], float] = time.time, name: str = RESTORE_PROGRESS
+    ) -> None:
+        self.path = kernel_dir / name
         self.clock = clock
         self._last = 0.0
 
@@ -61,14 +66,16 @@ class ProgressFile:
 PROGRESS_CAP = 64 * 1024
 
 
-def read_progress(kernel_dir: Path | SafeDir, since: float) -> dict[str, Any] | None:
+def read_progress(
+    kernel_dir: Path | SafeDir, since: float, name: str = RESTORE_PROGRESS
+) -> dict[str, Any] | None:
     """The progress written at or after ``since`` (epoch seconds), or ``None``.
 
     Read without following a link, and at most :data:`PROGRESS_CAP` bytes.
     """
     try:
         with opened(kernel_dir) as directory:
-            progress = json.loads(directory.read(RESTORE_PROGRESS, PROGRESS_CAP))
+            progress = json.loads(directory.read(name, PROGRESS_CAP))
     except (OSError, ValueError):
         return None
     if not isinstance(progress, dict) or not isinstance(progress.get("time"), int | float):

@@ -204,8 +204,11 @@ class _DataFile:
     Counts bytes, feeds the data digest, and can rewind to a mark.
     """
 
-    def __init__(self, fd: int, write_fn: WriteFn, digest: DataDigest) -> None:
+    def __init__(
+        self, fd: int, write_fn: WriteFn, digest: DataDigest, on_written: Callable[[int], None] | None = None
+    ) -> None:
         self.fd = fd
+        self.on_written = on_written  # told the bytes written after each piece (a progress file)
         self.write_fn = write_fn
         self.writeback = _Writeback(fd)
         self.offset = 0
@@ -235,6 +238,8 @@ class _DataFile:
             finally:
                 self.write_seconds += time.perf_counter() - started
             self.digest.update(piece)
+            if self.on_written is not None:
+                self.on_written(self.written)
         self.offset += total
         return total
 
@@ -369,8 +374,13 @@ def write_checkpoint(
     max_objects: int = DEFAULT_MAX_OBJECTS,
     prune: bool = True,
     cells: Sequence[Mapping[str, Any]] | None = None,
+    on_progress: Callable[[str, int, int], None] | None = None,
 ) -> Manifest:
     """Checkpoint the user variables of ``namespace`` into ``kernel_dir`` and commit it.
+
+    ``on_progress(checkpoint_id, written, expected)`` hears how far the data file has got (the
+    agent's progress file, shown while a kernel hibernates); ``expected`` is the estimate made
+    before pickling, so ``written`` may pass it.
 
     ``cells`` is the agent's cell record; it goes into the signed manifest, so it commits
     (or not) with the variables.
@@ -415,7 +425,14 @@ def write_checkpoint(
         fd = _create(partial / DATA_FILE)
         try:
             with digest_workers() as workers:
-                data = _DataFile(fd, write_fn, DataDigest(workers, default_digest_algorithm()))
+                told = None
+                if on_progress is not None:
+                    progress = on_progress
+
+                    def told(written: int) -> None:
+                        progress(checkpoint_id, written, expected)
+
+                data = _DataFile(fd, write_fn, DataDigest(workers, default_digest_algorithm()), told)
                 result = _write_data(ns, groups, data)
         finally:
             os.close(fd)

@@ -112,6 +112,10 @@ class ReleasedSliceSeconds:
                 totals[entry.size] = totals.get(entry.size, 0.0) + entry.fraction * (now - entry.since)
         return totals
 
+    def releasing_now(self) -> float:
+        """GPUs (fractions summed) not held at this moment because their kernels are hibernated."""
+        return sum(r.released_since.fraction for r in self.kernels.all() if r.released_since is not None)
+
 
 class RuntimeCollector(Collector):
     """Scrape-time gauges from the runtime: kernels by state and size, slices, released GPU-seconds."""

@@ -20,8 +20,9 @@ from kernelmgr.config import ElasticRuntime
 from kernelmgr.server.errors import gateway_refusal, http_error, no_such_kernel
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
-from kernelmgr.server.models import gpus_model, profiles_model, queue_model
+from kernelmgr.server.models import add_device_activity, gpus_model, profiles_model, queue_model
 from kernelmgr.server.ownership import access_of
+from kernelmgr.server.resize import resize_kernel, size_from_body
 
 AUTH_RESOURCE = "kernels"
 _KERNEL_ID = r"(?P<kernel_id>[\w-]+)"
@@ -75,6 +76,7 @@ class GpusHandler(ElasticHandler):
     @authorized
     async def get(self) -> None:
         model = gpus_model(self.runtime)
+        add_device_activity(model, self.elastic_kernel_manager.activity_of)
         access = access_of(self.settings)
         if not access.is_admin_request(self):
             for device in model["devices"]:
@@ -166,6 +168,16 @@ class ResumeHandler(ElasticHandler):
         self.write_json(await self.elastic_kernel_manager.resume(kernel_id, "api"))
 
 
+class ResizeHandler(ElasticHandler):
+    """Change the GPU size: hibernate, then resume at ``{"size": ...}`` when it fits."""
+
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str) -> None:
+        size = size_from_body(self.get_json_body(), sorted(self.runtime.profiles))
+        self.write_json(await resize_kernel(self.elastic_kernel_manager, kernel_id, size))
+
+
 class CancelHandler(ElasticHandler):
     """Stop a resume that is waiting for a free GPU slice; the kernel stays hibernated."""
 
@@ -207,7 +219,8 @@ class MeHandler(ElasticHandler):
         admin = access_of(self.settings).is_admin_request(self)
         user = self.current_user
         km = self.elastic_kernel_manager
-        released = km.hibernator.released.totals() if admin and km.hibernator is not None else None
+        tally = km.hibernator.released if admin and km.hibernator is not None else None
+        released = tally.totals() if tally is not None else None
         self.write_json(
             {
                 "user": getattr(user, "username", None),
@@ -215,6 +228,8 @@ class MeHandler(ElasticHandler):
                 "gpu_hours_released": {size: seconds / 3600 for size, seconds in released.items()}
                 if released is not None
                 else None,
+                # The trend: the share of a GPU held by no one right now because its kernels sleep.
+                "gpus_released_now": tally.releasing_now() if tally is not None else None,
             }
         )
 
@@ -303,6 +318,7 @@ def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:
         (rf"/api/elastic/kernels/{_KERNEL_ID}/resume", ResumeHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/report", ReportHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/cancel", CancelHandler),
+        (rf"/api/elastic/kernels/{_KERNEL_ID}/resize", ResizeHandler),
         (r"/api/sessions", SessionsPreflightHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/activity", ActivityHandler),
         (r"/api/elastic/me", MeHandler),

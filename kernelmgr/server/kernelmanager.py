@@ -404,7 +404,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         return elastic_kernel_model(
             runtime,
             self.kernel_model(kernel_id),
-            self._activity(kernel_id),
+            self.activity_of(kernel_id),
             self._pod_annotations(kernel_id),
             self._waiting(kernel_id),
         )
@@ -440,7 +440,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             elastic_kernel_model(
                 runtime,
                 model,
-                self._activity(model["id"]),
+                self.activity_of(model["id"]),
                 self._pod_annotations(model["id"]),
                 self._waiting(model["id"]),
             )
@@ -481,7 +481,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             self.culler.cancel_warning(kernel_id)
         return self.elastic_model(kernel_id)
 
-    def _activity(self, kernel_id: str) -> dict[str, Any]:
+    def activity_of(self, kernel_id: str) -> dict[str, Any]:  # GPU use, idle time: the model's "activity"
         return self.culler.activity_model(kernel_id) if self.culler is not None else {}
 
     async def hibernate(self, kernel_id: str, reason: str = "api") -> dict[str, Any]:

@@ -170,6 +170,12 @@ class ElasticKernelSpecManager(KernelSpecManager):
         derived = self._derived(super().find_kernel_specs())
         return {name: profile.name for name, (_base, profile) in derived.items()}
 
+    def resized(self, kernel_name: str, profile: str) -> str | None:
+        """The kernelspec of ``kernel_name``'s base at GPU size ``profile`` (a size change), if offered."""
+        entry = self._candidates().get(kernel_name)
+        name = derived_name(entry[0], profile) if entry is not None else None
+        return name if name is not None and name in self._candidates() else None
+
     def profile_of(self, kernel_name: str) -> str | None:
         """The GPU size a kernelspec asks for, or None for a CPU kernelspec (NoSuchKernel if absent)."""
         spec = self.get_kernel_spec(kernel_name)

@@ -7,7 +7,7 @@ read one definition of each field.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kernelmgr.backends import gpushare
@@ -63,6 +63,21 @@ def elastic_kernel_model(
         "resume": _resume_progress(runtime, record, granted is not None, waiting_for_slice)
         if record and record.state is KernelState.RESUMING
         else None,
+        "hibernate": _hibernate_progress(runtime, record)
+        if record and record.state is KernelState.HIBERNATING
+        else None,
+    }
+
+
+def _hibernate_progress(runtime: ElasticRuntime, record: ManagedKernel) -> dict[str, Any]:
+    """How much of the checkpoint a hibernation has written (the agent's progress file), and the
+    writer's estimate of the whole; ``{}`` before the first bytes."""
+    progress = runtime.checkpoints.checkpoint_progress(record.owner, record.kernel_id, record.lifecycle.since)
+    if progress is None:
+        return {}
+    return {
+        "written_mib": round(int(progress.get("read_bytes", 0)) / MIB, 1),
+        "expected_mib": round(int(progress.get("total_bytes", 0)) / MIB, 1),
     }
 
 
@@ -154,6 +169,37 @@ def gpus_model(runtime: ElasticRuntime) -> dict[str, Any]:
         # Kubernetes warm pods per size (each holds one of the slices above, marked "warm").
         "warm_pods": runtime.warm_pods.counts() if runtime.warm_pods is not None else {},
     }
+
+
+def add_device_activity(model: dict[str, Any], activity_of: Callable[[str], Mapping[str, Any]]) -> None:
+    """Each device's live use, from its kernels' latest GPU samples (what the culler already has).
+
+    ``activity_of`` is a kernel's ``activity`` model. A kernel on several GPUs counts an even part
+    on each; warm pods and kernels not sampled yet count nothing. Processes outside the server's
+    kernels are not seen, so this is the kernels' use of the GPU, not NVML's device total; the
+    JupyterLab panel draws it as meters with a short history.
+    """
+    per_kernel: dict[str, int] = {}
+    for device in model["devices"]:
+        for entry in device["slices"]:
+            if not entry["warm"]:
+                per_kernel[entry["kernel_id"]] = per_kernel.get(entry["kernel_id"], 0) + 1
+    for device in model["devices"]:
+        utilization: float | None = None
+        memory: float | None = None
+        for entry in device["slices"]:
+            if entry["warm"]:
+                continue
+            sample = activity_of(entry["kernel_id"])
+            share = per_kernel[entry["kernel_id"]]
+            if sample.get("gpu_utilization") is not None:
+                utilization = (utilization or 0.0) + float(sample["gpu_utilization"]) / share
+            if sample.get("gpu_memory_mib") is not None:
+                memory = (memory or 0.0) + float(sample["gpu_memory_mib"]) / share
+        device["activity"] = {
+            "gpu_utilization": None if utilization is None else round(min(utilization, 100.0), 1),
+            "memory_used_mib": None if memory is None else round(memory, 1),
+        }
 
 
 def _gpu_message(runtime: ElasticRuntime) -> str:

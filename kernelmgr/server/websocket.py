@@ -70,7 +70,7 @@ from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebso
 from tornado import web
 from traitlets import Integer
 
-from kernelmgr.cli_render import human_mib
+from kernelmgr.cli_render import human_mib, queue_place
 from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.lifecycle.service import Hibernator
@@ -96,13 +96,24 @@ _background: set[asyncio.Future[None]] = set()
 RESUME_PROGRESS_INTERVAL = 1.0
 
 
-def resume_progress_text(phase: dict[str, Any] | None) -> str:
-    """The cell's line for a resume's phase (``/api/elastic/kernels/{id}``'s ``resume``); '' while
-    it waits for a slice (the waiting note says so) or when it is over."""
-    if not phase or phase.get("phase") == "waiting_for_slice":
+#: How the server's waiting note begins (:meth:`Controller._wait_for_slice`): the cell shows it in
+#: the resume's display, updated in place with the queue place, not as a new stderr block.
+WAITING_NOTE = "Waiting for a GPU slice"
+
+
+def resume_progress_text(phase: dict[str, Any] | None, profile: str | None = None) -> str:
+    """The cell's line for a resume's phase (``/api/elastic/kernels/{id}``'s ``resume``), '' when
+    it is over: waiting for a slice (with the place in the queue), starting, reading, loading."""
+    if not phase:
         return ""
     if phase.get("phase") == "waiting_for_node":
         return "Resuming the kernel: waiting for the cluster to add a node with a free GPU…"
+    if phase.get("phase") == "waiting_for_slice":
+        size = f" of size {profile}" if profile else ""
+        return (
+            f"{WAITING_NOTE}{size} to resume this kernel{queue_place(phase)}. "
+            "Interrupt the kernel to stop waiting."
+        )
     if phase.get("phase") == "restoring":
         done, total = phase.get("restored_mib") or 0, phase.get("total_mib") or 0
         if total and done >= total:
@@ -583,9 +594,12 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     async def _wake(self, first: dict[str, Any]) -> None:
         hibernator = self.hibernator
         assert hibernator is not None
-        shown: list[str] = []  # what the cell was told while it waited
+        shown: list[str] = []  # what the cell was told while it waited (the display's texts too)
 
         def notify(text: str) -> None:
+            if text.startswith(WAITING_NOTE):  # the first word of the resume's display in the cell
+                self._show_in_place(first, shown, text)
+                return
             shown.append(text)
             self._send(
                 "iopub", self.session.msg("stream", {"name": "stderr", "text": text + "\n"}, parent=first)
@@ -606,25 +620,33 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         await self._attach_and_deliver()
 
     async def _show_resume_progress(self, first: dict[str, Any], shown: list[str]) -> None:
-        """In the cell that woke the kernel: where the resume is (starting, N of M MiB read,
-        loading the variables), one display updated in place every second, from the first
-        second on (a quick resume shows nothing). Cleared when the resume is over."""
-        display_id = f"elastic-resume-{self.kernel_id}"
-        last = ""
+        """In the cell that woke the kernel: where the resume is (waiting for a slice with its
+        place in the queue, starting, N of M MiB read, loading the variables), one display
+        updated in place every second, from the first second on (a quick resume shows nothing).
+        Cleared when the resume is over."""
         while True:
             await asyncio.sleep(RESUME_PROGRESS_INTERVAL)
             try:
-                phase = self.multi_kernel_manager.elastic_model(self.kernel_id).get("resume")
+                model = self.multi_kernel_manager.elastic_model(self.kernel_id)
             except Exception:  # the kernel went away; the resume's own error says why
                 return
-            text = resume_progress_text(phase)
-            if not text or text == last:
-                continue
-            kind = "update_display_data" if last else "display_data"
-            content = {"data": {"text/plain": text}, "metadata": {}, "transient": {"display_id": display_id}}
-            self._send("iopub", self.session.msg(kind, content, parent=first))
-            last = text
-            shown.append(text)
+            text = resume_progress_text(model.get("resume"), model.get("profile"))
+            if text:
+                self._show_in_place(first, shown, text)
+
+    def _show_in_place(self, first: dict[str, Any], shown: list[str], text: str) -> None:
+        """The resume's one display in the cell: shown once, then updated (``shown`` holds its texts)."""
+        if shown and shown[-1] == text:
+            return
+        kind = "update_display_data" if self._display_shown(shown) else "display_data"
+        display_id = f"elastic-resume-{self.kernel_id}"
+        content = {"data": {"text/plain": text}, "metadata": {}, "transient": {"display_id": display_id}}
+        self._send("iopub", self.session.msg(kind, content, parent=first))
+        shown.append(text)
+
+    @staticmethod
+    def _display_shown(shown: list[str]) -> bool:
+        return any(t.startswith((WAITING_NOTE, "Resuming the kernel")) for t in shown)
 
     @classmethod
     def attach_all(cls, kernel_id: str) -> int:

@@ -7,10 +7,11 @@
  * without the extension's server part answers 404 and nothing appears.
  */
 import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
-import { Dialog, ICommandPalette, Notification, showDialog, showErrorMessage } from '@jupyterlab/apputils';
+import { Dialog, ICommandPalette, InputDialog, Notification, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { ServerConnection } from '@jupyterlab/services';
+import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Signal } from '@lumino/signaling';
 import { Widget } from '@lumino/widgets';
@@ -26,6 +27,9 @@ import {
   reportSummary,
   reportText,
   RestoreReport,
+  sizeChoices,
+  STATUS_DEFAULTS,
+  StatusOptions,
   statusText,
   toolbarText,
   warningText
@@ -36,7 +40,7 @@ const settings = ServerConnection.makeSettings();
 /** fetch() under the server's base URL with Jupyter's auth (token, XSRF). */
 export const serverFetch: Fetcher = async (path, init) => {
   const url = URLExt.join(settings.baseUrl, path);
-  return ServerConnection.makeRequest(url, { method: init?.method ?? 'GET' }, settings);
+  return ServerConnection.makeRequest(url, { method: init?.method ?? 'GET', body: init?.body }, settings);
 };
 
 /** The restore report in full, in a dialog a person can read at leisure. */
@@ -141,21 +145,40 @@ async function styleLauncher(app: JupyterFrontEnd): Promise<void> {
 const COMMANDS = {
   hibernate: 'elastic-kernels:hibernate',
   resume: 'elastic-kernels:resume',
-  report: 'elastic-kernels:show-report'
+  report: 'elastic-kernels:show-report',
+  changeSize: 'elastic-kernels:change-size'
 };
+
+/** What a command acts on: `args.kernelId`, the kernel right-clicked in the running-kernels
+ * panel (its item's `data-context` is the kernel id), else the current notebook's. */
+function targetKernelId(
+  app: JupyterFrontEnd,
+  args: { kernelId?: unknown },
+  current: () => string | undefined
+): string | undefined {
+  if (typeof args.kernelId === 'string') {
+    return args.kernelId;
+  }
+  const hit = app.contextMenuHitTest(
+    node => node.classList.contains('jp-RunningSessions-item') && !!node.dataset.context
+  );
+  return hit?.dataset.context ?? current();
+}
 
 const plugin: JupyterFrontEndPlugin<void> = {
   id: 'jupyter-elastic-kernels:plugin',
   description: 'GPU size, use, state, idle warnings and resume progress of elastic kernels.',
   autoStart: true,
   requires: [INotebookTracker],
-  optional: [IStatusBar, ICommandPalette],
+  optional: [IStatusBar, ICommandPalette, ISettingRegistry],
   activate: (
     app: JupyterFrontEnd,
     tracker: INotebookTracker,
     statusBar: IStatusBar | null,
-    palette: ICommandPalette | null
+    palette: ICommandPalette | null,
+    settingRegistry: ISettingRegistry | null
   ) => {
+    let statusOptions: StatusOptions = { ...STATUS_DEFAULTS };
     const poller = new KernelPoller(serverFetch, 3000);
     const item = new StatusItem();
     const notified = new Map<string, string>(); // kernel id -> notification id
@@ -208,7 +231,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       const current = tracker.currentWidget;
       const id = currentKernelId();
       const kernel = id ? poller.kernels.get(id) : undefined;
-      const text = statusText(kernel, undefined, current?.sessionContext.kernelDisplayStatus);
+      const text = statusText(kernel, undefined, current?.sessionContext.kernelDisplayStatus, statusOptions);
       item.show_(text, kernel?.state ?? '');
       hideStockKernelStatus(item.node, text ? (current?.sessionContext.kernelDisplayName ?? null) : null);
       for (const [panel, badge] of badges) {
@@ -265,14 +288,14 @@ const plugin: JupyterFrontEndPlugin<void> = {
       panel?.update_();
     });
 
-    // Commands on the current notebook's kernel: the Kernel menu and the command palette.
-    const currentElastic = (): ElasticKernel | undefined => {
-      const id = currentKernelId();
+    // Commands on a kernel: the current notebook's (Kernel menu, command palette) or the one
+    // right-clicked in the running-kernels panel (its context menu).
+    const elasticKernel = (args: { kernelId?: unknown }): ElasticKernel | undefined => {
+      const id = targetKernelId(app, args, currentKernelId);
       const kernel = id ? poller.kernels.get(id) : undefined;
       return kernel?.profile ? kernel : undefined;
     };
-    const act = async (action: 'hibernate' | 'resume'): Promise<void> => {
-      const kernel = currentElastic();
+    const act = async (kernel: ElasticKernel | undefined, action: 'hibernate' | 'resume'): Promise<void> => {
       if (!kernel) {
         return;
       }
@@ -283,24 +306,67 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
       await poller.refresh();
     };
+    /** Hibernate, then resume at the size the user picks (when it fits: the resume waits its turn). */
+    const changeSize = async (kernel: ElasticKernel | undefined): Promise<void> => {
+      if (!kernel) {
+        return;
+      }
+      const profiles = await serverFetch('api/elastic/profiles');
+      if (profiles.status !== 200) {
+        return;
+      }
+      const choices = sizeChoices(((await profiles.json()) as { profiles: Profile[] }).profiles, kernel.profile);
+      const where = notebookOf(kernel.id);
+      if (!choices.length) {
+        await showErrorMessage('No other GPU size', 'This server offers no other GPU size that fits its GPUs.');
+        return;
+      }
+      const picked = await InputDialog.getItem({
+        title: `Change GPU size${where ? ' · ' + where : ''} (now ${kernel.profile})`,
+        label: 'The kernel is hibernated (its variables saved), then resumed at the new size:',
+        items: choices.map(c => c.label),
+        okLabel: 'Change size'
+      });
+      const size = choices.find(c => c.label === picked.value)?.name;
+      if (!picked.button.accept || !size) {
+        return;
+      }
+      const request = serverFetch(`api/elastic/kernels/${kernel.id}/resize`, {
+        method: 'POST',
+        body: JSON.stringify({ size })
+      });
+      void poller.refresh(); // hibernating, then resuming: the status and the panel follow
+      const reply = await request;
+      if (reply.status !== 200) {
+        const body = (await reply.json()) as { message?: string };
+        await showErrorMessage(`Could not change the GPU size to ${size}`, body.message ?? `HTTP ${reply.status}`);
+      }
+      await poller.refresh();
+    };
     app.commands.addCommand(COMMANDS.hibernate, {
       label: 'Hibernate Kernel (Save Variables, Free the GPU)',
       caption: "Checkpoint the kernel's variables, stop it and release its GPU slice; the next cell resumes it",
-      isEnabled: () => currentElastic()?.state === 'running',
-      execute: () => act('hibernate')
+      isEnabled: args => elasticKernel(args)?.state === 'running',
+      execute: args => act(elasticKernel(args), 'hibernate')
     });
     app.commands.addCommand(COMMANDS.resume, {
       label: 'Resume Kernel',
       caption: 'Bring the hibernated kernel back now, with its variables',
-      isEnabled: () => currentElastic()?.state === 'hibernated',
-      execute: () => act('resume')
+      isEnabled: args => elasticKernel(args)?.state === 'hibernated',
+      execute: args => act(elasticKernel(args), 'resume')
+    });
+    app.commands.addCommand(COMMANDS.changeSize, {
+      label: 'Change GPU Size…',
+      caption: 'Hibernate the kernel, then resume it at another GPU size (its variables kept)',
+      isEnabled: args => ['running', 'hibernated'].includes(elasticKernel(args)?.state ?? ''),
+      execute: args => changeSize(elasticKernel(args))
     });
     app.commands.addCommand(COMMANDS.report, {
       label: 'Show Restore Report',
       caption: "What the kernel's last resume restored, recomputed and could not restore, and why",
-      isEnabled: () => currentElastic() !== undefined,
-      execute: async () => {
-        const kernel = currentElastic();
+      isEnabled: args => elasticKernel(args) !== undefined,
+      execute: async args => {
+        const kernel = elasticKernel(args);
         if (!kernel) {
           return;
         }
@@ -311,6 +377,20 @@ const plugin: JupyterFrontEndPlugin<void> = {
         }
       }
     });
+    if (settingRegistry) {
+      void settingRegistry.load(plugin.id).then(loaded => {
+        const read = (): void => {
+          statusOptions = {
+            size: loaded.get('statusShowsSize').composite !== false,
+            gpuUse: loaded.get('statusShowsGpuUse').composite !== false,
+            idleTime: loaded.get('statusShowsIdleTime').composite !== false
+          };
+          renderStatus();
+        };
+        read();
+        loaded.changed.connect(read);
+      });
+    }
     if (palette) {
       for (const command of Object.values(COMMANDS)) {
         palette.addItem({ command, category: 'Elastic Kernels' });
@@ -360,7 +440,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
         return; // no /api/elastic here: nothing appears
       }
       void styleLauncher(app);
-      panel = new GpusPanel(poller, serverFetch, notebookOf);
+      panel = new GpusPanel(poller, serverFetch, notebookOf, kernelId =>
+        void app.commands.execute(COMMANDS.changeSize, { kernelId })
+      );
       app.shell.add(panel, 'left', { rank: 700 });
       poller.start();
     });

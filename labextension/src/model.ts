@@ -46,6 +46,8 @@ export interface ElasticKernel {
     warning?: Warning | null;
   };
   resume?: ResumeProgress | null;
+  /** While hibernating: the checkpoint's bytes written so far, and the writer's estimate. */
+  hibernate?: { written_mib?: number; expected_mib?: number } | null;
   last_error?: string;
   checkpoint?: { bytes?: number } | null;
 }
@@ -129,6 +131,15 @@ export function kernelLabel(kernelId: string, notebooks: Map<string, string>): s
   return kernelId.slice(0, 8);
 }
 
+/** A hibernation's progress: "hibernating: 120 MiB of about 400 MiB written". */
+export function hibernateText(progress: ElasticKernel['hibernate']): string {
+  if (!progress || progress.written_mib === undefined) {
+    return 'hibernating';
+  }
+  const expected = progress.expected_mib ? ` of about ${formatMib(progress.expected_mib)}` : '';
+  return `hibernating: ${formatMib(progress.written_mib)}${expected} written`;
+}
+
 /** The phase of a resume, in words. */
 export function resumeText(resume: ResumeProgress | null | undefined): string {
   if (!resume) {
@@ -167,22 +178,34 @@ export function stateText(kernel: ElasticKernel, live?: string): string {
     }
     case 'resuming':
       return resumeText(kernel.resume);
+    case 'hibernating':
+      return hibernateText(kernel.hibernate);
     default:
       return kernel.state;
   }
 }
 
+/** What the status item shows besides the state (the extension's settings; all on by default). */
+export interface StatusOptions {
+  size: boolean;
+  gpuUse: boolean;
+  idleTime: boolean;
+}
+
+export const STATUS_DEFAULTS: StatusOptions = { size: true, gpuUse: true, idleTime: true };
+
 /** The status bar's text, or null when the kernel has no GPU size (the item hides). */
 export function statusText(
   kernel: ElasticKernel | null | undefined,
   sizeLabel?: string,
-  live?: string
+  live?: string,
+  options: StatusOptions = STATUS_DEFAULTS
 ): string | null {
   if (!kernel || !kernel.profile) {
     return null;
   }
-  const parts = [`GPU ${sizeLabel ?? kernel.profile}`];
-  if (kernel.state === 'running') {
+  const parts = options.size ? [`GPU ${sizeLabel ?? kernel.profile}`] : [];
+  if (kernel.state === 'running' && options.gpuUse) {
     const { gpu_utilization: util, gpu_memory_mib: mem } = kernel.activity;
     if (util !== null && util !== undefined) {
       parts.push(`${Math.round(util)}%`);
@@ -191,7 +214,8 @@ export function statusText(
       parts.push(formatMib(mem));
     }
   }
-  parts.push(stateText(kernel, live));
+  const state = stateText(kernel, live);
+  parts.push(options.idleTime || !state.startsWith('idle for ') ? state : 'idle');
   return parts.join(' · ');
 }
 
@@ -281,7 +305,10 @@ export function changes(before: ElasticKernel | undefined, after: ElasticKernel 
   };
 }
 
-export type Fetcher = (path: string, init?: { method?: string }) => Promise<{ status: number; json(): Promise<unknown> }>;
+export type Fetcher = (
+  path: string,
+  init?: { method?: string; body?: string }
+) => Promise<{ status: number; json(): Promise<unknown> }>;
 
 /**
  * One shared poll of `GET /api/elastic/kernels` for every open notebook and the GPUs panel:
@@ -447,4 +474,17 @@ export function launcherCss(profiles: Profile[], displayNameOf: (spec: string) =
     }
   });
   return rules.join('\n');
+}
+
+/** The sizes a kernel of size `current` can change to, as the change-size dialog lists them. */
+export function sizeChoices(profiles: (Profile & { fits_now?: boolean; fits_ever?: boolean })[], current: string | null): { name: string; label: string }[] {
+  return [...profiles]
+    .filter(p => p.name !== current && p.fits_ever !== false)
+    .sort((a, b) => a.gpu_fraction - b.gpu_fraction || (a.memory_mib ?? 0) - (b.memory_mib ?? 0))
+    .map(p => {
+      const share = p.gpu_fraction >= 1 ? `${p.gpu_fraction} GPU` : `${Math.round(p.gpu_fraction * 100)}% of a GPU`;
+      const memory = p.memory_mib ? `, ${formatMib(p.memory_mib)}` : '';
+      const when = p.fits_now === false ? ' · waits for a free slice' : '';
+      return { name: p.name, label: `${p.name} (${share}${memory})${when}` };
+    });
 }

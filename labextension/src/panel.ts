@@ -1,18 +1,21 @@
 /**
  * The "GPUs" sidebar panel: the user's kernels, named by their notebook (size, state, idle time,
- * GPU use, checkpoint size) with hibernate / resume buttons; for admins, every GPU drawn as a bar
- * of its slices, and the GPU time released by hibernation. The notebook names come from the
- * sessions API; the admin data is fetched only while the panel is visible.
+ * GPU use, checkpoint size) with hibernate / resume buttons; every GPU with live meters of its
+ * use and memory (a short history kept here, one sample per poll) and its slices drawn as parts
+ * of it (an admin sees whose; a user sees their own and the other users' share as one part);
+ * for admins, the GPU time released by hibernation with its trend. The notebook names come
+ * from the sessions API; GPUs and totals are fetched only while the panel is visible.
  */
 import { Notification } from '@jupyterlab/apputils';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
+import { DeviceModel as Device, History, memoryMeter, Meter, releasedText, sparklineSvg, utilizationMeter } from './meters';
 import {
   ElasticKernel,
+  formatGpuHours,
   Fetcher,
   formatBytes,
-  formatGpuHours,
   formatMib,
   KernelPoller,
   kernelLabel,
@@ -32,16 +35,14 @@ export const gpuIcon = new LabIcon({
     '</g></svg>'
 });
 
-interface Device {
-  uuid: string;
-  name: string;
-  memory_mib?: number;
-  used_fraction?: number;
-  slices?: { kernel_id: string; profile?: string; fraction?: number; warm?: boolean }[];
-}
-
 export class GpusPanel extends Widget {
-  private admin: { admin: boolean; gpu_hours_released: Record<string, number> | null } | null = null;
+  private admin: {
+    admin: boolean;
+    gpu_hours_released: Record<string, number> | null;
+    gpus_released_now?: number | null;
+  } | null = null;
+  /** Samples per GPU ("<uuid>:util", "<uuid>:memory") and of the released total ("released"). */
+  readonly history = new History(40);
   private devices: Device[] = [];
   /** kernel id -> notebook path, from `GET /api/sessions`. */
   private notebooks = new Map<string, string>();
@@ -49,7 +50,8 @@ export class GpusPanel extends Widget {
   constructor(
     private poller: KernelPoller,
     private fetcher: Fetcher,
-    private openNotebookOf: (kernelId: string) => string | undefined = () => undefined
+    private openNotebookOf: (kernelId: string) => string | undefined = () => undefined,
+    private changeSize: ((kernelId: string) => void) | null = null
   ) {
     super();
     this.id = 'jupyter-elastic-kernels-gpus';
@@ -74,19 +76,26 @@ export class GpusPanel extends Widget {
     );
   }
 
-  private async loadAdmin(): Promise<void> {
-    await this.loadSessions();
+  private async loadAdmin(sessions = true): Promise<void> {
+    if (sessions) {
+      await this.loadSessions();
+    }
     const me = await this.fetcher('api/elastic/me');
     if (me.status !== 200) {
       this.render();
       return;
     }
     this.admin = (await me.json()) as typeof this.admin;
-    if (this.admin?.admin) {
-      const gpus = await this.fetcher('api/elastic/gpus');
-      if (gpus.status === 200) {
-        this.devices = ((await gpus.json()) as { devices: Device[] }).devices;
+    const gpus = await this.fetcher('api/elastic/gpus');
+    if (gpus.status === 200) {
+      this.devices = ((await gpus.json()) as { devices: Device[] }).devices;
+      for (const device of this.devices) {
+        this.history.push(`${device.uuid}:util`, device.activity?.gpu_utilization ?? null);
+        this.history.push(`${device.uuid}:memory`, device.activity?.memory_used_mib ?? null);
       }
+    }
+    if (this.admin?.admin) {
+      this.history.push('released', this.releasedTotal());
     }
     this.render();
   }
@@ -104,20 +113,26 @@ export class GpusPanel extends Widget {
   }
 
   /**
-   * After a poll: the sessions and admin view follow when a kernel came, went or changed state
-   * (a slice taken or given back), and only while the panel is visible.
+   * After a poll, while the panel is visible: the GPUs' use (one more sample of their history),
+   * the slices and the totals; the sessions (notebook names) too, but only when a kernel came,
+   * went or changed state.
    */
   update_(): void {
-    const signature = [...this.poller.kernels.values()].map(k => `${k.id}:${k.state}`).join(',');
-    if (this.isVisible && signature !== this.signature) {
-      this.signature = signature;
-      void this.loadAdmin();
+    if (!this.isVisible) {
+      this.render();
       return;
     }
-    this.render();
+    const signature = [...this.poller.kernels.values()].map(k => `${k.id}:${k.state}`).join(',');
+    const sessions = signature !== this.signature;
+    this.signature = signature;
+    void this.loadAdmin(sessions);
   }
 
   private signature = '';
+
+  private releasedTotal(): number {
+    return Object.values(this.admin?.gpu_hours_released ?? {}).reduce((sum, hours) => sum + hours, 0);
+  }
 
   private label(kernelId: string): string {
     const open = this.openNotebookOf(kernelId);
@@ -143,22 +158,60 @@ export class GpusPanel extends Widget {
       list.appendChild(this.kernelRow(kernel));
     }
     node.appendChild(list);
-    if (this.admin?.admin) {
+    if (this.devices.length) {
       const h = document.createElement('h3');
-      h.textContent = 'All GPUs (admin)';
+      h.textContent = this.admin?.admin ? 'All GPUs (admin)' : 'GPUs';
       node.appendChild(h);
       for (const device of this.devices) {
         node.appendChild(this.deviceView(device));
       }
+    }
+    if (this.admin?.admin) {
       const released = Object.entries(this.admin.gpu_hours_released ?? {});
-      const total = released.reduce((sum, [, hours]) => sum + hours, 0);
-      const r = document.createElement('p');
+      const total = this.releasedTotal();
+      const r = document.createElement('div');
       r.className = 'jp-ElasticPanel-released';
       r.dataset.hours = String(total);
+      r.dataset.gpusNow = String(this.admin.gpus_released_now ?? '');
       r.title = released.map(([size, hours]) => `${size}: ${formatGpuHours(hours)}`).join('\n');
-      r.textContent = `GPU time released by hibernation: ${formatGpuHours(total)}`;
+      const words = document.createElement('span');
+      words.className = 'jp-ElasticPanel-releasedText';
+      words.textContent = releasedText(total, this.admin.gpus_released_now);
+      const trend = this.sparkline('released', Math.max(...this.history.get('released').map(v => v ?? 0), 1e-9));
+      trend.title = 'GPU time released, over the last samples';
+      r.append(words, trend);
       node.appendChild(r);
     }
+  }
+
+  private sparkline(key: string, max: number): HTMLElement {
+    const box = document.createElement('span');
+    box.className = 'jp-ElasticPanel-spark';
+    box.dataset.series = key;
+    box.dataset.samples = String(this.history.get(key).length);
+    const values = this.history.get(key);
+    // The line spans the box once a few samples are in, and keeps moving left as they come.
+    box.innerHTML = sparklineSvg(values, max, Math.max(values.length, 10), key === 'released' ? 160 : 80);
+    return box;
+  }
+
+  /** A labelled meter: the bar of the latest value, its words, and the history beside it. */
+  private meterView(kind: 'util' | 'memory', meter: Meter, key: string, max: number): HTMLElement {
+    const row = document.createElement('div');
+    row.className = 'jp-ElasticPanel-meter';
+    row.dataset.kind = kind;
+    row.dataset.fraction = meter.fraction === null ? '' : String(meter.fraction);
+    const label = document.createElement('span');
+    label.className = 'jp-ElasticPanel-meterText';
+    label.textContent = meter.text;
+    const bar = document.createElement('span');
+    bar.className = 'jp-ElasticPanel-meterBar';
+    const fill = document.createElement('span');
+    fill.className = 'jp-ElasticPanel-meterFill';
+    fill.style.width = `${(meter.fraction ?? 0) * 100}%`;
+    bar.appendChild(fill);
+    row.append(label, bar, this.sparkline(key, max));
+    return row;
   }
 
   private kernelRow(kernel: ElasticKernel): HTMLElement {
@@ -202,7 +255,18 @@ export class GpusPanel extends Widget {
       button.textContent = '…';
       button.disabled = true;
     }
-    row.append(text, button);
+    const actions = document.createElement('div');
+    actions.className = 'jp-ElasticPanel-actions';
+    actions.appendChild(button);
+    if (this.changeSize && ['running', 'hibernated'].includes(kernel.state)) {
+      const resize = document.createElement('button');
+      resize.className = 'jp-mod-styled jp-ElasticPanel-action jp-ElasticPanel-resize';
+      resize.textContent = 'Size…';
+      resize.title = 'Change GPU size: hibernate, then resume at another size (variables kept)';
+      resize.onclick = () => this.changeSize?.(kernel.id);
+      actions.appendChild(resize);
+    }
+    row.append(text, actions);
     return row;
   }
 
@@ -231,10 +295,26 @@ export class GpusPanel extends Widget {
       bar.appendChild(segment);
       names.push(`${slice.profile ?? '?'} (${who})`);
     }
+    const others = device.other_users;
+    if (others && others.slices) {
+      const segment = document.createElement('div');
+      segment.className = 'jp-ElasticPanel-slice jp-ElasticPanel-others';
+      segment.dataset.profile = '';
+      segment.style.width = `${Math.max(0, Math.min(1, others.fraction)) * 100}%`;
+      segment.title = `other users: ${others.slices} slice(s)`;
+      bar.appendChild(segment);
+      names.push(`other users (${others.slices})`);
+    }
     const words = document.createElement('div');
     words.className = 'jp-ElasticPanel-sliceList';
     words.textContent = names.length ? names.join(', ') : 'no slices';
-    box.append(title, bar, words);
+    box.append(
+      title,
+      bar,
+      words,
+      this.meterView('util', utilizationMeter(device), `${device.uuid}:util`, 100),
+      this.meterView('memory', memoryMeter(device), `${device.uuid}:memory`, device.memory_mib ?? 0)
+    );
     return box;
   }
 }
