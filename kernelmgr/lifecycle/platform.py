@@ -229,7 +229,8 @@ class JupyterKernelPlatform:
             raise LifecycleError(
                 f"kernel {kernel_id} runs in a pod whose checkpoints would die with it: set "
                 "c.ElasticKubernetesProvisioner.checkpoint_claim to a PersistentVolumeClaim shared with "
-                "this server (mounted at ElasticKernels.checkpoint_root)",
+                "this server (mounted at ElasticKernels.checkpoint_root), or keep checkpoints in an "
+                "object store (c.ElasticKernels.checkpoint_store = 's3')",
                 409,
             )
         self.records.remember(kernel_id, pid=self.pid_of(km))
