@@ -83,6 +83,16 @@ def committed(s3: S3Server, owner: str, kernel_id: str) -> str | None:
     return None if raw is None else raw.decode().strip()
 
 
+#: The file behind ``big``'s buffer in the kernel (``/proc/self/maps``), or None; leaves no name.
+MAPPED_FILE = """
+print(next(
+    (line.split(maxsplit=5)[5:] or [None])[0]
+    for line in open("/proc/self/maps")
+    if int(line.split("-")[0], 16) <= big.ctypes.data < int(line.split()[0].split("-")[1], 16)
+))
+"""
+
+
 def test_pod_kernels_hibernate_to_the_bucket_and_resume_on_another_node(
     cluster: PodCluster, s3: S3Server, reference: Reference, tmp_path: Path
 ) -> None:
@@ -116,6 +126,15 @@ def test_pod_kernels_hibernate_to_the_bucket_and_resume_on_another_node(
             # (which anyone allowed to read pods in the namespace sees).
             spec = json.dumps(pod.spec.to_dict(), default=str)
             assert "X-Amz-Signature" not in spec and "ELASTIC_RESTORE_DATA_URL" in spec
+        # The big array came from the bucket into the pod's scratch copy, mapped from there (the
+        # copy deleted), not read a second time into new memory.
+        run_both(
+            server, kernel_id, reference, "import numpy as np; big = np.arange(1 << 21, dtype=np.float64)"
+        )
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert reply.status == 200, reply.body
+        mapped = server.execute(kernel_id, MAPPED_FILE).strip()  # resumes it
+        assert "/.download-" in mapped and mapped.endswith("/data.bin (deleted)"), mapped
         reply = server.request("DELETE", f"/api/kernels/{kernel_id}")
         assert reply.status == 204
         wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")

@@ -432,8 +432,8 @@ class _Agent:
                     if plan.get("key"):
                         data_key = cipher.data_key(bytes.fromhex(str(plan["key"])))
 
-                        def crypt(offset: int, piece: memoryview) -> bytes:
-                            return cipher.crypt(data_key, offset, piece)
+                        def crypt(offset: int, piece: memoryview) -> bytearray:
+                            return cipher.encrypted(data_key, offset, piece)
 
                     etags = transfer.upload_parts(
                         list(plan["urls"]), view, int(plan["part_size"]), transform=crypt
@@ -528,7 +528,9 @@ class _Agent:
                 kernel_id=self.config.kernel_id,
                 expected_checkpoint=self.expected_checkpoint(),
                 on_read=ProgressFile(Path(directory)) if source == directory else None,
-                map_buffers=self.config.restore_mapped,
+                # A copy downloaded from an object store is mapped, not read again into new
+                # memory: only this kernel (and the server) can rewrite its scratch folder.
+                map_buffers=self.config.restore_mapped or source != directory,
             )
             if report is None:
                 report = refused_report(
