@@ -9,7 +9,7 @@ takes, in isolation and on the same bytes, against the same real S3 server
   (``transfer.upload_parts``, the agent's path), beside the same bytes sent from memory;
 * resume: ``data.bin`` read by ranged GETs into a mapped scratch file (the agent's path), beside
   the same bytes read into anonymous memory; then ``reader.restore_checkpoint`` from the
-  downloaded folder (manifest, digest, unpickling into a new array);
+  downloaded folder (manifest, digest, the array mapped from the copy, as the agent does);
 * encryption at rest: AES-256-CTR over the bytes (``cipher.crypt``, what each part costs the
   kernel with ``S3Checkpoints.encryption_key_files``).
 
@@ -120,6 +120,7 @@ def one_round(bucket: Bucket, work: Path, size_mib: int) -> dict[str, float]:
             owner=OWNER,
             kernel_id=KERNEL,
             expected_checkpoint=manifest.checkpoint_id,
+            map_buffers=True,  # as the agent restores a downloaded copy
         )
     )
     assert namespace["x"].nbytes == array.nbytes
