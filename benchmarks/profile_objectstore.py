@@ -10,8 +10,8 @@ takes, in isolation and on the same bytes, against the same real S3 server
 * resume: ``data.bin`` read by ranged GETs into a mapped scratch file (the agent's path), beside
   the same bytes read into anonymous memory; then ``reader.restore_checkpoint`` from the
   downloaded folder (manifest, digest, the array mapped from the copy, as the agent does);
-* encryption at rest: AES-256-CTR over the bytes (``cipher.crypt``, what each part costs the
-  kernel with ``S3Checkpoints.encryption_key_files``).
+* encryption at rest: AES-256-CTR over the bytes part by part (``cipher.crypt_into``, what the
+  kernel's upload costs with ``S3Checkpoints.encryption_key_files``).
 
 Run: ``python benchmarks/profile_objectstore.py [--size 1024] [--repeat 3]`` (MiB; needs
 ``scripts/s3.sh build``). Prints a Markdown table of medians (seconds).
@@ -125,7 +125,15 @@ def one_round(bucket: Bucket, work: Path, size_mib: int) -> dict[str, float]:
     )
     assert namespace["x"].nbytes == array.nbytes
     data_key = cipher.data_key(b"c" * 32)
-    row["encrypt (AES-CTR)"] = timed(lambda: cipher.crypt(data_key, 0, raw))
+    part = transfer.DEFAULT_PART_SIZE
+    buffer = memoryview(bytearray(part))
+
+    def encrypt() -> None:  # as the agent encrypts an upload's parts, one reused buffer
+        for offset in range(0, len(raw), part):
+            piece = raw[offset : offset + part]
+            cipher.crypt_into(data_key, offset, piece, buffer[: len(piece)])
+
+    row["encrypt (AES-CTR)"] = timed(encrypt)
     shutil.rmtree(folder)
     shutil.rmtree(work / "download")
     return row

@@ -126,6 +126,9 @@ def test_pod_kernels_hibernate_to_the_bucket_and_resume_on_another_node(
             # (which anyone allowed to read pods in the namespace sees).
             spec = json.dumps(pod.spec.to_dict(), default=str)
             assert "X-Amz-Signature" not in spec and "ELASTIC_RESTORE_DATA_URL" in spec
+        # The pod's agent kept its restore report in its emptyDir; the server asked it for it.
+        report = server.get(f"/api/elastic/kernels/{kernel_id}/report")["restore_report"]
+        assert report["refused"] is None and report["checkpoint"] in seen and report["restored"], report
         # The big array came from the bucket into the pod's scratch copy, mapped from there (the
         # copy deleted), not read a second time into new memory.
         run_both(

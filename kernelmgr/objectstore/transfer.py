@@ -19,7 +19,7 @@ DEFAULT_PART_SIZE = 32 * 1024 * 1024
 DEFAULT_WORKERS = 4
 Progress = Callable[[int], None]
 #: ``(offset, piece) -> bytes to send``: e.g. encryption at the piece's offset.
-Transform = Callable[[int, memoryview], bytes | bytearray]
+Transform = Callable[[int, memoryview], bytes | bytearray | memoryview]
 #: ``(offset, range) -> None``: run on each range once it has arrived (e.g. decryption in place).
 Arrived = Callable[[int, memoryview], None]
 

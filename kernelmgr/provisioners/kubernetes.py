@@ -129,6 +129,12 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
     # ---- plumbing
 
     @property
+    def restore_report_in_pod(self) -> bool:
+        """The agent's restore report stays in the pod (no claim, no warm pod to pull it from):
+        the server asks the agent for it."""
+        return not self.checkpoint_claim and not self.warm.origin
+
+    @property
     def checkpoints_persist(self) -> bool:
         """Whether a checkpoint written by a pod outlives it: on the shared claim, or sent to an
         object store (the pod's emptyDir is then only its scratch space)."""
