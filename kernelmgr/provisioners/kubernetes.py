@@ -132,7 +132,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
     def restore_report_in_pod(self) -> bool:
         """The agent's restore report stays in the pod (no claim, no warm pod to pull it from):
         the server asks the agent for it."""
-        return not self.checkpoint_claim and not self.warm.origin
+        return not self.checkpoint_claim and not self.warm.origin and self.runtime.checkpoints.uploads
 
     @property
     def checkpoints_persist(self) -> bool:
