@@ -15,7 +15,8 @@ ipykernel kernel, a real S3 server from ``tests/support/s3.py``):
   the bucket), beside its floor: the same bytes read with the same client
   (``transfer.download``) into fresh memory.
 
-Run: ``python benchmarks/bench_objectstore.py [--sizes 1024] [--repeat 3]`` (sizes in MiB; needs
+Run: ``python benchmarks/bench_objectstore.py [--sizes 1024] [--repeat 3] [--encrypt]`` (sizes in
+MiB; ``--encrypt``: encryption at rest on, the raw floor stays plaintext; needs
 ``scripts/s3.sh build``). Prints a Markdown table of medians and ratios for docs/benchmarks.md.
 """
 
@@ -55,7 +56,14 @@ def build_cells(size_mib: int) -> str:
     )
 
 
-def start(home: Path, s3: S3Server) -> RunningServer:
+def start(home: Path, s3: S3Server, encrypt: bool = False) -> RunningServer:
+    key_files = []
+    if encrypt:  # encryption at rest: a master key file, as the Helm chart mounts one
+        home.mkdir(parents=True, exist_ok=True)
+        master = home / "master-key"
+        master.write_text(os.urandom(32).hex())
+        master.chmod(0o600)
+        key_files.append(str(master))
     config: dict[str, Any] = {
         "ElasticKernels": {
             "profiles": PROFILES,
@@ -71,6 +79,7 @@ def start(home: Path, s3: S3Server) -> RunningServer:
             "create_bucket": True,
             "access_key_id_env": ID_ENV,
             "secret_access_key_env": KEY_ENV,
+            "encryption_key_files": key_files,
         },
     }
     return start_server(home, config, env_extra={ID_ENV: s3.admin.access_key, KEY_ENV: s3.admin.secret_key})
@@ -127,12 +136,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1024", help="state sizes in MiB, comma-separated")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--encrypt", action="store_true", help="with S3Checkpoints.encryption_key_files")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="bench-objectstore-") as tmp:
         home = Path(tmp)
         with running_s3(home / "s3") as s3:
-            server = start(home / "server", s3)
+            server = start(home / "server", s3, args.encrypt)
             bucket = s3.bucket(BUCKET)
             try:
                 print_header(

@@ -330,6 +330,15 @@ class CheckpointStore:
             return None
         return report if isinstance(report, dict) else None
 
+    def keep_restore_report(self, owner: str, kernel_id: str, text: str) -> None:
+        """Keep a report the agent sent (from a pod whose folder the server cannot read) where
+        :meth:`restore_report` reads it. ``ValueError`` when it is too large or not an object."""
+        body = text.encode("utf-8")
+        if len(body) > RESTORE_REPORT_CAP or not isinstance(json.loads(body), dict):
+            raise ValueError(f"the restore report is not a JSON object of at most {RESTORE_REPORT_CAP} bytes")
+        with self.open_kernel_dir(owner, kernel_id, create=True) as directory:
+            directory.write_atomic(RESTORE_REPORT, body)
+
     def restore_progress(self, owner: str, kernel_id: str, since: float) -> dict[str, Any] | None:
         """How far the kernel's agent has read its checkpoint in a restore begun after ``since``
         (a file of at most ``progress.PROGRESS_CAP`` bytes, opened without following links)."""

@@ -157,6 +157,7 @@ def test_lint_strict() -> None:
         ({"kernels": {"homeAccessMode": "ReadWriteSometimes"}}, "homeAccessMode"),
         ({"kernels": {"clientEnv": ["PATH"]}}, "clientEnv"),
         ({"checkpoints": {"store": "gcs"}}, "store"),
+        ({"checkpoints": {"accessModes": ["ReadWriteOnce"]}}, "accessModes"),
         ({"checkpoints": {"objectStore": {"partSizeMib": 1}}}, "partSizeMib"),
         # 0 would block every drain of the gateway's node.
         ({"gateway": {"podDisruptionBudget": {"maxUnavailable": 0}}}, "maxUnavailable"),
@@ -292,9 +293,14 @@ def test_checkpoints_in_an_object_store_configure_the_gateway_only(tmp_path: Pat
         "region": "eu-west-1",
         "existingSecret": "checkpoint-bucket",
     }
-    docs = render({"checkpoints": {"store": "s3", "objectStore": s3}}, tmp_path)
+    # Only the gateway mounts the claim: ReadWriteOnce will do, and kernel pods mount none.
+    values = {"checkpoints": {"store": "s3", "objectStore": s3, "accessModes": ["ReadWriteOnce"]}}
+    docs = render(values, tmp_path)
     config = server_config(docs)
     assert config["ElasticKernels"]["checkpoint_store"] == "s3"
+    assert config["ElasticKubernetesProvisioner"]["checkpoint_claim"] == ""
+    assert only(docs, "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert server_config(render({}, tmp_path))["ElasticKubernetesProvisioner"]["checkpoint_claim"]
     bucket = config["S3Checkpoints"]
     assert (bucket["endpoint"], bucket["bucket"], bucket["region"]) == (
         s3["endpoint"],

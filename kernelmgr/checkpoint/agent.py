@@ -120,6 +120,8 @@ CHECKPOINT_CODE = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.che
 COMMIT_EXPRESSION = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.last_commit()'
 #: The user expression sent with :func:`upload_code`: the JSON list of the parts' ETags.
 UPLOAD_EXPRESSION = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.last_upload()'
+#: The restore report (JSON), for a server that cannot read the kernel's folder (a pod's emptyDir).
+REPORT_EXPRESSION = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.last_report_json()'
 
 
 def upload_code(checkpoint_id: str, urls: list[str], part_size: int, key: str = "") -> str:
@@ -432,9 +434,17 @@ class _Agent:
                     crypt = None
                     if plan.get("key"):
                         data_key = cipher.data_key(bytes.fromhex(str(plan["key"])))
+                        # One buffer per sending thread, reused part after part (a thread sends
+                        # a part before it encrypts the next): no new memory to fault in per part.
+                        buffers = threading.local()
 
-                        def crypt(offset: int, piece: memoryview) -> bytes:
-                            return cipher.crypt(data_key, offset, piece)
+                        def crypt(offset: int, piece: memoryview) -> memoryview:
+                            buffer = getattr(buffers, "buffer", None)
+                            if buffer is None or len(buffer) < len(piece):
+                                buffer = buffers.buffer = bytearray(len(piece))
+                            out = memoryview(buffer)[: len(piece)]
+                            cipher.crypt_into(data_key, offset, piece, out)
+                            return out
 
                     etags = transfer.upload_parts(
                         list(plan["urls"]), view, int(plan["part_size"]), transform=crypt
@@ -529,7 +539,9 @@ class _Agent:
                 kernel_id=self.config.kernel_id,
                 expected_checkpoint=self.expected_checkpoint(),
                 on_read=ProgressFile(Path(directory)) if source == directory else None,
-                map_buffers=self.config.restore_mapped,
+                # A copy downloaded from an object store is mapped, not read again into new
+                # memory: only this kernel (and the server) can rewrite its scratch folder.
+                map_buffers=self.config.restore_mapped or source != directory,
             )
             if report is None:
                 report = refused_report(
@@ -857,6 +869,13 @@ def last_upload() -> str:
     return _AGENT.uploaded
 
 
+def last_report_json() -> str:
+    """The last restore's report as JSON (:data:`REPORT_EXPRESSION`)."""
+    if _AGENT is None or _AGENT.report is None:
+        raise CheckpointFailed("this kernel restored no checkpoint")
+    return json.dumps(_AGENT.report, indent=1)
+
+
 def last_restore_report() -> dict[str, Any] | None:
     """The report of the restore done when the extension loaded (``None`` if none)."""
     return _AGENT.report if _AGENT is not None else None
@@ -865,6 +884,7 @@ def last_restore_report() -> dict[str, Any] | None:
 __all__ = [
     "CHECKPOINT_CODE",
     "COMMIT_EXPRESSION",
+    "REPORT_EXPRESSION",
     "UPLOAD_EXPRESSION",
     "AgentConfig",
     "checkpoint",

@@ -45,16 +45,44 @@ def manifest_key(checkpoint_key: bytes) -> bytes:
     return derive(checkpoint_key, "jupyter-elastic-kernels manifest.json")
 
 
-def crypt(key: bytes, offset: int, data: bytes | memoryview) -> bytes:
-    """``data`` encrypted (or decrypted: the same operation) as the bytes at ``offset`` of a stream."""
+#: Encrypted through one buffer of this size: cryptography's ``update`` allocates its output and
+#: a copy of the input per call (1 GiB took 12 s on a loaded 2-core VM, against under 1 s here).
+_CHUNK = 4 * 1024 * 1024
+
+
+def _transform(key: bytes, offset: int) -> Any:
     _, cipher, algorithms, modes, _ = _primitives()
     counter = (offset // _BLOCK).to_bytes(_BLOCK, "big")
     transform = cipher(algorithms.AES(key), modes.CTR(counter)).encryptor()
     skip = offset % _BLOCK
     if skip:
         transform.update(bytes(skip))
-    return bytes(transform.update(bytes(data)) + transform.finalize())
+    return transform
+
+
+def crypt_into(key: bytes, offset: int, data: bytes | memoryview, out: memoryview) -> None:
+    """``data`` (the bytes at ``offset`` of a stream) encrypted, or decrypted, into ``out`` (its
+    length; it may be ``data`` itself)."""
+    source = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+    target = out if out.format == "B" else out.cast("B")
+    transform = _transform(key, offset)
+    buffer = bytearray(min(len(source), _CHUNK) + _BLOCK)
+    for start in range(0, len(source), _CHUNK):
+        count = transform.update_into(source[start : start + _CHUNK], buffer)
+        target[start : start + count] = memoryview(buffer)[:count]
+
+
+def encrypted(key: bytes, offset: int, data: bytes | memoryview) -> bytearray:
+    """``data`` encrypted (or decrypted) into a new buffer: an upload's part."""
+    out = bytearray(len(data) if isinstance(data, bytes) else memoryview(data).nbytes)
+    crypt_into(key, offset, data, memoryview(out))
+    return out
+
+
+def crypt(key: bytes, offset: int, data: bytes | memoryview) -> bytes:
+    """``data`` encrypted (or decrypted: the same operation) as the bytes at ``offset`` of a stream."""
+    return bytes(encrypted(key, offset, data))
 
 
 def crypt_in_place(key: bytes, offset: int, view: memoryview) -> None:
-    view[:] = crypt(key, offset, view)
+    crypt_into(key, offset, view, view)

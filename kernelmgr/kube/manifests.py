@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,11 +142,13 @@ def make_kernel_pod(
     requested_dir: str | None = None,
     kernel_env: Mapping[str, str] | None = None,
     image: str | None = None,
+    secret_env: Sequence[str] = (),
 ) -> dict[str, Any]:
     """A kernel's pod: ``agent_env`` is the checkpoint agent's environment (paths are replaced by
     the pod's own), ``checkpoint_sub_path`` the owner's folder of the claim (``None``: no claim),
     ``requested_dir`` the notebook's folder on the single-user server (``KERNEL_WORKING_DIR``),
-    ``kernel_env`` the kernelspec's and the client's variables, ``image`` the kernelspec's image."""
+    ``kernel_env`` the kernelspec's and the client's variables, ``image`` the kernelspec's image,
+    ``secret_env`` variables read from the pod's Secret (same names as keys), not shown in its spec."""
     own_env = dict(agent_env)
     own_env["ELASTIC_CHECKPOINT_DIR"] = f"{CHECKPOINT_MOUNT}/{kernel_id}"
     own_env[ENV_KEY_MOUNTED] = "1"
@@ -174,6 +176,9 @@ def make_kernel_pod(
         requested_dir,
     )
     container = pod["spec"]["containers"][0]
+    container["env"] += [
+        {"name": n, "valueFrom": {"secretKeyRef": {"name": name, "key": n}}} for n in secret_env
+    ]
     if image:
         container["image"] = image
     if kernel_env:
@@ -221,9 +226,15 @@ def _add_user_files(
 
 
 def make_kernel_secret(
-    *, name: str, kernel_id: str, connection_info: Mapping[str, Any], checkpoint_key: bytes
+    *,
+    name: str,
+    kernel_id: str,
+    connection_info: Mapping[str, Any],
+    checkpoint_key: bytes,
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Connection file and checkpoint key (made owned by the pod once the pod exists)."""
+    """Connection file and checkpoint key (made owned by the pod once the pod exists), and the
+    values of the pod's ``secret_env`` variables."""
     info = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in connection_info.items()}
     info["ip"] = "0.0.0.0"  # the pod's IP is not known yet: kernelmgr.kube.pod_kernel puts it in
     return {
@@ -231,7 +242,11 @@ def make_kernel_secret(
         "kind": "Secret",
         "metadata": {"name": name, "labels": {**APP_LABELS, KERNEL_ID_LABEL: kernel_id}},
         "type": "Opaque",
-        "stringData": {CONNECTION_FILE: json.dumps(info), KEY_FILE: encode_key(checkpoint_key).decode()},
+        "stringData": {
+            CONNECTION_FILE: json.dumps(info),
+            KEY_FILE: encode_key(checkpoint_key).decode(),
+            **(env or {}),
+        },
     }
 
 

@@ -31,7 +31,13 @@ from jupyter_core.utils import ensure_async
 
 from kernelmgr import compat
 from kernelmgr.activity.jupyter import JupyterActivity
-from kernelmgr.checkpoint.agent import CHECKPOINT_CODE, COMMIT_EXPRESSION, UPLOAD_EXPRESSION, upload_code
+from kernelmgr.checkpoint.agent import (
+    CHECKPOINT_CODE,
+    COMMIT_EXPRESSION,
+    REPORT_EXPRESSION,
+    UPLOAD_EXPRESSION,
+    upload_code,
+)
 from kernelmgr.checkpoint.version import compare
 from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.errors import CapacityError
@@ -229,7 +235,8 @@ class JupyterKernelPlatform:
             raise LifecycleError(
                 f"kernel {kernel_id} runs in a pod whose checkpoints would die with it: set "
                 "c.ElasticKubernetesProvisioner.checkpoint_claim to a PersistentVolumeClaim shared with "
-                "this server (mounted at ElasticKernels.checkpoint_root)",
+                "this server (mounted at ElasticKernels.checkpoint_root), or keep checkpoints in an "
+                "object store (c.ElasticKernels.checkpoint_store = 's3')",
                 409,
             )
         self.records.remember(kernel_id, pid=self.pid_of(km))
@@ -452,6 +459,20 @@ class JupyterKernelPlatform:
                 await collect()
             except Exception as exc:
                 self.host.log.warning("kernel %s: restore report not collected: %s", kernel_id, exc)
+        if restore is not None and getattr(km.provisioner, "restore_report_in_pod", False):
+            await self._fetch_restore_report(km, record.owner, kernel_id)
+
+    async def _fetch_restore_report(self, km: Any, owner: str, kernel_id: str) -> None:
+        """Ask the agent for its restore report and keep it where REST and the CLI read it: its
+        folder is a pod's emptyDir the server cannot see (kernel pods with an object store)."""
+        try:
+            reply = await self._silent(km, "pass", REPORT_EXPRESSION, 30)
+            text = _expression(reply, "upload")
+            if text is None:
+                raise LifecycleError("the agent did not answer", 500)
+            await asyncio.to_thread(self.runtime.checkpoints.keep_restore_report, owner, kernel_id, text)
+        except (LifecycleError, KernelDied, OSError, ValueError) as exc:
+            self.host.log.warning("kernel %s: restore report not collected: %s", kernel_id, exc)
 
     async def _start_process(
         self, km: Any, record: ManagedKernel, restore: Committed | None, deadline: float

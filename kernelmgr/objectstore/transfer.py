@@ -19,7 +19,7 @@ DEFAULT_PART_SIZE = 32 * 1024 * 1024
 DEFAULT_WORKERS = 4
 Progress = Callable[[int], None]
 #: ``(offset, piece) -> bytes to send``: e.g. encryption at the piece's offset.
-Transform = Callable[[int, memoryview], bytes]
+Transform = Callable[[int, memoryview], bytes | bytearray | memoryview]
 #: ``(offset, range) -> None``: run on each range once it has arrived (e.g. decryption in place).
 Arrived = Callable[[int, memoryview], None]
 
@@ -34,7 +34,7 @@ def _connection(url: str, timeout: float) -> tuple[http.client.HTTPConnection, s
     return cls(parts.netloc, timeout=timeout), parts.path + (f"?{parts.query}" if parts.query else "")
 
 
-def put(url: str, data: bytes | memoryview, timeout: float = 300.0) -> str:
+def put(url: str, data: bytes | bytearray | memoryview, timeout: float = 300.0) -> str:
     """PUT ``data`` to a presigned URL; the ETag the store gave it."""
     conn, target = _connection(url, timeout)
     try:

@@ -37,6 +37,7 @@ from jupyter_client.provisioning import KernelProvisionerBase
 from kubernetes import client
 
 from kernelmgr.backends.kubernetes import render_pod_fragment
+from kernelmgr.checkpoint.agent import ENV_RESTORE_DATA_URL, ENV_RESTORE_KEY, ENV_RESTORE_MANIFEST_URL
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.kernels import FRESH_START, LaunchPlan, ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
@@ -83,6 +84,8 @@ from kernelmgr.provisioners.common import (
 from kernelmgr.provisioners.kube_warm import WarmHandoff
 
 PROVISIONER_NAME = KUBERNETES_PROVISIONER
+#: What an object store adds to the agent's environment that the pod spec must not show.
+SECRET_ENV = (ENV_RESTORE_MANIFEST_URL, ENV_RESTORE_DATA_URL, ENV_RESTORE_KEY)
 
 
 # KernelProvisionerMeta derives from MetaHasTraits at run time; mypy cannot see it (type(...) base).
@@ -124,8 +127,22 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         #: The GPU size of a pod created without a slice (it fit nowhere; ElasticKernels.scale_up_wait):
         #: it waits Pending for a node, and books its slice where the scheduler placed it.
         self._unplaced: str | None = None
+        #: Agent variables the pod reads from its Secret (an object store's restore URLs and key).
+        self._secret_env: dict[str, str] = {}
 
     # ---- plumbing
+
+    @property
+    def restore_report_in_pod(self) -> bool:
+        """The agent's restore report stays in the pod (no claim, no warm pod to pull it from):
+        the server asks the agent for it."""
+        return not self.checkpoint_claim and not self.warm.origin and self.runtime.checkpoints.uploads
+
+    @property
+    def checkpoints_persist(self) -> bool:
+        """Whether a checkpoint written by a pod outlives it: on the shared claim, or sent to an
+        object store (the pod's emptyDir is then only its scratch space)."""
+        return bool(self.checkpoint_claim) or self.runtime.checkpoints.uploads
 
     @property
     def runtime(self) -> ElasticRuntime:
@@ -204,6 +221,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             or self._kernel_env
         )
         try:
+            if self._plan.restore:  # an object store's key: read off the event loop, before pod_manifest
+                await asyncio.to_thread(runtime.checkpoints.prepare, self._record.owner)
             await self._select_namespace()
             self.informer  # noqa: B018  (start the watch now: the pod's first events must be seen)
             ports = {name: self.first_port + i for i, name in enumerate(PORT_NAMES)}
@@ -268,9 +287,14 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             restore=self._plan.restore,
             restore_checkpoint=self._plan.checkpoint,
             # A pod evicted, preempted or drained gets SIGTERM and its grace period: the kernel
-            # checkpoints what changed onto the volume, and the server resumes it from there.
+            # checkpoints what changed onto the volume, and the server resumes it from there. (With
+            # an object store it lands in the pod's emptyDir and is lost: the server resumes from
+            # the bucket's last commit; the guard still lets the cell finish and flushes files.)
             checkpoint_on_sigterm=True,
         )
+        # The presigned restore URLs (and the checkpoint's key): in the pod's Secret, not its spec,
+        # which anyone who may read pods in the namespace can see.
+        self._secret_env = {name: agent_env.pop(name) for name in SECRET_ENV if name in agent_env}
         owner_dir = store.kernel_dir(record.owner, self.kernel_id).parent  # refuses unsafe names
         sub_path = None
         if self.checkpoint_claim:
@@ -289,6 +313,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             requested_dir=self._requested_dir,
             kernel_env=self._kernel_env,
             image=self.kernelspec_images.get(self._base_kernelspec()),
+            secret_env=sorted(self._secret_env),
         )
 
     @property
@@ -308,6 +333,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             kernel_id=self.kernel_id,
             connection_info=self.connection_info,
             checkpoint_key=self.runtime.checkpoints.key_for(self._record.owner),
+            env=self._secret_env,
         )
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
@@ -578,9 +604,10 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
 
     async def _create_secret_and_pod(self, cmd: list[str]) -> Any:
         core = self.core
+        pod = self.pod_manifest(cmd)  # first: it says what the Secret holds besides the keys
         await asyncio.to_thread(core.create_namespaced_secret, self._namespace, self.secret_manifest())
         self._launched = True
-        return await asyncio.to_thread(core.create_namespaced_pod, self._namespace, self.pod_manifest(cmd))
+        return await asyncio.to_thread(core.create_namespaced_pod, self._namespace, pod)
 
     async def _remove_leftovers(self) -> None:
         """This kernel's pod and Secret from an earlier launch are still there (a stop whose pod

@@ -290,6 +290,8 @@ serves no files, so the claim's folder is as good a root as any. */ -}}
 {{- $_ := required "checkpoints.objectStore.bucket is required with checkpoints.store s3" $s3.bucket -}}
 {{- $_ := required "checkpoints.objectStore.existingSecret (the gateway's credential) is required with checkpoints.store s3" $s3.existingSecret -}}
 {{- $_ := set $elastic "checkpoint_store" "s3" -}}
+{{- /* Kernel pods send their checkpoints to the bucket: no claim in them, an emptyDir as scratch. */ -}}
+{{- $_ := set $provisioner "checkpoint_claim" "" -}}
 {{- $_ := set $config "S3Checkpoints" (dict
   "endpoint" $s3.endpoint
   "bucket" $s3.bucket
