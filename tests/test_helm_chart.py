@@ -36,6 +36,7 @@ import yaml
 from kernelmgr import __version__
 from kernelmgr.backends.kubernetes import render_pod_fragment, validate_backend_options
 from kernelmgr.core.profiles import parse_profiles
+from kernelmgr.kube.labels import KERNEL_ID_LABEL
 from kernelmgr.kube.namespaces import namespace_for
 
 # helm_binary() below runs at import: without helm built, no test of this module runs.
@@ -447,7 +448,7 @@ def test_kernel_role_is_exactly_the_shipped_rbac(tmp_path: Path) -> None:
         "kernels-b",
     ]
     policies = [
-        d for d in spread if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-kernels")
+        d for d in spread if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-kernel-pods")
     ]
     assert sorted(d["metadata"]["namespace"] for d in policies) == ["kernels", "kernels-b"]
     # Declared inventory: no right to read nodes either.
@@ -458,10 +459,29 @@ def test_kernel_role_is_exactly_the_shipped_rbac(tmp_path: Path) -> None:
 def test_network_policy_admits_only_the_gateway(tmp_path: Path) -> None:
     docs = render({}, tmp_path)
     gateway_labels = only(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
-    policy = only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernels")["spec"]
-    assert policy["podSelector"]["matchExpressions"] == [
-        {"key": "component", "operator": "In", "values": ["kernel", "warm-kernel"]}
-    ]
+    policy = only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernel-pods")["spec"]
+    # This release's kernel and warm pods by the project's labels, never EG's bare component=kernel.
+    assert policy["podSelector"] == {
+        "matchLabels": {
+            "app.kubernetes.io/name": "jupyter-elastic-kernels",
+            "app.kubernetes.io/instance": "jupyter-elastic-kernels",
+        },
+        "matchExpressions": [
+            {"key": "app.kubernetes.io/component", "operator": "In", "values": ["kernel", "warm-kernel"]}
+        ],
+    }
+    # Pods an earlier version started (bare labels) keep the same policies until they end, under the
+    # names that version used, narrowed to the project's pods.
+    for name in ("kernels", "kernels-egress"):
+        legacy = only(docs, "NetworkPolicy", f"jupyter-elastic-kernels-{name}")["spec"]
+        twin = only(
+            docs, "NetworkPolicy", f"jupyter-elastic-kernels-{name.replace('kernels', 'kernel-pods')}"
+        )
+        assert legacy["podSelector"] == {
+            "matchLabels": {"app.kubernetes.io/name": "jupyter-elastic-kernels"},
+            "matchExpressions": [{"key": "component", "operator": "In", "values": ["kernel", "warm-kernel"]}],
+        }
+        assert {**legacy, "podSelector": None} == {**twin["spec"], "podSelector": None}
     (source,) = policy["ingress"][0]["from"]
     assert source["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "jupyter"}
     assert source["podSelector"]["matchLabels"].items() <= gateway_labels.items()
@@ -497,14 +517,14 @@ def _egress_allows(policy: dict[str, Any], ip: str, port: int, protocol: str = "
 
 
 def _kernel_egress(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    return only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernels-egress")
+    return only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernel-pods-egress")
 
 
 def test_kernel_egress_is_denied_but_for_dns_the_gateway_and_the_allow_list(tmp_path: Path) -> None:
     """As z2jh's singleuser egressAllowRules: no cloud metadata, no private ranges unless allowed."""
     docs = render({}, tmp_path)
     policy = _kernel_egress(docs)
-    ingress = only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernels")
+    ingress = only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernel-pods")
     assert policy["spec"]["policyTypes"] == ["Egress"]
     assert policy["spec"]["podSelector"] == ingress["spec"]["podSelector"]  # every kernel and warm pod
     metadata, private, public = "169.254.169.254", "10.20.30.40", "151.101.0.223"
@@ -533,7 +553,7 @@ def test_kernel_egress_is_denied_but_for_dns_the_gateway_and_the_allow_list(tmp_
     assert not _egress_allows(loose, public, 443)
     # The gateway gets the same kernel policies for the namespaces it creates.
     config = server_config(docs)["ElasticKubernetesProvisioner"]
-    rendered = [d for d in docs if d["kind"] == "NetworkPolicy" and "node-agent" not in d["metadata"]["name"]]
+    rendered = [d for d in docs if d["kind"] == "NetworkPolicy" and "kernel-pods" in d["metadata"]["name"]]
     assert [(p["metadata"]["name"], p["spec"]) for p in config["namespace_network_policies"]] == [
         (d["metadata"]["name"], d["spec"]) for d in rendered
     ]
@@ -962,7 +982,7 @@ def _get(url: str, authorization: str) -> tuple[int, str]:
 def kernel_pods(release: dict[str, Any], kernel_id: str) -> list[Any]:
     pods = (
         release["core"]
-        .list_namespaced_pod(release["namespace"], label_selector=f"kernel_id={kernel_id}")
+        .list_namespaced_pod(release["namespace"], label_selector=f"{KERNEL_ID_LABEL}={kernel_id}")
         .items
     )
     return list(pods)
@@ -989,7 +1009,7 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
     )
     assert apps.read_namespaced_daemon_set(f"{RELEASE}-node-agent", namespace).spec.template.spec.host_pid
     client.RbacAuthorizationV1Api(kube_api).read_namespaced_role_binding(RELEASE, namespace)
-    client.NetworkingV1Api(kube_api).read_namespaced_network_policy(f"{RELEASE}-kernels", namespace)
+    client.NetworkingV1Api(kube_api).read_namespaced_network_policy(f"{RELEASE}-kernel-pods", namespace)
     claim_uid = (
         release["core"].read_namespaced_persistent_volume_claim(release["claim"], namespace).metadata.uid
     )
@@ -1033,7 +1053,8 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
                 assert result.error == "", result.error
                 assert result.stdout.strip() == str(42 + n)
                 (pod,) = kernel_pods(release, kernel_id)
-                assert pod.metadata.labels["component"] == "kernel"
+                assert pod.metadata.labels["app.kubernetes.io/component"] == "kernel"
+                assert pod.metadata.labels["app.kubernetes.io/instance"] == RELEASE
     finally:
         # SIGTERM, as Kubernetes stops the old gateway pod on an upgrade: the running idle kernel is
         # hibernated (checkpoint committed, pod deleted) before the gateway exits.
@@ -1273,7 +1294,7 @@ def test_per_user_namespace_made_by_the_gateway_with_the_charts_rights(
         assert [(s.kind, s.name, s.namespace) for s in binding.subjects] == [
             ("ServiceAccount", RELEASE, release["namespace"])
         ]
-        pods = core.list_namespaced_pod(user_namespace, label_selector=f"kernel_id={kernel_id}").items
+        pods = core.list_namespaced_pod(user_namespace, label_selector=f"{KERNEL_ID_LABEL}={kernel_id}").items
         assert len(pods) == 1
         # The namespace the gateway made holds the chart's kernel NetworkPolicies (ingress from the
         # gateway only, default-deny egress with the allow-list), made before the kernel's pod.
@@ -1282,25 +1303,28 @@ def test_per_user_namespace_made_by_the_gateway_with_the_charts_rights(
             p.metadata.name: kube_api.sanitize_for_serialization(p)
             for p in networking.list_namespaced_network_policy(user_namespace).items
         }
-        assert set(made) == {f"{RELEASE}-kernels", f"{RELEASE}-kernels-egress"}
+        assert set(made) == {f"{RELEASE}-kernel-pods", f"{RELEASE}-kernel-pods-egress"}
         for name, policy in made.items():
             assert (
                 policy["metadata"]["creationTimestamp"]
                 <= kube_api.sanitize_for_serialization(pods[0])["metadata"]["creationTimestamp"]
             ), name
-        egress = made[f"{RELEASE}-kernels-egress"]
+        egress = made[f"{RELEASE}-kernel-pods-egress"]
         assert egress["spec"]["policyTypes"] == ["Egress"]
         assert not _egress_allows(egress, "169.254.169.254", 80)
         assert not _egress_allows(egress, "10.20.30.40", 5432)
         assert _egress_allows(egress, "151.101.0.223", 443)
-        ingress_from = made[f"{RELEASE}-kernels"]["spec"]["ingress"][0]["from"]
+        ingress_from = made[f"{RELEASE}-kernel-pods"]["spec"]["ingress"][0]["from"]
         assert ingress_from[0]["namespaceSelector"]["matchLabels"] == {
             "kubernetes.io/metadata.name": release["namespace"]
         }
         assert gateway.execute(kernel_id, "y = 'kept'; print(y)", timeout=120).strip() == "kept"
         reply = gateway.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
         assert reply.status == 200, (reply, gateway.log()[-3000:])
-        assert core.list_namespaced_pod(user_namespace, label_selector=f"kernel_id={kernel_id}").items == []
+        assert (
+            core.list_namespaced_pod(user_namespace, label_selector=f"{KERNEL_ID_LABEL}={kernel_id}").items
+            == []
+        )
         assert gateway.execute(kernel_id, "print(y)", timeout=120).strip() == "kept"
         gateway.shutdown_kernel(kernel_id)
     finally:

@@ -601,3 +601,78 @@ def test_missing_rights_are_named_in_the_api_answer(cluster: PodCluster, tmp_pat
         if kernel_id is not None and cluster.pod_of(kernel_id) is not None:
             cluster.core.delete_namespaced_pod(f"kernel-{kernel_id}", NAMESPACE, grace_period_seconds=0)
         rbac.delete(api, docs)
+
+
+def test_pods_of_the_previous_labels_are_adopted_and_other_releases_and_eg_pods_left_alone(
+    cluster: PodCluster, server: RunningServer, tmp_path: Path
+) -> None:
+    """An upgrade from the version that wrote Enterprise Gateway's bare labels: its running kernel
+    pod (``component: kernel``, ``kernel_id``, no instance) is adopted, hibernated and resumed into a
+    pod with the prefixed labels only; EG's kernel pod and another release's in the same namespace
+    are neither adopted nor deleted."""
+    from kernelmgr.kube.labels import label_value
+
+    kernel_id = server.start_kernel(SIZE)
+    assert server.execute(kernel_id, "x = 41; import os; print(os.getpid())").strip()
+    pid = server.execute(kernel_id, "print(os.getpid())").strip()
+    owner = model(server, kernel_id)["owner"]
+    labels = cluster.pod_of(kernel_id).metadata.labels
+    assert labels["elastic.jupyter.org/owner"] == label_value(owner)
+    assert labels["app.kubernetes.io/instance"] == "jupyter-elastic-kernels"
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+    # What the previous version wrote on its pod and Secret.
+    name = f"kernel-{kernel_id}"
+    old = {
+        "app.kubernetes.io/instance": None,
+        "app.kubernetes.io/component": None,
+        "elastic.jupyter.org/kernel-id": None,
+        "elastic.jupyter.org/owner": None,
+        "component": "kernel",
+        "kernel_id": kernel_id,
+    }
+    cluster.core.patch_namespaced_pod(name, NAMESPACE, {"metadata": {"labels": old}})
+    cluster.core.patch_namespaced_secret(name, NAMESPACE, {"metadata": {"labels": old}})
+    # Enterprise Gateway's kernel pod, and another release's, beside it (never scheduled).
+    others = {
+        "eg-kernel": {"component": "kernel", "kernel_id": "eg-1"},
+        "other-release": {
+            "app.kubernetes.io/name": "jupyter-elastic-kernels",
+            "app.kubernetes.io/instance": "other",
+            "app.kubernetes.io/component": "kernel",
+            "elastic.jupyter.org/kernel-id": "other-1",
+        },
+    }
+    for pod_name, pod_labels in others.items():
+        cluster.core.create_namespaced_pod(
+            NAMESPACE,
+            {
+                "metadata": {
+                    "name": pod_name,
+                    "labels": pod_labels,
+                    "annotations": {"elastic.jupyter.org/owner": owner},
+                },
+                "spec": {
+                    "nodeSelector": {"elastic.test/nowhere": "true"},
+                    "containers": [{"name": "k", "image": "python:3.12", "command": ["true"]}],
+                },
+            },
+        )
+    restarted = start_server(tmp_path, cluster.config())
+    try:
+        wait_for(lambda: model(restarted, kernel_id)["state"] == "running", 60, "the old pod to be adopted")
+        assert restarted.execute(kernel_id, "print(os.getpid(), x + 1)").split() == [pid, "42"]
+        ids = {k["id"] for k in restarted.get("/api/elastic/kernels")}
+        assert ids == {kernel_id}, ids
+        hibernate(restarted, cluster, kernel_id)
+        assert restarted.execute(kernel_id, "print(x + 2)", timeout=120).strip() == "43"
+        labels = cluster.running_pod(kernel_id).metadata.labels
+        assert labels["elastic.jupyter.org/kernel-id"] == kernel_id and "kernel_id" not in labels
+        assert "component" not in labels and labels["app.kubernetes.io/component"] == "kernel"
+        assert {p.metadata.name for p in cluster.core.list_namespaced_pod(NAMESPACE).items} >= set(others)
+        restarted.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+    finally:
+        restarted.stop()
+        for pod_name in others:
+            cluster.core.delete_namespaced_pod(pod_name, NAMESPACE, grace_period_seconds=0)

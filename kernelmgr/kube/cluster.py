@@ -22,10 +22,9 @@ from kubernetes import client, config
 from kernelmgr.kube.access import ExplainedCoreV1Api
 from kernelmgr.kube.failed_pods import FailedPods
 from kernelmgr.kube.informer import Informer, PodInformer, without_managed_fields
+from kernelmgr.kube.labels import KERNEL, KERNEL_WATCH_SELECTOR, kernel_id_of, legacy_selector, selector
 from kernelmgr.kube.manifests import (
-    APP_SELECTOR,
     CONNECTION_FILE,
-    KERNEL_ID_LABEL,
     KERNELSPEC_ANNOTATION,
     OWNER_ANNOTATION,
     SIZE_ANNOTATION,
@@ -55,7 +54,7 @@ class KubeCluster:
         #: (kubeconfig, namespace, kind, name) of the DRA objects created (or found) by this server.
         self._side_objects: set[tuple[str, str, str, str]] = set()
         #: Failed kernel pods kept for ``kubectl logs`` (ElasticKubernetesProvisioner.failed_pod_retention).
-        self.failed_pods = FailedPods(self.core, self.log)
+        self.failed_pods = FailedPods(self.core, self.log, self.settings.instance)
 
     def _kubeconfig(self, kubeconfig: str | None) -> str:
         return self.settings.kubeconfig if kubeconfig is None else kubeconfig
@@ -87,7 +86,9 @@ class KubeCluster:
         if key not in self._informers:
             # Its own client: the watch holds a connection for minutes at a time.
             watch_api = client.ApiClient(self.api(key[0]).configuration)
-            self._informers[key] = PodInformer(watch_api, key[1], APP_SELECTOR).start()
+            self._informers[key] = PodInformer(
+                watch_api, key[1], KERNEL_WATCH_SELECTOR, instance=self.settings.instance
+            ).start()
         return self._informers[key]
 
     def watched_namespaces(self) -> set[str]:
@@ -218,17 +219,21 @@ class KubeCluster:
         if not await asyncio.to_thread(informer.wait_synced, self.settings.launch_timeout):
             raise RuntimeError(f"the pod watch in {namespace} did not sync; kernels not adopted")
         core = self.core()
-        listed = await asyncio.to_thread(core.list_namespaced_secret, namespace, label_selector=APP_SELECTOR)
+        instance = self.settings.instance
+        secrets = []  # this version's, and those of kernels an earlier version started (bare labels)
+        for chosen in (selector(instance, KERNEL), legacy_selector(KERNEL)):
+            listed = await asyncio.to_thread(core.list_namespaced_secret, namespace, label_selector=chosen)
+            secrets += listed.items
         connections: dict[str, dict[str, Any]] = {}
-        for secret in listed.items:
-            kernel_id = (secret.metadata.labels or {}).get(KERNEL_ID_LABEL)
+        for secret in secrets:
+            kernel_id = kernel_id_of(secret.metadata.labels, instance)
             raw = (secret.data or {}).get(CONNECTION_FILE)
             if kernel_id and raw:
                 connections[kernel_id] = json.loads(base64.b64decode(raw))
         found = []
         for pod in informer.items().values():
             labels, annotations = pod.metadata.labels or {}, pod.metadata.annotations or {}
-            kernel_id = labels.get(KERNEL_ID_LABEL)
+            kernel_id = kernel_id_of(labels, instance)
             if not kernel_id or OWNER_ANNOTATION not in annotations:
                 continue
             info = connections.get(kernel_id)

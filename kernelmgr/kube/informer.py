@@ -11,7 +11,7 @@ on an event loop.
 :class:`Informer` works for any list function of the Kubernetes client (``list_node``,
 ``list_namespaced_pod``, ...): it keys objects with a function of the caller's and tells
 listeners what changed, in batches (a whole re-list is one batch). :class:`PodInformer` is the
-kernel pods' informer (keyed by the ``kernel_id`` label); the node inventory
+kernel pods' informer (keyed by the kernel id label); the node inventory
 (:mod:`kernelmgr.kube.nodes`) uses a node informer.
 
 A watch the server's Role does not allow (403 on list or watch) is not retried silently while a
@@ -35,11 +35,10 @@ from typing import Any
 from kubernetes import client, watch
 
 from kernelmgr.kube.access import ExplainedCoreV1Api, KubeRefused
+from kernelmgr.kube.labels import DEFAULT_INSTANCE, kernel_id_of
 from kernelmgr.kube.pods import stop_began
 
 log = logging.getLogger(__name__)
-
-KERNEL_ID_LABEL = "kernel_id"
 
 Predicate = Callable[[Any], bool]
 #: Called on the informer's thread after the cache changed: ``{key: object, or None if gone}``.
@@ -293,7 +292,8 @@ STOPS_REMEMBERED = 10_000
 
 
 class PodInformer(Informer):
-    """A cache of the pods matching ``label_selector`` in ``namespace``, keyed by kernel id."""
+    """A cache of the kernel pods of release ``instance`` among those matching ``label_selector`` in
+    ``namespace``, keyed by kernel id (:func:`~kernelmgr.kube.labels.kernel_id_of`)."""
 
     def __init__(
         self,
@@ -303,8 +303,10 @@ class PodInformer(Informer):
         *,
         watch_timeout: int = 300,
         retry_delay: float = 1.0,
+        instance: str = DEFAULT_INSTANCE,
     ) -> None:
         self.api = api
+        self.instance = instance
         self.namespace = namespace
         self.label_selector = label_selector
         #: Per kernel id: (pod uid, when Kubernetes began stopping that pod, as first seen).
@@ -313,13 +315,16 @@ class PodInformer(Informer):
         super().__init__(
             ExplainedCoreV1Api(api).list_namespaced_pod,
             transform=self._seen_pod,
-            key=_kernel_id,
+            key=self._kernel_id,
             name=f"pod-{namespace}",
             list_args=(namespace,),
             list_kwargs={"label_selector": label_selector},
             watch_timeout=watch_timeout,
             retry_delay=retry_delay,
         )
+
+    def _kernel_id(self, pod: Any) -> str | None:
+        return kernel_id_of(pod.metadata.labels, self.instance)
 
     def start(self) -> PodInformer:
         super().start()
@@ -328,7 +333,7 @@ class PodInformer(Informer):
     def _seen_pod(self, pod: Any) -> Any:
         """Every pod the watch brings: remember when its stop began, the first time it is seen."""
         pod = without_managed_fields(pod)
-        began, kernel_id = stop_began(pod), _kernel_id(pod)
+        began, kernel_id = stop_began(pod), self._kernel_id(pod)
         if began is not None and kernel_id is not None:
             with self._stops_lock:
                 known = self._first_stops.get(kernel_id)
@@ -365,11 +370,6 @@ class PodInformer(Informer):
             return await super().wait_for(kernel_id, predicate, timeout)
         except TimeoutError:
             raise TimeoutError(f"pod of kernel {kernel_id} did not reach the expected state") from None
-
-
-def _kernel_id(pod: Any) -> str | None:
-    labels = pod.metadata.labels or {}
-    return labels.get(KERNEL_ID_LABEL)
 
 
 def without_managed_fields(obj: Any) -> Any:

@@ -296,8 +296,10 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         return make_kernel_secret(
             name=self._pod_name,
             kernel_id=self.kernel_id,
+            owner=self._record.owner,
             connection_info=self.connection_info,
             checkpoint_key=self.runtime.checkpoints.key_for(self._record.owner),
+            instance=self.instance,
         )
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
