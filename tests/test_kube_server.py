@@ -676,3 +676,69 @@ def test_pods_of_the_previous_labels_are_adopted_and_other_releases_and_eg_pods_
         restarted.stop()
         for pod_name in others:
             cluster.core.delete_namespaced_pod(pod_name, NAMESPACE, grace_period_seconds=0)
+
+
+def test_the_server_tells_kubectl_what_it_did_to_each_kernel_pod(cluster: PodCluster, tmp_path: Path) -> None:
+    """Kubernetes Events on the kernel's pods, read back through the API (what ``kubectl describe
+    pod`` shows): started, hibernated, resumed, lost, and a launch that failed, with why."""
+    running = start_server(tmp_path, cluster.config(launch_timeout=30.0))
+
+    def events(pod_name: str) -> list[tuple[str, str, str]]:
+        listed = cluster.core.list_namespaced_event(
+            NAMESPACE, field_selector=f"involvedObject.name={pod_name},involvedObject.kind=Pod"
+        ).items
+        return [
+            (e.reason, e.type, e.message)
+            for e in sorted(listed, key=lambda e: e.metadata.creation_timestamp)
+            if e.source.component == "jupyter-elastic-kernels"
+        ]
+
+    def reasons(pod_name: str) -> list[str]:
+        return [reason for reason, _, _ in events(pod_name)]
+
+    try:
+        kernel_id = running.start_kernel(SIZE)
+        assert running.execute(kernel_id, "x = 41; print(x)").strip() == "41"
+        first = cluster.pod_of(kernel_id)
+        wait_for(lambda: reasons(first.metadata.name) == ["KernelStarted"], 30, "the start's Event")
+        hibernate(running, cluster, kernel_id)
+        # On the pod that was deleted (its uid): kubectl get events still lists it.
+        wait_for(lambda: "Hibernated" in reasons(first.metadata.name), 30, "the hibernation's Event")
+        (_, kind, message), *_ = [e for e in events(first.metadata.name) if e[0] == "Hibernated"]
+        assert kind == "Normal" and kernel_id in message and "hibernated (api)" in message, message
+        assert running.execute(kernel_id, "print(x + 1)", timeout=120).strip() == "42"
+        second = cluster.running_pod(kernel_id)
+        wait_for(
+            lambda: {"KernelStarted", "Resumed"} <= set(reasons(second.metadata.name)), 30, "resume Events"
+        )
+        # Lost: the pod deleted behind the server's back (checkpointed at SIGTERM, hibernated).
+        cluster.core.delete_namespaced_pod(second.metadata.name, NAMESPACE)
+        wait_for(lambda: hibernated_model(running, kernel_id), 90, "the lost kernel to be hibernated")
+        wait_for(lambda: "KernelLost" in reasons(second.metadata.name), 30, "the loss's Event")
+        lost = next(e for e in events(second.metadata.name) if e[0] == "KernelLost")
+        assert lost[1] == "Warning" and "lost" in lost[2], lost
+        running.shutdown_kernel(kernel_id)
+        # A launch that cannot run: no node takes it (both cordoned), launch_timeout passes.
+        for runner in cluster.runners:
+            cluster.cordon(runner.node_name)
+        reply = running.request("POST", "/api/kernels", {"name": SIZE})
+        assert reply.status >= 400, reply
+        failed = [
+            e for e in cluster.core.list_namespaced_event(NAMESPACE).items if e.reason == "LaunchFailed"
+        ]
+        wait_for(
+            lambda: [
+                e for e in cluster.core.list_namespaced_event(NAMESPACE).items if e.reason == "LaunchFailed"
+            ],
+            30,
+            "the failed launch's Event",
+        )
+        (failed,) = [
+            e for e in cluster.core.list_namespaced_event(NAMESPACE).items if e.reason == "LaunchFailed"
+        ]
+        assert failed.type == "Warning" and "launch_timeout" in failed.message, failed.message
+        assert failed.involved_object.name.startswith("kernel-")
+    finally:
+        for runner in cluster.runners:
+            cluster.cordon(runner.node_name, False)
+        running.stop()

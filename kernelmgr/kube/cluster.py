@@ -20,6 +20,7 @@ from typing import Any
 from kubernetes import client, config
 
 from kernelmgr.kube.access import ExplainedCoreV1Api
+from kernelmgr.kube.events import PodEvents
 from kernelmgr.kube.failed_pods import FailedPods
 from kernelmgr.kube.informer import Informer, PodInformer, without_managed_fields
 from kernelmgr.kube.labels import KERNEL, KERNEL_WATCH_SELECTOR, kernel_id_of, legacy_selector, selector
@@ -55,6 +56,8 @@ class KubeCluster:
         self._side_objects: set[tuple[str, str, str, str]] = set()
         #: Failed kernel pods kept for ``kubectl logs`` (ElasticKubernetesProvisioner.failed_pod_retention).
         self.failed_pods = FailedPods(self.core, self.log, self.settings.instance)
+        #: Kubernetes Events on kernel pods (start, hibernate, resume, loss, failure).
+        self.events = PodEvents(self.core, self.last_seen_pod, self.log, self.settings.instance)
 
     def _kubeconfig(self, kubeconfig: str | None) -> str:
         return self.settings.kubeconfig if kubeconfig is None else kubeconfig
@@ -101,6 +104,14 @@ class KubeCluster:
         for informer in list(self._informers.values()):
             pods.update(informer.items())
         return pods
+
+    def last_seen_pod(self, kernel_id: str) -> Any | None:
+        """The kernel's pod as a watch saw it last: there now, else the one deleted last."""
+        for informer in list(self._informers.values()):
+            pod = informer.get(kernel_id) or informer.last_deleted(kernel_id)
+            if pod is not None:
+                return pod
+        return None
 
     def agent_informer(self, namespace: str | None = None, instance: str | None = None) -> Informer:
         """The one watch over the node activity agent pods of release ``instance`` in ``namespace``
