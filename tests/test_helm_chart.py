@@ -45,7 +45,11 @@ pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "jupyter-elastic-kernels"
 K8S_VERSION = "1.33"  # the newest schema version kubernetes-validate knows
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # prometheus-operator CRDs: not in kubernetes-validate
+CRD_KINDS = {
+    "ServiceMonitor",
+    "PodMonitor",
+    "PrometheusRule",
+}  # prometheus-operator CRDs: not in kubernetes-validate
 
 
 def helm_binary() -> Path:
@@ -640,6 +644,44 @@ def test_service_monitor_scrapes_the_gateways_metrics_with_its_token(tmp_path: P
     assert endpoint["bearerTokenSecret"] == env["valueFrom"]["secretKeyRef"]
     assert endpoint["bearerTokenSecret"] == {"name": "my-scrape", "key": "token"}
     assert not [d for d in own if d["kind"] == "Secret" and "metrics" in d["metadata"]["name"]]
+
+
+def test_pod_monitor_scrapes_every_node_agent_with_their_token(tmp_path: Path) -> None:
+    """The agents' /metrics: every agent pod (no Service), its named port, the agents' token."""
+    values = {"metrics": {"serviceMonitor": {"enabled": True}}, "kernels": {"namespace": "kernels"}}
+    docs = render(values, tmp_path)
+    monitor = only(docs, "PodMonitor")
+    agents = only(docs, "DaemonSet", "jupyter-elastic-kernels-node-agent")
+    template = agents["spec"]["template"]
+    assert monitor["metadata"]["namespace"] == agents["metadata"]["namespace"] == "kernels"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (container,) = template["spec"]["containers"]
+    assert endpoint["port"] in {p["name"] for p in container["ports"]} and endpoint["path"] == "/metrics"
+    tokens = [v["secret"]["secretName"] for v in template["spec"]["volumes"] if "secret" in v]
+    assert endpoint["bearerTokenSecret"] == {
+        "name": "jupyter-elastic-kernels-node-agent-token",
+        "key": "token",
+    }
+    assert endpoint["bearerTokenSecret"]["name"] in tokens
+    assert not [
+        d for d in render({**values, "nodeAgent": {"enabled": False}}, tmp_path) if d["kind"] == "PodMonitor"
+    ]
+
+
+def test_alerts_cover_gateway_down_failing_resumes_capacity_and_a_filling_volume(tmp_path: Path) -> None:
+    rule = only(render({"metrics": {"prometheusRule": {"enabled": True}}}, tmp_path), "PrometheusRule")
+    alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"] if "alert" in r}
+    assert {
+        "ElasticGatewayDown",
+        "ElasticResumesFailing",
+        "ElasticGpuCapacityExhausted",
+        "ElasticCheckpointVolumeFilling",
+    } <= set(alerts)
+    down = alerts["ElasticGatewayDown"]["expr"]
+    assert 'up{job="jupyter-elastic-kernels",namespace="jupyter"}' in down and "absent(" in down
+    assert "< 0.1" in alerts["ElasticCheckpointVolumeFilling"]["expr"]
+    assert "elastic_capacity_refusals_total" in alerts["ElasticGpuCapacityExhausted"]["expr"]
 
 
 def test_node_agents_are_found_by_the_charts_labels_and_answer_only_its_token(tmp_path: Path) -> None:

@@ -738,6 +738,18 @@ def test_the_server_tells_kubectl_what_it_did_to_each_kernel_pod(cluster: PodClu
         ]
         assert failed.type == "Warning" and "launch_timeout" in failed.message, failed.message
         assert failed.involved_object.name.startswith("kernel-")
+        # And on /metrics: the failed start by why, every watch's lists and last event's age.
+        text = running.text("/metrics")
+        assert re.search(
+            r'^elastic_kernel_start_failures_total\{reason="(unschedulable|timeout)",size="whole"\} 1\.0$',
+            text,
+            re.M,
+        ), text
+        assert re.search(rf'^elastic_informer_lists_total\{{informer="pod-{NAMESPACE}"\}} [1-9]', text, re.M)
+        assert re.search(
+            rf'^elastic_informer_last_event_age_seconds\{{informer="pod-{NAMESPACE}"\}} ', text, re.M
+        )
+        assert re.search(r'^elastic_kernel_start_duration_seconds_count\{size="whole"\} 1\.0$', text, re.M)
     finally:
         for runner in cluster.runners:
             cluster.cordon(runner.node_name, False)

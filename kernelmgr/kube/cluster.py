@@ -15,6 +15,7 @@ import base64
 import json
 import logging
 import os
+import time
 from typing import Any
 
 from kubernetes import client, config
@@ -54,6 +55,8 @@ class KubeCluster:
         self._namespaces: set[tuple[str, str]] = set()
         #: (kubeconfig, namespace, kind, name) of the DRA objects created (or found) by this server.
         self._side_objects: set[tuple[str, str, str, str]] = set()
+        #: Other watches whose health /metrics shows (the node inventory's, the other GPU pods').
+        self.extra_informers: list[Informer] = []
         #: Failed kernel pods kept for ``kubectl logs`` (ElasticKubernetesProvisioner.failed_pod_retention).
         self.failed_pods = FailedPods(self.core, self.log, self.settings.instance)
         #: Kubernetes Events on kernel pods (start, hibernate, resume, loss, failure).
@@ -104,6 +107,14 @@ class KubeCluster:
         for informer in list(self._informers.values()):
             pods.update(informer.items())
         return pods
+
+    def informer_health(self) -> list[tuple[str, int, float | None]]:
+        """(name, lists so far, seconds since its last list or event) of every watch of the server."""
+        now = time.monotonic()
+        informers = [*self._informers.values(), *self._agent_informers.values(), *self.extra_informers]
+        return [
+            (i.name, i.lists, None if i.last_event_at is None else now - i.last_event_at) for i in informers
+        ]
 
     def last_seen_pod(self, kernel_id: str) -> Any | None:
         """The kernel's pod as a watch saw it last: there now, else the one deleted last."""

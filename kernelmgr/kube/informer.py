@@ -78,6 +78,8 @@ class Informer:
         self.retry_delay = retry_delay
         #: How often the cache was rebuilt from a list (the first list included): tests read it.
         self.lists = 0
+        #: ``time.monotonic()`` of the last list or event applied (bookmarks too): the watch's health.
+        self.last_event_at: float | None = None
         #: The resourceVersion of the last event applied: where a broken watch resumes.
         self._seen: str | None = None
         #: Why the watch cannot run (the API server refused it), ``None`` while it can.
@@ -154,6 +156,7 @@ class Informer:
             changed = set(self._items) | set(fresh)
             self._items = fresh
         self.lists += 1
+        self.last_event_at = time.monotonic()
         self._synced.set()
         self._changed({k: fresh.get(k) for k in changed}, always=True)
         return str(getattr(listed.metadata, "resource_version", "") or "")
@@ -172,6 +175,7 @@ class Informer:
         )
         for event in stream:
             self.failure = None  # the watch runs: it is allowed (again)
+            self.last_event_at = time.monotonic()
             if self._stopped.is_set():
                 break
             kind = event["type"]
