@@ -41,7 +41,8 @@ from kubernetes import client
 from benchmarks.markdown import print_header, print_row
 from kernelmgr.core.profiles import GpuProfile
 from kernelmgr.kube.informer import PodInformer, without_managed_fields
-from kernelmgr.kube.manifests import APP_SELECTOR, make_kernel_pod
+from kernelmgr.kube.labels import KERNEL_WATCH_SELECTOR
+from kernelmgr.kube.manifests import make_kernel_pod
 from kernelmgr.kube.settings import KubeSettings
 from tests.support.kube import ControlPlane, fake_gpu_node, node_schedulable, wait_for
 
@@ -158,8 +159,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             for count in counts:
                 grow_to(core, have, count)
                 have = count
-                before = measure(BeforeInformer(api, NAMESPACE, APP_SELECTOR))
-                now = measure(PodInformer(api, NAMESPACE, APP_SELECTOR))
+                before = measure(BeforeInformer(api, NAMESPACE, KERNEL_WATCH_SELECTOR))
+                now = measure(PodInformer(api, NAMESPACE, KERNEL_WATCH_SELECTOR))
                 rows.append({"pods": count, "before": before, "now": now})
                 print(f"measured {count} pods", file=sys.stderr, flush=True)
         finally:

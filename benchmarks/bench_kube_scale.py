@@ -685,7 +685,7 @@ class Bench:
         """One kernel pod as JSON, as a plain dict and as the client's model (what the cache holds)."""
         core: Any = client.CoreV1Api(self.admin)
         raw = core.list_namespaced_pod(
-            NAMESPACE, label_selector="component=kernel", limit=1, _preload_content=False
+            NAMESPACE, label_selector="app.kubernetes.io/component=kernel", limit=1, _preload_content=False
         )
         text = json.dumps(json.loads(raw.data)["items"][0])
 
@@ -720,7 +720,7 @@ class Bench:
         tracemalloc.start()
         base, _ = tracemalloc.get_traced_memory()
         informer = PodInformer(
-            client.ApiClient(self.api.configuration), NAMESPACE, "component=kernel"
+            client.ApiClient(self.api.configuration), NAMESPACE, "app.kubernetes.io/component=kernel"
         ).start()
         wait_for(lambda: informer.synced, 120, "the second informer's list")
         informer.stop()
@@ -791,7 +791,7 @@ async def scenario(bench: Bench) -> None:
     gc.collect()
     gc_after = timed_full_gc()
     rss_after, objects_after = rss_kib(), len(gc.get_objects())
-    pods = core.list_namespaced_pod(NAMESPACE, label_selector="component=kernel").items
+    pods = core.list_namespaced_pod(NAMESPACE, label_selector="app.kubernetes.io/component=kernel").items
     running = sum(1 for p in pods if p.status.phase == "Running" and p.status.pod_ip)
     assert running == args.kernels, f"{running} of {args.kernels} kernel pods running"
     nodes_used = len({p.spec.node_name for p in pods})
@@ -812,7 +812,9 @@ async def scenario(bench: Bench) -> None:
     await bench.latency()
     await bench.phase("shutdown", bench.stop_one, ids)
     left_pods = len(core.list_namespaced_pod(NAMESPACE).items)
-    left_secrets = len(core.list_namespaced_secret(NAMESPACE, label_selector="component=kernel").items)
+    left_secrets = len(
+        core.list_namespaced_secret(NAMESPACE, label_selector="app.kubernetes.io/component=kernel").items
+    )
     bench.results["left"] = {
         "pods": left_pods,
         "secrets": left_secrets,

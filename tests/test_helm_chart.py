@@ -37,6 +37,7 @@ import yaml
 from kernelmgr import __version__
 from kernelmgr.backends.kubernetes import render_pod_fragment, validate_backend_options
 from kernelmgr.core.profiles import parse_profiles
+from kernelmgr.kube.labels import KERNEL_ID_LABEL
 from kernelmgr.kube.namespaces import namespace_for
 
 # helm_binary() below runs at import: without helm built, no test of this module runs.
@@ -45,7 +46,11 @@ pytestmark = pytest.mark.cluster
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "jupyter-elastic-kernels"
 K8S_VERSION = "1.33"  # the newest schema version kubernetes-validate knows
-CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}  # prometheus-operator CRDs: not in kubernetes-validate
+CRD_KINDS = {
+    "ServiceMonitor",
+    "PodMonitor",
+    "PrometheusRule",
+}  # prometheus-operator CRDs: not in kubernetes-validate
 
 
 def helm_binary() -> Path:
@@ -486,7 +491,7 @@ def test_kernel_role_is_exactly_the_shipped_rbac(tmp_path: Path) -> None:
         "kernels-b",
     ]
     policies = [
-        d for d in spread if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-kernels")
+        d for d in spread if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-kernel-pods")
     ]
     assert sorted(d["metadata"]["namespace"] for d in policies) == ["kernels", "kernels-b"]
     # Declared inventory: no right to read nodes either.
@@ -497,10 +502,29 @@ def test_kernel_role_is_exactly_the_shipped_rbac(tmp_path: Path) -> None:
 def test_network_policy_admits_only_the_gateway(tmp_path: Path) -> None:
     docs = render({}, tmp_path)
     gateway_labels = only(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
-    policy = only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernels")["spec"]
-    assert policy["podSelector"]["matchExpressions"] == [
-        {"key": "component", "operator": "In", "values": ["kernel", "warm-kernel"]}
-    ]
+    policy = only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernel-pods")["spec"]
+    # This release's kernel and warm pods by the project's labels, never EG's bare component=kernel.
+    assert policy["podSelector"] == {
+        "matchLabels": {
+            "app.kubernetes.io/name": "jupyter-elastic-kernels",
+            "app.kubernetes.io/instance": "jupyter-elastic-kernels",
+        },
+        "matchExpressions": [
+            {"key": "app.kubernetes.io/component", "operator": "In", "values": ["kernel", "warm-kernel"]}
+        ],
+    }
+    # Pods an earlier version started (bare labels) keep the same policies until they end, under the
+    # names that version used, narrowed to the project's pods.
+    for name in ("kernels", "kernels-egress"):
+        legacy = only(docs, "NetworkPolicy", f"jupyter-elastic-kernels-{name}")["spec"]
+        twin = only(
+            docs, "NetworkPolicy", f"jupyter-elastic-kernels-{name.replace('kernels', 'kernel-pods')}"
+        )
+        assert legacy["podSelector"] == {
+            "matchLabels": {"app.kubernetes.io/name": "jupyter-elastic-kernels"},
+            "matchExpressions": [{"key": "component", "operator": "In", "values": ["kernel", "warm-kernel"]}],
+        }
+        assert {**legacy, "podSelector": None} == {**twin["spec"], "podSelector": None}
     (source,) = policy["ingress"][0]["from"]
     assert source["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "jupyter"}
     assert source["podSelector"]["matchLabels"].items() <= gateway_labels.items()
@@ -536,14 +560,14 @@ def _egress_allows(policy: dict[str, Any], ip: str, port: int, protocol: str = "
 
 
 def _kernel_egress(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    return only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernels-egress")
+    return only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernel-pods-egress")
 
 
 def test_kernel_egress_is_denied_but_for_dns_the_gateway_and_the_allow_list(tmp_path: Path) -> None:
     """As z2jh's singleuser egressAllowRules: no cloud metadata, no private ranges unless allowed."""
     docs = render({}, tmp_path)
     policy = _kernel_egress(docs)
-    ingress = only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernels")
+    ingress = only(docs, "NetworkPolicy", "jupyter-elastic-kernels-kernel-pods")
     assert policy["spec"]["policyTypes"] == ["Egress"]
     assert policy["spec"]["podSelector"] == ingress["spec"]["podSelector"]  # every kernel and warm pod
     metadata, private, public = "169.254.169.254", "10.20.30.40", "151.101.0.223"
@@ -572,7 +596,7 @@ def test_kernel_egress_is_denied_but_for_dns_the_gateway_and_the_allow_list(tmp_
     assert not _egress_allows(loose, public, 443)
     # The gateway gets the same kernel policies for the namespaces it creates.
     config = server_config(docs)["ElasticKubernetesProvisioner"]
-    rendered = [d for d in docs if d["kind"] == "NetworkPolicy" and "node-agent" not in d["metadata"]["name"]]
+    rendered = [d for d in docs if d["kind"] == "NetworkPolicy" and "kernel-pods" in d["metadata"]["name"]]
     assert [(p["metadata"]["name"], p["spec"]) for p in config["namespace_network_policies"]] == [
         (d["metadata"]["name"], d["spec"]) for d in rendered
     ]
@@ -659,6 +683,44 @@ def test_service_monitor_scrapes_the_gateways_metrics_with_its_token(tmp_path: P
     assert endpoint["bearerTokenSecret"] == env["valueFrom"]["secretKeyRef"]
     assert endpoint["bearerTokenSecret"] == {"name": "my-scrape", "key": "token"}
     assert not [d for d in own if d["kind"] == "Secret" and "metrics" in d["metadata"]["name"]]
+
+
+def test_pod_monitor_scrapes_every_node_agent_with_their_token(tmp_path: Path) -> None:
+    """The agents' /metrics: every agent pod (no Service), its named port, the agents' token."""
+    values = {"metrics": {"serviceMonitor": {"enabled": True}}, "kernels": {"namespace": "kernels"}}
+    docs = render(values, tmp_path)
+    monitor = only(docs, "PodMonitor")
+    agents = only(docs, "DaemonSet", "jupyter-elastic-kernels-node-agent")
+    template = agents["spec"]["template"]
+    assert monitor["metadata"]["namespace"] == agents["metadata"]["namespace"] == "kernels"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    (container,) = template["spec"]["containers"]
+    assert endpoint["port"] in {p["name"] for p in container["ports"]} and endpoint["path"] == "/metrics"
+    tokens = [v["secret"]["secretName"] for v in template["spec"]["volumes"] if "secret" in v]
+    assert endpoint["bearerTokenSecret"] == {
+        "name": "jupyter-elastic-kernels-node-agent-token",
+        "key": "token",
+    }
+    assert endpoint["bearerTokenSecret"]["name"] in tokens
+    assert not [
+        d for d in render({**values, "nodeAgent": {"enabled": False}}, tmp_path) if d["kind"] == "PodMonitor"
+    ]
+
+
+def test_alerts_cover_gateway_down_failing_resumes_capacity_and_a_filling_volume(tmp_path: Path) -> None:
+    rule = only(render({"metrics": {"prometheusRule": {"enabled": True}}}, tmp_path), "PrometheusRule")
+    alerts = {r["alert"]: r for group in rule["spec"]["groups"] for r in group["rules"] if "alert" in r}
+    assert {
+        "ElasticGatewayDown",
+        "ElasticResumesFailing",
+        "ElasticGpuCapacityExhausted",
+        "ElasticCheckpointVolumeFilling",
+    } <= set(alerts)
+    down = alerts["ElasticGatewayDown"]["expr"]
+    assert 'up{job="jupyter-elastic-kernels",namespace="jupyter"}' in down and "absent(" in down
+    assert "< 0.1" in alerts["ElasticCheckpointVolumeFilling"]["expr"]
+    assert "elastic_capacity_refusals_total" in alerts["ElasticGpuCapacityExhausted"]["expr"]
 
 
 def test_node_agents_are_found_by_the_charts_labels_and_answer_only_its_token(tmp_path: Path) -> None:
@@ -1045,7 +1107,7 @@ def _get(url: str, authorization: str) -> tuple[int, str]:
 def kernel_pods(release: dict[str, Any], kernel_id: str) -> list[Any]:
     pods = (
         release["core"]
-        .list_namespaced_pod(release["namespace"], label_selector=f"kernel_id={kernel_id}")
+        .list_namespaced_pod(release["namespace"], label_selector=f"{KERNEL_ID_LABEL}={kernel_id}")
         .items
     )
     return list(pods)
@@ -1078,7 +1140,7 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
     )
     assert apps.read_namespaced_daemon_set(f"{RELEASE}-node-agent", namespace).spec.template.spec.host_pid
     client.RbacAuthorizationV1Api(kube_api).read_namespaced_role_binding(RELEASE, namespace)
-    client.NetworkingV1Api(kube_api).read_namespaced_network_policy(f"{RELEASE}-kernels", namespace)
+    client.NetworkingV1Api(kube_api).read_namespaced_network_policy(f"{RELEASE}-kernel-pods", namespace)
     claim_uid = (
         release["core"].read_namespaced_persistent_volume_claim(release["claim"], namespace).metadata.uid
     )
@@ -1122,7 +1184,8 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
                 assert result.error == "", result.error
                 assert result.stdout.strip() == str(42 + n)
                 (pod,) = kernel_pods(release, kernel_id)
-                assert pod.metadata.labels["component"] == "kernel"
+                assert pod.metadata.labels["app.kubernetes.io/component"] == "kernel"
+                assert pod.metadata.labels["app.kubernetes.io/instance"] == RELEASE
         # The Deployment's probes, as the kubelet sends them (no token), answer on the real gateway.
         (container,) = apps.read_namespaced_deployment(RELEASE, namespace).spec.template.spec.containers
         for probe in (container.startup_probe, container.liveness_probe, container.readiness_probe):
@@ -1209,6 +1272,50 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
         release["core"].read_namespaced_persistent_volume_claim(release["claim"], namespace).metadata.uid
         == claim_uid
     )
+
+
+@pytest.mark.timeout(600)
+def test_uninstall_leaves_exactly_what_the_docs_say_and_their_command_removes_it(
+    kube_plane: Any, kube_api: Any, kube_runner: Any, release: dict[str, Any], tmp_path: Path
+) -> None:
+    """A kernel still running when the gateway goes outlives ``helm uninstall`` (its GPU held): the
+    Uninstall section of docs/deploy-kubernetes.md names it, and its command removes it and its
+    Secret, but not the Secrets and the claim kept on purpose."""
+    from tests.support.kube import wait_for
+
+    namespace, core = release["namespace"], release["core"]
+    gateway = start_gateway(tmp_path, kube_plane, kube_api, release, "uninstall")
+    try:
+        kernel_id = gateway.start_kernel(SIZE)
+        assert gateway.execute(kernel_id, "print('up')", timeout=120).strip() == "up"
+    finally:
+        gateway.process.kill()  # gone without hibernating anything (a crash, a forced delete)
+        gateway.process.wait()
+    helm("uninstall", RELEASE, "-n", namespace, *release["kubeconfig"])
+    docs = (ROOT / "docs" / "deploy-kubernetes.md").read_text()
+    section = docs[docs.index("## Uninstall") :]
+    (selector,) = [
+        line.split(" -l ")[1].strip("'")
+        for line in section.splitlines()
+        if line.startswith("kubectl") and "app.kubernetes.io/instance=jupyter-elastic-kernels" in line
+    ]
+    left = core.list_namespaced_pod(namespace, label_selector=selector).items
+    assert [(p.metadata.name, p.status.phase) for p in left] == [(f"kernel-{kernel_id}", "Running")]
+    secrets = core.list_namespaced_secret(namespace, label_selector=selector).items
+    assert [s.metadata.name for s in secrets] == [f"kernel-{kernel_id}"]
+    # kubectl delete pods,secrets -l <selector>, as the docs say.
+    core.delete_collection_namespaced_pod(namespace, label_selector=selector, grace_period_seconds=0)
+    core.delete_collection_namespaced_secret(namespace, label_selector=selector)
+    wait_for(
+        lambda: not core.list_namespaced_pod(namespace, label_selector=selector).items, 60, "no kernel pod"
+    )
+    assert not core.list_namespaced_secret(namespace, label_selector=selector).items
+    # Kept on purpose: the claim and the master secret the checkpoints need.
+    assert (
+        core.read_namespaced_persistent_volume_claim(release["claim"], namespace).metadata.deletion_timestamp
+        is None
+    )
+    core.read_namespaced_secret(f"{RELEASE}-checkpoint-secret", namespace)
 
 
 @pytest.mark.timeout(600)
@@ -1401,7 +1508,7 @@ def test_per_user_namespace_made_by_the_gateway_with_the_charts_rights(
         assert [(s.kind, s.name, s.namespace) for s in binding.subjects] == [
             ("ServiceAccount", RELEASE, release["namespace"])
         ]
-        pods = core.list_namespaced_pod(user_namespace, label_selector=f"kernel_id={kernel_id}").items
+        pods = core.list_namespaced_pod(user_namespace, label_selector=f"{KERNEL_ID_LABEL}={kernel_id}").items
         assert len(pods) == 1
         # The namespace the gateway made holds the chart's kernel NetworkPolicies (ingress from the
         # gateway only, default-deny egress with the allow-list), made before the kernel's pod.
@@ -1410,25 +1517,28 @@ def test_per_user_namespace_made_by_the_gateway_with_the_charts_rights(
             p.metadata.name: kube_api.sanitize_for_serialization(p)
             for p in networking.list_namespaced_network_policy(user_namespace).items
         }
-        assert set(made) == {f"{RELEASE}-kernels", f"{RELEASE}-kernels-egress"}
+        assert set(made) == {f"{RELEASE}-kernel-pods", f"{RELEASE}-kernel-pods-egress"}
         for name, policy in made.items():
             assert (
                 policy["metadata"]["creationTimestamp"]
                 <= kube_api.sanitize_for_serialization(pods[0])["metadata"]["creationTimestamp"]
             ), name
-        egress = made[f"{RELEASE}-kernels-egress"]
+        egress = made[f"{RELEASE}-kernel-pods-egress"]
         assert egress["spec"]["policyTypes"] == ["Egress"]
         assert not _egress_allows(egress, "169.254.169.254", 80)
         assert not _egress_allows(egress, "10.20.30.40", 5432)
         assert _egress_allows(egress, "151.101.0.223", 443)
-        ingress_from = made[f"{RELEASE}-kernels"]["spec"]["ingress"][0]["from"]
+        ingress_from = made[f"{RELEASE}-kernel-pods"]["spec"]["ingress"][0]["from"]
         assert ingress_from[0]["namespaceSelector"]["matchLabels"] == {
             "kubernetes.io/metadata.name": release["namespace"]
         }
         assert gateway.execute(kernel_id, "y = 'kept'; print(y)", timeout=120).strip() == "kept"
         reply = gateway.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
         assert reply.status == 200, (reply, gateway.log()[-3000:])
-        assert core.list_namespaced_pod(user_namespace, label_selector=f"kernel_id={kernel_id}").items == []
+        assert (
+            core.list_namespaced_pod(user_namespace, label_selector=f"{KERNEL_ID_LABEL}={kernel_id}").items
+            == []
+        )
         assert gateway.execute(kernel_id, "print(y)", timeout=120).strip() == "kept"
         gateway.shutdown_kernel(kernel_id)
     finally:

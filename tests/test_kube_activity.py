@@ -39,7 +39,7 @@ from kubernetes import client  # noqa: E402
 
 from kernelmgr.activity.gpu import GpuActivity  # noqa: E402
 from kernelmgr.kube.cluster import KubeCluster  # noqa: E402
-from kernelmgr.kube.manifests import APP_LABELS  # noqa: E402
+from kernelmgr.kube.labels import DEFAULT_INSTANCE, kernel_labels  # noqa: E402
 from kernelmgr.kube.node_agents import NodeAgentClient  # noqa: E402
 from kernelmgr.kube.settings import KubeSettings  # noqa: E402
 from kernelmgr.server.cluster_activity import ClusterGpuSampler  # noqa: E402
@@ -159,7 +159,7 @@ def kernel_pod(kernel_id: str) -> dict[str, Any]:
         "kind": "Pod",
         "metadata": {
             "name": f"kernel-{kernel_id}",
-            "labels": {**APP_LABELS, "kernel_id": kernel_id},
+            "labels": kernel_labels(DEFAULT_INSTANCE, kernel_id, "alice"),
         },
         "spec": {
             "nodeSelector": ON_RUNNER,

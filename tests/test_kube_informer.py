@@ -21,13 +21,19 @@ require_envtest(module_level=True)
 from kubernetes import client  # noqa: E402
 
 from kernelmgr.kube.informer import PodInformer  # noqa: E402
+from kernelmgr.kube.labels import (  # noqa: E402
+    DEFAULT_INSTANCE,
+    KERNEL_ID_LABEL,
+    KERNEL_WATCH_SELECTOR,
+    kernel_labels,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def pending_pod(kernel_id: str) -> dict[str, Any]:
     return {
-        "metadata": {"name": f"p-{kernel_id}", "labels": {"component": "kernel", "kernel_id": kernel_id}},
+        "metadata": {"name": f"p-{kernel_id}", "labels": kernel_labels(DEFAULT_INSTANCE, kernel_id, "alice")},
         "spec": {
             "nodeSelector": {"elastic.test/nowhere": "true"},
             "containers": [{"name": "k", "image": "python:3.12", "command": ["true"]}],
@@ -40,7 +46,7 @@ def test_watch_survives_bookmarks_and_renewals(
 ) -> None:
     core: Any = client.CoreV1Api(kube_api)  # the stubs do not take plain dict manifests
     informer = PodInformer(
-        client.ApiClient(kube_plane.configuration()), kube_namespace, "component=kernel", watch_timeout=4
+        client.ApiClient(kube_plane.configuration()), kube_namespace, KERNEL_WATCH_SELECTOR, watch_timeout=4
     )
     caplog.set_level(logging.INFO, logger="kernelmgr.kube.informer")
     informer.start()
@@ -64,7 +70,7 @@ def test_a_pods_stop_is_when_the_watch_first_saw_it(kube_api: Any, kube_namespac
     from kernelmgr.kube.pods import stop_began
 
     core: Any = client.CoreV1Api(kube_api)
-    informer = PodInformer(kube_api, kube_namespace, "component=kernel").start()
+    informer = PodInformer(kube_api, kube_namespace, KERNEL_WATCH_SELECTOR).start()
     try:
         # Bound to a node with no kubelet: a graceful delete leaves it there, stopping.
         core.create_namespaced_pod(
@@ -99,13 +105,13 @@ def test_a_relist_comes_in_pages_keeps_unchanged_pods_and_only_their_node(
     for n in range(7):
         pod = pending_pod(str(n))
         core.create_namespaced_pod(kube_namespace, {**pod, "spec": {**pod["spec"], "nodeName": "no-kubelet"}})
-    informer = PodInformer(kube_api, kube_namespace, "component=kernel")  # not started: lists on demand
+    informer = PodInformer(kube_api, kube_namespace, KERNEL_WATCH_SELECTOR)  # not started: lists on demand
     informer.page_size = 3
     informer.relist()
     assert (informer.pages, sorted(informer.items())) == (3, [str(n) for n in range(7)])
     kept, changed = informer.get("0"), informer.get("1")
     assert kept.spec.node_name == "no-kubelet" and kept.spec.containers == [], kept.spec
-    assert kept.metadata.labels["kernel_id"] == "0" and kept.status.phase == "Pending"
+    assert kept.metadata.labels[KERNEL_ID_LABEL] == "0" and kept.status.phase == "Pending"
     core.patch_namespaced_pod("p-1", kube_namespace, {"metadata": {"labels": {"seen": "again"}}})
     informer.relist()
     assert informer.pages == 6

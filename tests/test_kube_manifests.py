@@ -18,10 +18,19 @@ from traitlets.config import Config
 
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.profiles import parse_profile
+from kernelmgr.kube.labels import (
+    DEFAULT_INSTANCE,
+    KERNEL_ID_LABEL,
+    KERNEL_WATCH_SELECTOR,
+    component_of,
+    kernel_id_of,
+    kernel_labels,
+    label_value,
+    legacy_selector,
+)
 from kernelmgr.kube.manifests import (
     CHECKPOINT_MOUNT,
     ENV_KEY_MOUNTED,
-    KERNEL_ID_LABEL,
     OWNER_ANNOTATION,
     SIZE_ANNOTATION,
     PodTemplate,
@@ -66,14 +75,17 @@ def env_of(pod: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_kernel_pod_carries_identity_security_and_the_pods_own_paths() -> None:
-    template = KubeSettings(checkpoint_claim="ck", extra_labels={"team": "a"}).pod_template()
+    template = KubeSettings(checkpoint_claim="ck", extra_labels={"team": "a"}, instance="rel").pod_template()
     pod = kernel_pod(template)
     meta = pod["metadata"]
+    # Prefixed labels only: never EG's bare component/kernel_id (kernelmgr/kube/labels.py).
     assert meta["labels"] == {
         "team": "a",
         "app.kubernetes.io/name": "jupyter-elastic-kernels",
-        "component": "kernel",
-        KERNEL_ID_LABEL: "k-1",
+        "app.kubernetes.io/instance": "rel",
+        "app.kubernetes.io/component": "kernel",
+        "elastic.jupyter.org/kernel-id": "k-1",
+        "elastic.jupyter.org/owner": "alice",
         "elastic.jupyter.org/gpu-size": "one",  # the slice backend's
     }
     assert meta["annotations"][OWNER_ANNOTATION] == "alice" and meta["annotations"][SIZE_ANNOTATION] == "one"
@@ -162,9 +174,10 @@ def test_building_is_pure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 def test_kernel_secret_holds_the_connection_and_the_owners_key() -> None:
     info = {"shell_port": 52000, "key": b"abc", "ip": "", "transport": "tcp"}
     secret = make_kernel_secret(
-        name="kernel-k-1", kernel_id="k-1", connection_info=info, checkpoint_key=b"\1" * 32
+        name="kernel-k-1", kernel_id="k-1", owner="bob@x.org", connection_info=info, checkpoint_key=b"\1" * 32
     )
-    assert secret["metadata"]["labels"][KERNEL_ID_LABEL] == "k-1"
+    assert secret["metadata"]["labels"] == kernel_labels(DEFAULT_INSTANCE, "k-1", "bob@x.org")
+    assert kernel_id_of(secret["metadata"]["labels"], DEFAULT_INSTANCE) == "k-1"
     connection = json.loads(secret["stringData"]["connection.json"])
     assert connection == {"shell_port": 52000, "key": "abc", "ip": "0.0.0.0", "transport": "tcp"}
     assert secret["stringData"]["checkpoint.key"] == "01" * 32 + "\n"
@@ -174,7 +187,8 @@ def test_kernel_secret_holds_the_connection_and_the_owners_key() -> None:
 def test_warm_pod_has_no_owner_and_answers_on_the_port_after_the_kernels() -> None:
     template = KubeSettings(first_port=40000).pod_template()
     pod = make_warm_pod(template, name="warm-one-1", profile=WHOLE, preload=("numpy",))
-    assert pod["metadata"]["labels"]["component"] == "warm-kernel"
+    assert pod["metadata"]["labels"]["app.kubernetes.io/component"] == "warm-kernel"
+    assert kernel_id_of(pod["metadata"]["labels"], DEFAULT_INSTANCE) is None  # no kernel's until taken
     assert OWNER_ANNOTATION not in pod["metadata"]["annotations"]
     container = pod["spec"]["containers"][0]
     assert container["command"] == ["python", "-m", "kernelmgr.kube.warm_pod", "--port", "40005", "numpy"]
@@ -520,3 +534,33 @@ def test_the_kernelspecs_env_and_the_allowed_client_env_reach_the_pod() -> None:
                 checkpoint_sub_path="alice",
                 kernel_env=bad,
             )
+
+
+def test_owner_label_is_a_valid_label_value_and_differs_per_owner() -> None:
+    value = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+    assert label_value("alice") == "alice" and label_value("Alice.Smith_2") == "Alice.Smith_2"
+    owners = ["bob@example.org", "bob-example.org", "_x_", "é" * 40, "a" * 64, "-", "a-1b2c3d4e"]
+    labels = [label_value(owner) for owner in owners]
+    assert all(value.match(v) and 0 < len(v) <= 63 for v in labels), labels
+    assert len(set(labels)) == len(owners)  # "bob@example.org" and "bob-example.org" differ
+    assert labels[0].startswith("bob-example.org-")
+
+
+def test_kernel_pods_of_this_release_and_of_the_previous_labels_are_kernels_no_one_elses() -> None:
+    """Pods started before the upgrade (bare component/kernel_id, no instance) are still this
+    server's kernels; Enterprise Gateway's (no app name) and another release's are not."""
+    assert kernel_id_of(kernel_labels("rel", "k-1", "alice"), "rel") == "k-1"
+    assert kernel_id_of(kernel_labels("other", "k-1", "alice"), "rel") is None
+    legacy = {"app.kubernetes.io/name": "jupyter-elastic-kernels", "component": "kernel", "kernel_id": "k-0"}
+    assert kernel_id_of(legacy, "rel") == "k-0"
+    assert kernel_id_of({"component": "kernel", "kernel_id": "eg-1"}, "rel") is None  # EG's
+    failed = {**legacy, "component": "kernel-failed"}
+    assert kernel_id_of(failed, "rel") is None and component_of(failed, "rel") == "kernel-failed"
+    assert component_of({**legacy, "component": "warm-kernel"}, "rel") == "warm-kernel"
+    assert "component=kernel" in legacy_selector(
+        "kernel"
+    ) and "!app.kubernetes.io/component" in legacy_selector("kernel")
+    # The pod watch's selector keeps out kept failed pods of both generations.
+    assert "app.kubernetes.io/component notin (kernel-failed)" in KERNEL_WATCH_SELECTOR
+    assert "component notin (kernel-failed)" in KERNEL_WATCH_SELECTOR.split(",", 2)[2]
+    assert kernel_id_of(kernel_labels(DEFAULT_INSTANCE, "k", "a"), DEFAULT_INSTANCE) == "k"

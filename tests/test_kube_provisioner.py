@@ -21,6 +21,15 @@ from kubernetes import client  # noqa: E402
 
 from kernelmgr.config import ElasticKernels, ElasticRuntime  # noqa: E402
 from kernelmgr.kube.cluster import KubeCluster  # noqa: E402
+from kernelmgr.kube.labels import (  # noqa: E402
+    COMPONENT_LABEL,
+    DEFAULT_INSTANCE,
+    INSTANCE_LABEL,
+    KERNEL_ID_LABEL,
+    KERNEL_WATCH_SELECTOR,
+    OWNER_LABEL,
+    kernel_labels,
+)
 from kernelmgr.kube.manifests import SIZE_ANNOTATION  # noqa: E402
 from tests.support.kernel_pods import INVENTORY, kernel_manager, make_runtime, pod_names, secret_names  # noqa: E402
 from tests.support.node_runner import NodeRunner  # noqa: E402
@@ -60,7 +69,10 @@ def test_kernel_pod_executes_interrupts_and_shuts_down(
         pod = core.read_namespaced_pod(f"kernel-{kernel_id}", kube_namespace)
         labels = pod.metadata.labels
         assert labels["app.kubernetes.io/name"] == "jupyter-elastic-kernels"
-        assert labels["component"] == "kernel" and labels["kernel_id"] == kernel_id
+        assert labels[COMPONENT_LABEL] == "kernel" and labels[KERNEL_ID_LABEL] == kernel_id
+        assert labels[INSTANCE_LABEL] == DEFAULT_INSTANCE and OWNER_LABEL in labels
+        # Never Enterprise Gateway's bare labels (a NetworkPolicy selecting them selects EG's pods).
+        assert "component" not in labels and "kernel_id" not in labels
         assert pod.metadata.annotations[SIZE_ANNOTATION] == "one"
         assert pod.spec.restart_policy == "Never"
         assert pod.spec.termination_grace_period_seconds == 60  # time to checkpoint at SIGTERM
@@ -285,12 +297,12 @@ def test_a_failed_kernel_pod_is_kept_for_kubectl_logs_then_deleted(
         assert runtime.allocator.slices() == []  # released at once, the pod kept or not
         (kept,) = core.list_namespaced_pod(kube_namespace).items
         assert kept.metadata.name == patched["name"]
-        assert kept.metadata.labels["component"] == FAILED_COMPONENT
+        assert kept.metadata.labels[COMPONENT_LABEL] == FAILED_COMPONENT
         assert DELETE_AFTER in kept.metadata.annotations
         assert "No module named 'kernelmgr'" in kept.status.container_statuses[0].state.terminated.message
         # No kernel: not in the kernels' watch, not found by a restarted server.
         informer = informers.pod_informer(kube_namespace, str(kube_plane.admin_kubeconfig))
-        assert informer.get(kept.metadata.labels["kernel_id"]) is None
+        assert informer.get(kept.metadata.labels[KERNEL_ID_LABEL]) is None
         restarted = KubeCluster(KubeSettings(kubeconfig=str(kube_plane.admin_kubeconfig)))
         try:
             assert await restarted.find_kernel_pods(kube_namespace) == []
@@ -315,14 +327,19 @@ def test_informer_sees_pods_and_lists_again_after_410_gone(
 
     def pending_pod(kernel_id: str) -> dict[str, Any]:
         return {
-            "metadata": {"name": f"p-{kernel_id}", "labels": {"component": "kernel", "kernel_id": kernel_id}},
+            "metadata": {
+                "name": f"p-{kernel_id}",
+                "labels": kernel_labels(DEFAULT_INSTANCE, kernel_id, "alice"),
+            },
             "spec": {
                 "nodeSelector": {"elastic.test/nowhere": "true"},
                 "containers": [{"name": "k", "image": "python:3.12", "command": ["true"]}],
             },
         }
 
-    informer = PodInformer(client.ApiClient(kube_plane.configuration()), kube_namespace, "component=kernel")
+    informer = PodInformer(
+        client.ApiClient(kube_plane.configuration()), kube_namespace, KERNEL_WATCH_SELECTOR
+    )
     informer.start()
     try:
         core.create_namespaced_pod(kube_namespace, pending_pod("a"))

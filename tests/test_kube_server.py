@@ -658,3 +658,156 @@ def test_missing_rights_are_named_in_the_api_answer(cluster: PodCluster, tmp_pat
         if kernel_id is not None and cluster.pod_of(kernel_id) is not None:
             cluster.core.delete_namespaced_pod(f"kernel-{kernel_id}", NAMESPACE, grace_period_seconds=0)
         rbac.delete(api, docs)
+
+
+def test_pods_of_the_previous_labels_are_adopted_and_other_releases_and_eg_pods_left_alone(
+    cluster: PodCluster, server: RunningServer, tmp_path: Path
+) -> None:
+    """An upgrade from the version that wrote Enterprise Gateway's bare labels: its running kernel
+    pod (``component: kernel``, ``kernel_id``, no instance) is adopted, hibernated and resumed into a
+    pod with the prefixed labels only; EG's kernel pod and another release's in the same namespace
+    are neither adopted nor deleted."""
+    from kernelmgr.kube.labels import label_value
+
+    kernel_id = server.start_kernel(SIZE)
+    assert server.execute(kernel_id, "x = 41; import os; print(os.getpid())").strip()
+    pid = server.execute(kernel_id, "print(os.getpid())").strip()
+    owner = model(server, kernel_id)["owner"]
+    labels = cluster.pod_of(kernel_id).metadata.labels
+    assert labels["elastic.jupyter.org/owner"] == label_value(owner)
+    assert labels["app.kubernetes.io/instance"] == "jupyter-elastic-kernels"
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+    # What the previous version wrote on its pod and Secret.
+    name = f"kernel-{kernel_id}"
+    old = {
+        "app.kubernetes.io/instance": None,
+        "app.kubernetes.io/component": None,
+        "elastic.jupyter.org/kernel-id": None,
+        "elastic.jupyter.org/owner": None,
+        "component": "kernel",
+        "kernel_id": kernel_id,
+    }
+    cluster.core.patch_namespaced_pod(name, NAMESPACE, {"metadata": {"labels": old}})
+    cluster.core.patch_namespaced_secret(name, NAMESPACE, {"metadata": {"labels": old}})
+    # Enterprise Gateway's kernel pod, and another release's, beside it (never scheduled).
+    others = {
+        "eg-kernel": {"component": "kernel", "kernel_id": "eg-1"},
+        "other-release": {
+            "app.kubernetes.io/name": "jupyter-elastic-kernels",
+            "app.kubernetes.io/instance": "other",
+            "app.kubernetes.io/component": "kernel",
+            "elastic.jupyter.org/kernel-id": "other-1",
+        },
+    }
+    for pod_name, pod_labels in others.items():
+        cluster.core.create_namespaced_pod(
+            NAMESPACE,
+            {
+                "metadata": {
+                    "name": pod_name,
+                    "labels": pod_labels,
+                    "annotations": {"elastic.jupyter.org/owner": owner},
+                },
+                "spec": {
+                    "nodeSelector": {"elastic.test/nowhere": "true"},
+                    "containers": [{"name": "k", "image": "python:3.12", "command": ["true"]}],
+                },
+            },
+        )
+    restarted = start_server(tmp_path, cluster.config())
+    try:
+        wait_for(lambda: model(restarted, kernel_id)["state"] == "running", 60, "the old pod to be adopted")
+        assert restarted.execute(kernel_id, "print(os.getpid(), x + 1)").split() == [pid, "42"]
+        ids = {k["id"] for k in restarted.get("/api/elastic/kernels")}
+        assert ids == {kernel_id}, ids
+        hibernate(restarted, cluster, kernel_id)
+        assert restarted.execute(kernel_id, "print(x + 2)", timeout=120).strip() == "43"
+        labels = cluster.running_pod(kernel_id).metadata.labels
+        assert labels["elastic.jupyter.org/kernel-id"] == kernel_id and "kernel_id" not in labels
+        assert "component" not in labels and labels["app.kubernetes.io/component"] == "kernel"
+        assert {p.metadata.name for p in cluster.core.list_namespaced_pod(NAMESPACE).items} >= set(others)
+        restarted.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+    finally:
+        restarted.stop()
+        for pod_name in others:
+            cluster.core.delete_namespaced_pod(pod_name, NAMESPACE, grace_period_seconds=0)
+
+
+def test_the_server_tells_kubectl_what_it_did_to_each_kernel_pod(cluster: PodCluster, tmp_path: Path) -> None:
+    """Kubernetes Events on the kernel's pods, read back through the API (what ``kubectl describe
+    pod`` shows): started, hibernated, resumed, lost, and a launch that failed, with why."""
+    running = start_server(tmp_path, cluster.config(launch_timeout=30.0))
+
+    def events(pod_name: str) -> list[tuple[str, str, str]]:
+        listed = cluster.core.list_namespaced_event(
+            NAMESPACE, field_selector=f"involvedObject.name={pod_name},involvedObject.kind=Pod"
+        ).items
+        return [
+            (e.reason, e.type, e.message)
+            for e in sorted(listed, key=lambda e: e.metadata.creation_timestamp)
+            if e.source.component == "jupyter-elastic-kernels"
+        ]
+
+    def reasons(pod_name: str) -> list[str]:
+        return [reason for reason, _, _ in events(pod_name)]
+
+    try:
+        kernel_id = running.start_kernel(SIZE)
+        assert running.execute(kernel_id, "x = 41; print(x)").strip() == "41"
+        first = cluster.pod_of(kernel_id)
+        wait_for(lambda: reasons(first.metadata.name) == ["KernelStarted"], 30, "the start's Event")
+        hibernate(running, cluster, kernel_id)
+        # On the pod that was deleted (its uid): kubectl get events still lists it.
+        wait_for(lambda: "Hibernated" in reasons(first.metadata.name), 30, "the hibernation's Event")
+        (_, kind, message), *_ = [e for e in events(first.metadata.name) if e[0] == "Hibernated"]
+        assert kind == "Normal" and kernel_id in message and "hibernated (api)" in message, message
+        assert running.execute(kernel_id, "print(x + 1)", timeout=120).strip() == "42"
+        second = cluster.running_pod(kernel_id)
+        wait_for(
+            lambda: {"KernelStarted", "Resumed"} <= set(reasons(second.metadata.name)), 30, "resume Events"
+        )
+        # Lost: the pod deleted behind the server's back (checkpointed at SIGTERM, hibernated).
+        cluster.core.delete_namespaced_pod(second.metadata.name, NAMESPACE)
+        wait_for(lambda: hibernated_model(running, kernel_id), 90, "the lost kernel to be hibernated")
+        wait_for(lambda: "KernelLost" in reasons(second.metadata.name), 30, "the loss's Event")
+        lost = next(e for e in events(second.metadata.name) if e[0] == "KernelLost")
+        assert lost[1] == "Warning" and "lost" in lost[2], lost
+        running.shutdown_kernel(kernel_id)
+        # A launch that cannot run: no node takes it (both cordoned), launch_timeout passes.
+        for runner in cluster.runners:
+            cluster.cordon(runner.node_name)
+        reply = running.request("POST", "/api/kernels", {"name": SIZE})
+        assert reply.status >= 400, reply
+        failed = [
+            e for e in cluster.core.list_namespaced_event(NAMESPACE).items if e.reason == "LaunchFailed"
+        ]
+        wait_for(
+            lambda: [
+                e for e in cluster.core.list_namespaced_event(NAMESPACE).items if e.reason == "LaunchFailed"
+            ],
+            30,
+            "the failed launch's Event",
+        )
+        (failed,) = [
+            e for e in cluster.core.list_namespaced_event(NAMESPACE).items if e.reason == "LaunchFailed"
+        ]
+        assert failed.type == "Warning" and "launch_timeout" in failed.message, failed.message
+        assert failed.involved_object.name.startswith("kernel-")
+        # And on /metrics: the failed start by why, every watch's lists and last event's age.
+        text = running.text("/metrics")
+        assert re.search(
+            r'^elastic_kernel_start_failures_total\{reason="(unschedulable|timeout)",size="whole"\} 1\.0$',
+            text,
+            re.M,
+        ), text
+        assert re.search(rf'^elastic_informer_lists_total\{{informer="pod-{NAMESPACE}"\}} [1-9]', text, re.M)
+        assert re.search(
+            rf'^elastic_informer_last_event_age_seconds\{{informer="pod-{NAMESPACE}"\}} ', text, re.M
+        )
+        assert re.search(r'^elastic_kernel_start_duration_seconds_count\{size="whole"\} 1\.0$', text, re.M)
+    finally:
+        for runner in cluster.runners:
+            cluster.cordon(runner.node_name, False)
+        running.stop()

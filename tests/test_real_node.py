@@ -214,7 +214,7 @@ def test_a_kernel_pod_started_by_the_provisioner_runs_a_cell_in_the_container(
         pods = [
             p
             for p in core.list_namespaced_pod(NAMESPACE).items
-            if p.metadata.labels.get("kernel_id") == kernel_id
+            if p.metadata.labels.get("elastic.jupyter.org/kernel-id") == kernel_id
         ]
         assert len(pods) == 1 and pods[0].spec.node_name == node.name
         with server.channel(kernel_id, timeout=300) as chan:
@@ -269,7 +269,7 @@ def test_a_kernel_that_fails_at_import_says_why_in_the_start_error(
         assert "exited with code 1; its last output:" in message, (message, server.log()[-3000:])
         assert "ModuleNotFoundError: No module named 'kernelmgr_not_in_this_image'" in message, message
         (kept,) = core.list_namespaced_pod(NAMESPACE).items
-        assert kept.metadata.labels["component"] == "kernel-failed", kept.metadata.labels
+        assert kept.metadata.labels["app.kubernetes.io/component"] == "kernel-failed", kept.metadata.labels
         logs = core.read_namespaced_pod_log(kept.metadata.name, NAMESPACE)  # kubectl logs
         assert "No module named 'kernelmgr_not_in_this_image'" in logs, logs
         assert all(not d["slices"] for d in server.get("/api/elastic/gpus")["devices"])

@@ -131,6 +131,8 @@ def test_resume_that_times_out_stops_its_process_and_stays_hibernated(tmp_path: 
         model = running.get(f"/api/elastic/kernels/{kernel_id}")
         assert model["state"] == "hibernated" and model["slice"] is None
         assert "resume failed" in model["state_reason"]
+        # What the chart's ElasticResumesFailing alert watches.
+        assert 'elastic_resume_failures_total{size="small"} 1.0' in running.text("/metrics")
         wait_for(lambda: kernel_processes(kernel_id) == [], what="the timed-out process to be stopped")
         assert slices(running) == []
         assert running.request("DELETE", f"/api/kernels/{kernel_id}").status == 204

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -131,6 +132,34 @@ def test_over_capacity_is_a_clear_409(server: RunningServer) -> None:
     server.shutdown_kernel(first)
     third = server.start_kernel("python3-gpu-small")
     assert {s["kernel_id"] for s in slices(server)} == {second, third}
+
+
+def test_metrics_count_starts_refusals_and_show_the_queue_and_the_volume(server: RunningServer) -> None:
+    """What an admin alerts on: time to running, capacity refusals (unserved demand) and failed
+    starts by reason, the slice queue's length, the checkpoint volume's free space."""
+
+    def sample(text: str, name: str) -> float:
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        return float(match.group(1)) if match else 0.0
+
+    before = server.text("/metrics")
+    first = server.start_kernel("python3-gpu-whole")
+    second = server.start_kernel("python3-gpu-whole")
+    assert server.request("POST", "/api/kernels", {"name": "python3-gpu-small"}).status == 409
+    after = server.text("/metrics")
+    started = 'elastic_kernel_start_duration_seconds_count{size="whole"}'
+    assert sample(after, started) == sample(before, started) + 2
+    refused = 'elastic_capacity_refusals_total{size="small"}'
+    assert sample(after, refused) == sample(before, refused) + 1
+    failed = 'elastic_kernel_start_failures_total{reason="capacity",size="small"}'
+    assert sample(after, failed) == sample(before, failed) + 1
+    assert sample(after, "elastic_slice_queue_length") == 0
+    assert sample(after, "elastic_checkpoint_volume_free_bytes") > 0
+    assert sample(after, "elastic_checkpoint_volume_size_bytes") >= sample(
+        after, "elastic_checkpoint_volume_free_bytes"
+    )
+    for kernel_id in (first, second):
+        server.shutdown_kernel(kernel_id)
 
 
 def test_size_that_never_fits_says_so(server: RunningServer) -> None:

@@ -15,18 +15,19 @@ import base64
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client, config
 
 from kernelmgr.kube.access import ExplainedCoreV1Api
+from kernelmgr.kube.events import PodEvents
 from kernelmgr.kube.failed_pods import FailedPods
 from kernelmgr.kube.informer import Informer, PodInformer, without_managed_fields
+from kernelmgr.kube.labels import KERNEL, KERNEL_WATCH_SELECTOR, kernel_id_of, legacy_selector, selector
 from kernelmgr.kube.manifests import (
-    APP_SELECTOR,
     CONNECTION_FILE,
-    KERNEL_ID_LABEL,
     KERNELSPEC_ANNOTATION,
     OWNER_ANNOTATION,
     SIZE_ANNOTATION,
@@ -55,8 +56,12 @@ class KubeCluster:
         self._namespaces: set[tuple[str, str]] = set()
         #: (kubeconfig, namespace, kind, name) of the DRA objects created (or found) by this server.
         self._side_objects: set[tuple[str, str, str, str]] = set()
+        #: Other watches whose health /metrics shows (the node inventory's, the other GPU pods').
+        self.extra_informers: list[Informer] = []
         #: Failed kernel pods kept for ``kubectl logs`` (ElasticKubernetesProvisioner.failed_pod_retention).
-        self.failed_pods = FailedPods(self.core, self.log)
+        self.failed_pods = FailedPods(self.core, self.log, self.settings.instance)
+        #: Kubernetes Events on kernel pods (start, hibernate, resume, loss, failure).
+        self.events = PodEvents(self.core, self.last_seen_pod, self.log, self.settings.instance)
 
     def _kubeconfig(self, kubeconfig: str | None) -> str:
         return self.settings.kubeconfig if kubeconfig is None else kubeconfig
@@ -88,7 +93,9 @@ class KubeCluster:
         if key not in self._informers:
             # Its own client: the watch holds a connection for minutes at a time.
             watch_api = client.ApiClient(self.api(key[0]).configuration)
-            self._informers[key] = PodInformer(watch_api, key[1], APP_SELECTOR).start()
+            self._informers[key] = PodInformer(
+                watch_api, key[1], KERNEL_WATCH_SELECTOR, instance=self.settings.instance
+            ).start()
         return self._informers[key]
 
     def watched_namespaces(self) -> set[str]:
@@ -101,6 +108,22 @@ class KubeCluster:
         for informer in list(self._informers.values()):
             pods.update(informer.items())
         return pods
+
+    def informer_health(self) -> list[tuple[str, int, float | None]]:
+        """(name, lists so far, seconds since its last list or event) of every watch of the server."""
+        now = time.monotonic()
+        informers = [*self._informers.values(), *self._agent_informers.values(), *self.extra_informers]
+        return [
+            (i.name, i.lists, None if i.last_event_at is None else now - i.last_event_at) for i in informers
+        ]
+
+    def last_seen_pod(self, kernel_id: str) -> Any | None:
+        """The kernel's pod as a watch saw it last: there now, else the one deleted last."""
+        for informer in list(self._informers.values()):
+            pod = informer.get(kernel_id) or informer.last_deleted(kernel_id)
+            if pod is not None:
+                return pod
+        return None
 
     def agent_informer(self, namespace: str | None = None, instance: str | None = None) -> Informer:
         """The one watch over the node activity agent pods of release ``instance`` in ``namespace``
@@ -266,17 +289,21 @@ class KubeCluster:
         if not await asyncio.to_thread(informer.wait_synced, self.settings.launch_timeout):
             raise RuntimeError(f"the pod watch in {namespace} did not sync; kernels not adopted")
         core = self.core()
-        listed = await asyncio.to_thread(core.list_namespaced_secret, namespace, label_selector=APP_SELECTOR)
+        instance = self.settings.instance
+        secrets = []  # this version's, and those of kernels an earlier version started (bare labels)
+        for chosen in (selector(instance, KERNEL), legacy_selector(KERNEL)):
+            listed = await asyncio.to_thread(core.list_namespaced_secret, namespace, label_selector=chosen)
+            secrets += listed.items
         connections: dict[str, dict[str, Any]] = {}
-        for secret in listed.items:
-            kernel_id = (secret.metadata.labels or {}).get(KERNEL_ID_LABEL)
+        for secret in secrets:
+            kernel_id = kernel_id_of(secret.metadata.labels, instance)
             raw = (secret.data or {}).get(CONNECTION_FILE)
             if kernel_id and raw:
                 connections[kernel_id] = json.loads(base64.b64decode(raw))
         found = []
         for pod in informer.items().values():
             labels, annotations = pod.metadata.labels or {}, pod.metadata.annotations or {}
-            kernel_id = labels.get(KERNEL_ID_LABEL)
+            kernel_id = kernel_id_of(labels, instance)
             if not kernel_id or OWNER_ANNOTATION not in annotations:
                 continue
             info = connections.get(kernel_id)

@@ -4,9 +4,9 @@ A kernel pod whose container failed on its own (an import error in the image, OO
 used to be deleted at once, and ``kubectl logs`` then had nothing to show. Now it is kept for
 ``ElasticKubernetesProvisioner.failed_pod_retention`` seconds (0: deleted at once, as before):
 
-* relabelled ``component=kernel-failed``, so it leaves the kernels' pod watch at once: it holds no
-  slice (the allocator's slice is released as before; a terminated pod holds no node resources
-  either), is no kernel, and a restarted server does not adopt it; the kernel's next pod gets
+* relabelled ``app.kubernetes.io/component=kernel-failed``, so it leaves the kernels' pod watch at
+  once: it holds no slice (the allocator's slice is released as before; a terminated pod holds no
+  node resources either), is no kernel, and a restarted server does not adopt it; the kernel's next pod gets
   another name (the kept pod keeps its own);
 * annotated with when it goes (:data:`DELETE_AFTER`), and deleted then by this server, or by the
   next one that starts, whichever comes first (:meth:`FailedPods.sweep`). The deletion names the
@@ -23,17 +23,31 @@ from typing import Any
 
 from kubernetes import client
 
-#: The ``component`` label of a kept failed kernel pod (kernel pods are ``kernel``).
-FAILED_COMPONENT = "kernel-failed"
+from kernelmgr.kube.labels import (
+    COMPONENT_LABEL,
+    DEFAULT_INSTANCE,
+    FAILED_KERNEL,
+    INSTANCE_LABEL,
+    KERNEL_ID_LABEL,
+    LEGACY_KERNEL_ID_LABEL,
+    legacy_selector,
+    relabel,
+    selector,
+)
+
+#: The component label of a kept failed kernel pod (kernel pods are ``kernel``).
+FAILED_COMPONENT = FAILED_KERNEL
 #: When a kept pod is deleted (RFC 3339, UTC).
 DELETE_AFTER = "elastic.jupyter.org/delete-after"
-FAILED_SELECTOR = f"app.kubernetes.io/name=jupyter-elastic-kernels,component={FAILED_COMPONENT}"
 
 
 class FailedPods:
     """Keeps failed kernel pods of one server's cluster, and deletes them when their time is up."""
 
-    def __init__(self, core_of: Callable[[str | None], Any], log: logging.Logger) -> None:
+    def __init__(
+        self, core_of: Callable[[str | None], Any], log: logging.Logger, instance: str = DEFAULT_INSTANCE
+    ) -> None:
+        self.instance = instance
         #: kubeconfig -> the Core API (:meth:`KubeCluster.core`).
         self.core_of = core_of
         self.log = log
@@ -45,9 +59,14 @@ class FailedPods:
         (it is gone, or the patch was refused): the caller deletes it as before."""
         name, namespace = pod.metadata.name, pod.metadata.namespace
         until = dt.datetime.now(dt.timezone.utc) + dt.timedelta(seconds=seconds)
+        labels = pod.metadata.labels or {}
+        # A pod an earlier version started gets this version's labels (and loses the old ones).
+        new = {COMPONENT_LABEL: FAILED_COMPONENT, INSTANCE_LABEL: self.instance}
+        if LEGACY_KERNEL_ID_LABEL in labels:
+            new[KERNEL_ID_LABEL] = labels[LEGACY_KERNEL_ID_LABEL]
         patch = {
             "metadata": {
-                "labels": {"component": FAILED_COMPONENT},
+                "labels": relabel(labels, new),
                 "annotations": {DELETE_AFTER: until.strftime("%Y-%m-%dT%H:%M:%SZ")},
             }
         }
@@ -65,9 +84,12 @@ class FailedPods:
         """The kept pods in ``namespace`` (a previous server's too): delete those whose time is up,
         and the others when it is."""
         core = self.core_of(kubeconfig)
-        listed = await asyncio.to_thread(core.list_namespaced_pod, namespace, label_selector=FAILED_SELECTOR)
+        kept = []
+        for chosen in (selector(self.instance, FAILED_COMPONENT), legacy_selector(FAILED_COMPONENT)):
+            listed = await asyncio.to_thread(core.list_namespaced_pod, namespace, label_selector=chosen)
+            kept += listed.items
         now = dt.datetime.now(dt.timezone.utc)
-        for pod in listed.items:
+        for pod in kept:
             annotations = pod.metadata.annotations or {}
             try:
                 until = dt.datetime.fromisoformat(annotations[DELETE_AFTER].replace("Z", "+00:00"))

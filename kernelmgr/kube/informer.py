@@ -11,7 +11,7 @@ on an event loop.
 :class:`Informer` works for any list function of the Kubernetes client (``list_node``,
 ``list_namespaced_pod``, ...): it keys objects with a function of the caller's and tells
 listeners what changed, in batches (a whole re-list is one batch). :class:`PodInformer` is the
-kernel pods' informer (keyed by the ``kernel_id`` label); the node inventory
+kernel pods' informer (keyed by the kernel id label); the node inventory
 (:mod:`kernelmgr.kube.nodes`) uses a node informer.
 
 Memory stays bounded through a re-list (a restart, or 410 Gone after a long disconnect): the
@@ -41,12 +41,12 @@ from typing import Any
 from kubernetes import client, watch
 
 from kernelmgr.kube.access import ExplainedCoreV1Api, KubeRefused
+from kernelmgr.kube.labels import DEFAULT_INSTANCE, kernel_id_of
 from kernelmgr.kube.pods import stop_began
 from kernelmgr.kube.shapes import KERNEL_POD, Shape, ShapedWatch
 
 log = logging.getLogger(__name__)
 
-KERNEL_ID_LABEL = "kernel_id"
 #: Objects per page of a list: bounds a re-list's peak memory (a page of full pods is a few MiB).
 PAGE_SIZE = 500
 
@@ -96,6 +96,8 @@ class Informer:
         self.lists = 0
         #: How many pages those lists took (one per ``page_size`` objects).
         self.pages = 0
+        #: ``time.monotonic()`` of the last list or event applied (bookmarks too): the watch's health.
+        self.last_event_at: float | None = None
         #: The resourceVersion of the last event applied: where a broken watch resumes.
         self._seen: str | None = None
         #: Why the watch cannot run (the API server refused it), ``None`` while it can.
@@ -206,6 +208,7 @@ class Informer:
             changed = set(self._items) | set(fresh)
             self._items = fresh
         self.lists += 1
+        self.last_event_at = time.monotonic()
         self._synced.set()
         self._changed({k: fresh.get(k) for k in changed}, always=True)
         return version
@@ -239,6 +242,7 @@ class Informer:
         )
         for event in stream:
             self.failure = None  # the watch runs: it is allowed (again)
+            self.last_event_at = time.monotonic()
             if self._stopped.is_set():
                 break
             kind = event["type"]
@@ -359,7 +363,8 @@ STOPS_REMEMBERED = 10_000
 
 
 class PodInformer(Informer):
-    """A cache of the pods matching ``label_selector`` in ``namespace``, keyed by kernel id."""
+    """A cache of the kernel pods of release ``instance`` among those matching ``label_selector`` in
+    ``namespace``, keyed by kernel id (:func:`~kernelmgr.kube.labels.kernel_id_of`)."""
 
     def __init__(
         self,
@@ -369,8 +374,10 @@ class PodInformer(Informer):
         *,
         watch_timeout: int = 300,
         retry_delay: float = 1.0,
+        instance: str = DEFAULT_INSTANCE,
     ) -> None:
         self.api = api
+        self.instance = instance
         self.namespace = namespace
         self.label_selector = label_selector
         #: Per kernel id: (pod uid, when Kubernetes began stopping that pod, as first seen).
@@ -380,7 +387,7 @@ class PodInformer(Informer):
             ExplainedCoreV1Api(api).list_namespaced_pod,
             transform=self._seen_pod,
             shape=KERNEL_POD,
-            key=_kernel_id,
+            key=self._kernel_id,
             name=f"pod-{namespace}",
             list_args=(namespace,),
             list_kwargs={"label_selector": label_selector},
@@ -388,13 +395,16 @@ class PodInformer(Informer):
             retry_delay=retry_delay,
         )
 
+    def _kernel_id(self, pod: Any) -> str | None:
+        return kernel_id_of(pod.metadata.labels, self.instance)
+
     def start(self) -> PodInformer:
         super().start()
         return self
 
     def _seen_pod(self, pod: Any) -> Any:
         """Every pod the watch brings: remember when its stop began, the first time it is seen."""
-        began, kernel_id = stop_began(pod), _kernel_id(pod)
+        began, kernel_id = stop_began(pod), self._kernel_id(pod)
         if began is not None and kernel_id is not None:
             with self._stops_lock:
                 known = self._first_stops.get(kernel_id)
@@ -439,11 +449,6 @@ def _identity(item: Any) -> tuple[str | None, str | None]:
         meta = item.get("metadata") or {}
         return meta.get("uid"), meta.get("resourceVersion")
     return item.metadata.uid, item.metadata.resource_version
-
-
-def _kernel_id(pod: Any) -> str | None:
-    labels = pod.metadata.labels or {}
-    return labels.get(KERNEL_ID_LABEL)
 
 
 def without_managed_fields(obj: Any) -> Any:

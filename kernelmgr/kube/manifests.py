@@ -18,15 +18,12 @@ from kernelmgr.backends.kubernetes import render_pod_fragment
 from kernelmgr.checkpoint.keys import encode_key
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.profiles import GpuProfile
+from kernelmgr.kube.labels import DEFAULT_INSTANCE, WARM_KERNEL, common_labels, kernel_labels
 from kernelmgr.kube.namespaces import MAX_LABEL, dns_label
 from kernelmgr.kube.pod_settings import SHM_MOUNT, SHM_VOLUME, pull_secrets, strategic_merge
 from kernelmgr.kube.user_volumes import home_pod_affinity, user_mounts, working_dir
 from kernelmgr.kube.warm_pod import ENV_CHECKPOINTS, ENV_TOKEN_FILE
 
-APP_LABELS = {"app.kubernetes.io/name": "jupyter-elastic-kernels", "component": "kernel"}
-APP_SELECTOR = ",".join(f"{k}={v}" for k, v in APP_LABELS.items())
-KERNEL_ID_LABEL = "kernel_id"
-WARM_COMPONENT = "warm-kernel"
 OWNER_ANNOTATION = "elastic.jupyter.org/owner"
 SIZE_ANNOTATION = "elastic.jupyter.org/size"
 KERNELSPEC_ANNOTATION = "elastic.jupyter.org/kernelspec"
@@ -71,6 +68,8 @@ class PodTemplate:
     """What every pod of one configuration shares (made by ``KubeSettings.pod_template``)."""
 
     image: str = "python:3.12"
+    #: The app.kubernetes.io/instance label (the Helm release) of every pod and Secret made.
+    instance: str = DEFAULT_INSTANCE
     first_port: int = 52000
     run_as_user: int = 1000
     kernel_home: str = "/home/kernel"
@@ -152,7 +151,7 @@ def make_kernel_pod(
     own_env = dict(agent_env)
     own_env["ELASTIC_CHECKPOINT_DIR"] = f"{CHECKPOINT_MOUNT}/{kernel_id}"
     own_env[ENV_KEY_MOUNTED] = "1"
-    labels = {**template.extra_labels, **APP_LABELS, KERNEL_ID_LABEL: kernel_id}
+    labels = {**template.extra_labels, **kernel_labels(template.instance, kernel_id, owner)}
     annotations = {**template.extra_annotations, OWNER_ANNOTATION: owner, KERNELSPEC_ANNOTATION: kernelspec}
     if profile is not None:
         annotations[SIZE_ANNOTATION] = profile.name
@@ -229,8 +228,10 @@ def make_kernel_secret(
     *,
     name: str,
     kernel_id: str,
+    owner: str,
     connection_info: Mapping[str, Any],
     checkpoint_key: bytes,
+    instance: str = DEFAULT_INSTANCE,
     env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Connection file and checkpoint key (made owned by the pod once the pod exists), and the
@@ -240,7 +241,7 @@ def make_kernel_secret(
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {"name": name, "labels": {**APP_LABELS, KERNEL_ID_LABEL: kernel_id}},
+        "metadata": {"name": name, "labels": kernel_labels(instance, kernel_id, owner)},
         "type": "Opaque",
         "stringData": {
             CONNECTION_FILE: json.dumps(info),
@@ -256,7 +257,7 @@ def make_warm_pod(
     """A warm pod of ``profile``: the size's resources and a kernel pod's environment, but no owner,
     no key and no checkpoint claim (an emptyDir for the one kernel it will serve)."""
     own_env = {ENV_TOKEN_FILE: f"{SECRET_MOUNT}/{WARM_TOKEN_KEY}", ENV_CHECKPOINTS: CHECKPOINT_MOUNT}
-    labels = {**template.extra_labels, **APP_LABELS, "component": WARM_COMPONENT}
+    labels = {**template.extra_labels, **common_labels(template.instance, WARM_KERNEL)}
     annotations = {**template.extra_annotations, SIZE_ANNOTATION: profile.name}
     cmd = ["python", "-m", WARM_POD, "--port", str(template.warm_pod_port), *preload]
     volume = {"name": "checkpoints", "emptyDir": {}}
@@ -265,12 +266,12 @@ def make_warm_pod(
     return pod
 
 
-def make_warm_secret(name: str, token: str) -> dict[str, Any]:
+def make_warm_secret(name: str, token: str, instance: str = DEFAULT_INSTANCE) -> dict[str, Any]:
     """The token a warm pod's HTTP server answers."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": {"name": name, "labels": {**APP_LABELS, "component": WARM_COMPONENT}},
+        "metadata": {"name": name, "labels": common_labels(instance, WARM_KERNEL)},
         "type": "Opaque",
         "stringData": {WARM_TOKEN_KEY: token},
     }

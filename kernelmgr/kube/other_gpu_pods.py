@@ -33,13 +33,13 @@ from kernelmgr.core.profiles import GpuProfile
 from kernelmgr.kube.access import ExplainedCoreV1Api
 from kernelmgr.kube.fields import field_of as _field
 from kernelmgr.kube.informer import Informer
-from kernelmgr.kube.manifests import APP_LABELS
+from kernelmgr.kube.labels import NAME, NAME_LABEL
 from kernelmgr.kube.nodes import GPU, GPU_SHARED, MIG_RESOURCE_RE
 from kernelmgr.kube.shapes import GPU_POD
 
 log = logging.getLogger(__name__)
 
-_APP_KEY, _APP_VALUE = next(iter(APP_LABELS.items()))
+_APP_KEY, _APP_VALUE = NAME_LABEL, NAME
 #: Pods that may hold GPUs: running, or pending on a node (the scheduler bound them already).
 FIELD_SELECTOR = "status.phase!=Succeeded,status.phase!=Failed"
 

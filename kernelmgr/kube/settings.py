@@ -235,6 +235,14 @@ class KubeSettings(LoggingConfigurable):
     node_agent_port = Integer(
         NODE_AGENT_PORT, config=True, help="Port of the node agents' /activity (their --port)."
     )
+    instance = Unicode(
+        DEFAULT_INSTANCE,
+        config=True,
+        help="""The app.kubernetes.io/instance label of the kernel pods, warm pods and Secrets this server
+        makes (the Helm release's name). The server adopts, counts and deletes only pods of its own
+        instance (and pods of versions before 0.x labels, which had none): two releases can share a
+        namespace.""",
+    )
     node_agent_instance = Unicode(
         DEFAULT_INSTANCE,
         config=True,
@@ -494,6 +502,7 @@ class KubeSettings(LoggingConfigurable):
         """What the manifest functions read of these settings."""
         return PodTemplate(
             image=self.image,
+            instance=self.instance,
             first_port=self.first_port,
             run_as_user=self.run_as_user,
             kernel_home=self.kernel_home,

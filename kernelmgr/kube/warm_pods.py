@@ -35,9 +35,9 @@ from typing import TYPE_CHECKING, Any
 
 from kernelmgr.core.allocator import WARM_HOLDER_PREFIX
 from kernelmgr.core.errors import CapacityError, ConfigError
+from kernelmgr.kube.labels import WARM_KERNEL, legacy_selector, selector
 from kernelmgr.kube.manifests import (
     POD_KERNEL,
-    WARM_COMPONENT,
     make_warm_pod,
     make_warm_secret,
     owner_reference,
@@ -245,11 +245,12 @@ class WarmPods:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), STARTING_INTERVAL if starting else LOOK_INTERVAL)
 
-    async def _list(self) -> list[Any]:
-        """The warm pods in the namespace (not yet taken), one API call."""
-        selector = f"app.kubernetes.io/name=jupyter-elastic-kernels,component={WARM_COMPONENT}"
+    async def _list(self, chosen: str | None = None) -> list[Any]:
+        """This release's warm pods in the namespace (not yet taken), one API call; ``chosen``: those
+        of another label selector."""
+        chosen = chosen or selector(self.kube.instance, WARM_KERNEL)
         core = self.cluster.core()
-        listed = await asyncio.to_thread(core.list_namespaced_pod, self.namespace, label_selector=selector)
+        listed = await asyncio.to_thread(core.list_namespaced_pod, self.namespace, label_selector=chosen)
         return list(listed.items)
 
     async def look(self) -> None:
@@ -347,7 +348,8 @@ class WarmPods:
     async def _create_pod(self, name: str, settings: WarmPodSettings, token: str) -> None:
         """The pod and its token's Secret (owned by the pod): Secret first, so the pod finds it."""
         core = self.cluster.core()
-        await asyncio.to_thread(core.create_namespaced_secret, self.namespace, make_warm_secret(name, token))
+        secret = make_warm_secret(name, token, self.kube.instance)
+        await asyncio.to_thread(core.create_namespaced_secret, self.namespace, secret)
         manifest = make_warm_pod(
             self.kube.pod_template(),
             name=name,
@@ -383,7 +385,8 @@ class WarmPods:
         task.add_done_callback(self._deleting.discard)
 
     async def _remove_leftovers(self) -> None:
-        for pod in await self._list():
+        # An earlier version's warm pods too (bare labels): nothing would take or delete them.
+        for pod in await self._list() + await self._list(legacy_selector(WARM_KERNEL)):
             self.log.info("warm pods: deleting %s, left by an earlier server", pod.metadata.name)
             await self._delete_pod(pod.metadata.name)
 

@@ -10,6 +10,7 @@ counters and histograms updated where they happen.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,11 @@ KERNELS_SAVED_AT_STOP = Counter(
     ["size"],
 )
 RESUMES = Counter("elastic_resumes_total", "Kernels resumed, by what woke them.", ["trigger", "size"])
+RESUME_FAILURES = Counter(
+    "elastic_resume_failures_total",
+    "Resumes that failed or timed out (the kernel stays hibernated; the user's cell gets the error).",
+    ["size"],
+)
 WARNINGS = Counter("elastic_hibernation_warnings_total", "Idle warnings sent to notebooks.", ["kind", "size"])
 REMOVALS = Counter(
     "elastic_removals_total", "Hibernated kernels removed after CullPolicy.hibernated_ttl.", ["size"]
@@ -72,6 +78,23 @@ RESUME_PATH_SECONDS = Histogram(
     ["size", "path"],
     buckets=DURATION_BUCKETS,
 )
+START_SECONDS = Histogram(
+    "elastic_kernel_start_duration_seconds",
+    "A new kernel's start, from the request to a kernel that answers (waiting in the queue included).",
+    ["size"],
+    buckets=DURATION_BUCKETS,
+)
+START_FAILURES = Counter(
+    "elastic_kernel_start_failures_total",
+    "New kernels that did not start, by why (see failure_reason): capacity, unschedulable, image_pull, "
+    "timeout, exited, refused (RBAC or admission), other.",
+    ["size", "reason"],
+)
+CAPACITY_REFUSALS = Counter(
+    "elastic_capacity_refusals_total",
+    "Starts answered 409 because no GPU slice of the size was free (unserved demand).",
+    ["size"],
+)
 CHECKPOINT_BYTES = Histogram(
     "elastic_checkpoint_bytes", "Size of committed checkpoints.", ["size"], buckets=BYTES_BUCKETS
 )
@@ -79,6 +102,21 @@ CHECKPOINT_BYTES = Histogram(
 
 def size_label(profile: str | None) -> str:
     return profile or "cpu"
+
+
+def failure_reason(message: str) -> str:
+    """A start failure's message (the scheduler's, the kubelet's, the launch timeout's) as one of a
+    fixed set of reasons: a bounded label."""
+    text = message.lower()
+    if "unschedulable" in text or "failedscheduling" in text or "didn't match" in text:
+        return "unschedulable"
+    if "imagepull" in text or "errimage" in text or ("pull" in text and "image" in text):
+        return "image_pull"
+    if "launch_timeout" in text or "not running after" in text or "timed out" in text:
+        return "timeout"
+    if "exited with code" in text or "ended" in text:
+        return "exited"
+    return "other"
 
 
 class ReleasedSliceSeconds:
@@ -155,12 +193,50 @@ class RuntimeCollector(Collector):
                 slices.add_metric([size], len(held.get(size, [])))
                 fraction.add_metric([size], sum(held.get(size, [])))
         yield from warm_pool_metrics(runtime)
+        yield from health_metrics(runtime)
         for size, seconds in self.released.totals().items():
             released.add_metric([size], seconds)
         yield kernels
         yield slices
         yield fraction
         yield released
+
+
+def health_metrics(runtime: ElasticRuntime | None) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """What an operator alerts on: the slice queue's length, the checkpoint volume's space, and (in
+    Kubernetes mode) each watch's re-lists and the age of the last event it applied."""
+    queue = GaugeMetricFamily(
+        "elastic_slice_queue_length", "Kernels waiting for a GPU slice (resumes and queued starts)."
+    )
+    free = GaugeMetricFamily(
+        "elastic_checkpoint_volume_free_bytes", "Free bytes on the checkpoint volume (checkpoint_root)."
+    )
+    size = GaugeMetricFamily("elastic_checkpoint_volume_size_bytes", "Size of the checkpoint volume.")
+    lists = CounterMetricFamily(
+        "elastic_informer_lists",
+        "Lists of each watch (the first one and every re-list after 410 Gone or a refusal).",
+        labels=["informer"],
+    )
+    age = GaugeMetricFamily(
+        "elastic_informer_last_event_age_seconds",
+        "Seconds since each watch last applied a list or an event (bookmarks included).",
+        labels=["informer"],
+    )
+    if runtime is not None:
+        queue.add_metric([], len(runtime.slice_queue))
+        try:
+            usage = shutil.disk_usage(runtime.checkpoint_root)
+        except OSError:
+            usage = None
+        if usage is not None:
+            free.add_metric([], usage.free)
+            size.add_metric([], usage.total)
+        health = getattr(runtime.kube, "informer_health", None)
+        for name, listed, seconds in health() if health is not None else []:
+            lists.add_metric([name], listed)
+            if seconds is not None:
+                age.add_metric([name], seconds)
+    yield from (queue, free, size, lists, age)
 
 
 def warm_pool_metrics(runtime: ElasticRuntime | None) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

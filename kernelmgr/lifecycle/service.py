@@ -301,7 +301,12 @@ class Hibernator:
         with admitted:  # the quota place is held until the resume has ended, either way
             if lost is not None and restore and record is not None:
                 await self.loss.take_newer_checkpoint(kernel_id, record, lost)
-            await self.controller.resume(kernel_id, reason, notify, restore)
+            try:
+                await self.controller.resume(kernel_id, reason, notify, restore)
+            except Exception:  # failed or timed out (a cancelled resume is no failure)
+                size = metrics.size_label(record.profile if record is not None else None)
+                metrics.RESUME_FAILURES.labels(size).inc()
+                raise
         if record is None or km is None:
             return
         if lost is not None and record.loss is lost and notify is not None:

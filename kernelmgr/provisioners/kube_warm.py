@@ -15,10 +15,9 @@ import json
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.kube.labels import COMPONENT_LABEL, KERNEL, KERNEL_ID_LABEL, OWNER_LABEL, label_value
 from kernelmgr.kube.manifests import (
-    APP_LABELS,
     CONNECTION_FILE,
-    KERNEL_ID_LABEL,
     KERNELSPEC_ANNOTATION,
     OWNER_ANNOTATION,
     POD_KERNEL,
@@ -125,7 +124,9 @@ class WarmHandoff:
             SIZE_ANNOTATION: warm.size,
             WARM_ANNOTATION: "true",
         }
-        labels = {**APP_LABELS, KERNEL_ID_LABEL: k.kernel_id}
+        # The pool's pod carries this release's name and instance already.
+        labels = {COMPONENT_LABEL: KERNEL, KERNEL_ID_LABEL: k.kernel_id}
+        labels[OWNER_LABEL] = label_value(record.owner)
         await asyncio.to_thread(
             core.patch_namespaced_pod,
             warm.name,

@@ -43,6 +43,7 @@ from kernelmgr.core.kernels import FRESH_START, LaunchPlan, ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.modes import KUBERNETES_PROVISIONER
 from kernelmgr.kube.cluster import KubeCluster
+from kernelmgr.kube.events import LAUNCH_FAILED, STARTED, PodRef
 from kernelmgr.kube.informer import PodInformer
 from kernelmgr.kube.manifests import (
     KEY_FILE,
@@ -331,21 +332,32 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         return make_kernel_secret(
             name=self._pod_name,
             kernel_id=self.kernel_id,
+            owner=self._record.owner,
             connection_info=self.connection_info,
             checkpoint_key=self.runtime.checkpoints.key_for(self._record.owner),
             env=self._secret_env,
+            instance=self.instance,
         )
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         try:
             info = await self._launch(cmd)
-        except BaseException:
+        except BaseException as exc:
+            pod = PodRef(self._namespace, self._pod_name)
+            self.cluster.events.record(
+                pod, LAUNCH_FAILED, f"kernel {self.kernel_id}: {exc}", True, self.kubeconfig
+            )
             await self._delete_pod(grace=0, wait=False)
             await self._delete_secret()
             self._launched = False
             release_slice(self.runtime, self.kernel_id, "kernel pod failed to start", self.log)
             raise
         mark_launched(self.runtime, self.kernel_id, "pod running")
+        seen = PodRef.of(self.informer.get(self.kernel_id))
+        how = f"{self._record.launch_path} start" if self._record.launch_path else "started"
+        size = self._granted.profile if self._granted is not None else "cpu"
+        message = f"kernel {self.kernel_id} of {self._record.owner} running (size {size}, {how})"
+        self.cluster.events.record(seen, STARTED, message, kubeconfig=self.kubeconfig)
         return info
 
     async def _launch(self, cmd: list[str]) -> KernelConnectionInfo:

@@ -189,4 +189,6 @@ def start_node_inventory(runtime: ElasticRuntime, log: logging.Logger) -> NodeIn
         others = OtherGpuPods(runtime.kube.api(), runtime.allocator, replicas=sync.replicas)
         sync.after_change.append(others.retry)
         sync.companions.append(others.start())
+        runtime.kube.extra_informers.append(others.informer)
+    runtime.kube.extra_informers.append(sync.informer)  # their health on /metrics
     return sync.start()

@@ -123,6 +123,8 @@ class ElasticKernelsExtension(ExtensionApp):
             os.path.join(runtime.checkpoint_root, f"kernels-{server_identity(self.serverapp.root_dir)}.json")
         )
         events = LifecycleEvents(getattr(self.serverapp, "event_logger", None))
+        if runtime.mode.in_pods and runtime.kube is not None:
+            events.listeners.append(runtime.kube.events.lifecycle)  # Kubernetes Events on the pods
         # Before the recovery lists hibernated kernels: jupyter's execution_state follows each move.
         runtime.states.observers.append(ExecutionStates(km))
         km.hibernator = Hibernator(

@@ -3,8 +3,7 @@
 It is jupyter_server's own ``AsyncMappingKernelManager`` (so ``/api/kernels``, sessions,
 websockets, culling and restarts behave exactly as users know them) plus:
 
-* it carries the :class:`~kernelmgr.config.ElasticRuntime` that provisioners find through
-  their ``parent`` chain;
+* it carries the :class:`~kernelmgr.config.ElasticRuntime` provisioners find through their ``parent`` chain;
 * it checks a GPU size *before* anything is created, so a size that is unknown or does not
   fit fails at once with a 4xx JSON message naming the size, what is free and what to do —
   instead of jupyter_client logging a traceback and the user seeing a 500;
@@ -51,6 +50,7 @@ from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 from kernelmgr.server.models import elastic_kernel_model, kernel_pod_annotations
 from kernelmgr.server.starting import (
     StartWithoutReadyRace,
+    measured,
     raise_socket_limit,
     wait_for_start_turn,
     wait_until_up,
@@ -212,7 +212,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             self.hibernator.track(started)
         return started
 
-    start_kernel = _async_start_kernel  # type: ignore[assignment]
+    start_kernel = _async_start_kernel = measured(_async_start_kernel)  # type: ignore[assignment]
 
     # -- hibernated kernels inside jupyter_server's kernel life ----------------------------
 

@@ -24,22 +24,28 @@ now waits its turn in the slice queue (issue 29), instead of a 409.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import resource
 import time
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import zmq
+from jupyter_client.kernelspec import NoSuchKernel
 from jupyter_client.multikernelmanager import MultiKernelManager
 from jupyter_core.utils import ensure_async
+from tornado import web
 
 from kernelmgr import compat
 from kernelmgr.core.errors import CapacityError
 from kernelmgr.core.kernels import requesting_owner
 from kernelmgr.core.profiles import GpuProfile
+from kernelmgr.lifecycle import metrics
 from kernelmgr.lifecycle.platform import BIND_RETRIES, check_agent, shell_client, stderr_tail, try_send
 from kernelmgr.provisioners.local import BIND_ERROR
 from kernelmgr.server.errors import http_error
+from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
 
 
 def raise_socket_limit(context: zmq.Context[Any], log: logging.Logger) -> int:
@@ -230,3 +236,53 @@ async def wait_for_start_turn(km: Any, kernel_id: str, profile: GpuProfile) -> N
         )
     except CapacityError as exc:
         raise http_error(409, exc.message) from None
+
+
+async def measured_start(start: Awaitable[str], size: str) -> str:
+    """Await a new kernel's ``start``, counting for /metrics its time to an answering kernel, or why
+    it failed (a 409 for capacity also counts as unserved demand); the request's own faults (an
+    unknown size, no account) are not failed starts."""
+    began = time.monotonic()
+    try:
+        started = await start
+    except web.HTTPError as exc:
+        message = str(exc.log_message or "")
+        if exc.status_code == 409:
+            metrics.CAPACITY_REFUSALS.labels(size=size).inc()
+            reason = "capacity"
+        elif exc.status_code == 503:
+            reason = metrics.failure_reason(message)
+        elif exc.status_code == 500 and "could not start" in message:
+            reason = "refused"  # RBAC or an admission policy
+        else:
+            raise
+        metrics.START_FAILURES.labels(size=size, reason=reason).inc()
+        raise
+    except Exception:
+        metrics.START_FAILURES.labels(size=size, reason="other").inc()
+        raise
+    metrics.START_SECONDS.labels(size=size).observe(time.monotonic() - began)
+    return started
+
+
+def measured(start: Callable[..., Coroutine[Any, Any, str]]) -> Callable[..., Coroutine[Any, Any, str]]:
+    """``km._async_start_kernel``, measured (:func:`measured_start`) when it makes a new kernel."""
+
+    @functools.wraps(start)
+    async def wrapper(km: Any, *, kernel_id: str | None = None, **kwargs: Any) -> str:
+        started = start(km, kernel_id=kernel_id, **kwargs)
+        if kernel_id is not None and kernel_id in km:
+            return await started
+        name = kwargs.get("kernel_name") or km.default_kernel_name
+        return await measured_start(started, size_of(km.kernel_spec_manager, name))
+
+    return wrapper
+
+
+def size_of(ksm: Any, kernel_name: str) -> str:
+    """The size label of a kernelspec (``cpu`` for one without a GPU size, or an unknown one)."""
+    try:
+        profile = ksm.profile_of(kernel_name) if isinstance(ksm, ElasticKernelSpecManager) else None
+    except NoSuchKernel:
+        profile = None
+    return metrics.size_label(profile)

@@ -18,6 +18,7 @@ from typing import Any
 
 from kubernetes import client
 
+from kernelmgr.kube.labels import DEFAULT_INSTANCE, KERNEL, PROJECT_SELECTOR, component_of, kernel_id_of
 from tests.support.kube import ControlPlane, wait_for
 from tests.support.node_runner import NodeRunner
 
@@ -37,15 +38,16 @@ class PodCluster:
     first_port: int = field(default_factory=lambda: random.randrange(20000, 60000, 10))
 
     def pods(self, component: str = "kernel") -> list[Any]:
-        selector = f"component={component}"
-        return list(self.core.list_namespaced_pod(self.namespace, label_selector=selector).items)
+        """The server's pods of ``component`` (either label generation, see kernelmgr/kube/labels.py)."""
+        items = self.core.list_namespaced_pod(self.namespace, label_selector=PROJECT_SELECTOR).items
+        return [p for p in items if component_of(p.metadata.labels, DEFAULT_INSTANCE) == component]
 
     def secrets(self) -> list[str]:
-        items = self.core.list_namespaced_secret(self.namespace, label_selector="component=kernel").items
-        return [s.metadata.name for s in items]
+        items = self.core.list_namespaced_secret(self.namespace, label_selector=PROJECT_SELECTOR).items
+        return [s.metadata.name for s in items if component_of(s.metadata.labels, DEFAULT_INSTANCE) == KERNEL]
 
     def pod_of(self, kernel_id: str) -> Any:
-        pods = [p for p in self.pods() if p.metadata.labels.get("kernel_id") == kernel_id]
+        pods = [p for p in self.pods() if kernel_id_of(p.metadata.labels, DEFAULT_INSTANCE) == kernel_id]
         return pods[0] if pods else None
 
     def running_pod(self, kernel_id: str) -> Any:

@@ -106,7 +106,8 @@ podSelector:
 {{- end -}}
 
 {{/* The kernel pods' NetworkPolicies (no namespace): rendered in every kernel namespace of the chart and
-passed to the gateway for the namespaces it creates. Ingress: the gateway only (the kernel ports carry
+passed to the gateway for the namespaces it creates. They select this release's kernel and warm pods
+(kernelmgr/kube/labels.py: name, instance, app.kubernetes.io/component), never Enterprise Gateway's. Ingress: the gateway only (the kernel ports carry
 code execution, a warm pod's port a key and a checkpoint). Egress: denied but for the gateway, DNS and
 networkPolicy.kernels' allow-list; never the cloud metadata service or private ranges unless allowed. */}}
 {{- define "jek.kernelNetworkPolicies" -}}
@@ -115,19 +116,21 @@ networkPolicy.kernels' allow-list; never the cloud metadata service or private r
 {{- $dns := list (dict "port" 53 "protocol" "UDP") (dict "port" 53 "protocol" "TCP") -}}
 items:
   - metadata:
-      name: {{ include "jek.fullname" . }}-kernels
+      name: {{ include "jek.fullname" . }}-kernel-pods
       labels:
         {{- include "jek.labels" . | nindent 8 }}
     spec:
       podSelector: &kernels
+        matchLabels:
+          {{- include "jek.selector" . | nindent 10 }}
         matchExpressions:
-          - {key: component, operator: In, values: [kernel, warm-kernel]}
+          - {key: app.kubernetes.io/component, operator: In, values: [kernel, warm-kernel]}
       policyTypes: [Ingress]
       ingress:
         - from:
             - {{- include "jek.gatewayPeer" . | nindent 14 }}
   - metadata:
-      name: {{ include "jek.fullname" . }}-kernels-egress
+      name: {{ include "jek.fullname" . }}-kernel-pods-egress
       labels:
         {{- include "jek.labels" . | nindent 8 }}
     spec:
@@ -235,6 +238,7 @@ mounted as a folder (the kubelet replaces the file when it changes) and re-read 
   "checkpoint_claim" (include "jek.claimName" .)
   "node_agent_port" $v.nodeAgent.port
   "node_agent_instance" .Release.Name
+  "instance" .Release.Name
   "cpu_kernel_resources" $v.kernels.cpuResources
   "resources" $v.kernels.resources
   "size_resources" $v.kernels.sizeResources
