@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 before = measure(BeforeInformer(api, NAMESPACE, KERNEL_WATCH_SELECTOR))
                 now = measure(PodInformer(api, NAMESPACE, KERNEL_WATCH_SELECTOR))
                 rows.append({"pods": count, "before": before, "now": now})
-                print(f"measured {count} pods", file=sys.stderr, flush=True)
+                print(f"measured {count} pods: {rows[-1]}", file=sys.stderr, flush=True)
         finally:
             plane.stop()
     print(f"Kernel pod watch memory (tracemalloc), {NODES} kwok nodes; before = one list, whole pods")
