@@ -74,6 +74,14 @@ read from the config it is given, extraConfig included. */}}
 {{- if $base }}/{{ $base }}/metrics{{ else }}/metrics{{ end -}}
 {{- end -}}
 
+{{/* The gateway's readiness path: 200 only on the gateway that holds the Lease and took the kernels over
+(kernelmgr/server/handlers.py LeaderHandler), so the Service sends kernel traffic to the active one. */}}
+{{- define "jek.leaderPath" -}}
+{{- $server := (include "jek.serverConfig" . | fromJson).ServerApp | default dict -}}
+{{- $base := index $server "base_url" | default "/" | toString | trimPrefix "/" | trimSuffix "/" -}}
+{{- if $base }}/{{ $base }}/api/elastic/leader{{ else }}/api/elastic/leader{{ end -}}
+{{- end -}}
+
 {{/* The value of a Secret the chart makes: the one already in the cluster (kept across upgrades), else
 a new random one. Call with (list $ "<secret name>" "<key>"). */}}
 {{- define "jek.keptSecretValue" -}}
@@ -245,7 +253,8 @@ serves no files, so the claim's folder is as good a root as any. */ -}}
   "ElasticKubernetesProvisioner" $provisioner
   "CullPolicy" $cull
   "ElasticGateway" $gateway
-  "ElasticQuota" $quota -}}
+  "ElasticQuota" $quota
+  "ElasticLeaderElection" (dict "enabled" true "lease_name" (printf "%s-gateway" (include "jek.fullname" .))) -}}
 {{- if eq $v.checkpoints.store "s3" }}
 {{- $s3 := $v.checkpoints.objectStore -}}
 {{- $_ := required "checkpoints.objectStore.endpoint is required with checkpoints.store s3" $s3.endpoint -}}
