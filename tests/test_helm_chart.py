@@ -127,7 +127,7 @@ def test_lint_strict() -> None:
         ({"gateway": {"auth": "none"}}, "auth"),
         ({"checkpoints": {"mountPath": "relative/path"}}, "mountPath"),
         ({"nodeAgent": {"enabled": "yes"}}, "enabled"),
-        ({"gateway": {"replicas": 2}}, "replicas"),
+        ({"gateway": {"replicas": 6}}, "replicas"),
         ({"kernels": {"namespce": "x"}}, "namespce"),
         ({"kernels": {"namespaceTemplate": "jupyter-{username}"}}, "namespaceTemplate"),
         ({"kernels": {"stopGraceSeconds": 0}}, "stopGraceSeconds"),
@@ -729,6 +729,30 @@ def test_user_volumes_reach_the_provisioner(tmp_path: Path) -> None:
     assert config["client_env"] == ["KERNEL_PROJECT"] and config["kernelspec_images"] == {
         "python3": "reg/torch:2"
     }
+
+
+def test_gateway_replicas_are_active_and_standby_behind_a_lease(tmp_path: Path) -> None:
+    """Every gateway pod takes part in the Lease (one replica too: a pod stuck Terminating and its
+    replacement never both write); with two, a rolling update and readiness on the Lease."""
+    docs = render({"gateway": {"replicas": 2}}, tmp_path)
+    deployment = only(docs, "Deployment", "jupyter-elastic-kernels")["spec"]
+    assert deployment["replicas"] == 2
+    assert deployment["strategy"]["type"] == "RollingUpdate"
+    gateway = deployment["template"]["spec"]["containers"][0]
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/services/elastic-gateway/api/elastic/leader"
+    pod_name = next(e for e in gateway["env"] if e["name"] == "POD_NAME")
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    election = server_config(docs)["ElasticLeaderElection"]
+    assert election == {"enabled": True, "lease_name": "jupyter-elastic-kernels-gateway"}
+    role = only(docs, "ClusterRole", "jupyter-elastic-kernels:kernel-pods")["rules"]
+    assert {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": ["get", "create", "update", "patch"],
+    } in role
+    single = render({}, tmp_path)
+    assert only(single, "Deployment", "jupyter-elastic-kernels")["spec"]["strategy"]["type"] == "Recreate"
+    assert server_config(single)["ElasticLeaderElection"]["enabled"] is True
 
 
 def test_values_reach_the_server_config(tmp_path: Path) -> None:
