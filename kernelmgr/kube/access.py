@@ -193,6 +193,8 @@ class ExplainedCoreV1Api:
     a gateway that does not hold the Lease creates and deletes nothing.
     """
 
+    _fence: Fence | None = None
+
     def __init__(self, api: client.ApiClient, fence: Fence | None = None) -> None:
         self._core = client.CoreV1Api(api)
         self._fence = fence

@@ -12,6 +12,10 @@ websockets, culling and restarts behave exactly as users know them) plus:
   shutdown, interrupt, restart and culling mean for them;
 * on server exit it hibernates idle elastic kernels instead of killing them (configurable),
   and on start it re-registers the hibernated kernels of the previous run.
+
+Long because it is jupyter_server's one kernel manager: each verb (start, shutdown, interrupt,
+restart) meets the GPU sizes, hibernation and the Lease here; what could leave did
+(``starting.py``, ``waiting.py``, ``leadership.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from kernelmgr.server import execution_state
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.errors import http_error, no_such_kernel
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
+from kernelmgr.server.leadership import require_lease, require_serving
 from kernelmgr.server.models import elastic_kernel_model, kernel_pod_annotations
 from kernelmgr.server.starting import (
     StartWithoutReadyRace,
@@ -170,14 +175,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         self, *, kernel_id: str | None = None, path: Any = None, **kwargs: Any
     ) -> str:
         queued: str | None = None
-        leader = self.elastic_runtime.leader if self.elastic_runtime is not None else None
-        if leader is not None and not leader.ready():
-            raise http_error(
-                503,
-                f"this gateway ({leader.identity}) is a standby and serves no kernels; "
-                f"the one holding the Lease {leader.namespace}/{leader.name} does "
-                "(connect through the Service)",
-            )
+        require_serving(self.elastic_runtime)
         if kernel_id is None or kernel_id not in self:
             runtime = self._require_runtime()
             name = kwargs.get("kernel_name") or self.default_kernel_name
@@ -219,22 +217,10 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
     def _hibernated(self, kernel_id: str) -> bool:
         return self.hibernator is not None and self.hibernator.is_hibernated(kernel_id)
 
-    def require_lease(self, what: str) -> None:
-        """With several gateways, refuse (503) what would touch a kernel unless this gateway holds
-        the Lease: a fenced leader (stopped, partitioned) neither stops, restarts nor interrupts the
-        kernels the new leader serves, even for requests it had queued."""
-        leader = self.elastic_runtime.leader if self.elastic_runtime is not None else None
-        if leader is not None and not leader.holds():
-            raise http_error(
-                503,
-                f"this gateway ({leader.identity}) does not hold the Lease {leader.namespace}/{leader.name} "
-                f"and may not {what}; connect through the Service to the gateway that does",
-            )
-
     async def _async_shutdown_kernel(
         self, kernel_id: str, now: bool | None = False, restart: bool | None = False
     ) -> None:
-        self.require_lease("shut a kernel down")
+        require_lease(self.elastic_runtime, "shut a kernel down")
         hibernator = self.hibernator
         if hibernator is not None and not restart and hibernator.state_of(kernel_id) is not None:
             # A delete (or TTL removal) cancels what is in flight first: a resume stops the process
@@ -314,7 +300,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         return km
 
     async def interrupt_kernel(self, kernel_id: str, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
-        self.require_lease("interrupt a kernel")
+        require_lease(self.elastic_runtime, "interrupt a kernel")
         if self.hibernator is not None and (
             self._hibernated(kernel_id) or self.hibernator.is_going_to_sleep(kernel_id)
         ):
@@ -329,7 +315,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         await ensure_async(super().interrupt_kernel(kernel_id, *args, **kwargs))
 
     async def restart_kernel(self, kernel_id: str, now: bool = False) -> Any:  # type: ignore[override]
-        self.require_lease("restart a kernel")
+        require_lease(self.elastic_runtime, "restart a kernel")
         if self.hibernator is not None and self._hibernated(kernel_id):
             # Restart means "fresh kernel": start it without restoring the checkpoint.
             try:
