@@ -962,7 +962,8 @@ def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any],
         if process.poll() is not None:
             raise AssertionError(f"the gateway exited with {process.returncode}:\n{gateway.log()}")
         try:
-            return gateway.request("GET", "/api/status").status == 200
+            # The chart's readiness probe: it holds the Lease and has taken the kernels over.
+            return gateway.request("GET", "/api/elastic/leader", token=None).status == 200
         except OSError:
             return False
 
