@@ -325,3 +325,21 @@ def test_a_holder_whose_renewals_stopped_refuses_every_write(cluster: PodCluster
     finally:
         second.stop(release=False)
         cluster.core.delete_namespaced_config_map(f"{name}-a", NAMESPACE)
+
+
+def test_a_stopping_holder_releases_the_lease_so_the_standby_need_not_wait(
+    cluster: PodCluster, kube_api: Any
+) -> None:
+    name = f"gw-{uuid.uuid4().hex[:8]}"
+    # A Lease duration no test waits out: the standby can only get the Lease because it was released.
+    timings = {"lease_duration": 600.0, "renew_deadline": 500.0, "retry_period": RETRY}
+    first = LeaderLease(kube_api, NAMESPACE, name, "first", **timings).start()
+    second = LeaderLease(kube_api, NAMESPACE, name, "second", **timings)
+    try:
+        wait_for(first.holds, 30, "the first to hold the Lease")
+        second.start()
+        first.stop(release=True)  # what a gateway does at exit (SIGTERM: rolling update, drain)
+        assert not first.holds()
+        wait_for(second.holds, 60, "the standby to take the released Lease")
+    finally:
+        second.stop(release=False)
