@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kubernetes import client
 from traitlets import Bool, Float, Unicode
 from traitlets.config import LoggingConfigurable
 
@@ -55,7 +54,7 @@ class LeaderLease:
 
     def __init__(
         self,
-        api: client.ApiClient,
+        api: Any,
         namespace: str,
         name: str,
         identity: str,
@@ -70,7 +69,10 @@ class LeaderLease:
                 "the Lease timings need 0 < retry_period < renew_deadline < lease_duration, got "
                 f"{retry_period}, {renew_deadline}, {lease_duration}"
             )
+        from kubernetes import client  # the Kubernetes extra: imported where used, so the settings need none
+
         self.api: Any = client.CoordinationV1Api(api)  # Any: we send plain dict bodies
+        self._api_exception = client.ApiException
         self.namespace = namespace
         self.name = name
         self.identity = identity
@@ -158,7 +160,7 @@ class LeaderLease:
         now = dt.datetime.now(dt.timezone.utc)
         try:
             lease = self.api.read_namespaced_lease(self.name, self.namespace)
-        except client.ApiException as exc:
+        except self._api_exception as exc:
             if exc.status != 404:
                 raise
             body = {
@@ -167,7 +169,7 @@ class LeaderLease:
             }
             try:
                 self.api.create_namespaced_lease(self.namespace, body)
-            except client.ApiException as created:
+            except self._api_exception as created:
                 if created.status == 409:
                     return  # another gateway made it first: read it next time
                 raise
@@ -202,7 +204,7 @@ class LeaderLease:
         try:
             # The resourceVersion makes this a compare-and-swap: of two standbys, one wins.
             self.api.replace_namespaced_lease(self.name, self.namespace, body)
-        except client.ApiException as exc:
+        except self._api_exception as exc:
             if exc.status == 409:
                 return  # someone else wrote it since we read it: read again
             raise
@@ -283,7 +285,7 @@ class ElasticLeaderElection(LoggingConfigurable):
         help="Seconds between the holder's renewals and the standbys' tries (< renew_deadline).",
     )
 
-    def build(self, api: client.ApiClient, namespace: str, identity: str) -> LeaderLease:
+    def build(self, api: Any, namespace: str, identity: str) -> LeaderLease:
         """The Lease to start; ConfigError when the timings do not nest."""
         try:
             return LeaderLease(
