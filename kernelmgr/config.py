@@ -100,6 +100,9 @@ class ElasticRuntime:
     #: pod watches), made and stopped by the server extension in Kubernetes mode. Typed ``Any``:
     #: the runtime must not import the Kubernetes adapter.
     kube: Any = None
+    #: With several gateways (``ElasticLeaderElection.enabled``): their Lease
+    #: (:class:`kernelmgr.kube.leader.LeaderLease`); ``None``: this server is the only one.
+    leader: Any = None
     #: Set by a multi-user gateway (``ElasticGateway.kernel_accounts = "per-user"``): local kernels
     #: then run as their owner's OS account (:mod:`kernelmgr.provisioners.accounts`).
     kernel_accounts: KernelAccounts | None = None

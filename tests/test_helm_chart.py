@@ -143,7 +143,7 @@ def test_lint_strict() -> None:
         ({"gateway": {"auth": "none"}}, "auth"),
         ({"checkpoints": {"mountPath": "relative/path"}}, "mountPath"),
         ({"nodeAgent": {"enabled": "yes"}}, "enabled"),
-        ({"gateway": {"replicas": 2}}, "replicas"),
+        ({"gateway": {"replicas": 6}}, "replicas"),
         ({"kernels": {"namespce": "x"}}, "namespce"),
         ({"kernels": {"namespaceTemplate": "jupyter-{username}"}}, "namespaceTemplate"),
         ({"kernels": {"stopGraceSeconds": 0}}, "stopGraceSeconds"),
@@ -832,6 +832,30 @@ def test_user_volumes_reach_the_provisioner(tmp_path: Path) -> None:
     }
 
 
+def test_gateway_replicas_are_active_and_standby_behind_a_lease(tmp_path: Path) -> None:
+    """Every gateway pod takes part in the Lease (one replica too: a pod stuck Terminating and its
+    replacement never both write); with two, a rolling update and readiness on the Lease."""
+    docs = render({"gateway": {"replicas": 2}}, tmp_path)
+    deployment = only(docs, "Deployment", "jupyter-elastic-kernels")["spec"]
+    assert deployment["replicas"] == 2
+    assert deployment["strategy"]["type"] == "RollingUpdate"
+    gateway = deployment["template"]["spec"]["containers"][0]
+    assert gateway["readinessProbe"]["httpGet"]["path"] == "/services/elastic-gateway/api/elastic/readyz"
+    pod_name = next(e for e in gateway["env"] if e["name"] == "POD_NAME")
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    election = server_config(docs)["ElasticLeaderElection"]
+    assert election == {"enabled": True, "lease_name": "jupyter-elastic-kernels-gateway"}
+    role = only(docs, "ClusterRole", "jupyter-elastic-kernels:kernel-pods")["rules"]
+    assert {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": ["get", "create", "update", "patch"],
+    } in role
+    single = render({}, tmp_path)
+    assert only(single, "Deployment", "jupyter-elastic-kernels")["spec"]["strategy"]["type"] == "Recreate"
+    assert server_config(single)["ElasticLeaderElection"]["enabled"] is True
+
+
 def test_values_reach_the_server_config(tmp_path: Path) -> None:
     values = {
         "cull": {
@@ -1083,7 +1107,8 @@ def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any],
         if process.poll() is not None:
             raise AssertionError(f"the gateway exited with {process.returncode}:\n{gateway.log()}")
         try:
-            return gateway.request("GET", "/api/status").status == 200
+            # The chart's readiness probe: it holds the Lease and has taken the kernels over.
+            return gateway.request("GET", "/api/elastic/leader", token=None).status == 200
         except OSError:
             return False
 

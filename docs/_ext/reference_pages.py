@@ -27,6 +27,7 @@ CONFIGURABLES = [
         "kernels as pods; also read as `ElasticKubernetesProvisioner.<name>` (which wins, and is what "
         "the Helm chart renders)",
     ),
+    ("kernelmgr.kube.leader", "ElasticLeaderElection", "more than one gateway: the Lease of the active one"),
     ("kernelmgr.server.websocket", "ElasticWebsocketConnection", "what a notebook connection may queue"),
     ("gateway.config", "ElasticGateway", "the shared gateway: identity, admins, kernel accounts"),
     ("gateway.config", "ElasticQuota", "per-user and per-group limits at the gateway"),

@@ -179,11 +179,25 @@ def forbidden(
     return KubeRefused(exc, verb, resource, namespace)
 
 
-class ExplainedCoreV1Api:
-    """``CoreV1Api`` whose calls raise :class:`KubeForbidden` / :class:`KubeRefused` instead of a bare 403."""
+#: The verbs that change the cluster: refused by a fence (a gateway without the Lease).
+WRITE_VERBS = frozenset({"create", "delete", "deletecollection", "patch", "update"})
 
-    def __init__(self, api: client.ApiClient) -> None:
+#: Raises unless this gateway may write (``kernelmgr.kube.leader.LeaderLease.check``); gets what it would do.
+Fence = Callable[[str], None]
+
+
+class ExplainedCoreV1Api:
+    """``CoreV1Api`` whose calls raise :class:`KubeForbidden` / :class:`KubeRefused` instead of a bare 403.
+
+    With a ``fence``, every write (create, delete, patch, update; a dry run excepted) asks it first:
+    a gateway that does not hold the Lease creates and deletes nothing.
+    """
+
+    _fence: Fence | None = None
+
+    def __init__(self, api: client.ApiClient, fence: Fence | None = None) -> None:
         self._core = client.CoreV1Api(api)
+        self._fence = fence
 
     @property
     def api_client(self) -> client.ApiClient:
@@ -196,14 +210,22 @@ class ExplainedCoreV1Api:
             return attr
         verb, resource, namespaced = permission
         rbac_file = RBAC_NAMESPACES_FILE if resource == "namespaces" else RBAC_FILE
-        return _explained(attr, verb, resource, namespaced, rbac_file)
+        fence = self._fence if verb in WRITE_VERBS else None
+        return _explained(attr, verb, resource, namespaced, rbac_file, fence)
 
 
 def _explained(
-    method: Callable[..., Any], verb: str, resource: str, namespaced: bool, rbac_file: str
+    method: Callable[..., Any],
+    verb: str,
+    resource: str,
+    namespaced: bool,
+    rbac_file: str,
+    fence: Fence | None = None,
 ) -> Callable[..., Any]:
     @functools.wraps(method)  # keeps the signature: kubernetes.watch reads the return type from it
     def call(*args: Any, **kwargs: Any) -> Any:
+        if fence is not None and kwargs.get("dry_run") != "All":
+            fence(f"{verb} {resource}")
         try:
             return method(*args, **kwargs)
         except client.ApiException as exc:

@@ -21,11 +21,13 @@ from typing import Any
 
 from kubernetes import client, config
 
-from kernelmgr.kube.access import ExplainedCoreV1Api
+from kernelmgr import __version__
+from kernelmgr.kube.access import ExplainedCoreV1Api, Fence
 from kernelmgr.kube.events import PodEvents
 from kernelmgr.kube.failed_pods import FailedPods
 from kernelmgr.kube.informer import Informer, PodInformer, without_managed_fields
 from kernelmgr.kube.labels import KERNEL, KERNEL_WATCH_SELECTOR, kernel_id_of, legacy_selector, selector
+from kernelmgr.kube.leader import default_identity
 from kernelmgr.kube.manifests import (
     CONNECTION_FILE,
     KERNELSPEC_ANNOTATION,
@@ -62,6 +64,10 @@ class KubeCluster:
         self.failed_pods = FailedPods(self.core, self.log, self.settings.instance)
         #: Kubernetes Events on kernel pods (start, hibernate, resume, loss, failure).
         self.events = PodEvents(self.core, self.last_seen_pod, self.log, self.settings.instance)
+        #: Who this gateway is in the API server's audit log (the clients' User-Agent) and in the Lease.
+        self.identity = default_identity()
+        #: Set with more than one gateway (ElasticLeaderElection): every write asks it first.
+        self.fence: Fence | None = None
 
     def _kubeconfig(self, kubeconfig: str | None) -> str:
         return self.settings.kubeconfig if kubeconfig is None else kubeconfig
@@ -76,7 +82,9 @@ class KubeCluster:
                 config.load_incluster_config(client_configuration=configuration)
             else:
                 config.load_kube_config(config_file=kubeconfig or None, client_configuration=configuration)
-            self._clients[kubeconfig] = client.ApiClient(configuration)
+            api = client.ApiClient(configuration)
+            api.user_agent = f"jupyter-elastic-kernels/{__version__} ({self.identity})"
+            self._clients[kubeconfig] = api
         return self._clients[kubeconfig]
 
     def core(self, kubeconfig: str | None = None) -> Any:
@@ -85,7 +93,7 @@ class KubeCluster:
         A 403 from any call raises :class:`~kernelmgr.kube.access.KubeForbidden` naming the rule
         the server's Role lacks (or ``KubeRefused`` with the reason, when admission refused).
         """
-        return ExplainedCoreV1Api(self.api(kubeconfig))
+        return ExplainedCoreV1Api(self.api(kubeconfig), self.fence)
 
     def pod_informer(self, namespace: str | None = None, kubeconfig: str | None = None) -> PodInformer:
         """The one watch over the kernel pods of ``namespace``, started on first use."""

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kernelmgr.core.kernels import KernelRegistry
 
@@ -102,6 +102,20 @@ class KernelStateFile:
                 os.close(dir_fd)
 
 
+class RecordStore(Protocol):
+    """Where the records live: :class:`KernelStateFile`, or the Kubernetes API
+    (:class:`kernelmgr.kube.records.KubeRecordStore`, one ConfigMap per kernel)."""
+
+    @property
+    def path(self) -> Any: ...
+
+    def load(self) -> dict[str, KernelRecord]: ...
+
+    def save(self, records: dict[str, KernelRecord]) -> None: ...
+
+    def write(self, payload: str) -> None: ...
+
+
 class WriteBehind:
     """Saves the registry off the event loop, coalescing bursts, never raising into callers.
 
@@ -112,7 +126,7 @@ class WriteBehind:
     snapshot; a failed write is logged and retried with the next save or :meth:`flush`.
     """
 
-    def __init__(self, state_file: KernelStateFile, log: Any) -> None:
+    def __init__(self, state_file: RecordStore, log: Any) -> None:
         self.state_file = state_file
         self.log = log
         self._lock = threading.Lock()
@@ -174,7 +188,7 @@ class KernelRecords(dict[str, KernelRecord]):
     :class:`~kernelmgr.core.kernels.ManagedKernel` (plus the given fields) and saves.
     """
 
-    def __init__(self, state_file: KernelStateFile, kernels: KernelRegistry, log: Any, cwd_of: CwdOf) -> None:
+    def __init__(self, state_file: RecordStore, kernels: KernelRegistry, log: Any, cwd_of: CwdOf) -> None:
         super().__init__()
         self.state_file = state_file
         self.writer = WriteBehind(state_file, log)

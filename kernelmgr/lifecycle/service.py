@@ -51,7 +51,7 @@ from kernelmgr.lifecycle.host import KernelHost
 from kernelmgr.lifecycle.loss import KernelLoss, lost_note
 from kernelmgr.lifecycle.metrics import ReleasedSliceSeconds, size_label
 from kernelmgr.lifecycle.platform import JupyterKernelPlatform, disk_full, kill_pid
-from kernelmgr.lifecycle.records import KernelRecord, KernelRecords, KernelStateFile
+from kernelmgr.lifecycle.records import KernelRecord, KernelRecords, RecordStore
 from kernelmgr.lifecycle.recovery import Recovery
 from kernelmgr.lifecycle.scheduler import run_bounded
 
@@ -71,7 +71,7 @@ class Hibernator:
         self,
         mkm: KernelHost,
         runtime: ElasticRuntime,
-        state_file: KernelStateFile,
+        state_file: RecordStore,
         checkpoint_timeout: float = 600.0,
         start_timeout: float = 120.0,
         activity: JupyterActivity | None = None,
@@ -109,6 +109,9 @@ class Hibernator:
         #: resume has ended, or raises LifecycleError (403) saying why not. Entered with no
         #: await before it, so resumes sent at once see each other (a shared gateway's quotas).
         self.admission: Callable[[str, str | None, str], contextlib.AbstractContextManager[Any]] | None = None
+        #: With several gateways: raises LifecycleError (503) unless this one holds the Lease, asked
+        #: before a hibernation or a resume touches a kernel (a fenced gateway leaves them alone).
+        self.fence: Callable[[], None] | None = None
         #: Called with the kernel id when a resume has finished (once per resume): the
         #: websocket layer attaches the notebooks that were opened while it slept.
         self.on_resumed: list[Callable[[str], Any]] = []
@@ -135,6 +138,8 @@ class Hibernator:
 
     async def hibernate(self, kernel_id: str, reason: str = "api") -> None:
         """Checkpoint, stop, release; raises :class:`LifecycleError` saying why not."""
+        if self.fence is not None:
+            self.fence()
         if kernel_id not in self.mkm:
             raise LifecycleError(f"no kernel with id {kernel_id!r}", status=404)
         record = self.runtime.kernels.get(kernel_id)
@@ -273,6 +278,8 @@ class Hibernator:
         ``restore=False`` starts it empty (a restart of a hibernated kernel) and drops the checkpoint.
         A kernel whose pod is being stopped is resumed once the server has taken it over.
         """
+        if self.fence is not None:
+            self.fence()
         managed = self.runtime.kernels.get(kernel_id)
         stopping = managed.stopping if managed is not None else None
         if stopping is not None:

@@ -11,6 +11,7 @@ without its GPU sizes would look healthy while handing out no GPUs, or the wrong
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from traitlets import TraitError
 from kernelmgr.activity.gpu import GpuActivitySampler
 from kernelmgr.backends.local import MANAGED_VARIABLES
 from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
+from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.kube import optional as kube_optional
 from kernelmgr.lifecycle.events import LifecycleEvents
@@ -47,6 +49,8 @@ if TYPE_CHECKING:  # the Kubernetes modules load only in Kubernetes mode (the cl
     from kernelmgr.server.cluster_activity import ClusterGpuSampler
 
 CONFIG_ERROR_EXIT = 2
+#: A gateway that lost its Lease (another one serves the kernels) exits with this code.
+LOST_LEASE_EXIT = 3
 
 
 class ElasticKernelsExtension(ExtensionApp):
@@ -119,9 +123,8 @@ class ElasticKernelsExtension(ExtensionApp):
         km.default_kernel_name = ksm.default_for(km.default_kernel_name)
         if runtime.mode.in_pods or runtime.inventory_source == "kubernetes":
             runtime.kube = self._make_cluster(km, runtime)
-        state_file = KernelStateFile(
-            os.path.join(runtime.checkpoint_root, f"kernels-{server_identity(self.serverapp.root_dir)}.json")
-        )
+        state_file = self._kernel_records(runtime)
+        lease = self._leader_lease(runtime)
         events = LifecycleEvents(getattr(self.serverapp, "event_logger", None))
         if runtime.mode.in_pods and runtime.kube is not None:
             events.listeners.append(runtime.kube.events.lifecycle)  # Kubernetes Events on the pods
@@ -135,7 +138,8 @@ class ElasticKernelsExtension(ExtensionApp):
             start_timeout=runtime.resume_timeout,
             events=events,
         )
-        km.hibernator.recover()
+        if lease is None:
+            km.hibernator.recover()
         if runtime.inventory_source == "kubernetes":
             from kernelmgr.server.adoption import start_node_inventory
 
@@ -146,9 +150,12 @@ class ElasticKernelsExtension(ExtensionApp):
             node_sync = self.node_sync
             self.health.readiness.append(lambda: None if node_sync.informer.synced else "nodes not listed")
         if runtime.mode.in_pods:
-            # Once the loop runs (the pod watch must sync first); the server starts meanwhile,
-            # unready (readyz) until the kernel pods are adopted.
-            ioloop.IOLoop.current().add_callback(self._adopt_kernel_pods, km)
+            # Unready (readyz) until the kernel pods are adopted: by the Lease holder once it leads,
+            # else once the loop runs (the pod watch must sync first); the server starts meanwhile.
+            if lease is None:
+                ioloop.IOLoop.current().add_callback(self._adopt_kernel_pods, km)
+            else:
+                self.health.readiness.append(lambda: None if lease.serving else "standby")
             self.health.readiness.append(lambda: None if self.adopted else "kernel pods not adopted")
         sampler: GpuActivitySampler | ClusterGpuSampler | None = None
         if runtime.mode.in_pods:
@@ -172,7 +179,6 @@ class ElasticKernelsExtension(ExtensionApp):
             sample_interval=runtime.gpu_sample_interval,
         )
         km.hibernator.on_resumed.append(ElasticWebsocketConnection.attach_all)
-        km.culler.start()
         if live is not None:
             live.appliers.append(self._live_policy(km.culler, list(runtime.profiles)))
             self.settings["elastic_live_config"] = live
@@ -181,7 +187,8 @@ class ElasticKernelsExtension(ExtensionApp):
             self.background = BackgroundCheckpoints(
                 km.hibernator, runtime.background_checkpoint_interval, policy.max_concurrent_hibernations
             )
-            self.background.start()
+        if lease is None:
+            self._start_writers(runtime)
         self.settings["elastic_policy"] = policy
         install_collector(lambda: km.elastic_runtime, km.hibernator.released)
         if policy.enabled:
@@ -199,6 +206,17 @@ class ElasticKernelsExtension(ExtensionApp):
 
         reaper = ioloop.PeriodicCallback(km.reap_dead_slices, runtime.reap_interval * 1000)
         reaper.start()
+        if lease is not None:
+            self._follow_lease(km, runtime, lease, state_file)
+
+    def _start_writers(self, runtime: ElasticRuntime) -> None:
+        """What changes kernels on its own (culler, background checkpoints, warm pods): the Lease
+        holder's alone when there are several gateways."""
+        km = self.serverapp.kernel_manager if self.serverapp is not None else None
+        assert isinstance(km, ElasticMappingKernelManager) and km.culler is not None
+        km.culler.start()
+        if self.background is not None:
+            self.background.start()
         self._start_warm_pools(runtime)
 
     def _read_live_config(self) -> LiveConfig | None:
@@ -246,6 +264,86 @@ class ElasticKernelsExtension(ExtensionApp):
 
         await adopt_kernel_pods(km, self.node_sync)
         self.adopted = True
+
+    def _kernel_records(self, runtime: ElasticRuntime) -> Any:
+        """Where the registry of kernels lives: in Kubernetes mode the API (a ConfigMap per kernel,
+        :mod:`kernelmgr.kube.records`), any gateway rebuilding its model from one list; else a file
+        beside the checkpoints."""
+        assert self.serverapp is not None
+        identity = server_identity(self.serverapp.root_dir)
+        if runtime.mode.in_pods:
+            from kernelmgr.kube.records import KubeRecordStore
+
+            cluster = runtime.kube
+            return KubeRecordStore(cluster.core, cluster.settings.namespace, identity, self.log)
+        return KernelStateFile(os.path.join(runtime.checkpoint_root, f"kernels-{identity}.json"))
+
+    def _leader_lease(self, runtime: ElasticRuntime) -> Any:
+        """The Lease (``ElasticLeaderElection.enabled``, Kubernetes mode), not started yet; None with one
+        gateway. From here on every write to the cluster asks it first."""
+        if not runtime.mode.in_pods:
+            return None
+        from kernelmgr.kube.leader import ElasticLeaderElection
+
+        election = ElasticLeaderElection(parent=self.serverapp, log=self.log)
+        if not election.enabled:
+            return None
+        cluster = runtime.kube
+        try:
+            lease = election.build(cluster.api(), cluster.settings.namespace, cluster.identity)
+        except ConfigError as exc:
+            self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", exc.message)
+            sys.exit(CONFIG_ERROR_EXIT)
+        cluster.fence = lease.check
+        runtime.leader = lease
+        return lease
+
+    def _follow_lease(
+        self, km: ElasticMappingKernelManager, runtime: ElasticRuntime, lease: Any, records: Any
+    ) -> None:
+        """A standby until the Lease is this gateway's: then it lists the kernels from the API, adopts
+        their pods and starts what writes. A holder that loses the Lease exits at once: its kernels
+        are the new holder's, and hibernating them on the way out would race it."""
+        loop = ioloop.IOLoop.current()
+
+        async def lead() -> None:
+            self.log.info("jupyter-elastic-kernels: this gateway leads; taking over the kernels")
+            assert km.hibernator is not None
+            # One list of the records, off the loop; the recovery then reads it from memory.
+            await asyncio.to_thread(records.prefetch)
+            km.hibernator.recover()
+            self._start_writers(runtime)
+            await self._adopt_kernel_pods(km)
+            lease.serving = True
+            self.log.info("jupyter-elastic-kernels: this gateway serves the kernels")
+
+        def fence() -> None:
+            if not lease.holds():
+                raise LifecycleError(
+                    f"this gateway ({lease.identity}) does not hold the Lease {lease.namespace}/{lease.name}",
+                    status=503,
+                )
+
+        assert km.hibernator is not None
+        km.hibernator.fence = fence
+
+        def lost() -> None:
+            self.log.critical("jupyter-elastic-kernels: exiting: another gateway serves the kernels now")
+            os._exit(LOST_LEASE_EXIT)
+
+        def release() -> None:  # a graceful stop hands over at once, not after lease_duration
+            lease.stop(release=True)
+
+        lease.on_started.append(lambda: loop.add_callback(lead))
+        lease.on_lost.append(lost)
+        atexit.register(release)
+        self.log.info(
+            "jupyter-elastic-kernels: standby (%s) until it holds the Lease %s/%s",
+            lease.identity,
+            lease.namespace,
+            lease.name,
+        )
+        lease.start()
 
     def _make_cluster(self, km: ElasticMappingKernelManager, runtime: ElasticRuntime) -> Any:
         """The server's KubeCluster, its settings (pod resources, their sizes) checked at start, and

@@ -244,6 +244,35 @@ class VersionHandler(ElasticHandler):
         self.write_json(agent_info())
 
 
+class LeaderHandler(ElasticHandler):
+    """``GET /api/elastic/leader``: 200 when this gateway serves kernels (it holds the Lease and took
+    the kernels over, or it is the only gateway), else 503 saying who does. The readiness probe of a
+    gateway with replicas (the Service then sends kernel traffic to the leader only); open like
+    ``/api``: it tells only which gateway pod leads."""
+
+    @allow_unauthenticated
+    async def get(self) -> None:
+        runtime = self.settings.get("elastic_runtime")
+        leader = runtime.leader if isinstance(runtime, ElasticRuntime) else None
+        if leader is None:
+            self.write_json({"leader": True, "identity": None})
+            return
+        if not leader.ready():
+            self.set_status(503)
+            holder = leader.holder()
+            self.write_json(
+                {
+                    "message": f"standby: the Lease {leader.namespace}/{leader.name} is held by "
+                    f"{holder or 'nobody yet'}",
+                    "leader": False,
+                    "identity": leader.identity,
+                    "holder": holder,
+                }
+            )
+            return
+        self.write_json({"leader": True, "identity": leader.identity})
+
+
 class SessionsPreflightHandler(SessionRootHandler):
     """``POST /api/sessions`` with the GPU-size check done first.
 
@@ -324,4 +353,5 @@ def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:
         (r"/api/elastic/me", MeHandler),
         (r"/api/elastic/queue", QueueHandler),
         (r"/api/elastic/version", VersionHandler),
+        (r"/api/elastic/leader", LeaderHandler),
     ]

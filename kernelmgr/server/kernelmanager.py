@@ -13,8 +13,9 @@ websockets, culling and restarts behave exactly as users know them) plus:
   running for the next server (``hibernate_on_shutdown``), and on start it re-registers the
   hibernated kernels of the previous run.
 
-Long because each of jupyter_server's kernel operations is overridden here once, in one class: each
-override is short, and splitting the class would spread one kernel lifecycle over modules.
+Long because it is jupyter_server's one kernel manager: each verb (start, shutdown, interrupt,
+restart) meets the GPU sizes, hibernation and the Lease here; what could leave did
+(``starting.py``, ``waiting.py``, ``leadership.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from kernelmgr.server import execution_state
 from kernelmgr.server.culler import Culler
 from kernelmgr.server.errors import http_error, no_such_kernel
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
+from kernelmgr.server.leadership import require_lease, require_serving
 from kernelmgr.server.models import elastic_kernel_model, kernel_pod_annotations
 from kernelmgr.server.starting import (
     StartWithoutReadyRace,
@@ -178,6 +180,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         self, *, kernel_id: str | None = None, path: Any = None, **kwargs: Any
     ) -> str:
         queued: str | None = None
+        require_serving(self.elastic_runtime)
         if kernel_id is None or kernel_id not in self:
             runtime = self._require_runtime()
             name = kwargs.get("kernel_name") or self.default_kernel_name
@@ -222,6 +225,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
     async def _async_shutdown_kernel(
         self, kernel_id: str, now: bool | None = False, restart: bool | None = False
     ) -> None:
+        require_lease(self.elastic_runtime, "shut a kernel down")
         hibernator = self.hibernator
         if hibernator is not None and not restart and hibernator.state_of(kernel_id) is not None:
             # A delete (or TTL removal) cancels what is in flight first: a resume stops the process
@@ -300,6 +304,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         return km
 
     async def interrupt_kernel(self, kernel_id: str, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        require_lease(self.elastic_runtime, "interrupt a kernel")
         if self.hibernator is not None and (
             self._hibernated(kernel_id) or self.hibernator.is_going_to_sleep(kernel_id)
         ):
@@ -314,6 +319,7 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
         await ensure_async(super().interrupt_kernel(kernel_id, *args, **kwargs))
 
     async def restart_kernel(self, kernel_id: str, now: bool = False) -> Any:  # type: ignore[override]
+        require_lease(self.elastic_runtime, "restart a kernel")
         if self.hibernator is not None and self._hibernated(kernel_id):
             # Restart means "fresh kernel": start it without restoring the checkpoint.
             try:

@@ -551,6 +551,13 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     # -- messages --------------------------------------------------------------------------
 
     def handle_incoming_message(self, incoming_msg: Any) -> None:
+        runtime = getattr(self.multi_kernel_manager, "elastic_runtime", None)
+        leader = runtime.leader if runtime is not None else None
+        if leader is not None and not leader.holds():
+            # A fenced gateway (lost its Lease) sends nothing to a kernel the new leader serves:
+            # the notebook reconnects through the Service, to the leader. 1012: service restart.
+            self.websocket_handler.close(1012, "this gateway lost its Lease; reconnect")
+            return
         queue = self._pending()
         hibernating = self.hibernator is not None and self.hibernator.is_going_to_sleep(self.kernel_id)
         waking = self._waking is not None and not self._waking.done()

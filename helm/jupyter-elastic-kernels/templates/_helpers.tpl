@@ -287,7 +287,8 @@ serves no files, so the claim's folder is as good a root as any. */ -}}
   "ElasticKubernetesProvisioner" $provisioner
   "CullPolicy" $cull
   "ElasticGateway" $gateway
-  "ElasticQuota" $quota -}}
+  "ElasticQuota" $quota
+  "ElasticLeaderElection" (dict "enabled" true "lease_name" (printf "%s-gateway" (include "jek.fullname" .))) -}}
 {{- if eq $v.checkpoints.store "s3" }}
 {{- $s3 := $v.checkpoints.objectStore -}}
 {{- $_ := required "checkpoints.objectStore.endpoint is required with checkpoints.store s3" $s3.endpoint -}}
