@@ -43,7 +43,7 @@ from tests.support.node import Node  # noqa: E402
 from tests.support.server import start_server  # noqa: E402
 from tests.test_real_node import kernel_image, node, registry, server_config  # noqa: E402, F401
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]
 NAMESPACE = "elastic-user-files"
 HOME = "/home/jovyan"
 #: The owner's own identity on their home (not the image's 1000).

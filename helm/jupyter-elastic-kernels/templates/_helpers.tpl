@@ -201,6 +201,8 @@ items:
   "resources" $v.kernels.resources
   "size_resources" $v.kernels.sizeResources
   "size_pod_settings" $v.kernels.sizePodSettings
+  "cpu_pod_settings" $v.kernels.cpuPodSettings
+  "shm_size" $v.kernels.shmSize
   "pod_patch" $v.kernels.podPatch
   "validate_pods_at_start" $v.kernels.validatePodsAtStart
   "user_volumes" $v.kernels.userVolumes
@@ -211,6 +213,7 @@ items:
   "user_pod_namespace" $v.kernels.userPodNamespace
   "client_env" $v.kernels.clientEnv
   "kernelspec_images" $v.kernels.kernelspecImages
+  "kernelspec_argv" $v.kernels.kernelspecArgv
   "warm_pods" $v.kernels.warmPods -}}
 {{- if $v.nodeAgent.enabled }}
 {{- $_ := set $provisioner "node_agent_token_file" (printf "%s/token" (include "jek.agentTokenDir" .)) -}}
