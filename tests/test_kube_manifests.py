@@ -621,3 +621,26 @@ def test_the_kernelspecs_env_and_the_allowed_client_env_reach_the_pod() -> None:
                 checkpoint_sub_path="alice",
                 kernel_env=bad,
             )
+
+
+def test_the_pod_entry_point_runs_a_kernelspecs_own_argv_on_the_pods_connection_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kernelmgr.kube.pod_kernel import prepare
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    secret = tmp_path / "connection.json"
+    secret.write_text(json.dumps({"ip": "0.0.0.0", "shell_port": 52000}))
+    argv = ["/opt/jax/bin/python", "-m", "ipykernel_launcher", "-f", "{connection_file}", "--x"]
+    command = prepare(["-f", str(secret), "--", *argv], {"POD_IP": "10.1.2.3"})
+    assert command[:4] == argv[:4] and command[5] == "--x"
+    assert json.loads(Path(command[4]).read_text())["ip"] == "10.1.2.3"  # the pod's own file
+    default = prepare(["-f", str(secret), "--IPKernelApp.x=1"], {"POD_IP": "10.1.2.3"})
+    assert default[1:3] == ["-m", "ipykernel_launcher"] and default[-1] == "--IPKernelApp.x=1"
+    Path(command[4]).unlink()
+    Path(default[4]).unlink()
+    with pytest.raises(SystemExit, match="nothing to run"):
+        prepare(["-f", str(secret), "--"], {})
+    # The argv needs the entry point that writes that file.
+    with pytest.raises(ConfigError, match="kernelspec_argv needs the default command"):
+        KubeSettings(kernelspec_argv=["jax"], command=["python", "-m", "mykernel"]).check_sizes(["one"])
