@@ -11,6 +11,7 @@ hibernation and a resume on another pod.
 from __future__ import annotations
 
 import getpass
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -211,3 +212,29 @@ def test_a_kernelspecs_own_argv_runs_in_its_pods_and_cpu_kernels_take_their_sett
         wait_for(lambda: cluster.pod_of(plain) is None, 60, "the kernel pod to be deleted")
     finally:
         server.stop()
+
+
+def test_an_owner_with_their_own_uid_gets_their_checkpoint_folder_and_hibernates(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    """user_ids: the pod runs as the owner's uid and gid, and the server (root here) gives the
+    owner's checkpoint folder on the claim to them, so their kernel can write its checkpoints
+    (the runner nodes run pods as this user: the real node shows the kernel's own uid at work)."""
+    owner = getpass.getuser()
+    config = cluster.config(user_ids={owner: {"uid": 4321, "gid": 4322}})
+    server = start_server(tmp_path, config)
+    try:
+        kernel_id = server.start_kernel(SIZE)
+        context = cluster.running_pod(kernel_id).spec.security_context
+        assert (context.run_as_user, context.run_as_group, context.fs_group) == (4321, 4322, 4322)
+        found = (cluster.checkpoints / owner).stat()
+        assert (found.st_uid, found.st_gid) == (4321, 4322)
+        server.execute(kernel_id, "x = 41", timeout=120)
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert reply.status == 200, reply.body
+        assert server.execute(kernel_id, "print(x + 1)", timeout=120).strip() == "42"
+        server.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+    finally:
+        server.stop()
+        os.chown(cluster.checkpoints / owner, os.getuid(), os.getgid())  # as the other tests expect it
