@@ -249,7 +249,7 @@ def run_the_notebook(
             "      os.getuid(), os.getgid())\n"
             "open('out.txt', 'w').write('written by the kernel')\n"
         )
-        printed = server.execute(kernel_id, cell, timeout=300).split(maxsplit=1)
+        printed = server.execute(kernel_id, cell, timeout=300).strip().split(maxsplit=1)
         assert printed == [f"{HOME}/proj", f"['1', '2'] 42 {UID} {GID}"], printed
         written = (home / "proj" / "out.txt").stat()
         assert (written.st_uid, written.st_gid) == (UID, GID)  # the user's file, on the user's home
@@ -285,7 +285,7 @@ def run_the_notebook(
             "      tinypkg.__file__.startswith(os.path.expanduser('~/.local/')))\n"
         )
         assert server.execute(kernel_id, again, timeout=300).strip() == "42 ['1', '2'] 42 42 True"
-        assert kernel_pod(core, kernel_id).metadata.name != pod.metadata.name
+        assert kernel_pod(core, kernel_id).metadata.uid != pod.metadata.uid  # a new pod
         server.shutdown_kernel(kernel_id)
         wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the kernel pod to be deleted")
     finally:
