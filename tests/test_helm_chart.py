@@ -157,6 +157,8 @@ def test_lint_strict() -> None:
         ({"tests": {"gatewayUrl": "gateway:8888"}}, "gatewayUrl"),
         ({"kernels": {"sizePodSettings": {"whole": {"gpus": 2}}}}, "gpus"),
         ({"kernels": {"sizePodSettings": {"whole": {"shmSize": "lots"}}}}, "shmSize"),
+        ({"kernels": {"cpuPodSettings": {"gpus": 1}}}, "gpus"),
+        ({"kernels": {"shmSize": "lots"}}, "shmSize"),
         ({"kernels": {"podPatch": {"status": {}}}}, "status"),
         ({"kernels": {"userVolumes": [{"name": "home", "mountPath": "/home/jovyan"}]}}, "userVolumes"),
         ({"kernels": {"homeAccessMode": "ReadWriteSometimes"}}, "homeAccessMode"),
@@ -809,6 +811,15 @@ def test_size_pod_settings_and_the_pod_patch_reach_the_provisioner(tmp_path: Pat
     # The provisioner accepts what the chart renders.
     settings = KubeSettings(size_pod_settings=config["size_pod_settings"], pod_patch=config["pod_patch"])
     settings.check_sizes(["whole"])
+    assert config["shm_size"] == "1Gi" and config["cpu_pod_settings"] == {}
+    cpu = {"nodeSelector": {"pool": "cpu"}, "shmSize": "256Mi"}
+    values = {"kernels": {"cpuPodSettings": cpu, "shmSize": "2Gi", "kernelspecArgv": ["jax"]}}
+    config = server_config(render(values, tmp_path))["ElasticKubernetesProvisioner"]
+    assert config["cpu_pod_settings"] == cpu and config["shm_size"] == "2Gi"
+    assert config["kernelspec_argv"] == ["jax"]
+    KubeSettings(
+        cpu_pod_settings=cpu, shm_size=config["shm_size"], kernelspec_argv=config["kernelspec_argv"]
+    ).check_sizes(["whole"])
 
 
 def test_user_volumes_reach_the_provisioner(tmp_path: Path) -> None:

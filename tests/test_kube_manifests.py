@@ -262,7 +262,7 @@ def test_a_sizes_pod_settings_apply_to_its_pods_only() -> None:
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "4Gi"}} in spec["volumes"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container["volumeMounts"]
     assert container["resources"]["limits"]["ephemeral-storage"] == "20Gi"
-    # A CPU kernel's pod and another size's have none of it.
+    # A CPU kernel's pod and another size's have none of it (/dev/shm: the global shm_size).
     for other in (
         kernel_pod(template, profile=None),
         kernel_pod(template, parse_profile("two", {"gpu_fraction": 1})),
@@ -272,7 +272,108 @@ def test_a_sizes_pod_settings_apply_to_its_pods_only() -> None:
         assert not {"priorityClassName", "runtimeClassName", "imagePullSecrets", "affinity"} & set(
             other["spec"]
         )
-        assert all(v["name"] != "dshm" for v in other["spec"]["volumes"])
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}} in other["spec"][
+            "volumes"
+        ]
+
+
+def test_every_kernel_pod_has_a_dev_shm_unless_turned_off() -> None:
+    """The runtime's 64 MiB /dev/shm kills a DataLoader's workers with a bus error: every kernel and
+    warm pod gets shm_size (1Gi) as a memory emptyDir; empty turns it off, a size's shmSize wins."""
+    template = KubeSettings(shm_size="2Gi", size_pod_settings={"one": {"shmSize": "8Gi"}}).pod_template()
+    limits = {
+        "cpu": kernel_pod(template, profile=None),
+        "one": kernel_pod(template),
+        "warm": make_warm_pod(template, name="warm-1", profile=WHOLE, preload=()),
+        "two": kernel_pod(template, parse_profile("two", {"gpu_fraction": 1})),
+    }
+    for which, pod in limits.items():
+        (shm,) = [v for v in pod["spec"]["volumes"] if v["name"] == "dshm"]
+        assert shm["emptyDir"]["sizeLimit"] == ("8Gi" if which in ("one", "warm") else "2Gi"), which
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["spec"]["containers"][0]["volumeMounts"]
+    assert KubeSettings().shm_size == "1Gi"
+    off = kernel_pod(KubeSettings(shm_size="").pod_template(), profile=None)
+    assert all(v["name"] != "dshm" for v in off["spec"]["volumes"])
+    from traitlets import TraitError
+
+    with pytest.raises(TraitError, match="shm_size: 'lots' is not a positive Kubernetes quantity"):
+        KubeSettings(shm_size="lots")
+
+
+def test_cpu_kernels_take_their_own_pod_settings() -> None:
+    """cpu_pod_settings: the '-cpu' kernelspecs' image, resources, placement, as a size's are."""
+    resources = {"requests": {"cpu": "500m", "memory": "2Gi"}, "limits": {"cpu": "500m", "memory": "2Gi"}}
+    settings = KubeSettings(
+        node_selector={"zone": "a"},
+        cpu_pod_settings={
+            "image": "registry/slim:1",
+            "resources": resources,
+            "nodeSelector": {"pool": "cpu"},
+            "tolerations": [{"key": "cpu-pool", "operator": "Exists"}],
+            "priorityClassName": "batch-low",
+            "shmSize": "256Mi",
+        },
+    )
+    cpu = kernel_pod(settings.pod_template(), profile=None)
+    spec = cpu["spec"]
+    assert spec["containers"][0]["image"] == "registry/slim:1"
+    assert spec["containers"][0]["resources"] == resources
+    assert spec["nodeSelector"] == {"zone": "a", "pool": "cpu"}
+    assert spec["tolerations"][0]["key"] == "cpu-pool" and spec["priorityClassName"] == "batch-low"
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "256Mi"}} in spec["volumes"]
+    gpu = kernel_pod(settings.pod_template())["spec"]  # a GPU size's pod has none of it
+    assert gpu["containers"][0]["image"] == settings.image and gpu["nodeSelector"] == {"zone": "a"}
+    assert "priorityClassName" not in gpu
+    from traitlets import TraitError
+
+    with pytest.raises(TraitError, match=r"cpu_pod_settings.gpus: unknown key"):
+        KubeSettings(cpu_pod_settings={"gpus": 1})
+
+
+def test_owners_listed_in_user_ids_run_as_their_own_uid_and_gid() -> None:
+    """Files a kernel writes on a uid-owned home are its user's; others (and warm pods) run as
+    run_as_user."""
+    template = KubeSettings(
+        run_as_user=1000, user_ids={"alice": {"uid": 2001, "gid": 3001}, "bob": {"uid": 2002}}
+    ).pod_template()
+    context = kernel_pod(template)["spec"]["securityContext"]
+    assert (context["runAsUser"], context["runAsGroup"], context["fsGroup"]) == (2001, 3001, 3001)
+    assert context["runAsNonRoot"] is True
+    assert template.identity("bob") == (2002, 2002) and template.identity("carol") == (1000, 1000)
+    warm = make_warm_pod(template, name="warm-1", profile=WHOLE, preload=())["spec"]["securityContext"]
+    assert (warm["runAsUser"], warm["runAsGroup"]) == (1000, 1000)
+    from traitlets import TraitError
+
+    for bad, said in [
+        ({"alice": {"uid": 0}}, "uid 0 is root"),
+        ({"alice": {"uid": "1001"}}, "user_ids['alice'].uid must be a number"),
+        ({"alice": 1001}, "user_ids['alice'] must be"),
+    ]:
+        with pytest.raises(TraitError, match=re.escape(said)):
+            KubeSettings(user_ids=bad)
+
+
+def test_user_ids_with_a_checkpoint_claim_need_a_server_that_can_give_folders() -> None:
+    """Each listed owner's checkpoint folder must become theirs (chown): a server that is not root
+    refuses the configuration at start-up, not at the first hibernation."""
+    import os
+    import subprocess
+    import sys
+
+    check = (
+        "from kernelmgr.kube.settings import KubeSettings\n"
+        "KubeSettings(checkpoint_claim='ck', user_ids={'alice': {'uid': 2001}}).check_user_files()\n"
+    )
+    KubeSettings(user_ids={"alice": {"uid": 2001}}).check_user_files()  # no claim: nothing to give
+    if os.geteuid() != 0:
+        with pytest.raises(ConfigError, match=f"server runs as uid {os.geteuid()}, not root"):
+            KubeSettings(checkpoint_claim="ck", user_ids={"alice": {"uid": 2001}}).check_user_files()
+        return
+    subprocess.run([sys.executable, "-c", check], check=True)  # root: it can
+    as_nobody = subprocess.run(
+        [sys.executable, "-c", check], user=65534, group=65534, capture_output=True, text=True, cwd="/"
+    )
+    assert "server runs as uid 65534, not root" in as_nobody.stderr, as_nobody.stderr[-2000:]
 
 
 def test_a_sizes_resources_replace_the_defaults_and_can_be_guaranteed() -> None:
@@ -564,3 +665,26 @@ def test_kernel_pods_of_this_release_and_of_the_previous_labels_are_kernels_no_o
     assert "app.kubernetes.io/component notin (kernel-failed)" in KERNEL_WATCH_SELECTOR
     assert "component notin (kernel-failed)" in KERNEL_WATCH_SELECTOR.split(",", 2)[2]
     assert kernel_id_of(kernel_labels(DEFAULT_INSTANCE, "k", "a"), DEFAULT_INSTANCE) == "k"
+
+
+def test_the_pod_entry_point_runs_a_kernelspecs_own_argv_on_the_pods_connection_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kernelmgr.kube.pod_kernel import prepare
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    secret = tmp_path / "connection.json"
+    secret.write_text(json.dumps({"ip": "0.0.0.0", "shell_port": 52000}))
+    argv = ["/opt/jax/bin/python", "-m", "ipykernel_launcher", "-f", "{connection_file}", "--x"]
+    command = prepare(["-f", str(secret), "--", *argv], {"POD_IP": "10.1.2.3"})
+    assert command[:4] == argv[:4] and command[5] == "--x"
+    assert json.loads(Path(command[4]).read_text())["ip"] == "10.1.2.3"  # the pod's own file
+    default = prepare(["-f", str(secret), "--IPKernelApp.x=1"], {"POD_IP": "10.1.2.3"})
+    assert default[1:3] == ["-m", "ipykernel_launcher"] and default[-1] == "--IPKernelApp.x=1"
+    Path(command[4]).unlink()
+    Path(default[4]).unlink()
+    with pytest.raises(SystemExit, match="nothing to run"):
+        prepare(["-f", str(secret), "--"], {})
+    # The argv needs the entry point that writes that file.
+    with pytest.raises(ConfigError, match="kernelspec_argv needs the default command"):
+        KubeSettings(kernelspec_argv=["jax"], command=["python", "-m", "mykernel"]).check_sizes(["one"])

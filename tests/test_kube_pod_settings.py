@@ -166,7 +166,8 @@ def test_two_sizes_land_on_their_nodes_within_a_quota_and_pod_security_restricte
         assert any(m.mount_path == "/dev/shm" for m in container.volume_mounts)
         assert l4.spec.containers[0].image == "python:3.12" and l4.status.qos_class == "Burstable"
         assert l4.spec.priority_class_name is None and l4.spec.runtime_class_name is None
-        assert all(v.name != "dshm" for v in l4.spec.volumes)
+        (l4_shm,) = [v for v in l4.spec.volumes if v.name == "dshm"]  # the global shm_size
+        assert l4_shm.empty_dir.size_limit == "1Gi"
         assert a100.metadata.labels["team"] == l4.metadata.labels["team"] == "ml"  # the pod patch
         quota = core.read_namespaced_resource_quota("kernels", namespace)
         assert quota.status.used["requests.memory"] == "12Gi", quota.status.used

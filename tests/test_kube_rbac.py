@@ -500,3 +500,34 @@ def test_a_403_is_explained_by_what_refused_it() -> None:
     with pytest.raises(client.ApiException) as missing:
         api.delete_namespaced_secret("kernel-1", "jupyter-alice")
     assert missing.value is other
+
+
+def test_an_owners_own_uid_and_dev_shm_pass_pod_security_restricted(
+    kube_api: Any, kube_namespace: str
+) -> None:
+    """The API server (its validation and Pod Security "restricted") takes a kernel pod running as
+    its owner's uid and gid (user_ids) with the /dev/shm emptyDir, as the provisioner makes it."""
+    from kubernetes import client
+
+    from kernelmgr.kube.manifests import make_kernel_pod
+    from kernelmgr.kube.settings import KubeSettings
+
+    core = client.CoreV1Api(kube_api)
+    core.patch_namespace(kube_namespace, {"metadata": {"labels": RESTRICTED}})
+    template = KubeSettings(user_ids={"alice": {"uid": 2001, "gid": 3001}}).pod_template()
+    pod = make_kernel_pod(
+        template,
+        name="kernel-uid",
+        kernel_id="uid",
+        cmd=["python", "-m", "kernelmgr.kube.pod_kernel"],
+        agent_env={},
+        owner="alice",
+        kernelspec="python3-cpu",
+        profile=None,
+        checkpoint_sub_path=None,
+    )
+    made = core.create_namespaced_pod(kube_namespace, pod, dry_run="All", field_validation="Strict")
+    context = made.spec.security_context
+    assert (context.run_as_user, context.run_as_group, context.fs_group) == (2001, 3001, 3001)
+    shm = next(v for v in made.spec.volumes if v.name == "dshm")
+    assert (shm.empty_dir.medium, shm.empty_dir.size_limit) == ("Memory", "1Gi")

@@ -11,6 +11,7 @@ hibernation and a resume on another pod.
 from __future__ import annotations
 
 import getpass
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -165,3 +166,75 @@ def test_two_kernelspecs_run_in_their_own_images_with_their_own_env(
         wait_for(lambda: cluster.pod_of(torch) is None, 60, "the kernel pod to be deleted")
     finally:
         server.stop()
+
+
+def test_a_kernelspecs_own_argv_runs_in_its_pods_and_cpu_kernels_take_their_settings(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    """kernelspec_argv: an admin's kernelspec for another environment runs its own argv in the pod
+    (here a Python started with its own -X option), the entry point handing it the pod's connection
+    file and the agent loaded; other kernelspecs run the default command. cpu_pod_settings reach the
+    '-cpu' kernels' pods."""
+    import json
+    import sys
+
+    spec_dir = tmp_path / "data" / "kernels" / "alt"
+    spec_dir.mkdir(parents=True)
+    argv = [sys.executable, "-X", "elastic_env=alt", "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    spec = {"argv": argv, "display_name": "Alt", "language": "python", "env": {"FRAMEWORK": "alt"}}
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    config = cluster.config(
+        kernelspec_argv=["alt"],
+        cpu_pod_settings={"resources": {"requests": {"cpu": "150m", "memory": "300Mi"}}, "shmSize": "300Mi"},
+    )
+    config["ElasticKernels"]["base_kernels"] = ["python3", "alt"]
+    server = start_server(tmp_path, config)
+    cell = (
+        "import sys, os\n"
+        "print(sys._xoptions.get('elastic_env'), os.environ.get('FRAMEWORK'),\n"
+        "      'kernelmgr.checkpoint.agent' in get_ipython().extension_manager.loaded)\n"
+    )
+    try:
+        alt = server.start_kernel("alt-gpu-whole")
+        (container,) = cluster.running_pod(alt).spec.containers
+        assert container.command[container.command.index("--") + 1 :][:3] == argv[:3], container.command
+        assert server.execute(alt, cell, timeout=120).split() == ["alt", "alt", "True"]
+        server.shutdown_kernel(alt)
+        wait_for(lambda: cluster.pod_of(alt) is None, 60, "the kernel pod to be deleted")
+        plain = server.start_kernel("python3-cpu")
+        pod = cluster.running_pod(plain)
+        assert "--" not in pod.spec.containers[0].command
+        assert pod.spec.containers[0].resources.requests == {"cpu": "150m", "memory": "300Mi"}
+        shm = next(v for v in pod.spec.volumes if v.name == "dshm")
+        assert shm.empty_dir.size_limit == "300Mi"
+        assert server.execute(plain, cell, timeout=120).split() == ["None", "None", "True"]
+        server.shutdown_kernel(plain)
+        wait_for(lambda: cluster.pod_of(plain) is None, 60, "the kernel pod to be deleted")
+    finally:
+        server.stop()
+
+
+def test_an_owner_with_their_own_uid_gets_their_checkpoint_folder_and_hibernates(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    """user_ids: the pod runs as the owner's uid and gid, and the server (root here) gives the
+    owner's checkpoint folder on the claim to them, so their kernel can write its checkpoints
+    (the runner nodes run pods as this user: the real node shows the kernel's own uid at work)."""
+    owner = getpass.getuser()
+    config = cluster.config(user_ids={owner: {"uid": 4321, "gid": 4322}})
+    server = start_server(tmp_path, config)
+    try:
+        kernel_id = server.start_kernel(SIZE)
+        context = cluster.running_pod(kernel_id).spec.security_context
+        assert (context.run_as_user, context.run_as_group, context.fs_group) == (4321, 4322, 4322)
+        found = (cluster.checkpoints / owner).stat()
+        assert (found.st_uid, found.st_gid) == (4321, 4322)
+        server.execute(kernel_id, "x = 41", timeout=120)
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert reply.status == 200, reply.body
+        assert server.execute(kernel_id, "print(x + 1)", timeout=120).strip() == "42"
+        server.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+    finally:
+        server.stop()
+        os.chown(cluster.checkpoints / owner, os.getuid(), os.getgid())  # as the other tests expect it

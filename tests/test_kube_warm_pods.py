@@ -142,6 +142,23 @@ def test_kernels_take_warm_pods_and_keep_their_state_through_cycles(
         wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
 
 
+def test_a_kernelspec_with_its_own_image_never_takes_a_warm_pod(cluster: PodCluster, tmp_path: Path) -> None:
+    """A warm pod runs the size's image and entry point: a kernel whose kernelspec has its own
+    (kernelspec_images, kernelspec_argv) starts cold, counted as a miss."""
+    config = warm_config(cluster)
+    config["ElasticKubernetesProvisioner"]["kernelspec_images"] = {"python3": "python:3.12-own"}
+    with serving(cluster, tmp_path, config) as server:
+        warm_ready(server, 1)
+        kernel_id = server.start_kernel(SIZE)
+        pod = cluster.running_pod(kernel_id)
+        assert pod.metadata.name == f"kernel-{kernel_id}", pod.metadata.name
+        assert pod.spec.containers[0].image == "python:3.12-own"
+        assert metric(server, "elastic_warm_pod_misses_total") == 1
+        assert metric(server, "elastic_warm_pod_hits_total") == 0
+        server.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")
+
+
 def test_warm_pods_give_their_gpu_to_a_kernel_that_needs_it_and_refill_when_it_sleeps(
     cluster: PodCluster, tmp_path: Path
 ) -> None:

@@ -67,7 +67,8 @@ def check_kernel_pods(cluster: Any, profiles: Mapping[str, GpuProfile], log: log
         where = (
             f"ElasticKubernetesProvisioner.size_pod_settings[{size!r}] (GPU size {size!r})"
             if size is not None
-            else "ElasticKubernetesProvisioner (the settings every kernel pod shares, pod_patch)"
+            else "ElasticKubernetesProvisioner.cpu_pod_settings (CPU kernels; and what every kernel pod "
+            "shares, pod_patch)"
         )
         pod = make_kernel_pod(
             template,

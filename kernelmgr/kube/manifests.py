@@ -89,6 +89,10 @@ class PodTemplate:
     size_resources: Mapping[str, Any] = field(default_factory=dict)
     #: Per GPU size: image, resources, placement, /dev/shm... (:mod:`kernelmgr.kube.pod_settings`).
     size_pods: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: The CPU kernels' pod settings (the same keys as a size's; none of a GPU size's reach them).
+    cpu_pods: Mapping[str, Any] = field(default_factory=dict)
+    #: /dev/shm of every kernel pod unless its settings name a shmSize ("": the runtime's 64 MiB).
+    shm_size: str = ""
     #: Strategic-merge patch applied last to every kernel and warm pod.
     pod_patch: Mapping[str, Any] = field(default_factory=dict)
     #: The owner's volumes (:mod:`kernelmgr.kube.user_volumes`), which of them is HOME, where the
@@ -98,6 +102,14 @@ class PodTemplate:
     notebook_root: str = ""
     user_pod_selector: Mapping[str, str] | None = None
     user_pod_namespace: str = ""
+    #: Per owner, the (uid, gid) their kernels run as; others run as run_as_user.
+    user_ids: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+    def identity(self, owner: str | None) -> tuple[int, int]:
+        """The uid and gid ``owner``'s kernels run as (a warm pod, with no owner yet: run_as_user)."""
+        if owner is not None and owner in self.user_ids:
+            return self.user_ids[owner]
+        return self.run_as_user, self.run_as_user
 
     @property
     def home(self) -> str:
@@ -123,8 +135,8 @@ class PodTemplate:
         return resources
 
     def size_settings(self, size: str | None) -> Mapping[str, Any]:
-        """The pod settings of ``size`` (none for CPU kernels: the global ones and pod_patch)."""
-        return self.size_pods.get(size, {}) if size is not None else {}
+        """The pod settings of ``size``, or of the CPU kernels (``None``)."""
+        return self.size_pods.get(size, {}) if size is not None else self.cpu_pods
 
 
 def make_kernel_pod(
@@ -327,7 +339,7 @@ def _pod(
     # /tmp are emptyDirs.
     env += [{"name": "HOME", "value": template.home}, {"name": "TMPDIR", "value": TMP_MOUNT}]
     env += [{"name": k, "value": v} for k, v in own_env.items()]
-    user = template.run_as_user
+    user, group = template.identity(owner)
     own = template.size_settings(profile.name if profile is not None else None)
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -336,8 +348,9 @@ def _pod(
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": user,
-            "runAsGroup": user,
-            "fsGroup": user,
+            "runAsGroup": group,
+            # The Secret's 0440 files and the volumes that honour fsGroup are the kernel's group's.
+            "fsGroup": group,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [
@@ -376,11 +389,10 @@ def _pod(
             {"name": "tmp", "emptyDir": {}},
         ],
     }
-    if "shmSize" in own:
-        # 64 MiB by default: a DataLoader with workers dies with a bus error.
-        spec["volumes"].append(
-            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": own["shmSize"]}}
-        )
+    shm = own.get("shmSize", template.shm_size)
+    if shm:
+        # The runtime's is 64 MiB: a DataLoader with workers (shared memory) dies with a bus error.
+        spec["volumes"].append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": shm}})
         spec["containers"][0]["volumeMounts"].append({"name": SHM_VOLUME, "mountPath": SHM_MOUNT})
     if template.service_account:
         spec["serviceAccountName"] = template.service_account

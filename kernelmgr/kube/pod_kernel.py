@@ -7,7 +7,11 @@ as in the tests) and it exposes the kernel on every interface. So this reads the
 ``$POD_IP`` in it, writes it privately (0600, ``$TMPDIR``: the Secret volume is read-only) and
 replaces itself with ``python -m ipykernel_launcher -f <that file> <the other arguments>``.
 
-Usage: ``python -m kernelmgr.kube.pod_kernel -f /etc/elastic/connection.json [ipykernel args...]``.
+A kernelspec whose own argv runs in the pod (``kernelspec_argv``: another Python environment in the
+image) comes after ``--``: that argv runs instead, ``{connection_file}`` replaced by the written file.
+
+Usage: ``python -m kernelmgr.kube.pod_kernel -f /etc/elastic/connection.json [ipykernel args...]``, or
+``... -f /etc/elastic/connection.json -- /opt/jax/bin/python -m ipykernel_launcher -f {connection_file}``.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import os
 import sys
 import tempfile
 from collections.abc import Mapping
+
+#: Separates the entry point's arguments from a kernelspec's own argv.
+ARGV_SEPARATOR = "--"
 
 
 def write_pod_connection_file(info: dict[str, object], environ: Mapping[str, str]) -> str:
@@ -38,12 +45,18 @@ def prepare(argv: list[str], environ: dict[str, str]) -> list[str]:
     with open(argv[1]) as source:
         info = json.load(source)
     path = write_pod_connection_file(info, environ)
-    return [sys.executable, "-m", "ipykernel_launcher", "-f", path, *argv[2:]]
+    rest = argv[2:]
+    if ARGV_SEPARATOR in rest:
+        own = rest[rest.index(ARGV_SEPARATOR) + 1 :]
+        if not own:
+            raise SystemExit(f"nothing to run after {ARGV_SEPARATOR!r}")
+        return [part.replace("{connection_file}", path) for part in own]
+    return [sys.executable, "-m", "ipykernel_launcher", "-f", path, *rest]
 
 
 def main() -> None:
     command = prepare(sys.argv[1:], dict(os.environ))
-    os.execv(command[0], command)
+    os.execvp(command[0], command)  # a kernelspec's argv may name its program by PATH
 
 
 if __name__ == "__main__":

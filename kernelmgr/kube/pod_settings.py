@@ -92,7 +92,7 @@ def pull_secrets(raw: list[Any]) -> list[dict[str, str]]:
     return [{"name": item} if isinstance(item, str) else {"name": item["name"]} for item in raw]
 
 
-def _quantity_refusal(value: Any, where: str) -> str | None:
+def quantity_refusal(value: Any, where: str) -> str | None:
     from kubernetes.utils.quantity import parse_quantity
 
     try:
@@ -144,7 +144,7 @@ def size_pod_settings_refusal(
         if key == "resources":
             refusal = resources_refusal(value, here)
         elif key in ("shmSize", "ephemeralStorage"):
-            refusal = _quantity_refusal(value, here)
+            refusal = quantity_refusal(value, here)
         else:
             check, wanted = _SHAPES[key]
             refusal = None if check(value) else f"{here} must be {wanted}, got {value!r}"

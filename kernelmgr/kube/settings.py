@@ -13,6 +13,7 @@ place the generated settings reference, the chart's ConfigMap and the provisione
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from traitlets import Bool, Dict, Enum, Float, Integer, List, TraitError, Unicode, validate
@@ -23,6 +24,7 @@ from kernelmgr.core.errors import ConfigError
 from kernelmgr.kube.manifests import (
     CHECKPOINT_MOUNT,
     CONNECTION_FILE,
+    POD_KERNEL,
     PORT_NAMES,
     RESERVED_ENV,
     SECRET_MOUNT,
@@ -31,7 +33,12 @@ from kernelmgr.kube.manifests import (
     slice_env_refusal,
 )
 from kernelmgr.kube.node_agents import DEFAULT_INSTANCE
-from kernelmgr.kube.pod_settings import SHM_MOUNT, pod_patch_refusal, size_pod_settings_refusal
+from kernelmgr.kube.pod_settings import (
+    SHM_MOUNT,
+    pod_patch_refusal,
+    quantity_refusal,
+    size_pod_settings_refusal,
+)
 from kernelmgr.kube.user_volumes import ACCESS_MODES, user_volume_refusal
 from kernelmgr.nodeagent import DEFAULT_PORT as NODE_AGENT_PORT
 
@@ -79,6 +86,23 @@ def pod_resources_refusal(raw: Any, where: str) -> str | None:
             asked, cap = raw["requests"][name], raw["limits"][name]
             return f"{where}: the {name} request ({asked}) exceeds its limit ({cap})"
     return None
+
+
+def user_ids_refusal(raw: Any, where: str) -> str | None:
+    """Why ``raw`` is not one owner's ``{"uid": N, "gid": M}``, or ``None``."""
+    if not isinstance(raw, dict) or "uid" not in raw or set(raw) - {"uid", "gid"}:
+        return f'{where} must be {{"uid": N, "gid": M}} (gid optional: the uid), got {raw!r}'
+    for key, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"{where}.{key} must be a number >= 0, got {value!r}"
+    if raw["uid"] == 0:
+        return f"{where}.uid 0 is root: kernel pods run as non-root (runAsNonRoot)"
+    return None
+
+
+def ids_of(raw: dict[str, int]) -> tuple[int, int]:
+    """(uid, gid) of a checked ``user_ids`` entry."""
+    return int(raw["uid"]), int(raw.get("gid", raw["uid"]))
 
 
 class KubeSettings(LoggingConfigurable):
@@ -180,7 +204,18 @@ class KubeSettings(LoggingConfigurable):
     )
     extra_labels = Dict(config=True, help="Labels added to the pods.")
     extra_annotations = Dict(config=True, help="Annotations added to the pods.")
-    run_as_user = Integer(1000, config=True, help="Non-root user the kernel runs as.")
+    run_as_user = Integer(
+        1000, config=True, help="Non-root user (and group) of the kernels, unless user_ids names their owner."
+    )
+    user_ids = Dict(
+        config=True,
+        help="""Per owner, the uid and gid their kernels run as, e.g. {"alice": {"uid": 1001, "gid":
+        1001}} (gid defaults to the uid), so files a kernel writes on a uid-owned home (NFS) are the
+        user's. Owners not listed run as run_as_user. From the admin's configuration only (rendered
+        from the directory that owns the homes), never from the client: a KERNEL_UID a user could
+        send would let them claim anyone's files (docs/pods.md). Checkpoints: the server gives each
+        listed owner's checkpoint folder to their uid, so with checkpoint_claim it must run as root.""",
+    )
     extra_env = Dict(
         value_trait=Unicode(),
         config=True,
@@ -306,6 +341,22 @@ class KubeSettings(LoggingConfigurable):
         {"a100": {"image": "registry/torch:2", "nodeSelector": {"gpu": "a100"}, "shmSize": "8Gi"}}.
         The API server checks each size's pod at start-up (a dry-run; see validate_pods_at_start).""",
     )
+    cpu_pod_settings = Dict(
+        config=True,
+        help="""The CPU kernels' ('<name>-cpu') pod settings, with a GPU size's keys (size_pod_settings):
+        image, resources (replaces cpu_kernel_resources), priorityClassName, nodeSelector and
+        tolerations (added to node_selector / tolerations), affinity, runtimeClassName,
+        imagePullSecrets, shmSize, ephemeralStorage; e.g. {"nodeSelector": {"pool": "cpu"},
+        "image": "registry/kernel-slim:1"} keeps CPU kernels off the GPU nodes.""",
+    )
+    shm_size = Unicode(
+        "1Gi",
+        config=True,
+        help="""/dev/shm of every kernel and warm pod: a memory-backed emptyDir of this size (it counts
+        towards the pod's memory limit only as far as it is used). Container runtimes give 64 MiB, and
+        multiprocessing with shared memory (a PyTorch DataLoader with workers) then dies with a bus
+        error. A size's (or cpu_pod_settings') shmSize wins; empty: the runtime's 64 MiB.""",
+    )
     pod_patch = Dict(
         config=True,
         help="""A strategic-merge patch ({"metadata": {...}, "spec": {...}}) applied last to every kernel
@@ -384,6 +435,16 @@ class KubeSettings(LoggingConfigurable):
         {"python3": "registry/kernel-torch:2.5", "jax": "registry/kernel-jax:0.4"}: several
         environments, each an image; it wins over a size's image (size_pod_settings).""",
     )
+    kernelspec_argv = List(
+        Unicode(),
+        config=True,
+        help="""Base kernelspecs whose own argv runs in their pods, e.g. ["jax"] for an admin's
+        kernelspec of another Python environment inside the image: {"argv": ["/opt/conda/envs/jax/bin/
+        python", "-m", "ipykernel_launcher", "-f", "{connection_file}"]}. The pod's entry point
+        (`command`, kernelmgr.kube.pod_kernel) writes the pod's connection file and runs that argv
+        with it; the checkpoint agent is loaded when that environment has kernelmgr. Other
+        kernelspecs run `command` (their argv names the server's Python, not the image's).""",
+    )
 
     @validate("user_volumes")
     def _check_user_volumes(self, proposal: Any) -> list[Any]:
@@ -399,6 +460,15 @@ class KubeSettings(LoggingConfigurable):
         """Refuse (ConfigError, at server start) user-volume settings that cannot work together."""
         names = [entry["name"] for entry in self.user_volumes]
         where = "ElasticKubernetesProvisioner"
+        own_uid = os.geteuid()
+        others = sorted(o for o, raw in self.user_ids.items() if ids_of(raw)[0] != own_uid)
+        if self.checkpoint_claim and others and own_uid != 0:
+            raise ConfigError(
+                f"{where}.user_ids gives {others[0]!r} uid {ids_of(self.user_ids[others[0]])[0]}, but the "
+                f"server runs as uid {own_uid}, not root: it cannot give that owner their checkpoint folder "
+                "on checkpoint_claim (their kernel could not write a checkpoint). Run the server as root "
+                "or drop user_ids"
+            )
         if self.home_volume and self.home_volume not in names:
             raise ConfigError(
                 f"{where}.home_volume {self.home_volume!r} is not a user_volumes entry; entries: "
@@ -434,6 +504,30 @@ class KubeSettings(LoggingConfigurable):
                 raise TraitError(refusal)
         return dict(proposal["value"])
 
+    @validate("user_ids")
+    def _check_user_ids(self, proposal: Any) -> dict[str, Any]:
+        for owner, ids in proposal["value"].items():
+            refusal = user_ids_refusal(ids, f"ElasticKubernetesProvisioner.user_ids[{owner!r}]")
+            if refusal is not None:
+                raise TraitError(refusal)
+        return dict(proposal["value"])
+
+    @validate("cpu_pod_settings")
+    def _check_cpu_pod_settings(self, proposal: Any) -> dict[str, Any]:
+        where = "ElasticKubernetesProvisioner.cpu_pod_settings"
+        refusal = size_pod_settings_refusal(proposal["value"], where, pod_resources_refusal)
+        if refusal is not None:
+            raise TraitError(refusal)
+        return dict(proposal["value"])
+
+    @validate("shm_size")
+    def _check_shm_size(self, proposal: Any) -> str:
+        value = str(proposal["value"]).strip()
+        refusal = quantity_refusal(value, "ElasticKubernetesProvisioner.shm_size") if value else None
+        if refusal is not None:
+            raise TraitError(f"{refusal}, or empty for the runtime's 64 MiB")
+        return value
+
     @validate("pod_patch")
     def _check_pod_patch(self, proposal: Any) -> dict[str, Any]:
         refusal = pod_patch_refusal(proposal["value"], "ElasticKubernetesProvisioner.pod_patch")
@@ -462,6 +556,11 @@ class KubeSettings(LoggingConfigurable):
         """Refuse (ConfigError, at server start) size_resources or size_pod_settings naming a size
         that does not exist."""
         self.check_user_files()
+        if self.kernelspec_argv and POD_KERNEL not in self.command:
+            raise ConfigError(
+                "ElasticKubernetesProvisioner.kernelspec_argv needs the default command "
+                f"(python -m {POD_KERNEL} ...), which writes the connection file the argv is given"
+            )
         for trait in ("size_resources", "size_pod_settings"):
             unknown = sorted(set(getattr(self, trait)) - set(sizes))
             if unknown:
@@ -520,6 +619,8 @@ class KubeSettings(LoggingConfigurable):
             gpu_resources=dict(self.resources),
             size_resources=dict(self.size_resources),
             size_pods={size: dict(own) for size, own in self.size_pod_settings.items()},
+            cpu_pods=dict(self.cpu_pod_settings),
+            shm_size=self.shm_size,
             pod_patch=dict(self.pod_patch),
             user_volumes=tuple(dict(entry) for entry in self.user_volumes),
             home_volume=self.home_volume,
@@ -528,4 +629,5 @@ class KubeSettings(LoggingConfigurable):
             if self.home_access_mode == "ReadWriteOnce"
             else None,
             user_pod_namespace=self.user_pod_namespace,
+            user_ids={owner: ids_of(raw) for owner, raw in self.user_ids.items()},
         )

@@ -48,6 +48,8 @@ class WarmKernel(Protocol):
     @property
     def command(self) -> list[str]: ...
     @property
+    def own_environment(self) -> bool: ...
+    @property
     def log(self) -> Any: ...
     @property
     def runtime(self) -> ElasticRuntime: ...
@@ -97,7 +99,7 @@ class WarmHandoff:
         use = "resume" if record is not None and record.state is KernelState.RESUMING else "start"
         warm = None
         if pool.serves(size, use):
-            if POD_KERNEL not in k.command:
+            if POD_KERNEL not in k.command or k.own_environment:
                 pool.miss(size, "not_poolable")
             else:
                 warm = pool.take(size, use)

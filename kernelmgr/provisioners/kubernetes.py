@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import os
 import secrets
 import signal
 from typing import Any
@@ -58,6 +59,7 @@ from kernelmgr.kube.manifests import (
 from kernelmgr.kube.namespaces import namespace_for
 from kernelmgr.kube.nodes import follow_pod_node
 from kernelmgr.kube.placement import book_where_placed
+from kernelmgr.kube.pod_kernel import ARGV_SEPARATOR
 from kernelmgr.kube.pod_settings import kernel_environment
 from kernelmgr.kube.pods import (
     FoundKernel,
@@ -271,10 +273,24 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
 
     def _command(self) -> list[str]:
         cmd = list(self.command)
+        if POD_KERNEL in cmd and self.runs_own_argv:
+            # The entry point writes the pod's connection file, then runs the kernelspec's argv on it.
+            return [*cmd, ARGV_SEPARATOR, *with_agent(list(self.kernel_spec.argv))]
         if POD_KERNEL in cmd:
             cmd.append(f"--IPKernelApp.extra_extensions={AGENT_EXTENSION}")
             return cmd
         return with_agent(cmd)
+
+    @property
+    def runs_own_argv(self) -> bool:
+        """Whether this kernel's pod runs its kernelspec's argv (kernelspec_argv)."""
+        return bool(self._base_kernelspec()) and self._base_kernelspec() in self.kernelspec_argv
+
+    @property
+    def own_environment(self) -> bool:
+        """Whether this kernel needs a pod of its own kernelspec's making (its image or argv): a warm
+        pod, made for the size with the size's image and entry point, cannot serve it."""
+        return self.runs_own_argv or self._base_kernelspec() in self.kernelspec_images
 
     def pod_manifest(self, cmd: list[str]) -> dict[str, Any]:
         """The kernel pod (:func:`~kernelmgr.kube.manifests.make_kernel_pod`), once the owner's
@@ -300,6 +316,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         sub_path = None
         if self.checkpoint_claim:
             owner_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._give_owner(owner_dir, record.owner)
             sub_path = checkpoint_sub_path(self.checkpoint_claim_path, owner_dir.name)
         return make_kernel_pod(
             self.pod_template(),
@@ -321,6 +338,16 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
     def _size(self) -> str | None:
         """The GPU size the pod asks for: its slice's, or the one it waits for a node with."""
         return self._granted.profile if self._granted is not None else self._unplaced
+
+    def _give_owner(self, owner_dir: Any, owner: str) -> None:
+        """Make the owner's checkpoint folder theirs when their kernels run as their own uid
+        (user_ids): a folder the server made is the server's, and their kernel could not write there."""
+        if owner not in self.user_ids:
+            return
+        uid, gid = self.pod_template().identity(owner)
+        found = owner_dir.stat()
+        if (found.st_uid, found.st_gid) != (uid, gid):
+            os.chown(owner_dir, uid, gid)
 
     def _base_kernelspec(self) -> str:
         """The base kernelspec this kernel's GPU-size (or CPU) kernelspec was made from."""

@@ -243,6 +243,8 @@ mounted as a folder (the kubelet replaces the file when it changes) and re-read 
   "resources" $v.kernels.resources
   "size_resources" $v.kernels.sizeResources
   "size_pod_settings" $v.kernels.sizePodSettings
+  "cpu_pod_settings" $v.kernels.cpuPodSettings
+  "shm_size" $v.kernels.shmSize
   "pod_patch" $v.kernels.podPatch
   "validate_pods_at_start" $v.kernels.validatePodsAtStart
   "user_volumes" $v.kernels.userVolumes
@@ -253,6 +255,7 @@ mounted as a folder (the kubelet replaces the file when it changes) and re-read 
   "user_pod_namespace" $v.kernels.userPodNamespace
   "client_env" $v.kernels.clientEnv
   "kernelspec_images" $v.kernels.kernelspecImages
+  "kernelspec_argv" $v.kernels.kernelspecArgv
   "warm_pods" $v.kernels.warmPods -}}
 {{- if $v.nodeAgent.enabled }}
 {{- $_ := set $provisioner "node_agent_token_file" (printf "%s/token" (include "jek.agentTokenDir" .)) -}}

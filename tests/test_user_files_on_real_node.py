@@ -1,0 +1,292 @@
+"""A user's files and environment in a kernel pod on the real node (kubelet + containerd + runc), issue 28.
+
+The owner's home is z2jh's ``claim-{owner}`` (a hostPath PersistentVolume on this machine: one file
+system, as an RWX home is for every node) and the checkpoints are on their own claim. A notebook opened
+in ``proj/`` beside ``data.csv`` and ``mymodule.py`` gets a kernel pod in the project's kernel image,
+running as the owner's own uid (``user_ids``), whose working directory is that folder and whose HOME
+is the volume. In it:
+
+- ``open("data.csv")`` and ``import mymodule`` work by relative name;
+- ``pip install --user`` of a wheel (built here; no network) lands in ``~/.local`` on the home and
+  imports after a hibernation and a resume on a new pod;
+- two worker processes hand the parent 96 MiB each through shared memory, as a DataLoader's workers
+  do: the pod has a ``/dev/shm`` of ``shm_size`` (the runtime's 64 MiB would kill them with SIGBUS);
+- the files the kernel writes on the home belong to the owner's uid and gid.
+
+Needs root, the node and the kernel image (as ``tests/test_real_node.py``); run it under
+``flock /tmp/ek-real-node.lock`` (one real node per machine).
+"""
+
+from __future__ import annotations
+
+import base64
+import getpass
+import hashlib
+import io
+import os
+import shutil
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.kube import ControlPlane, require_envtest, wait_for
+
+require_envtest(module_level=True)
+
+from kubernetes import client  # noqa: E402
+
+from kernelmgr.kube.namespaces import dns_label  # noqa: E402
+from tests.support.node import Node  # noqa: E402
+from tests.support.server import start_server  # noqa: E402
+from tests.test_real_node import kernel_image, node, registry, server_config  # noqa: E402, F401
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]
+NAMESPACE = "elastic-user-files"
+HOME = "/home/jovyan"
+#: The owner's own identity on their home (not the image's 1000).
+UID, GID = 1234, 1235
+WHEEL = "tinypkg-1.0-py3-none-any.whl"
+
+#: Two workers each fill a 96 MiB shared-memory block and hand its name to the parent, which reads
+#: them (a DataLoader's batches come back the same way); a worker that runs out of /dev/shm dies of SIGBUS.
+SHARED_MEMORY_CELL = """
+import multiprocessing as mp, queue
+from multiprocessing import shared_memory
+MiB = 2 ** 20
+def worker(i, q, done):
+    block = shared_memory.SharedMemory(create=True, size=96 * MiB)
+    chunk = bytes([i + 1]) * MiB
+    for at in range(0, block.size, MiB):
+        block.buf[at:at + MiB] = chunk
+    q.put(block.name)
+    done.wait()
+    block.close()
+ctx = mp.get_context("fork")
+q, done = ctx.Queue(), ctx.Event()
+workers = [ctx.Process(target=worker, args=(i, q, done)) for i in range(2)]
+for w in workers:
+    w.start()
+names = []
+while len(names) < 2:
+    try:
+        names.append(q.get(timeout=1))
+    except queue.Empty:
+        if not all(w.is_alive() for w in workers):
+            break
+total = 0
+for name in names:
+    block = shared_memory.SharedMemory(name=name)
+    total += block.buf[0] + block.buf[block.size - 1]
+    block.close()
+    block.unlink()
+done.set()
+for w in workers:
+    w.join()
+print([w.exitcode for w in workers], total)
+"""
+
+
+def tiny_wheel() -> bytes:
+    """A pure-Python wheel (``tinypkg``, ``ANSWER = 42``), as ``pip wheel`` would make it."""
+    files = {
+        "tinypkg/__init__.py": b"ANSWER = 42\n",
+        "tinypkg-1.0.dist-info/METADATA": b"Metadata-Version: 2.1\nName: tinypkg\nVersion: 1.0\n",
+        "tinypkg-1.0.dist-info/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = []
+    for name, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(data)}")
+    record.append("tinypkg-1.0.dist-info/RECORD,,")
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as wheel:
+        for name, data in files.items():
+            wheel.writestr(name, data)
+        wheel.writestr("tinypkg-1.0.dist-info/RECORD", "\n".join(record) + "\n")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def core(kube_api: Any, node: Node) -> Iterator[Any]:  # noqa: F811
+    api = client.CoreV1Api(kube_api)
+    api.create_namespace({"metadata": {"name": NAMESPACE}})
+    wait_for(lambda: api.read_namespaced_service_account("default", NAMESPACE), 60, "default ServiceAccount")
+    # The node has no GPU: it advertises one (what a device plugin would do) so the size is placed.
+    api.patch_node_status(node.name, {"status": {"capacity": {"nvidia.com/gpu": "1"}}})
+    yield api
+    api.delete_namespace(NAMESPACE)
+
+
+def bound_claim(core: Any, name: str, folder: Path) -> str:
+    """A claim in the namespace bound to a hostPath volume on ``folder``; the volume's name."""
+    volume = f"{NAMESPACE}-{name}"
+    core.create_persistent_volume(
+        {
+            "metadata": {"name": volume},
+            "spec": {
+                "capacity": {"storage": "1Gi"},
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "hostPath": {"path": str(folder), "type": "Directory"},
+                "claimRef": {"namespace": NAMESPACE, "name": name},
+            },
+        }
+    )
+    core.create_namespaced_persistent_volume_claim(
+        NAMESPACE,
+        {
+            "metadata": {"name": name},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "volumeName": volume,
+                "resources": {"requests": {"storage": "1Gi"}},
+            },
+        },
+    )
+    wait_for(
+        lambda: core.read_namespaced_persistent_volume_claim(name, NAMESPACE).status.phase == "Bound",
+        60,
+        f"the claim {name} to be bound",
+    )
+    return volume
+
+
+def kernel_pod(core: Any, kernel_id: str) -> Any:
+    def running() -> Any:
+        for pod in core.list_namespaced_pod(NAMESPACE, label_selector=f"kernel_id={kernel_id}").items:
+            if pod.status.phase == "Running" and not pod.metadata.deletion_timestamp:
+                return pod
+        return None
+
+    return wait_for(running, 300, "the kernel pod to run")
+
+
+def test_a_notebook_lives_in_its_home_on_the_real_node(
+    node: Node,  # noqa: F811
+    core: Any,
+    kube_plane: ControlPlane,
+    kernel_image: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    owner = getpass.getuser()  # a single-user server's kernels are its user's
+    storage = Path(f"/tmp/eku-{os.getpid()}")  # on the node's machine: the PVs' hostPaths
+    home, checkpoints = storage / "home", storage / "checkpoints"
+    (home / "proj").mkdir(parents=True)
+    checkpoints.mkdir()
+    (home / "proj" / "data.csv").write_text("a,b\n1,2\n")
+    (home / "proj" / "mymodule.py").write_text("VALUE = 42\n")
+    (home / "proj" / WHEEL).write_bytes(tiny_wheel())
+    for path in (home, *home.rglob("*")):  # the owner's home is the owner's (as on an NFS server)
+        os.chown(path, UID, GID)
+    volumes: list[str] = []
+    try:
+        volumes.append(bound_claim(core, f"claim-{dns_label(owner)}", home))
+        volumes.append(bound_claim(core, "checkpoints", checkpoints))
+        run_the_notebook(core, node, kube_plane, kernel_image, tmp_path, owner, home, checkpoints)
+    finally:
+        for pod in core.list_namespaced_pod(NAMESPACE).items:
+            core.delete_namespaced_pod(pod.metadata.name, NAMESPACE, grace_period_seconds=0)
+        wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the pods to be gone")
+        for claim in core.list_namespaced_persistent_volume_claim(NAMESPACE).items:
+            core.delete_namespaced_persistent_volume_claim(claim.metadata.name, NAMESPACE)
+        for volume in volumes:
+            core.delete_persistent_volume(volume)
+        shutil.rmtree(storage, ignore_errors=True)
+
+
+def run_the_notebook(
+    core: Any,
+    node: Node,  # noqa: F811
+    kube_plane: ControlPlane,
+    image: str,
+    tmp_path: Path,
+    owner: str,
+    home: Path,
+    checkpoints: Path,
+) -> None:
+    """Start the server, open the notebook, run its cells through a hibernation and a resume."""
+    (tmp_path / "root" / "proj").mkdir(parents=True)  # the single-user server's view of the home
+    config = server_config(kube_plane, image)
+    config["ElasticKubernetesProvisioner"]["namespace"] = NAMESPACE
+    config["ElasticKubernetesProvisioner"].update(
+        checkpoint_claim="checkpoints",
+        user_volumes=[{"name": "home", "claimName": "claim-{owner}", "mountPath": HOME}],
+        home_volume="home",
+        notebook_root=str(tmp_path / "root"),
+        user_ids={owner: {"uid": UID, "gid": GID}},
+        # Two cores: the GPU size's default request (1 CPU) beside the node's own pods is too much.
+        resources={"requests": {"cpu": "100m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+    )
+    config["ElasticKernels"]["checkpoint_root"] = str(checkpoints)
+    server = start_server(tmp_path, config)
+    try:
+        reply = server.request(
+            "POST",
+            "/api/sessions",
+            {"path": "proj/nb.ipynb", "type": "notebook", "kernel": {"name": "python3-gpu-whole"}},
+            timeout=300,
+        )
+        assert reply.status == 201, (reply.body, server.log()[-3000:])
+        kernel_id = reply.body["kernel"]["id"]
+        pod = kernel_pod(core, kernel_id)
+        assert pod.spec.node_name == node.name
+        assert (pod.spec.security_context.run_as_user, pod.spec.security_context.run_as_group) == (UID, GID)
+        (container,) = pod.spec.containers
+        assert container.working_dir == f"{HOME}/proj"
+        shm = next(v for v in pod.spec.volumes if v.name == "dshm")
+        assert (shm.empty_dir.medium, shm.empty_dir.size_limit) == ("Memory", "1Gi")
+
+        cell = (
+            "import os, csv, mymodule\n"
+            "x = 41\n"
+            "print(os.getcwd(), list(csv.reader(open('data.csv')))[1], mymodule.VALUE,\n"
+            "      os.getuid(), os.getgid())\n"
+            "open('out.txt', 'w').write('written by the kernel')\n"
+        )
+        printed = server.execute(kernel_id, cell, timeout=300).strip().split(maxsplit=1)
+        assert printed == [f"{HOME}/proj", f"['1', '2'] 42 {UID} {GID}"], printed
+        written = (home / "proj" / "out.txt").stat()
+        assert (written.st_uid, written.st_gid) == (UID, GID)  # the user's file, on the user's home
+
+        pip = (
+            "import subprocess, sys\n"
+            "r = subprocess.run([sys.executable, '-m', 'pip', 'install', '--user', '--no-index',\n"
+            f"    '--no-cache-dir', '--disable-pip-version-check', '{WHEEL}'],\n"
+            "    capture_output=True, text=True)\n"
+            "print(r.returncode, r.stdout[-300:], r.stderr[-600:])\n"
+        )
+        said = server.execute(kernel_id, pip, timeout=300)
+        assert said.split()[0] == "0", said
+        installed = next(home.glob(".local/lib/python3*/site-packages/tinypkg/__init__.py"))
+        assert installed.stat().st_uid == UID
+
+        statvfs = "import os; s = os.statvfs('/dev/shm'); print(s.f_blocks * s.f_frsize)"
+        assert int(server.execute(kernel_id, statvfs, timeout=120)) > 64 * 2**20
+        assert server.execute(kernel_id, SHARED_MEMORY_CELL, timeout=300).strip() == "[0, 0] 6"
+
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate", timeout=300)
+        assert reply.status == 200, (reply.body, server.log()[-3000:])
+        wait_for(
+            lambda: not core.list_namespaced_pod(NAMESPACE, label_selector=f"kernel_id={kernel_id}").items,
+            120,
+            "the kernel pod to be gone",
+        )
+        # The next cell resumes it in a new pod: the variable restored, the neighbours and the
+        # package the user installed still there (the user site is on the home volume).
+        again = (
+            "import tinypkg\n"
+            "print(x + 1, list(csv.reader(open('data.csv')))[1], mymodule.VALUE, tinypkg.ANSWER,\n"
+            "      tinypkg.__file__.startswith(os.path.expanduser('~/.local/')))\n"
+        )
+        assert server.execute(kernel_id, again, timeout=300).strip() == "42 ['1', '2'] 42 42 True"
+        assert kernel_pod(core, kernel_id).metadata.uid != pod.metadata.uid  # a new pod
+        server.shutdown_kernel(kernel_id)
+        wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the kernel pod to be deleted")
+    finally:
+        server.stop()
