@@ -9,6 +9,7 @@ Kubernetes mode (not before the kernel pods are adopted) is tested in tests/test
 from __future__ import annotations
 
 import json
+import re
 import signal
 import urllib.error
 import urllib.request
@@ -18,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import CONFIG
-from tests.support.server import RunningServer, start_server
+from tests.support.server import RunningServer, start_server, wait_for
 
 
 def probe(server: RunningServer, name: str, timeout: float = 60) -> tuple[int, Any]:
@@ -44,5 +45,18 @@ def test_probes_answer_without_a_token_and_liveness_fails_while_the_loop_is_stop
         finally:
             server.process.send_signal(signal.SIGCONT)
         assert probe(server, "healthz") == (200, {"alive": True})
+
+        def late_beats() -> float:
+            """Beats that came more than a second late (the stop lasted at least 3 s)."""
+            found = dict(
+                re.findall(
+                    r'^elastic_event_loop_lag_seconds_(count|bucket\{le="1.0"\}) (\S+)$',
+                    server.text("/metrics"),
+                    re.M,
+                )
+            )
+            return float(found.get("count", 0)) - float(found.get('bucket{le="1.0"}', 0))
+
+        assert wait_for(late_beats, 30, what="the late beat in elastic_event_loop_lag_seconds") >= 1
     finally:
         server.stop()

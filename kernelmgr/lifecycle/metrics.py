@@ -63,6 +63,11 @@ WARNINGS = Counter("elastic_hibernation_warnings_total", "Idle warnings sent to 
 REMOVALS = Counter(
     "elastic_removals_total", "Hibernated kernels removed after CullPolicy.hibernated_ttl.", ["size"]
 )
+LOOP_LAG_SECONDS = Histogram(
+    "elastic_event_loop_lag_seconds",
+    "How late each 1 s beat of the server's event loop came (what every websocket waited extra).",
+    buckets=(0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
 HIBERNATE_SECONDS = Histogram(
     "elastic_hibernate_duration_seconds", "Checkpoint + stop + release.", ["size"], buckets=DURATION_BUCKETS
 )

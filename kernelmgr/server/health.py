@@ -4,7 +4,8 @@
   answer is 503 when the last beat is older than ``max_lag`` seconds (the loop was blocked that
   long), and no answer at all while it is blocked, which the probe's timeout counts as a failure.
   A gateway whose loop is stuck serves no notebook: the kubelet restarts it, and its kernel pods,
-  left running, are adopted by the next one.
+  left running, are adopted by the next one. How late each beat came is the histogram
+  ``elastic_event_loop_lag_seconds`` (a stall anywhere delays every notebook's messages).
 - ``GET /api/elastic/readyz``: the server knows its kernels. In Kubernetes mode that is once the
   kernel pods and the nodes were listed (the watches' first lists) and the running pods adopted;
   before it a request would see no kernels. Later watch failures do not make it unready: the
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from jupyter_server.auth.decorator import allow_unauthenticated
 from jupyter_server.base.handlers import APIHandler
 from tornado import ioloop
+
+from kernelmgr.lifecycle.metrics import LOOP_LAG_SECONDS
 
 #: Seconds between beats of the loop's timer.
 BEAT_INTERVAL = 1.0
@@ -49,7 +52,9 @@ class Health:
             self._timer.stop()
 
     def _beat(self) -> None:
-        self.last_beat = time.monotonic()
+        now = time.monotonic()
+        LOOP_LAG_SECONDS.observe(max(0.0, now - self.last_beat - BEAT_INTERVAL))
+        self.last_beat = now
 
     def lag(self) -> float:
         """Seconds since the last beat."""
