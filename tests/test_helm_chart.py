@@ -216,7 +216,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "no-agent": {"nodeAgent": {"enabled": False}, "networkPolicy": {"enabled": False}},
     "monitoring-prepuller-hub": {
         "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
-        "prePuller": {"enabled": True},
+        "prePuller": {"enabled": True, "hook": {"enabled": True}},
         "jupyterhub": {"apiTokenSecret": "hub-service-token"},
         "checkpoints": {"storageClassName": "nfs-rwx"},
         "gpu": {
@@ -246,7 +246,10 @@ def test_template_renders_valid_objects_and_an_accepted_config(name: str, tmp_pa
         "jupyter-elastic-gateway",
         "--config=/etc/jupyter-elastic/jupyter_server_config.json",
     ]
-    assert pod["serviceAccountName"] == only(docs, "ServiceAccount")["metadata"]["name"]
+    assert (
+        pod["serviceAccountName"]
+        == only(docs, "ServiceAccount", "jupyter-elastic-kernels")["metadata"]["name"]
+    )
     claim = config["ElasticKubernetesProvisioner"]["checkpoint_claim"]
     assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}} in pod["volumes"]
     assert config["ElasticKernels"]["checkpoint_root"] in {
@@ -464,6 +467,158 @@ def test_node_agent_runs_on_gpu_nodes_only_without_api_rights(tmp_path: Path) ->
     assert not [d for d in render(VALUE_SETS["no-agent"], tmp_path) if d["kind"] == "DaemonSet"]
 
 
+#: The pre-puller hook on, pulling two images on the nodes labelled so, with a 900 s budget.
+HOOK_VALUES: dict[str, Any] = {
+    "prePuller": {
+        "hook": {"enabled": True, "timeout": 900},
+        "images": ["kernel.example/a:1", "kernel.example/b:2"],
+        "nodeSelector": {"nvidia.com/gpu.present": None, "pool": "gpu"},  # null drops the default's key
+    }
+}
+HOOK_PULLER = "jupyter-elastic-kernels-hook-image-puller"
+HOOK_AWAITER = "jupyter-elastic-kernels-hook-image-awaiter"
+
+
+def _hooks(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """(kind, name) -> manifest of every pre-install/pre-upgrade hook."""
+    return {
+        (d["kind"], d["metadata"]["name"]): d
+        for d in docs
+        if "pre-upgrade" in d["metadata"].get("annotations", {}).get("helm.sh/hook", "")
+    }
+
+
+def test_prepuller_hook_makes_helm_upgrade_wait_for_the_images(tmp_path: Path) -> None:
+    """z2jh's hook-image-puller/awaiter design: a hook DaemonSet pulls on the kernels' nodes, then a hook
+    Job (a later weight, so helm creates it after and waits for it) awaits the DaemonSet with its own
+    read-only rights; all are removed once they succeed, and replaced at the next upgrade."""
+    import importlib.util
+
+    assert _hooks(render({}, tmp_path)) == {}  # off by default
+    hooks = _hooks(render(HOOK_VALUES, tmp_path))
+    assert set(hooks) == {
+        ("ServiceAccount", HOOK_AWAITER),
+        ("Role", HOOK_AWAITER),
+        ("RoleBinding", HOOK_AWAITER),
+        ("DaemonSet", HOOK_PULLER),
+        ("Job", HOOK_AWAITER),
+    }
+    weights = {}
+    for key, doc in hooks.items():
+        notes = doc["metadata"]["annotations"]
+        assert notes["helm.sh/hook"] == "pre-install,pre-upgrade", key
+        assert notes["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded", key
+        weights[key[0]] = int(notes["helm.sh/hook-weight"])
+    assert max(w for kind, w in weights.items() if kind != "Job") < weights["Job"]
+
+    puller = hooks[("DaemonSet", HOOK_PULLER)]["spec"]["template"]["spec"]
+    assert puller["nodeSelector"] == {"pool": "gpu"}
+    assert puller["tolerations"] == [{"operator": "Exists"}]
+    assert [c["image"] for c in puller["initContainers"]] == HOOK_VALUES["prePuller"]["images"]
+    assert puller["automountServiceAccountToken"] is False
+
+    assert hooks[("Role", HOOK_AWAITER)]["rules"] == [
+        {"apiGroups": ["apps"], "resources": ["daemonsets"], "verbs": ["get", "list", "watch"]}
+    ]
+    binding = hooks[("RoleBinding", HOOK_AWAITER)]
+    assert binding["roleRef"]["name"] == HOOK_AWAITER
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": HOOK_AWAITER, "namespace": "jupyter"}]
+
+    job = hooks[("Job", HOOK_AWAITER)]["spec"]
+    assert job["backoffLimit"] == 0
+    pod = job["template"]["spec"]
+    assert pod["serviceAccountName"] == HOOK_AWAITER
+    (awaiter,) = pod["containers"]
+    assert awaiter["image"] == f"jupyter-elastic-kernels:{__version__}"  # the gateway's image
+    assert awaiter["command"] == [
+        "python",
+        "-m",
+        "kernelmgr.kube.image_awaiter",
+        "--namespace=jupyter",
+        f"--daemonset={HOOK_PULLER}",
+        "--timeout=900",
+    ]
+    assert importlib.util.find_spec(awaiter["command"][2]) is not None
+
+
+@pytest.mark.timeout(300)
+def test_image_awaiter_waits_for_every_puller_pod_with_the_charts_rights(
+    kube_plane: Any, kube_api: Any, kube_namespace: str, tmp_path: Path
+) -> None:
+    """The chart's hook DaemonSet, ServiceAccount, Role and RoleBinding in the real API server; the
+    awaiter's real command, as that ServiceAccount. A kwok node runs its puller pod; a node nobody runs
+    keeps the other pending: the awaiter fails with one line naming the count and the value to raise,
+    then returns once that node is gone and every desired pod is ready."""
+    from kubernetes import client
+    from kubernetes.utils import create_from_dict
+
+    from tests.support.kube import create_fake_gpu_nodes, fake_gpu_node, wait_for, write_kubeconfig
+
+    namespace = kube_namespace
+    label = f"elastic.test/pull-{namespace}"
+    values = {
+        "prePuller": {
+            **HOOK_VALUES["prePuller"],
+            "nodeSelector": {"nvidia.com/gpu.present": None, label: "true"},
+        }
+    }
+    hooks = _hooks(render(values, tmp_path, namespace=namespace))
+    for kind in ("ServiceAccount", "Role", "RoleBinding", "DaemonSet"):
+        (doc,) = [d for (k, _), d in hooks.items() if k == kind]
+        create_from_dict(kube_api, doc, namespace=namespace)
+    command = hooks[("Job", HOOK_AWAITER)]["spec"]["template"]["spec"]["containers"][0]["command"]
+    # The ServiceAccount's own token (TokenRequest), as the Job's pod would have it.
+    token = client.CoreV1Api(kube_api).create_namespaced_service_account_token(
+        HOOK_AWAITER, namespace, {"spec": {"expirationSeconds": 3600}}
+    )
+    identity = write_kubeconfig(
+        tmp_path / "awaiter.kubeconfig", kube_plane.server, kube_plane.pki.ca_cert, token=token.status.token
+    )
+    env = {**os.environ, "KUBECONFIG": str(identity)}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    awaiter = [sys.executable, *command[1:]]
+
+    core = client.CoreV1Api(kube_api)
+    apps = client.AppsV1Api(kube_api)
+    kwok_node, idle_node = f"pull-kwok-{namespace}", f"pull-idle-{namespace}"
+    idle = fake_gpu_node(idle_node, gpus=0, labels={label: "true"})
+    del idle["metadata"]["annotations"]  # kwok leaves it alone: its puller pod never runs
+    try:
+        create_fake_gpu_nodes(kube_api, [kwok_node], gpus=0, labels={label: "true"})
+        core.create_node(idle)
+
+        def one_of_two() -> bool:
+            status = apps.read_namespaced_daemon_set(HOOK_PULLER, namespace).status
+            return status.desired_number_scheduled == 2 and status.number_ready == 1
+
+        wait_for(one_of_two, 60, "one of the two puller pods ready")
+        late = subprocess.run(
+            [*awaiter[:-1], "--timeout=2"], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert late.returncode == 1, (late.stdout, late.stderr)
+        line = late.stderr.strip()
+        assert "\n" not in line, line
+        assert f"DaemonSet {namespace}/{HOOK_PULLER} has 1 of 2 pods ready after 2 s" in line
+        assert "prePuller.hook.timeout" in line
+
+        waiting = subprocess.Popen(
+            awaiter, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            core.delete_node(idle_node)
+            out, err = waiting.communicate(timeout=120)
+        finally:
+            waiting.kill()
+        assert waiting.returncode == 0, (out, err)
+        assert f"{HOOK_PULLER}: 1 of 1 pods ready" in out
+    finally:
+        for node in (kwok_node, idle_node):
+            try:
+                core.delete_node(node)
+            except client.ApiException as err:
+                assert err.status == 404
+
+
 def test_kernel_role_is_exactly_the_shipped_rbac(tmp_path: Path) -> None:
     shipped = [d for d in yaml.safe_load_all((ROOT / "deploy/kubernetes/rbac.yaml").read_text()) if d]
     shipped_namespaces = [
@@ -623,10 +778,10 @@ def test_master_secret_is_a_secret_mounted_only_into_the_gateway(tmp_path: Path)
     assert secret_file == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
     # Not on the checkpoint claim (which kernel pods mount, each at its owner's sub-path).
     assert not secret_file.startswith(config["ElasticKernels"]["checkpoint_root"].rstrip("/") + "/")
-    # No other pod (node agents, pre-puller) mounts it; kernel pods are made from the provisioner's
-    # settings, which do not name it.
+    # No other pod (node agents, pre-pullers, the image awaiter) mounts it; kernel pods are made from the
+    # provisioner's settings, which do not name it.
     for doc in docs:
-        if doc["kind"] in ("DaemonSet",):
+        if doc["kind"] in ("DaemonSet", "Job"):
             assert secret["metadata"]["name"] not in json.dumps(doc["spec"]["template"]["spec"])
     provisioner = json.dumps(config["ElasticKubernetesProvisioner"])
     assert secret["metadata"]["name"] not in provisioner and mount["mountPath"] not in provisioner
