@@ -578,6 +578,24 @@ def test_image_awaiter_waits_for_every_puller_pod_with_the_charts_rights(
     env.pop("KUBERNETES_SERVICE_HOST", None)
     awaiter = [sys.executable, *command[1:]]
 
+    # Without the chart's Role (the namespace's default ServiceAccount): one line with the API's reason.
+    nobody = client.CoreV1Api(kube_api).create_namespaced_service_account_token(
+        "default", namespace, {"spec": {"expirationSeconds": 3600}}
+    )
+    write_kubeconfig(
+        tmp_path / "nobody.kubeconfig", kube_plane.server, kube_plane.pki.ca_cert, token=nobody.status.token
+    )
+    refused = subprocess.run(
+        awaiter,
+        env={**env, "KUBECONFIG": str(tmp_path / "nobody.kubeconfig")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 1, (refused.stdout, refused.stderr)
+    assert refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith(f"image-awaiter: cannot read DaemonSet {namespace}/{HOOK_PULLER}: 403 ")
+
     core = client.CoreV1Api(kube_api)
     apps = client.AppsV1Api(kube_api)
     kwok_node, idle_node = f"pull-kwok-{namespace}", f"pull-idle-{namespace}"
@@ -596,8 +614,8 @@ def test_image_awaiter_waits_for_every_puller_pod_with_the_charts_rights(
             [*awaiter[:-1], "--timeout=2"], env=env, capture_output=True, text=True, timeout=60
         )
         assert late.returncode == 1, (late.stdout, late.stderr)
+        assert late.stderr.count("\n") == 1, late.stderr
         line = late.stderr.strip()
-        assert "\n" not in line, line
         assert f"DaemonSet {namespace}/{HOOK_PULLER} has 1 of 2 pods ready after 2 s" in line
         assert "prePuller.hook.timeout" in line
 

@@ -11,6 +11,7 @@ ready and what to do, and the upgrade fails there. It needs only get/list/watch 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -52,6 +53,15 @@ def describe(namespace: str, name: str, last: Any, timeout: float) -> str:
         f" pulled (kubectl -n {namespace} describe daemonset {name}); fix the pull or raise"
         " prePuller.hook.timeout (and helm's --timeout above it)"
     )
+
+
+def api_message(err: ApiException) -> str:
+    """The API server's own message (a Status body), else the HTTP status and reason, on one line."""
+    try:
+        message = str(json.loads(err.body or "")["message"])
+    except (ValueError, KeyError, TypeError):
+        message = str(err.reason)
+    return f"{err.status} {' '.join(message.split())}"
 
 
 def wait_ready(
@@ -107,6 +117,13 @@ def main(argv: list[str] | None = None) -> int:
             daemonset = wait_ready(client.AppsV1Api(api), args.namespace, args.daemonset, args.timeout)
         except NotReady as err:
             print(err, file=sys.stderr)
+            return 1
+        except ApiException as err:  # e.g. 403: the Role lacks a verb; one line, not a traceback
+            reason = api_message(err)
+            print(
+                f"image-awaiter: cannot read DaemonSet {args.namespace}/{args.daemonset}: {reason}",
+                file=sys.stderr,
+            )
             return 1
     ready, desired, _ = counts(daemonset)
     print(f"image-awaiter: DaemonSet {args.namespace}/{args.daemonset}: {ready} of {desired} pods ready")
