@@ -79,6 +79,7 @@ from benchmarks.markdown import print_header, print_row
 from kernelmgr.config import CullPolicy, ElasticKernels, ElasticRuntime
 from kernelmgr.kube.cluster import KubeCluster
 from kernelmgr.kube.informer import PodInformer
+from kernelmgr.kube.labels import KERNEL_ID_LABEL
 from kernelmgr.kube.settings import KubeSettings
 from kernelmgr.lifecycle.records import KernelStateFile
 from kernelmgr.lifecycle.service import Hibernator
@@ -606,7 +607,11 @@ class Bench:
         ids = list(self.kms)
 
         def list_tick() -> bool:  # Enterprise Gateway / gateway_provisioners' poll(), once per kernel
-            phases = [core.list_namespaced_pod(NAMESPACE, label_selector=f"kernel_id={k}").items for k in ids]
+            # (EG selects its own bare kernel_id label; ours is the prefixed one: the same one LIST.)
+            phases = [
+                core.list_namespaced_pod(NAMESPACE, label_selector=f"{KERNEL_ID_LABEL}={k}").items
+                for k in ids
+            ]
             return all(p and p[0].status.phase == "Running" for p in phases)
 
         def get_tick() -> bool:  # the cheapest per-kernel poll: one GET of the pod
@@ -849,7 +854,17 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
             "per hour, one check per kernel every 3 s",
         ]
     )
-    print_row(["per kernel start", f"{start['client_calls']:.2f}", f"{start['server_calls']:.2f}", "≤ 3", ""])
+    # The goal counts the start's own requests; the Kubernetes Event ("KernelStarted", created in the
+    # background off the start's path) is the one more.
+    print_row(
+        [
+            "per kernel start",
+            f"{start['client_calls']:.2f}",
+            f"{start['server_calls']:.2f}",
+            "≤ 3 + 1 Event",
+            "",
+        ]
+    )
     print_row(
         [
             "per kernel shutdown (kill + cleanup)",

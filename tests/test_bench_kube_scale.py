@@ -36,9 +36,15 @@ def test_quick_run_counts_api_requests(tmp_path: Path) -> None:
         timeout=280,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "| per kernel start | 3.00 | 3.00 | ≤ 3 |" in done.stdout
+    assert "| per kernel start | 4.00 | 4.00 | ≤ 3 + 1 Event |" in done.stdout
     results = json.loads(out.read_text())
-    assert results["start"]["client_calls"] == results["start"]["server_calls"] == 3
+    assert results["start"]["client_calls"] == results["start"]["server_calls"] == 4
+    assert results["start"]["server_breakdown"] == {
+        "create secrets": 1.0,
+        "create pods": 1.0,
+        "patch secrets": 1.0,
+        "create events": 1.0,  # KernelStarted, in the background
+    }
     assert results["shutdown"]["server_calls"] == results["shutdown"]["client_calls"] > 0
     assert results["tick"]["ours"]["server_calls"] == results["tick"]["ours"]["client_calls"] == 0
     assert results["tick"]["baseline_list"]["server_calls"] == 5
