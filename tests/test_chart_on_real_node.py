@@ -41,6 +41,7 @@ import pytest
 import yaml
 
 from kernelmgr import __version__
+from kernelmgr.kube.labels import KERNEL_ID_LABEL
 from tests.support.kube import ControlPlane, require_envtest, wait_for
 
 require_envtest(module_level=True)
@@ -174,7 +175,9 @@ class Chart:
         return str(body["id"])
 
     def kernel_pods(self, kernel_id: str) -> list[Any]:
-        pods = self.core.list_namespaced_pod(self.namespace, label_selector=f"kernel_id={kernel_id}").items
+        pods = self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"{KERNEL_ID_LABEL}={kernel_id}"
+        ).items
         return list(pods)
 
     def kernel_pod(self, kernel_id: str) -> Any:

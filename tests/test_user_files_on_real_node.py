@@ -38,6 +38,7 @@ require_envtest(module_level=True)
 
 from kubernetes import client  # noqa: E402
 
+from kernelmgr.kube.labels import KERNEL_ID_LABEL  # noqa: E402
 from kernelmgr.kube.namespaces import dns_label  # noqa: E402
 from tests.support.node import Node  # noqa: E402
 from tests.support.server import start_server  # noqa: E402
@@ -159,7 +160,7 @@ def bound_claim(core: Any, name: str, folder: Path) -> str:
 
 def kernel_pod(core: Any, kernel_id: str) -> Any:
     def running() -> Any:
-        for pod in core.list_namespaced_pod(NAMESPACE, label_selector=f"kernel_id={kernel_id}").items:
+        for pod in core.list_namespaced_pod(NAMESPACE, label_selector=f"{KERNEL_ID_LABEL}={kernel_id}").items:
             if pod.status.phase == "Running" and not pod.metadata.deletion_timestamp:
                 return pod
         return None
@@ -273,7 +274,9 @@ def run_the_notebook(
         reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate", timeout=300)
         assert reply.status == 200, (reply.body, server.log()[-3000:])
         wait_for(
-            lambda: not core.list_namespaced_pod(NAMESPACE, label_selector=f"kernel_id={kernel_id}").items,
+            lambda: (
+                not core.list_namespaced_pod(NAMESPACE, label_selector=f"{KERNEL_ID_LABEL}={kernel_id}").items
+            ),
             120,
             "the kernel pod to be gone",
         )
