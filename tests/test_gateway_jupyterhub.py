@@ -205,6 +205,7 @@ def test_gpu_quota_counts_running_kernels_only_and_guards_resumes(tmp_path: Path
             "user": "carol",
             "admin": False,
             "gpu_hours_released": None,
+            "gpus_released_now": None,
         }
         assert run(hub, "carol", carol, small_id, "y + 1") == "8"
 

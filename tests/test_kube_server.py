@@ -778,21 +778,17 @@ def test_the_server_tells_kubectl_what_it_did_to_each_kernel_pod(cluster: PodClu
         # A launch that cannot run: no node takes it (both cordoned), launch_timeout passes.
         for runner in cluster.runners:
             cluster.cordon(runner.node_name)
+
+        def launch_failures() -> list[Any]:  # this test's: earlier tests share the namespace
+            listed = cluster.core.list_namespaced_event(NAMESPACE).items
+            return [e for e in listed if e.reason == "LaunchFailed" and e.metadata.uid not in earlier]
+
+        earlier: set[str] = set()
+        earlier = {e.metadata.uid for e in launch_failures()}
         reply = running.request("POST", "/api/kernels", {"name": SIZE})
         assert reply.status >= 400, reply
-        failed = [
-            e for e in cluster.core.list_namespaced_event(NAMESPACE).items if e.reason == "LaunchFailed"
-        ]
-        wait_for(
-            lambda: [
-                e for e in cluster.core.list_namespaced_event(NAMESPACE).items if e.reason == "LaunchFailed"
-            ],
-            30,
-            "the failed launch's Event",
-        )
-        (failed,) = [
-            e for e in cluster.core.list_namespaced_event(NAMESPACE).items if e.reason == "LaunchFailed"
-        ]
+        wait_for(launch_failures, 30, "the failed launch's Event")
+        (failed,) = launch_failures()
         assert failed.type == "Warning" and "launch_timeout" in failed.message, failed.message
         assert failed.involved_object.name.startswith("kernel-")
         # And on /metrics: the failed start by why, every watch's lists and last event's age.
