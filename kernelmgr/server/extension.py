@@ -98,8 +98,8 @@ class ElasticKernelsExtension(ExtensionApp):
     def initialize_settings(self) -> None:
         if self.kernels_at_gateway:
             return
-        live = self._read_live_config()
         try:
+            live = self._read_live_config()
             runtime = ElasticKernels(parent=self.serverapp, log=self.log).build()
             policy = CullPolicy(parent=self.serverapp, log=self.log).build(list(runtime.profiles))
         except (ConfigError, TraitError) as exc:
