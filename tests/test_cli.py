@@ -369,9 +369,9 @@ def test_ctrl_c_on_a_waiting_resume_cancels_the_wait_on_the_server(plain_server:
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
-        assert waiting.wait(60), lines
+        assert waiting.wait(180), lines
         process.send_signal(signal.SIGINT)
-        assert process.wait(60) == 130
+        assert process.wait(180) == 130  # a failure budget for a loaded machine, not a timing
         reader.join(10)
         assert lines[-1] == (
             f"jupyter elastic: interrupted: the resume of kernel {kernel_id} stopped waiting for a "
