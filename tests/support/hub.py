@@ -180,7 +180,8 @@ class Hub:
 #: managed service"); JupyterHub 6 waits ``timeout`` (30 s). On a loaded machine the gateway's start
 #: can take longer than 10 s: the Hub is then started again, at most this many times in all.
 HUB_STARTS = 4
-MANAGED_SERVICE_TIMED_OUT = "Cannot connect to managed service"
+#: How each version says it (JupyterHub 6 swaps the service's name and kind in the line).
+MANAGED_SERVICE_TIMED_OUT = re.compile(r"Cannot connect to (managed service|\S+ service managed)")
 
 
 @contextmanager
@@ -271,7 +272,7 @@ def _wait_up(hub: Hub) -> bool:
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
         if hub.proc.poll() is not None:
-            if MANAGED_SERVICE_TIMED_OUT in hub.log():
+            if MANAGED_SERVICE_TIMED_OUT.search(hub.log()):
                 return False
             raise AssertionError(f"JupyterHub exited:\n{hub.log()[-4000:]}")
         try:
