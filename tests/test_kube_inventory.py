@@ -131,6 +131,25 @@ def has(*uuids: str) -> Callable[[GpuInventory], bool]:
     return lambda inventory: {d.uuid for d in inventory} == set(uuids)
 
 
+def all_placed_but_one_refused(cluster: Cluster, names: list[str]) -> tuple[dict[str, str | None], list[str]]:
+    """Where kube-scheduler put each pod, once all but one are placed and that one is refused
+    (``PodScheduled=False``); the last look if that never happens within :data:`WAIT`."""
+
+    def refused(name: str) -> bool:
+        conditions = cluster.core.read_namespaced_pod(name, "default").status.conditions or []
+        return any(c.type == "PodScheduled" and c.status == "False" for c in conditions)
+
+    deadline = time.monotonic() + WAIT
+    while True:
+        nodes = {n: cluster.core.read_namespaced_pod(n, "default").spec.node_name for n in names}
+        waiting = [n for n, v in nodes.items() if not v]
+        if len(waiting) == 1 and refused(waiting[0]):
+            return nodes, waiting
+        if time.monotonic() > deadline:
+            return nodes, []
+        time.sleep(0.2)
+
+
 def test_inventory_reflects_whole_hami_and_mig_nodes(cluster: Cluster) -> None:
     runtime = cluster.runtime
     assert runtime.inventory.source == "kubernetes" and not runtime.gpus_available  # nothing listed yet
@@ -369,25 +388,10 @@ def test_only_nodes_the_scheduler_would_use_for_a_kernel_pod_take_new_kernels(
                 },
             )
         try:
-
-            def placed() -> dict[str, str | None]:
-                return {n: cluster.core.read_namespaced_pod(n, "default").spec.node_name for n in names}
-
-            def refused(name: str) -> bool:
-                pod = cluster.core.read_namespaced_pod(name, "default")
-                conditions = pod.status.conditions or []
-                return any(c.type == "PodScheduled" and c.status == "False" for c in conditions)
-
-            deadline = time.monotonic() + WAIT
-            while time.monotonic() < deadline:
-                nodes = placed()
-                waiting = [n for n, v in nodes.items() if not v]
-                if len(waiting) == 1 and refused(waiting[0]):
-                    break
-                time.sleep(0.2)
+            nodes, waiting = all_placed_but_one_refused(cluster, names)
             # Two pods on the two open nodes; no third GPU a kernel pod can use: Pending, as "fits" said.
             assert sorted(v for v in nodes.values() if v) == sorted([good, tolerated]), nodes
-            assert len(waiting) == 1 and refused(waiting[0]), nodes
+            assert len(waiting) == 1, nodes
         finally:
             for name in names:
                 cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
@@ -551,23 +555,9 @@ def test_a_size_pinned_to_some_nodes_fits_only_on_their_gpus(
                 },
             )
         try:
-
-            def where() -> dict[str, str | None]:
-                return {n: cluster.core.read_namespaced_pod(n, "default").spec.node_name for n in names}
-
-            def refused(name: str) -> bool:
-                conditions = cluster.core.read_namespaced_pod(name, "default").status.conditions or []
-                return any(c.type == "PodScheduled" and c.status == "False" for c in conditions)
-
-            deadline = time.monotonic() + WAIT
-            while time.monotonic() < deadline:
-                nodes = where()
-                waiting = [n for n, v in nodes.items() if not v]
-                if len(waiting) == 1 and refused(waiting[0]):
-                    break
-                time.sleep(0.2)
+            nodes, waiting = all_placed_but_one_refused(cluster, names)
             assert sorted(v for v in nodes.values() if v) == sorted([big, tainted]), nodes
-            assert len(waiting) == 1 and refused(waiting[0]), nodes
+            assert len(waiting) == 1, nodes
         finally:
             for name in names:
                 cluster.core.delete_namespaced_pod(name, "default", grace_period_seconds=0)
