@@ -21,6 +21,7 @@ import re
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +117,7 @@ NOTEBOOK = {
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, GpuScript]]:
-    sync_playwright = _require_browser()
-    assert sync_playwright is not None
+    assert _require_browser() is not None
     home = tmp_path_factory.mktemp("lab-ui")
     gpu = GpuScript(home / "gpu.json")
     config = elastic_config(
@@ -143,6 +143,22 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServe
     finally:
         server.shutdown_all_kernels()
         server.stop()
+
+
+@contextmanager
+def browser_page() -> Iterator[Any]:
+    """A page in a fresh headless Chromium (the machine's own, driven by Playwright), closed after."""
+    sync_playwright = _require_browser()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--headless", "--no-sandbox", "--disable-background-networking"],
+        )
+        try:
+            yield browser.new_page(viewport={"width": 1280, "height": 720})
+        finally:
+            browser.close()
 
 
 def _this_checkouts_build(home: Path) -> dict[str, str]:
@@ -192,20 +208,10 @@ class Shots:
 
 def test_the_issue_scenario_in_a_real_browser(lab: tuple[RunningServer, GpuScript], tmp_path: Path) -> None:
     server, gpu = lab
-    sync_playwright = _require_browser()
     folder = Path(os.environ.get("ELASTIC_UI_SCREENSHOTS") or tmp_path / "screenshots")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            headless=True,
-            args=["--headless", "--no-sandbox", "--disable-background-networking"],
-        )
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 720})
-            shots = Shots(page, folder)
-            _scenario(server, gpu, page, shots)
-        finally:
-            browser.close()
+    with browser_page() as page:
+        shots = Shots(page, folder)
+        _scenario(server, gpu, page, shots)
 
 
 def _seconds_left(toast_text: str) -> int:
@@ -448,13 +454,8 @@ def test_a_kernel_without_a_gpu_size_shows_nothing(
 ) -> None:
     server, _gpu = lab
     (server.home / "root" / "cpu.ipynb").write_text(json.dumps(CPU_NOTEBOOK))
-    sync_playwright = _require_browser()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=["--headless", "--no-sandbox"]
-        )
+    with browser_page() as page:
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 720})
             _open(page, server, "cpu.ipynb")
             kernel_id = _kernel_of(server, "cpu.ipynb")
             assert server.get(f"/api/elastic/kernels/{kernel_id}")["profile"] is None
@@ -468,7 +469,6 @@ def test_a_kernel_without_a_gpu_size_shows_nothing(
             expect(page.locator(".jp-ElasticStatus")).to_be_hidden()
             expect(page.locator(".Toastify__toast")).to_have_count(0)
         finally:
-            browser.close()
             server.shutdown_all_kernels()
 
 
@@ -488,40 +488,32 @@ def test_launcher_cards_are_ordered_by_size_with_icons_and_short_labels(
     expected = [specs["python3"]["spec"]["display_name"]] + [
         specs[p["kernelspecs"][0]]["spec"]["display_name"] for p in by_share
     ]
-    sync_playwright = _require_browser()
     folder = Path(os.environ.get("ELASTIC_UI_SCREENSHOTS") or tmp_path / "screenshots")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=["--headless", "--no-sandbox"]
+    with browser_page() as page:
+        page.goto(f"{server.url}/lab?reset&token={TOKEN}")  # nothing open: the launcher
+        cards = page.locator(
+            '.jp-Launcher-section[data-category="Notebook"] .jp-LauncherCard, '
+            '.jp-LauncherCard[data-category="Notebook"]'
         )
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 720})
-            page.goto(f"{server.url}/lab?reset&token={TOKEN}")  # nothing open: the launcher
-            cards = page.locator(
-                '.jp-Launcher-section[data-category="Notebook"] .jp-LauncherCard, '
-                '.jp-LauncherCard[data-category="Notebook"]'
-            )
-            expect(cards.first).to_be_visible(timeout=60_000)
-            expect(page.locator("#jupyter-elastic-kernels-launcher")).to_have_count(1, timeout=20_000)
-            seen = cards.evaluate_all(
-                "cards => cards.map(c => [c.title, c.getBoundingClientRect().top,"
-                " c.getBoundingClientRect().left, getComputedStyle(c.querySelector('img')).content,"
-                " getComputedStyle(c.querySelector('.jp-LauncherCard-label p'), '::after').content])"
-            )
-            in_order = [title for title, *_ in sorted(seen, key=lambda c: (round(c[1]), c[2]))]
-            assert in_order == expected, seen
-            icons = {title: icon for title, _t, _l, icon, _label in seen}
-            assert icons[expected[0]] in ("normal", "none")  # the kernel's own logo
-            sized_icons = [icons[title] for title in expected[1:]]
-            assert all(i.startswith('url("data:image/svg+xml') for i in sized_icons), sized_icons
-            assert len(set(sized_icons)) == len(sized_icons)  # one icon per size
-            labels = {title: label for title, *_rest, label in seen}
-            assert labels["Python 3 · GPU small (10 GiB)"] == '"Python 3 · GPU small"'
-            time.sleep(0.8)
-            folder.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=str(folder / "jupyterlab-launcher.png"))
-        finally:
-            browser.close()
+        expect(cards.first).to_be_visible(timeout=60_000)
+        expect(page.locator("#jupyter-elastic-kernels-launcher")).to_have_count(1, timeout=20_000)
+        seen = cards.evaluate_all(
+            "cards => cards.map(c => [c.title, c.getBoundingClientRect().top,"
+            " c.getBoundingClientRect().left, getComputedStyle(c.querySelector('img')).content,"
+            " getComputedStyle(c.querySelector('.jp-LauncherCard-label p'), '::after').content])"
+        )
+        in_order = [title for title, *_ in sorted(seen, key=lambda c: (round(c[1]), c[2]))]
+        assert in_order == expected, seen
+        icons = {title: icon for title, _t, _l, icon, _label in seen}
+        assert icons[expected[0]] in ("normal", "none")  # the kernel's own logo
+        sized_icons = [icons[title] for title in expected[1:]]
+        assert all(i.startswith('url("data:image/svg+xml') for i in sized_icons), sized_icons
+        assert len(set(sized_icons)) == len(sized_icons)  # one icon per size
+        labels = {title: label for title, *_rest, label in seen}
+        assert labels["Python 3 · GPU small (10 GiB)"] == '"Python 3 · GPU small"'
+        time.sleep(0.8)
+        folder.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(folder / "jupyterlab-launcher.png"))
 
 
 def test_kernel_menu_and_palette_hibernate_resume_and_show_the_report(
@@ -536,14 +528,9 @@ def test_kernel_menu_and_palette_hibernate_resume_and_show_the_report(
         "metadata": {"kernelspec": {"name": "python3-gpu-medium", "display_name": "Python 3 · GPU medium"}},
     }
     (server.home / "root" / "commands.ipynb").write_text(json.dumps(notebook))
-    sync_playwright = _require_browser()
     folder = Path(os.environ.get("ELASTIC_UI_SCREENSHOTS") or tmp_path / "screenshots")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=["--headless", "--no-sandbox"]
-        )
+    with browser_page() as page:
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 720})
             shots = Shots(page, folder)
             cells = _open(page, server, "commands.ipynb")
             kernel_id = _kernel_of(server, "commands.ipynb")
@@ -579,7 +566,6 @@ def test_kernel_menu_and_palette_hibernate_resume_and_show_the_report(
             shots("jupyterlab-restore-report-command")
             dialog.get_by_role("button", name="Close").click()
         finally:
-            browser.close()
             server.shutdown_all_kernels()
 
 
@@ -608,25 +594,17 @@ def test_a_server_without_the_server_part_shows_nothing(lab_without_server_part:
 
     server = lab_without_server_part
     assert server.request("GET", "/api/elastic/kernels").status == 404
-    sync_playwright = _require_browser()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=["--headless", "--no-sandbox"]
-        )
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 720})
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            _open(page, server, "cpu.ipynb")
-            # The extension is loaded (its status item exists, empty and hidden), asked once, got 404.
-            expect(page.locator(".jp-ElasticStatus")).to_have_count(1, timeout=10_000)
-            time.sleep(4)
-            expect(page.locator(".jp-ElasticStatus")).to_be_hidden()
-            expect(page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]')).to_have_count(0)
-            expect(page.locator(".Toastify__toast")).to_have_count(0)
-            assert not [e for e in errors if "elastic" in e.lower()], errors
-        finally:
-            browser.close()
+    with browser_page() as page:
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        _open(page, server, "cpu.ipynb")
+        # The extension is loaded (its status item exists, empty and hidden), asked once, got 404.
+        expect(page.locator(".jp-ElasticStatus")).to_have_count(1, timeout=10_000)
+        time.sleep(4)
+        expect(page.locator(".jp-ElasticStatus")).to_be_hidden()
+        expect(page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]')).to_have_count(0)
+        expect(page.locator(".Toastify__toast")).to_have_count(0)
+        assert not [e for e in errors if "elastic" in e.lower()], errors
 
 
 def test_change_size_from_the_panel_and_the_running_kernels_context_menu(
@@ -648,14 +626,9 @@ def test_change_size_from_the_panel_and_the_running_kernels_context_menu(
         "metadata": {"kernelspec": {"name": "python3-gpu-medium", "display_name": "Python 3 · GPU medium"}},
     }
     (server.home / "root" / "resize.ipynb").write_text(json.dumps(notebook))
-    sync_playwright = _require_browser()
     folder = Path(os.environ.get("ELASTIC_UI_SCREENSHOTS") or tmp_path / "screenshots")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=["--headless", "--no-sandbox"]
-        )
+    with browser_page() as page:
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 720})
             shots = Shots(page, folder)
             cells = _open(page, server, "resize.ipynb")
             kernel_id = _kernel_of(server, "resize.ipynb")
@@ -724,5 +697,4 @@ def test_change_size_from_the_panel_and_the_running_kernels_context_menu(
             )
         finally:
             server.request("PUT", "/lab/api/settings/jupyter-elastic-kernels:plugin", {"raw": "{}"})
-            browser.close()
             server.shutdown_all_kernels()
