@@ -13,6 +13,15 @@ is the volume. In it:
   do: the pod has a ``/dev/shm`` of ``shm_size`` (the runtime's 64 MiB would kill them with SIGBUS);
 - the files the kernel writes on the home belong to the owner's uid and gid.
 
+And an admin's kernelspec for a PyTorch environment: ``torch`` names the PyTorch kernel image
+(``kernelspec_images``; ``scripts/images.sh export-torch``: the kernel image on a base with Debian's CPU
+build of PyTorch) and runs its own argv in its pods (``kernelspec_argv``): ``/opt/elastic/bin/python -X
+elastic_env=torch -m ipykernel_launcher``, which the kernel sees from inside, with the kernelspec's env
+and the checkpoint agent. A PyTorch DataLoader with two workers hands back batches of 96 MiB, each made
+by a worker in shared memory, as every DataLoader with workers does: the GPU size carries ``shmSize:
+1Gi`` and its kernel gets every batch; the same kernelspec's CPU kernel has no shm setting here
+(``shm_size: ""``: the runtime's 64 MiB) and there the same DataLoader's workers die of a bus error.
+
 Needs root, the node and the kernel image (as ``tests/test_real_node.py``); run it under
 ``flock /tmp/ek-real-node.lock`` (one real node per machine).
 """
@@ -23,6 +32,7 @@ import base64
 import getpass
 import hashlib
 import io
+import json
 import os
 import shutil
 import zipfile
@@ -42,6 +52,7 @@ from kernelmgr.kube.labels import KERNEL_ID_LABEL  # noqa: E402
 from kernelmgr.kube.namespaces import dns_label  # noqa: E402
 from tests.support.node import Node  # noqa: E402
 from tests.support.server import start_server  # noqa: E402
+from tests.test_images import images_script  # noqa: E402
 from tests.test_real_node import kernel_image, node, registry, server_config  # noqa: E402, F401
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]
@@ -90,6 +101,35 @@ print([w.exitcode for w in workers], total)
 """
 
 
+#: The kernelspec's own argv: the image's Python with an option the kernel can see.
+ARGV = [
+    "/opt/elastic/bin/python",
+    "-X",
+    "elastic_env=torch",
+    "-m",
+    "ipykernel_launcher",
+    "-f",
+    "{connection_file}",
+]
+
+#: Two workers, each making batches of 4 x 24 MiB in shared memory (a worker's collate writes the
+#: batch there for the parent): with the runtime's 64 MiB of /dev/shm no batch fits.
+DATALOADER_CELL = """
+import torch
+from torch.utils.data import DataLoader, Dataset
+class Blocks(Dataset):
+    def __len__(self):
+        return 16
+    def __getitem__(self, i):
+        return torch.full((6 * 2 ** 20,), float(i))  # 24 MiB of float32
+try:
+    sums = [int(batch[:, 0].sum()) for batch in DataLoader(Blocks(), batch_size=4, num_workers=2)]
+    print("ok", sums)
+except RuntimeError as exc:
+    print("failed", " ".join(str(exc).split()))
+"""
+
+
 def tiny_wheel() -> bytes:
     """A pure-Python wheel (``tinypkg``, ``ANSWER = 42``), as ``pip wheel`` would make it."""
     files = {
@@ -110,6 +150,15 @@ def tiny_wheel() -> bytes:
             wheel.writestr(name, data)
         wheel.writestr("tinypkg-1.0.dist-info/RECORD", "\n".join(record) + "\n")
     return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def torch_image(node: Node) -> str:  # noqa: F811
+    """The PyTorch kernel image, in the node's image store."""
+    archive = Path(images_script("export-torch").split()[0])
+    names = node.import_image(archive)
+    assert names, "the archive brought no image name"
+    return names[0]
 
 
 @pytest.fixture(scope="module")
@@ -293,3 +342,62 @@ def run_the_notebook(
         wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the kernel pod to be deleted")
     finally:
         server.stop()
+
+
+def test_a_pytorch_kernelspec_runs_its_argv_and_a_dataloader_with_workers_on_the_real_node(
+    node: Node,  # noqa: F811
+    core: Any,
+    kube_plane: ControlPlane,
+    torch_image: str,
+    tmp_path: Path,
+) -> None:
+    spec_dir = tmp_path / "data" / "kernels" / "torch"
+    spec_dir.mkdir(parents=True)
+    spec = {"argv": ARGV, "display_name": "PyTorch", "language": "python", "env": {"FRAMEWORK": "torch"}}
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    plain_image = images_script("names").split()[0]  # the default image: never used by this kernelspec
+    config = server_config(kube_plane, plain_image)
+    config["ElasticKernels"]["base_kernels"] = ["torch"]
+    small = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "3Gi"}}
+    config["ElasticKubernetesProvisioner"].update(
+        namespace=NAMESPACE,
+        kernelspec_images={"torch": torch_image},
+        kernelspec_argv=["torch"],
+        shm_size="",  # no /dev/shm of the kernels' own: the runtime's 64 MiB
+        size_pod_settings={"whole": {"shmSize": "1Gi", "resources": small}},
+        cpu_pod_settings={"resources": small},
+    )
+    server = start_server(tmp_path, config)
+    try:
+        gpu = server.start_kernel("torch-gpu-whole")
+        pod = kernel_pod(core, gpu)
+        assert (pod.spec.node_name, pod.spec.containers[0].image) == (node.name, torch_image)
+        inside = (
+            "import sys, os, torch\n"
+            "print(sys._xoptions.get('elastic_env'), sys.executable, os.environ.get('FRAMEWORK'),\n"
+            "      'kernelmgr.checkpoint.agent' in get_ipython().extension_manager.loaded,\n"
+            "      torch.__version__.split('.')[0])\n"
+        )
+        seen = server.execute(gpu, inside, timeout=300).split()
+        assert seen == ["torch", "/opt/elastic/bin/python", "torch", "True", "1"], seen
+        # 16 samples valued 0..15 in batches of 4: each batch's first column sums to 4i + 6.
+        said = server.execute(gpu, DATALOADER_CELL, timeout=300).strip()
+        assert said == "ok [6, 22, 38, 54]", said
+        server.shutdown_kernel(gpu)
+
+        cpu = server.start_kernel("torch-cpu")
+        pod = kernel_pod(core, cpu)
+        assert not [volume for volume in pod.spec.volumes if volume.name == "dshm"]
+        said = server.execute(cpu, DATALOADER_CELL, timeout=300).strip()
+        assert said.startswith("failed DataLoader worker (pid(s)") and said.endswith("exited unexpectedly"), (
+            said
+        )
+        # What the workers said before they died (on the container's stderr, not the cell's).
+        log = core.read_namespaced_pod_log(pod.metadata.name, NAMESPACE)
+        assert "Unexpected bus error encountered in worker" in log and "shared memory" in log, log[-2000:]
+        server.shutdown_kernel(cpu)
+        wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the kernel pods to be deleted")
+    finally:
+        server.stop()
+        for pod in core.list_namespaced_pod(NAMESPACE).items:
+            core.delete_namespaced_pod(pod.metadata.name, NAMESPACE, grace_period_seconds=0)
