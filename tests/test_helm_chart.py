@@ -628,6 +628,68 @@ def test_uninstall_hook_has_its_own_narrow_rights_a_deadline_and_the_gateways_id
 
 
 @pytest.mark.timeout(300)
+def test_uninstall_hook_stops_waiting_at_its_deadline_and_says_what_is_left(
+    kube_plane: Any, kube_api: Any, kube_namespace: str, tmp_path: Path
+) -> None:
+    """A kernel pod that does not end (a finalizer holds it) does not hold the uninstall: past the
+    deadline the hook names it as left and exits 0. Without its Roles it says so in one line and
+    exits 0 too (the uninstall goes on). Its real command, as its own ServiceAccount."""
+    from kubernetes import client
+    from kubernetes.utils import create_from_dict
+
+    from tests.support.kube import write_kubeconfig
+
+    namespace = kube_namespace
+    core = client.CoreV1Api(kube_api)
+    hooks = _pre_delete(render({}, tmp_path, namespace=namespace))
+    name = f"{RELEASE}-uninstall"
+    for (kind, _ns, _), doc in hooks.items():
+        if kind in ("ServiceAccount", "Role", "RoleBinding"):
+            create_from_dict(kube_api, doc, namespace=namespace)
+    command = hooks[("Job", namespace, name)]["spec"]["template"]["spec"]["containers"][0]["command"]
+    hook = [sys.executable, *command[1:], "--deadline=3"]
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+
+    def run_as(account: str) -> subprocess.CompletedProcess[str]:
+        token = core.create_namespaced_service_account_token(
+            account, namespace, {"spec": {"expirationSeconds": 600}}
+        )
+        identity = write_kubeconfig(
+            tmp_path / f"{account}.kubeconfig",
+            kube_plane.server,
+            kube_plane.pki.ca_cert,
+            token=token.status.token,
+        )
+        return subprocess.run(
+            hook, env={**env, "KUBECONFIG": str(identity)}, capture_output=True, text=True, timeout=120
+        )
+
+    labels = {
+        "app.kubernetes.io/name": "jupyter-elastic-kernels",
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "kernel",
+        KERNEL_ID_LABEL: "k-stuck",
+    }
+    core.create_namespaced_secret(namespace, {"metadata": {"name": "kernel-k-stuck", "labels": labels}})
+    core.create_namespaced_pod(namespace, _pod("kernel-k-stuck", labels, finalizers=[GATEWAY_FINALIZER]))
+    try:
+        refused = run_as("default")
+        assert refused.returncode == 0, (refused.stdout, refused.stderr)
+        assert "uninstall: stopped early: 403 " in refused.stdout, refused.stdout
+        said = run_as(name)
+        assert said.returncode == 0, (said.stdout, said.stderr)
+        out = said.stdout
+        assert f"uninstall: no gateway Deployment {namespace}/{RELEASE}" in out, out
+        assert "no gateway token (uninstallHook.gatewayTokenSecret)" in out, out
+        assert "uninstall: stopping kernel k-stuck: not hibernated, its variables are lost" in out, out
+        assert f"uninstall: deleted secret {namespace}/kernel-k-stuck" in out, out
+        assert f"left: pod {namespace}/kernel-k-stuck (still ending at the deadline)" in out, out
+        assert f"left: PersistentVolumeClaim {namespace}/{RELEASE}-checkpoints" in out, out
+    finally:
+        core.patch_namespaced_pod("kernel-k-stuck", namespace, {"metadata": {"finalizers": None}})
+
+
+@pytest.mark.timeout(300)
 def test_image_awaiter_waits_for_every_puller_pod_with_the_charts_rights(
     kube_plane: Any, kube_api: Any, kube_namespace: str, tmp_path: Path
 ) -> None:
