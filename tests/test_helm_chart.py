@@ -1638,6 +1638,51 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
     )
 
 
+@pytest.mark.timeout(600)
+def test_uninstall_leaves_exactly_what_the_docs_say_and_their_command_removes_it(
+    kube_plane: Any, kube_api: Any, kube_runner: Any, release: dict[str, Any], tmp_path: Path
+) -> None:
+    """Without the uninstall hook (the fixture's values), a kernel still running when the gateway goes
+    outlives ``helm uninstall`` (its GPU held): the Uninstall section of docs/deploy-kubernetes.md
+    names it, and its command removes it and its Secret, but not the Secrets and the claim kept on
+    purpose."""
+    from tests.support.kube import wait_for
+
+    namespace, core = release["namespace"], release["core"]
+    gateway = start_gateway(tmp_path, kube_plane, kube_api, release, "uninstall")
+    try:
+        kernel_id = gateway.start_kernel(SIZE)
+        assert gateway.execute(kernel_id, "print('up')", timeout=120).strip() == "up"
+    finally:
+        gateway.process.kill()  # gone without hibernating anything (a crash, a forced delete)
+        gateway.process.wait()
+    helm("uninstall", RELEASE, "-n", namespace, *release["kubeconfig"])
+    docs = (ROOT / "docs" / "deploy-kubernetes.md").read_text()
+    section = docs[docs.index("## Uninstall") :]
+    (selector,) = [
+        line.split(" -l ")[1].strip("'")
+        for line in section.splitlines()
+        if line.startswith("kubectl") and "app.kubernetes.io/instance=jupyter-elastic-kernels" in line
+    ]
+    left = core.list_namespaced_pod(namespace, label_selector=selector).items
+    assert [(p.metadata.name, p.status.phase) for p in left] == [(f"kernel-{kernel_id}", "Running")]
+    secrets = core.list_namespaced_secret(namespace, label_selector=selector).items
+    assert [s.metadata.name for s in secrets] == [f"kernel-{kernel_id}"]
+    # kubectl delete pods,secrets -l <selector>, as the docs say.
+    core.delete_collection_namespaced_pod(namespace, label_selector=selector, grace_period_seconds=0)
+    core.delete_collection_namespaced_secret(namespace, label_selector=selector)
+    wait_for(
+        lambda: not core.list_namespaced_pod(namespace, label_selector=selector).items, 60, "no kernel pod"
+    )
+    assert not core.list_namespaced_secret(namespace, label_selector=selector).items
+    # Kept on purpose: the claim and the master secret the checkpoints need.
+    assert (
+        core.read_namespaced_persistent_volume_claim(release["claim"], namespace).metadata.deletion_timestamp
+        is None
+    )
+    core.read_namespaced_secret(f"{RELEASE}-checkpoint-secret", namespace)
+
+
 UNINSTALL_JOB = f"{RELEASE}-uninstall"
 GATEWAY_FINALIZER = "elastic.test/gateway-process"
 
