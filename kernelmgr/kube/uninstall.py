@@ -31,6 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kubernetes import client, config
@@ -46,6 +47,8 @@ PREFIX = "uninstall:"
 COMPONENTS = (KERNEL, WARM_KERNEL, FAILED_KERNEL)
 #: The longest one gateway request may take (a hibernation checkpoints the kernel's variables).
 REQUEST_TIMEOUT = 300.0
+#: Hibernations asked of the gateway at the same time.
+HIBERNATIONS_AT_ONCE = 4
 
 
 def say(line: str) -> None:
@@ -109,27 +112,25 @@ def hibernate_all(url: str, token: str, deadline: Deadline) -> set[str]:
         say(f"the gateway at {url} refused the kernel list (HTTP {status}: {message}): all are stopped")
         return set()
     done: set[str] = set()
+    running: list[tuple[str, str]] = []
     for kernel in kernels:
         kid, state = str(kernel.get("id")), kernel.get("state")
         who = f"kernel {kid} (owner {kernel.get('owner') or '-'}, size {kernel.get('profile') or '-'})"
         if state == "hibernated":
             say(f"{who} was already hibernated: its checkpoint stays on the checkpoint volume")
             done.add(kid)
-            continue
-        if state != "running":
+        elif state == "running":
+            running.append((kid, who))
+        else:
             say(f"{who} is {state}: stopped, not hibernated")
-            continue
+
+    def hibernate(kid: str, who: str) -> None:
         if deadline.left() <= 0:
             say(f"{who} not hibernated: the deadline passed; stopped, its variables are lost")
-            continue
+            return
+        path = f"api/elastic/kernels/{kid}/hibernate"
         try:
-            status, body = _gateway(
-                url,
-                token,
-                "POST",
-                f"api/elastic/kernels/{kid}/hibernate",
-                min(REQUEST_TIMEOUT, deadline.left()),
-            )
+            status, body = _gateway(url, token, "POST", path, min(REQUEST_TIMEOUT, deadline.left()))
         except OSError as err:
             status, body = 0, {"message": str(err)}
         if status == 200:
@@ -138,6 +139,11 @@ def hibernate_all(url: str, token: str, deadline: Deadline) -> set[str]:
         else:
             message = body.get("message") if isinstance(body, dict) else body
             say(f"{who} not hibernated (HTTP {status}: {message}): stopped, its variables are lost")
+
+    # A few at once: each checkpoint is mostly the kernel's own work, and many kernels must fit the deadline.
+    with ThreadPoolExecutor(max_workers=HIBERNATIONS_AT_ONCE) as pool:
+        for future in [pool.submit(hibernate, kid, who) for kid, who in running]:
+            future.result()
     return done
 
 
