@@ -637,6 +637,7 @@ def test_uninstall_hook_stops_waiting_at_its_deadline_and_says_what_is_left(
     from kubernetes import client
     from kubernetes.utils import create_from_dict
 
+    from tests.support import rbac
     from tests.support.kube import write_kubeconfig
 
     namespace = kube_namespace
@@ -659,6 +660,10 @@ def test_uninstall_hook_stops_waiting_at_its_deadline_and_says_what_is_left(
             kube_plane.server,
             kube_plane.pki.ca_cert,
             token=token.status.token,
+        )
+        # The authorizer reads the bindings from a cache: allowed, or refused, as they now say.
+        rbac.wait_allowed(
+            kube_plane, token.status.token, "delete", "pods", namespace, allowed=account == name
         )
         return subprocess.run(
             hook, env={**env, "KUBECONFIG": str(identity)}, capture_output=True, text=True, timeout=120
@@ -687,6 +692,93 @@ def test_uninstall_hook_stops_waiting_at_its_deadline_and_says_what_is_left(
         assert f"left: PersistentVolumeClaim {namespace}/{RELEASE}-checkpoints" in out, out
     finally:
         core.patch_namespaced_pod("kernel-k-stuck", namespace, {"metadata": {"finalizers": None}})
+
+
+@pytest.mark.timeout(300)
+def test_uninstall_hook_reaches_per_user_namespaces_with_its_cluster_role(
+    kube_plane: Any, kube_api: Any, kube_namespace: str, tmp_path: Path
+) -> None:
+    """With kernels.namespaceTemplate the hook finds the release's kernel pods and Secrets in any
+    namespace by label (its ClusterRole), deletes them, and names each per-user namespace it leaves:
+    where it found them and where a kept record's owner has one. Its real command and rights."""
+    from kubernetes import client
+    from kubernetes.utils import create_from_dict
+
+    from kernelmgr.kube.records import COMPONENT_LABEL, OWNER_ANNOTATION, REGISTRY_LABEL, STATE_LABEL
+    from kernelmgr.server.sessions import server_identity
+    from tests.support import rbac
+    from tests.support.kube import write_kubeconfig
+
+    namespace = kube_namespace
+    core = client.CoreV1Api(kube_api)
+    template = f"{namespace}-{{owner}}"
+    values = {"kernels": {"namespaceTemplate": template, "createNamespaces": True}}
+    hooks = _pre_delete(render(values, tmp_path, namespace=namespace))
+    name = f"{RELEASE}-uninstall"
+    cluster_wide = [d for (kind, _ns, _), d in hooks.items() if kind.startswith("Cluster")]
+    alice = namespace_for(template, "alice")
+    try:
+        for (kind, _ns, _), doc in hooks.items():
+            if kind != "Job":
+                create_from_dict(kube_api, doc, namespace=namespace)
+        core.create_namespace({"metadata": {"name": alice}})
+        labels = {
+            "app.kubernetes.io/name": "jupyter-elastic-kernels",
+            "app.kubernetes.io/instance": RELEASE,
+            "app.kubernetes.io/component": "kernel",
+            KERNEL_ID_LABEL: "k-alice",
+        }
+        core.create_namespaced_secret(alice, {"metadata": {"name": "kernel-k-alice", "labels": labels}})
+        core.create_namespaced_pod(alice, _pod("kernel-k-alice", labels))
+        # bob's kernel is hibernated: no pod, only its record (kept), in the release's namespace.
+        mount_path = server_config(render(values, tmp_path, namespace=namespace))["ServerApp"]["root_dir"]
+        record = {
+            "metadata": {
+                "name": "elastic-kernel-k-bob",
+                "labels": {
+                    COMPONENT_LABEL: "kernel-record",
+                    REGISTRY_LABEL: server_identity(mount_path),
+                    KERNEL_ID_LABEL: "k-bob",
+                    STATE_LABEL: "hibernated",
+                },
+                "annotations": {OWNER_ANNOTATION: "bob"},
+            },
+            "data": {"record.json": "{}"},
+        }
+        core.create_namespaced_config_map(namespace, record)
+        command = hooks[("Job", namespace, name)]["spec"]["template"]["spec"]["containers"][0]["command"]
+        token = core.create_namespaced_service_account_token(
+            name, namespace, {"spec": {"expirationSeconds": 600}}
+        )
+        identity = write_kubeconfig(
+            tmp_path / "hook.kubeconfig", kube_plane.server, kube_plane.pki.ca_cert, token=token.status.token
+        )
+        rbac.wait_allowed(kube_plane, token.status.token, "delete", "pods", alice)
+        env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+        said = subprocess.run(
+            [sys.executable, *command[1:], "--deadline=60"],
+            env={**env, "KUBECONFIG": str(identity)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        out = said.stdout
+        assert said.returncode == 0, (out, said.stderr)
+        assert f"uninstall: deleted pod {alice}/kernel-k-alice" in out, out
+        assert f"uninstall: deleted secret {alice}/kernel-k-alice" in out, out
+        assert (
+            f"left: kernel record ConfigMap {namespace}/elastic-kernel-k-bob (hibernated kernel k-bob" in out
+        )
+        for owner in ("alice", "bob"):
+            assert f"left: namespace {namespace_for(template, owner)} (kernels.namespaceTemplate" in out, out
+        selector = f"{KERNEL_ID_LABEL}=k-alice"
+        assert not core.list_namespaced_secret(alice, label_selector=selector).items
+        pods = core.list_namespaced_pod(alice, label_selector=selector).items
+        assert all(p.metadata.deletion_timestamp for p in pods), pods  # none left running
+    finally:
+        rbac.delete(kube_api, cluster_wide)
+        with contextlib.suppress(client.ApiException):
+            core.delete_namespace(alice)
 
 
 @pytest.mark.timeout(300)
