@@ -185,11 +185,13 @@ def agent_env(script: Path | None = None) -> dict[str, str]:
 
 
 @pytest.mark.server  # a real node-agent process, waited for (tests/support/costs.py)
-def start_agent(tmp: Path, proc_root: Path, script: Path, node: str, interval: float = 0.2) -> Agent:
+def start_agent(
+    tmp: Path, proc_root: Path, script: Path, node: str, interval: float = 0.2, token: str = TOKEN
+) -> Agent:
     """Start ``node-agent`` on a free port (``--port 0``) and read the URL from its first line."""
     log = tmp / f"agent-{node}.log"
     token_file = tmp / "agent-token"
-    token_file.write_text(TOKEN + "\n")
+    token_file.write_text(token + "\n")
     with open(log, "w") as stderr:
         process = subprocess.Popen(
             agent_command(
@@ -648,3 +650,41 @@ def test_agent_urls_from_pod_objects() -> None:
     ]
     assert agent_urls(pods[:1], port=9999) == ["http://10.0.0.2:9999"]
     assert agent_urls(pods, instance="another-release") == ["http://10.0.0.6:9401"]
+
+
+def test_the_charts_pod_monitor_scrapes_a_real_agent_with_the_rendered_token(tmp_path: Path) -> None:
+    """Prometheus as the chart's PodMonitor (rendered by the real helm) has it scrape each agent pod:
+    the port it names is the one the agent listens on, ``/metrics`` answers the rendered token Secret
+    (which the DaemonSet mounts as the agent's --token-file) with Prometheus text, nobody else."""
+    import base64
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.test_helm_chart import only, render
+
+    docs = render({"metrics": {"serviceMonitor": {"enabled": True}}}, tmp_path)
+    (endpoint,) = only(docs, "PodMonitor")["spec"]["podMetricsEndpoints"]
+    template = only(docs, "DaemonSet", "jupyter-elastic-kernels-node-agent")["spec"]["template"]["spec"]
+    (container,) = template["containers"]
+    (port,) = [p for p in container["ports"] if p["name"] == endpoint["port"]]
+    args = dict(a[2:].split("=", 1) for a in container["args"])
+    assert args["port"] == str(port["containerPort"])  # the agent listens where the monitor scrapes
+    ref = endpoint["bearerTokenSecret"]
+    mounted = [v for v in template["volumes"] if v.get("secret", {}).get("secretName") == ref["name"]]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == mounted[0]["name"]]
+    assert args["token-file"] == f"{mount['mountPath']}/{ref['key']}"  # the agent requires that token
+    token = base64.b64decode(only(docs, "Secret", ref["name"])["data"][ref["key"]]).decode()
+
+    node_tree(tmp_path / "proc")
+    script = tmp_path / "gpu.json"
+    write_script(script, ["GPU-m-0"], NODE_PROCESSES)
+    agent = start_agent(tmp_path, tmp_path / "proc", script, "node-m", token=token)
+    try:
+        status, content_type, body = agent.get(endpoint["path"], token=token)
+        assert status == 200 and content_type.startswith("text/plain"), (status, body[:300])
+        families = {f.name for f in text_string_to_metric_families(body)}
+        assert {"elastic_node_pod_gpu_memory_bytes", "elastic_node_nvml_up"} <= families, sorted(families)
+        for wrong in (None, "not-the-token"):
+            assert agent.get(endpoint["path"], token=wrong)[0] in (401, 403)
+    finally:
+        agent.stop()

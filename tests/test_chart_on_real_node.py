@@ -303,6 +303,9 @@ def installed_chart(
         # Forced here: the real node is tainted so that only the pods that ask run there, and it has
         # 2 cores: two GPU kernels beside the gateway fit only with a smaller CPU request.
         "kernels": {**ON_THE_NODE, "resources": {"requests": {"cpu": "250m"}}},
+        # Forced here: the uninstall hook (tested in tests/test_helm_chart.py) would need the same
+        # API address as the gateway; this fixture's uninstall only cleans up.
+        "uninstallHook": {"enabled": False},
         "gateway": {
             # Forced here: no JupyterHub in this cluster, so one static token (a Secret).
             "auth": "token",

@@ -225,3 +225,50 @@ def test_a_size_change_over_the_quota_is_refused_before_the_kernel_stops(tmp_pat
         within = gateway(hub, "POST", path, carol, json={"size": "medium"})
         assert within.status_code == 200, within.text
         assert (within.json()["state"], within.json()["profile"]) == ("running", "medium")
+
+
+def test_the_charts_service_monitor_scrapes_the_gateway_served_as_a_hub_service(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prometheus as the chart's ServiceMonitor (rendered by the real helm) has it scrape in Hub mode:
+    the Service's port, ``/metrics`` under the Hub service's base URL, the token of the rendered
+    Secret, which the chart gives the gateway as ELASTIC_METRICS_TOKEN and so does the example."""
+    import base64
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gateway.config import METRICS_TOKEN_VARIABLE
+    from tests.test_helm_chart import only, render
+
+    docs = render({"metrics": {"serviceMonitor": {"enabled": True}}}, tmp_path)  # auth: jupyterhub
+    monitor = only(docs, "ServiceMonitor")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    ref = endpoint["bearerTokenSecret"]
+    token = base64.b64decode(only(docs, "Secret", ref["name"])["data"][ref["key"]]).decode()
+    (container,) = only(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    (env,) = [e for e in container["env"] if e["name"] == METRICS_TOKEN_VARIABLE]
+    assert env["valueFrom"]["secretKeyRef"] == ref  # the gateway reads the token Prometheus sends
+    # The target: the Service's port the monitor names, forwarding to the gateway container's port.
+    service = only(docs, "Service")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    (port,) = [p for p in service["spec"]["ports"] if p["name"] == endpoint["port"]]
+    assert port["targetPort"] in {p["name"] for p in container["ports"]}
+
+    # The example's Hub passes the gateway ELASTIC_METRICS_TOKEN (as the chart does from the Secret).
+    monkeypatch.setenv(METRICS_TOKEN_VARIABLE, token)
+    with running_hub(tmp_path, users="alice", admins="") as hub:
+        path = endpoint["path"]
+        assert path == f"{hub.gateway_prefix}/metrics", (path, hub.gateway_prefix)
+        # The Service's target is the gateway itself (its port); through the Hub's proxy the same path.
+        for url in (f"http://127.0.0.1:{hub.gateway_port}{path}", f"{hub.url}{path}"):
+            scraped = requests.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
+            assert scraped.status_code == 200, (url, scraped.status_code, scraped.text[:500])
+            assert scraped.headers["Content-Type"].startswith("text/plain;"), scraped.headers
+            families = {f.name for f in text_string_to_metric_families(scraped.text)}
+            assert {"elastic_kernels", "elastic_resume_failures", "elastic_capacity_refusals"} <= families, (
+                sorted(families)
+            )
+            for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+                refused = requests.get(url, headers=headers, timeout=60)
+                assert refused.status_code in (401, 403), (url, headers, refused.status_code)
+                assert "metrics_token" in refused.json()["message"], refused.text

@@ -22,10 +22,12 @@ The helm binary comes from ``scripts/helm.sh build``; without it these tests ski
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -541,6 +543,244 @@ def test_prepuller_hook_makes_helm_upgrade_wait_for_the_images(tmp_path: Path) -
     assert importlib.util.find_spec(awaiter["command"][2]) is not None
 
 
+def _pre_delete(docs: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """(kind, namespace, name) -> manifest of every pre-delete hook."""
+    return {
+        (d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"]): d
+        for d in docs
+        if d["metadata"].get("annotations", {}).get("helm.sh/hook") == "pre-delete"
+    }
+
+
+def test_uninstall_hook_has_its_own_narrow_rights_a_deadline_and_the_gateways_identity(
+    tmp_path: Path,
+) -> None:
+    """On by default; its Roles only list/delete the kernel objects (in every kernel namespace) and scale
+    the gateway; the Job never outlives its deadline; it looks for the records under the identity the
+    gateway labels them with (its root_dir: the claim's mount path); a token only where one exists."""
+    import importlib.util
+
+    from kernelmgr.server.sessions import server_identity
+
+    name = f"{RELEASE}-uninstall"
+    hooks = _pre_delete(render(VALUE_SETS["extra-namespaces"], tmp_path))
+    roles = {ns: d["rules"] for (kind, ns, _), d in hooks.items() if kind == "Role"}
+    core_rules = {
+        "apiGroups": [""],
+        "resources": ["pods", "secrets", "configmaps"],
+        "verbs": ["list", "delete"],
+    }
+    scale = {
+        "apiGroups": ["apps"],
+        "resources": ["deployments/scale"],
+        "resourceNames": [RELEASE],
+        "verbs": ["patch"],
+    }
+    assert roles == {"jupyter": [core_rules, scale], "kernels": [core_rules], "kernels-b": [core_rules]}
+    for (kind, _ns, _), d in hooks.items():
+        if kind == "RoleBinding":
+            assert d["subjects"] == [{"kind": "ServiceAccount", "name": name, "namespace": "jupyter"}]
+        if kind != "Job":  # its rights go once it succeeded; the Job stays for its log
+            assert (
+                d["metadata"]["annotations"]["helm.sh/hook-delete-policy"]
+                == "before-hook-creation,hook-succeeded"
+            )
+    job = hooks[("Job", "jupyter", name)]
+    assert job["metadata"]["annotations"]["helm.sh/hook-delete-policy"] == "before-hook-creation"
+    assert job["spec"]["backoffLimit"] == 0 and job["spec"]["activeDeadlineSeconds"] == 240 + 60
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == name
+    (container,) = pod["containers"]
+    command = container["command"]
+    assert command[:3] == ["python", "-m", "kernelmgr.kube.uninstall"]
+    assert importlib.util.find_spec(command[2]) is not None
+    args = dict(a[2:].split("=", 1) for a in command[3:] if "=" in a)
+    mount_path = server_config(render({}, tmp_path))["ServerApp"]["root_dir"]
+    assert args["records-registry"] == server_identity(mount_path)
+    assert [a for a in command if a.startswith("--kernel-namespace=")] == [
+        "--kernel-namespace=kernels",
+        "--kernel-namespace=kernels-b",
+    ]
+    assert args["records-namespace"] == "kernels" and args["deadline"] == "240"
+    assert "--keep-hibernated" in command
+    assert args["gateway-url"] == "http://jupyter-elastic-kernels.jupyter.svc:8888/services/elastic-gateway/"
+    # Hub mode without a token Secret: no token, the kernels are stopped; auth: token uses the gateway's.
+    assert "gateway-token-file" not in args and "volumes" not in pod
+    token_mode = _pre_delete(render({"gateway": {"auth": "token", "tokenSecret": "gw"}}, tmp_path))
+    token_pod = token_mode[("Job", "jupyter", name)]["spec"]["template"]["spec"]
+    assert token_pod["volumes"][0]["secret"]["secretName"] == "gw"
+    assert any(a.startswith("--gateway-token-file=") for a in token_pod["containers"][0]["command"])
+    assert (
+        "--gateway-url=http://jupyter-elastic-kernels.jupyter.svc:8888/"
+        in token_pod["containers"][0]["command"]
+    )
+    # Per-user namespaces: pods and Secrets anywhere, by label (a ClusterRole of its own).
+    per_user = _pre_delete(render(VALUE_SETS["per-user-namespaces"], tmp_path))
+    cluster_role = per_user[("ClusterRole", "", f"{RELEASE}:uninstall")]
+    assert cluster_role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods", "secrets"], "verbs": ["list", "delete"]}
+    ]
+    assert (
+        "--namespace-template=jupyter-{owner}"
+        in per_user[("Job", "jupyter", name)]["spec"]["template"]["spec"]["containers"][0]["command"]
+    )
+    assert not _pre_delete(render({"uninstallHook": {"enabled": False}}, tmp_path))
+
+
+@pytest.mark.timeout(300)
+def test_uninstall_hook_stops_waiting_at_its_deadline_and_says_what_is_left(
+    kube_plane: Any, kube_api: Any, kube_namespace: str, tmp_path: Path
+) -> None:
+    """A kernel pod that does not end (a finalizer holds it) does not hold the uninstall: past the
+    deadline the hook names it as left and exits 0. Without its Roles it says so in one line and
+    exits 0 too (the uninstall goes on). Its real command, as its own ServiceAccount."""
+    from kubernetes import client
+    from kubernetes.utils import create_from_dict
+
+    from tests.support import rbac
+    from tests.support.kube import write_kubeconfig
+
+    namespace = kube_namespace
+    core = client.CoreV1Api(kube_api)
+    hooks = _pre_delete(render({}, tmp_path, namespace=namespace))
+    name = f"{RELEASE}-uninstall"
+    for (kind, _ns, _), doc in hooks.items():
+        if kind in ("ServiceAccount", "Role", "RoleBinding"):
+            create_from_dict(kube_api, doc, namespace=namespace)
+    command = hooks[("Job", namespace, name)]["spec"]["template"]["spec"]["containers"][0]["command"]
+    hook = [sys.executable, *command[1:], "--deadline=3"]
+    env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+
+    def run_as(account: str) -> subprocess.CompletedProcess[str]:
+        token = core.create_namespaced_service_account_token(
+            account, namespace, {"spec": {"expirationSeconds": 600}}
+        )
+        identity = write_kubeconfig(
+            tmp_path / f"{account}.kubeconfig",
+            kube_plane.server,
+            kube_plane.pki.ca_cert,
+            token=token.status.token,
+        )
+        # The authorizer reads the bindings from a cache: allowed, or refused, as they now say.
+        rbac.wait_allowed(
+            kube_plane, token.status.token, "delete", "pods", namespace, allowed=account == name
+        )
+        return subprocess.run(
+            hook, env={**env, "KUBECONFIG": str(identity)}, capture_output=True, text=True, timeout=120
+        )
+
+    labels = {
+        "app.kubernetes.io/name": "jupyter-elastic-kernels",
+        "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "kernel",
+        KERNEL_ID_LABEL: "k-stuck",
+    }
+    core.create_namespaced_secret(namespace, {"metadata": {"name": "kernel-k-stuck", "labels": labels}})
+    core.create_namespaced_pod(namespace, _pod("kernel-k-stuck", labels, finalizers=[GATEWAY_FINALIZER]))
+    try:
+        refused = run_as("default")
+        assert refused.returncode == 0, (refused.stdout, refused.stderr)
+        assert "uninstall: stopped early: 403 " in refused.stdout, refused.stdout
+        said = run_as(name)
+        assert said.returncode == 0, (said.stdout, said.stderr)
+        out = said.stdout
+        assert f"uninstall: no gateway Deployment {namespace}/{RELEASE}" in out, out
+        assert "no gateway token (uninstallHook.gatewayTokenSecret)" in out, out
+        assert "uninstall: stopping kernel k-stuck: not hibernated, its variables are lost" in out, out
+        assert f"uninstall: deleted secret {namespace}/kernel-k-stuck" in out, out
+        assert f"left: pod {namespace}/kernel-k-stuck (still ending at the deadline)" in out, out
+        assert f"left: PersistentVolumeClaim {namespace}/{RELEASE}-checkpoints" in out, out
+    finally:
+        core.patch_namespaced_pod("kernel-k-stuck", namespace, {"metadata": {"finalizers": None}})
+
+
+@pytest.mark.timeout(300)
+def test_uninstall_hook_reaches_per_user_namespaces_with_its_cluster_role(
+    kube_plane: Any, kube_api: Any, kube_namespace: str, tmp_path: Path
+) -> None:
+    """With kernels.namespaceTemplate the hook finds the release's kernel pods and Secrets in any
+    namespace by label (its ClusterRole), deletes them, and names each per-user namespace it leaves:
+    where it found them and where a kept record's owner has one. Its real command and rights."""
+    from kubernetes import client
+    from kubernetes.utils import create_from_dict
+
+    from kernelmgr.kube.records import COMPONENT_LABEL, OWNER_ANNOTATION, REGISTRY_LABEL, STATE_LABEL
+    from kernelmgr.server.sessions import server_identity
+    from tests.support import rbac
+    from tests.support.kube import write_kubeconfig
+
+    namespace = kube_namespace
+    core = client.CoreV1Api(kube_api)
+    template = f"{namespace}-{{owner}}"
+    values = {"kernels": {"namespaceTemplate": template, "createNamespaces": True}}
+    hooks = _pre_delete(render(values, tmp_path, namespace=namespace))
+    name = f"{RELEASE}-uninstall"
+    cluster_wide = [d for (kind, _ns, _), d in hooks.items() if kind.startswith("Cluster")]
+    alice = namespace_for(template, "alice")
+    try:
+        for (kind, _ns, _), doc in hooks.items():
+            if kind != "Job":
+                create_from_dict(kube_api, doc, namespace=namespace)
+        core.create_namespace({"metadata": {"name": alice}})
+        labels = {
+            "app.kubernetes.io/name": "jupyter-elastic-kernels",
+            "app.kubernetes.io/instance": RELEASE,
+            "app.kubernetes.io/component": "kernel",
+            KERNEL_ID_LABEL: "k-alice",
+        }
+        core.create_namespaced_secret(alice, {"metadata": {"name": "kernel-k-alice", "labels": labels}})
+        core.create_namespaced_pod(alice, _pod("kernel-k-alice", labels))
+        # bob's kernel is hibernated: no pod, only its record (kept), in the release's namespace.
+        mount_path = server_config(render(values, tmp_path, namespace=namespace))["ServerApp"]["root_dir"]
+        record = {
+            "metadata": {
+                "name": "elastic-kernel-k-bob",
+                "labels": {
+                    COMPONENT_LABEL: "kernel-record",
+                    REGISTRY_LABEL: server_identity(mount_path),
+                    KERNEL_ID_LABEL: "k-bob",
+                    STATE_LABEL: "hibernated",
+                },
+                "annotations": {OWNER_ANNOTATION: "bob"},
+            },
+            "data": {"record.json": "{}"},
+        }
+        core.create_namespaced_config_map(namespace, record)
+        command = hooks[("Job", namespace, name)]["spec"]["template"]["spec"]["containers"][0]["command"]
+        token = core.create_namespaced_service_account_token(
+            name, namespace, {"spec": {"expirationSeconds": 600}}
+        )
+        identity = write_kubeconfig(
+            tmp_path / "hook.kubeconfig", kube_plane.server, kube_plane.pki.ca_cert, token=token.status.token
+        )
+        rbac.wait_allowed(kube_plane, token.status.token, "delete", "pods", alice)
+        env = {k: v for k, v in os.environ.items() if k != "KUBERNETES_SERVICE_HOST"}
+        said = subprocess.run(
+            [sys.executable, *command[1:], "--deadline=60"],
+            env={**env, "KUBECONFIG": str(identity)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        out = said.stdout
+        assert said.returncode == 0, (out, said.stderr)
+        assert f"uninstall: deleted pod {alice}/kernel-k-alice" in out, out
+        assert f"uninstall: deleted secret {alice}/kernel-k-alice" in out, out
+        assert (
+            f"left: kernel record ConfigMap {namespace}/elastic-kernel-k-bob (hibernated kernel k-bob" in out
+        )
+        for owner in ("alice", "bob"):
+            assert f"left: namespace {namespace_for(template, owner)} (kernels.namespaceTemplate" in out, out
+        selector = f"{KERNEL_ID_LABEL}=k-alice"
+        assert not core.list_namespaced_secret(alice, label_selector=selector).items
+        pods = core.list_namespaced_pod(alice, label_selector=selector).items
+        assert all(p.metadata.deletion_timestamp for p in pods), pods  # none left running
+    finally:
+        rbac.delete(kube_api, cluster_wide)
+        with contextlib.suppress(client.ApiException):
+            core.delete_namespace(alice)
+
+
 @pytest.mark.timeout(300)
 def test_image_awaiter_waits_for_every_puller_pod_with_the_charts_rights(
     kube_plane: Any, kube_api: Any, kube_namespace: str, tmp_path: Path
@@ -661,7 +901,8 @@ def test_kernel_role_is_exactly_the_shipped_rbac(tmp_path: Path) -> None:
     assert not [d for d in plain if d["metadata"]["name"].endswith(":namespaces")]
     # A RoleBinding and a NetworkPolicy in every kernel namespace, none elsewhere.
     spread = render(VALUE_SETS["extra-namespaces"], tmp_path)
-    assert sorted(d["metadata"]["namespace"] for d in spread if d["kind"] == "RoleBinding") == [
+    gateways = [d for d in spread if "helm.sh/hook" not in d["metadata"].get("annotations", {})]
+    assert sorted(d["metadata"]["namespace"] for d in gateways if d["kind"] == "RoleBinding") == [
         "kernels",
         "kernels-b",
     ]
@@ -796,11 +1037,15 @@ def test_master_secret_is_a_secret_mounted_only_into_the_gateway(tmp_path: Path)
     assert secret_file == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
     # Not on the checkpoint claim (which kernel pods mount, each at its owner's sub-path).
     assert not secret_file.startswith(config["ElasticKernels"]["checkpoint_root"].rstrip("/") + "/")
-    # No other pod (node agents, pre-pullers, the image awaiter) mounts it; kernel pods are made from the
+    # No other pod (node agents, pre-pullers, the image awaiter, the uninstall hook, which only names it
+    # in what it says it leaves) mounts it or has it in its environment; kernel pods are made from the
     # provisioner's settings, which do not name it.
     for doc in docs:
         if doc["kind"] in ("DaemonSet", "Job"):
-            assert secret["metadata"]["name"] not in json.dumps(doc["spec"]["template"]["spec"])
+            pod = doc["spec"]["template"]["spec"]
+            containers = pod["containers"] + pod.get("initContainers", [])
+            reachable = [pod.get("volumes"), [(c.get("env"), c.get("envFrom")) for c in containers]]
+            assert secret["metadata"]["name"] not in json.dumps(reachable), doc["metadata"]["name"]
     provisioner = json.dumps(config["ElasticKubernetesProvisioner"])
     assert secret["metadata"]["name"] not in provisioner and mount["mountPath"] not in provisioner
     # An admin's own Secret instead: mounted the same way, none made.
@@ -1161,6 +1406,8 @@ def release(
         # The gateway process runs on this machine: the claim's folder is where the runner maps it.
         "checkpoints": {"mountPath": str(checkpoints)},
         "extraConfig": {"ElasticKernels": {"reap_interval": 1}},
+        # Off here: its Job would run at the fixture's uninstall; on in its own test.
+        "uninstallHook": {"enabled": False},
     }
     if getattr(request, "param", None) == "per-user":
         values["kernels"].update({"namespaceTemplate": f"{namespace}-{{owner}}", "createNamespaces": True})
@@ -1487,9 +1734,10 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
 def test_uninstall_leaves_exactly_what_the_docs_say_and_their_command_removes_it(
     kube_plane: Any, kube_api: Any, kube_runner: Any, release: dict[str, Any], tmp_path: Path
 ) -> None:
-    """A kernel still running when the gateway goes outlives ``helm uninstall`` (its GPU held): the
-    Uninstall section of docs/deploy-kubernetes.md names it, and its command removes it and its
-    Secret, but not the Secrets and the claim kept on purpose."""
+    """Without the uninstall hook (the fixture's values), a kernel still running when the gateway goes
+    outlives ``helm uninstall`` (its GPU held): the Uninstall section of docs/deploy-kubernetes.md
+    names it, and its command removes it and its Secret, but not the Secrets and the claim kept on
+    purpose."""
     from tests.support.kube import wait_for
 
     namespace, core = release["namespace"], release["core"]
@@ -1519,6 +1767,213 @@ def test_uninstall_leaves_exactly_what_the_docs_say_and_their_command_removes_it
         lambda: not core.list_namespaced_pod(namespace, label_selector=selector).items, 60, "no kernel pod"
     )
     assert not core.list_namespaced_secret(namespace, label_selector=selector).items
+    # Kept on purpose: the claim and the master secret the checkpoints need.
+    assert (
+        core.read_namespaced_persistent_volume_claim(release["claim"], namespace).metadata.deletion_timestamp
+        is None
+    )
+    core.read_namespaced_secret(f"{RELEASE}-checkpoint-secret", namespace)
+
+
+UNINSTALL_JOB = f"{RELEASE}-uninstall"
+GATEWAY_FINALIZER = "elastic.test/gateway-process"
+
+
+def _pod(name: str, labels: dict[str, str], **metadata: Any) -> dict[str, Any]:
+    """A pod nobody runs (no node matches), allowed by the restricted Pod Security profile."""
+    return {
+        "metadata": {"name": name, "labels": labels, **metadata},
+        "spec": {
+            "nodeSelector": NOWHERE,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": 1000,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [
+                {
+                    "name": "c",
+                    "image": "python:3.12",
+                    "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+                }
+            ],
+        },
+    }
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("hibernating", [True, False], ids=["hibernate-keep-records", "stop-delete-all"])
+def test_uninstall_hook_hibernates_or_stops_every_kernel_and_removes_what_the_gateway_made(
+    kube_plane: Any,
+    kube_api: Any,
+    kube_runner: Any,
+    release: dict[str, Any],
+    tmp_path: Path,
+    hibernating: bool,
+) -> None:
+    """``helm uninstall`` runs the chart's pre-delete hook Job (its own ServiceAccount and Roles) while
+    the gateway serves. With the gateway's token it hibernates the running kernels through the gateway
+    and keeps their records (the default uninstallHook.keepHibernated); without one it stops them.
+    It stops the gateway, deletes every kernel pod and Secret of the release (a kept failed pod's
+    too) and the other records, and its log says what it did and exactly what it leaves (the kept
+    claim and master secret, the kept records). The API server then holds nothing else of them."""
+    from urllib.parse import urlsplit
+
+    from kubernetes import client
+
+    from kernelmgr.kube.records import COMPONENT_LABEL, REGISTRY_LABEL, STATE_LABEL
+    from kernelmgr.server.sessions import server_identity
+    from tests.support.server import TOKEN
+
+    namespace, core = release["namespace"], release["core"]
+    apps = client.AppsV1Api(kube_api)
+    selector = (
+        f"app.kubernetes.io/name=jupyter-elastic-kernels,app.kubernetes.io/instance={RELEASE},"
+        "app.kubernetes.io/component in (kernel,warm-kernel,kernel-failed)"
+    )
+    records = (
+        f"{COMPONENT_LABEL}=kernel-record,{REGISTRY_LABEL}={server_identity(str(release['checkpoints']))}"
+    )
+    common = {"app.kubernetes.io/name": "jupyter-elastic-kernels", "app.kubernetes.io/instance": RELEASE}
+    # The gateway's static token (auth: token), which the hook takes as an admin's to hibernate.
+    core.create_namespaced_secret(
+        namespace, {"metadata": {"name": "gateway-token"}, "stringData": {"token": TOKEN}}
+    )
+    gateway = start_gateway(tmp_path, kube_plane, kube_api, release, "uninstall")
+    # The gateway runs here, not in its (pending) pod: a pod with its labels stands for its process,
+    # ending (its finalizer removed) only once the process has ended, as the real pod would.
+    standin = f"gateway-process-{uuid.uuid4().hex[:6]}"
+    core.create_namespaced_pod(
+        namespace,
+        _pod(
+            standin,
+            {**common, "app.kubernetes.io/component": "gateway", "elastic.test/standin": "true"},
+            finalizers=[GATEWAY_FINALIZER],
+        ),
+    )
+    stopped, done = threading.Event(), threading.Event()
+
+    def kubelet() -> None:
+        """As the kubelet would: scaled to 0, the gateway gets SIGTERM; its pod ends when it has."""
+        while not done.wait(0.5):
+            if apps.read_namespaced_deployment(RELEASE, namespace).spec.replicas == 0:
+                gateway.stop()
+                stopped.set()
+                return
+
+    def release_standin() -> None:
+        with contextlib.suppress(client.ApiException):
+            core.patch_namespaced_pod(standin, namespace, {"metadata": {"finalizers": None}})
+        with contextlib.suppress(client.ApiException):
+            core.delete_namespaced_pod(standin, namespace, grace_period_seconds=0)
+
+    try:
+        kernels = [
+            gateway.start_kernel(SIZE),
+            gateway.start_kernel("python3-cpu"),
+            gateway.start_kernel("python3-cpu"),
+        ]
+        for n, k in enumerate(kernels):
+            assert gateway.execute(k, f"x = {n}; print('up')", timeout=120).strip() == "up"
+        hibernate(gateway, release, kernels[2])  # one hibernated before the uninstall
+        # A kept failed pod of the release (no kernel of the gateway's any more) and its Secret.
+        failed = f"kernel-failed-{uuid.uuid4().hex[:6]}"
+        labels = {**common, "app.kubernetes.io/component": "kernel-failed"}
+        core.create_namespaced_secret(namespace, {"metadata": {"name": failed, "labels": labels}})
+        core.create_namespaced_pod(namespace, _pod(failed, labels))
+        assert len(core.list_namespaced_pod(namespace, label_selector=selector).items) == 3
+        assert len(core.list_namespaced_config_map(namespace, label_selector=records).items) == 3
+
+        # The hook's pod runs on the runner (a local process): it reaches the API server as a pod
+        # does (KUBERNETES_SERVICE_HOST, its ServiceAccount's token) and the gateway at its address.
+        api = urlsplit(kube_plane.server)
+        values = json.loads(json.dumps(release["values"]))
+        if hibernating:
+            values["gateway"]["tokenSecret"] = "gateway-token"
+        values["uninstallHook"] = {
+            "enabled": True,
+            "nodeSelector": {"elastic.test/node-runner": "true"},
+            "gatewayUrl": gateway.url,
+            "deadline": 200,
+            "extraEnv": [
+                {"name": "KUBERNETES_SERVICE_HOST", "value": api.hostname},
+                {"name": "KUBERNETES_SERVICE_PORT", "value": str(api.port)},
+            ],
+        }
+        if not hibernating:
+            values["uninstallHook"]["keepHibernated"] = False
+        helm(
+            "upgrade",
+            RELEASE,
+            str(CHART),
+            "-n",
+            namespace,
+            *release["kubeconfig"],
+            *values_args(values, tmp_path),
+        )
+
+        def kubelet_then_standin() -> None:
+            kubelet()
+            if stopped.is_set():
+                release_standin()
+
+        threading.Thread(target=kubelet_then_standin, daemon=True).start()
+        uninstalled = helm(
+            "uninstall", RELEASE, "-n", namespace, *release["kubeconfig"], check=False, timeout=400
+        )
+        assert uninstalled.returncode == 0, (uninstalled.stdout, uninstalled.stderr)
+    finally:
+        done.set()
+        if not stopped.is_set():
+            gateway.stop()
+        release_standin()
+
+    # What the API server still holds of the gateway's objects.
+    left = [
+        f"{kind} {item.metadata.name}"
+        for kind, items in (
+            ("pod", core.list_namespaced_pod(namespace, label_selector=selector).items),
+            ("secret", core.list_namespaced_secret(namespace, label_selector=selector).items),
+            ("record", core.list_namespaced_config_map(namespace, label_selector=records).items),
+        )
+        for item in items
+    ]
+    (pod,) = core.list_namespaced_pod(namespace, label_selector=f"job-name={UNINSTALL_JOB}").items
+    said = kube_runner.pod(namespace, pod.metadata.name).log_path.read_text()
+    print(said)  # the hook's report, as `kubectl logs job/<release>-uninstall` shows it
+    assert stopped.is_set(), said
+    assert f"stopped the gateway: Deployment {namespace}/{RELEASE} scaled to 0" in said, said
+    assert f"uninstall: deleted pod {namespace}/{failed}" in said, said
+    assert f"uninstall: deleted secret {namespace}/{failed}" in said, said
+    if hibernating:
+        # Every kernel hibernated; their records kept (the checkpoints' index) and said to be left.
+        assert sorted(left) == sorted(f"record elastic-kernel-{k}" for k in kernels), said
+        for item in core.list_namespaced_config_map(namespace, label_selector=records).items:
+            assert item.metadata.labels[STATE_LABEL] == "hibernated", item.metadata
+        for k in kernels[:2]:
+            assert f"uninstall: hibernated kernel {k} (owner " in said, said
+        assert f"uninstall: kernel {kernels[2]} (owner " in said and "was already hibernated" in said, said
+        for k in kernels:
+            assert (
+                f"left: kernel record ConfigMap {namespace}/elastic-kernel-{k} (hibernated kernel {k}" in said
+            )
+        assert "not hibernated" not in said, said
+    else:
+        # No token: the running kernels stopped (named), every record deleted; nothing left.
+        assert left == [], said
+        assert "no gateway token (uninstallHook.gatewayTokenSecret)" in said, said
+        for k in kernels[:2]:
+            assert f"uninstall: stopping kernel {k}: not hibernated, its variables are lost" in said, said
+            assert f"uninstall: deleted pod {namespace}/kernel-{k}" in said, said
+        for k in kernels:
+            assert f"uninstall: deleted kernel record ConfigMap {namespace}/elastic-kernel-{k}" in said, said
+    assert f"left: PersistentVolumeClaim {namespace}/{release['claim']} (the checkpoints; kept" in said, said
+    assert f"left: Secret {namespace}/{RELEASE}-checkpoint-secret" in said, said
+    # Its own rights went with it (hook-succeeded); the Job stays for its log.
+    with pytest.raises(client.ApiException) as gone:
+        core.read_namespaced_service_account(UNINSTALL_JOB, namespace)
+    assert gone.value.status == 404
+    assert client.BatchV1Api(kube_api).read_namespaced_job(UNINSTALL_JOB, namespace).status.succeeded == 1
     # Kept on purpose: the claim and the master secret the checkpoints need.
     assert (
         core.read_namespaced_persistent_volume_claim(release["claim"], namespace).metadata.deletion_timestamp
