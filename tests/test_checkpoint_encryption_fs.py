@@ -224,3 +224,20 @@ def test_a_missing_or_misplaced_master_key_stops_the_start_with_one_line(tmp_pat
     lines = [line for line in str(failed.value).splitlines() if SETTING in line]
     assert lines, str(failed.value)
     assert ("does not exist" if where == "missing" else "off the data volume") in lines[0]
+
+
+@pytest.mark.pure
+def test_the_key_file_carries_the_kernel_key_on_a_second_line(tmp_path: Path) -> None:
+    from kernelmgr.checkpoint.keys import KeyFileError, decode_keys, read_keys, write_key_file
+    from kernelmgr.kube.manifests import KEY_FILE, make_kernel_secret
+
+    signing, sealing = os.urandom(32), os.urandom(32)
+    path = write_key_file(tmp_path / "k.key", signing, data_key=sealing)
+    assert read_keys(path) == (signing, sealing) and not path.exists()  # consumed
+    assert read_keys(write_key_file(tmp_path / "k.key", signing)) == (signing, None)
+    secret = make_kernel_secret(
+        name="p", kernel_id="k", owner="ann", connection_info={}, checkpoint_key=signing, data_key=sealing
+    )
+    assert decode_keys(secret["stringData"][KEY_FILE].encode(), "the Secret") == (signing, sealing)
+    with pytest.raises(KeyFileError, match="holds 3 keys"):
+        decode_keys(((signing.hex() + "\n") * 3).encode(), "three")
