@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, owner_key
 from kernelmgr.checkpoint.layout import (
@@ -45,14 +46,22 @@ from kernelmgr.checkpoint.layout import (
     DATA_FILE,
     MANIFEST_FILE,
     RESTORE_REPORT,
+    file_names,
     read_current,
     remove_stale,
 )
 from kernelmgr.checkpoint.progress import CHECKPOINT_PROGRESS, read_progress
 from kernelmgr.checkpoint.safedir import SafeDir, TooLarge, UnsafePath
 from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
-from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest, load_verified_manifest
+from kernelmgr.checkpoint.verify import (
+    MANIFEST_CAP,
+    NO_KEY,
+    Untrusted,
+    check_manifest,
+    load_verified_manifest,
+)
 from kernelmgr.core.manifest import Manifest, ManifestError
+from kernelmgr.objectstore.envelope import EnvelopeError, FileKeyRecords, OwnerKeys
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +104,27 @@ class CheckpointStore:
     """Checkpoints under ``root``: ``<root>/<owner>/<kernel_id>/`` per kernel.
 
     The interface every store implements (the file-system one here); see the module docstring.
+    ``master_keys`` (the first is current): checkpoints are encrypted at rest, each kernel with its
+    own key derived from its owner's envelope key (:class:`~kernelmgr.objectstore.envelope.OwnerKeys`,
+    wrapped keys in :class:`FileKeyRecords`).
     """
 
     #: Whether the kernel's data goes through :meth:`begin_upload` (an object store) or is
     #: committed where the kernel wrote it (a file system the server shares).
     uploads = False
 
-    def __init__(self, root: str | os.PathLike[str], secret: bytes) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], secret: bytes, *, master_keys: list[bytes] | None = None
+    ) -> None:
         if len(secret) < 16:
             raise ValueError("the checkpoint secret must be at least 16 bytes")
         self.root = Path(root)
         self._secret = secret
+        #: Encryption at rest of the file system's checkpoints (``None``: plaintext).
+        self.file_keys = None
+        if master_keys:
+            setting = "ElasticKernels.checkpoint_encryption_key_files"
+            self.file_keys = OwnerKeys(FileKeyRecords(root), "", master_keys, setting=setting)
         # Summaries by (owner, kernel id), valid while ``current`` is the same file:
         # ``/api/elastic/kernels`` must not read and verify every manifest per request; one
         # ``stat`` tells whether a new checkpoint was committed since (commits replace it).
@@ -144,7 +163,25 @@ class CheckpointStore:
 
     def prepare(self, owner: str) -> None:
         """Read what a kernel of ``owner``'s environment will need (blocking: call it off the event
-        loop). Nothing here; an object store loads the owner's encryption key."""
+        loop): the owner's encryption key, when checkpoints are encrypted at rest."""
+        if self.file_keys is not None:
+            try:
+                self.file_keys.owner_key(_check_component("owner", owner))
+            except EnvelopeError as exc:
+                raise CheckpointRefused(str(exc)) from None
+
+    def data_key_for(self, owner: str, kernel_id: str) -> bytes | None:
+        """The kernel's encryption key (the second line of its key file), or ``None`` when
+        checkpoints are not encrypted at rest. :class:`CheckpointRefused` when the owner's key
+        needs a master key that is not configured. Blocking the first time per owner."""
+        if self.file_keys is None:
+            return None
+        try:
+            return self.file_keys.kernel_key(
+                _check_component("owner", owner), _check_component("kernel id", kernel_id)
+            )
+        except EnvelopeError as exc:
+            raise CheckpointRefused(str(exc)) from None
 
     def key_for(self, owner: str) -> bytes:
         """The key ``owner``'s kernels sign and verify with.
@@ -201,7 +238,9 @@ class CheckpointStore:
         try:
             with self.open_kernel_dir(owner, kernel_id) as directory:
                 signature = _signature(directory)
-                manifest = load_verified_manifest(directory, self.key_for(owner), owner, kernel_id)
+                manifest = load_verified_manifest(
+                    directory, self.key_for(owner), owner, kernel_id, self.data_key_for(owner, kernel_id)
+                )
         except FileNotFoundError:
             return None
         except UnsafePath as exc:
@@ -380,16 +419,23 @@ class CheckpointStore:
                             raise UnsafePath(f"{folder.path / name} is a symlink")
                         if stat.S_ISREG(mode):
                             handles[name] = os.fdopen(folder.open_file(name), "rb")
-                if MANIFEST_FILE not in handles or DATA_FILE not in handles:
+                data_name, manifest_name = file_names(file_names(True)[1] in handles)
+                if manifest_name not in handles or data_name not in handles:
                     raise Untrusted(f"{MANIFEST_FILE} or {DATA_FILE} is missing")
-                text = handles[MANIFEST_FILE].read(MANIFEST_CAP + 1)
+                text = handles[manifest_name].read(MANIFEST_CAP + 1)
                 if len(text) > MANIFEST_CAP:
                     raise Untrusted(f"{MANIFEST_FILE} is larger than {MANIFEST_CAP} bytes")
-                data_size = os.fstat(handles[DATA_FILE].fileno()).st_size
+                if manifest_name != MANIFEST_FILE:  # encrypted at rest: sent as it is, checked here
+                    data_key = self.data_key_for(owner, kernel_id)
+                    if data_key is None:
+                        raise Untrusted(NO_KEY.format(id=checkpoint_id))
+                    sealing = cipher.checkpoint_key(data_key, checkpoint_id)
+                    text = cipher.crypt(cipher.manifest_key(sealing), 0, text)
+                data_size = os.fstat(handles[data_name].fileno()).st_size
                 check_manifest(text, data_size, self.key_for(owner), owner, kernel_id, checkpoint_id)
             except (OSError, ValueError, Untrusted) as exc:
                 raise CheckpointRefused(f"checkpoint {checkpoint_id} of kernel {kernel_id}: {exc}") from None
-            handles[MANIFEST_FILE].seek(0)
+            handles[manifest_name].seek(0)
             yield [(name, handle, os.fstat(handle.fileno()).st_size) for name, handle in handles.items()]
         finally:
             for handle in handles.values():

@@ -43,17 +43,11 @@ from typing import Any, NoReturn, TextIO
 from jupyter_core.paths import jupyter_runtime_dir
 
 from kernelmgr.cli_local import (
-    DEMO_CONFIG,
     FAILURE,
-    NODE_AGENT,
-    SIMULATE,
+    LOCAL_COMMANDS,
     USAGE_ERROR,
-    add_demo_config,
-    add_node_agent,
-    add_simulate,
-    run_demo_config,
-    run_node_agent,
-    run_simulate,
+    add_local_commands,
+    run_local_command,
 )
 from kernelmgr.cli_render import (
     render_gpus,
@@ -409,9 +403,7 @@ def build_parser() -> OneLineParser:
     )
     sub = parser.add_subparsers(
         dest="command",
-        metavar="{"
-        + ",".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, NODE_AGENT, SIMULATE, DEMO_CONFIG])
-        + "}",
+        metavar="{" + ",".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, *LOCAL_COMMANDS]) + "}",
     )
     for name, (_path, _render, help_text) in COMMANDS.items():
         _json_too(sub.add_parser(name, help=help_text))
@@ -423,9 +415,7 @@ def build_parser() -> OneLineParser:
         action.add_argument("kernel_id", help="the kernel's id (see `jupyter elastic list`)")
         if name == "resize":
             action.add_argument("size", help="the new GPU size (see `jupyter elastic profiles`)")
-    add_node_agent(sub)
-    add_simulate(sub)
-    add_demo_config(sub)
+    add_local_commands(sub)
     return parser
 
 
@@ -435,15 +425,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         parser.error(
             "a command is required: "
-            + ", ".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, NODE_AGENT, SIMULATE, DEMO_CONFIG])
+            + ", ".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, *LOCAL_COMMANDS])
         )
-    if args.command == NODE_AGENT:
-        return run_node_agent(parser, args)
-    if args.command == SIMULATE:
-        args.sim_json = args.sim_json or args.json  # `--json simulate` as well as `simulate --json`
-        return run_simulate(parser, args)
-    if args.command == DEMO_CONFIG:
-        return run_demo_config(parser, args)
+    if args.command in LOCAL_COMMANDS:
+        return run_local_command(parser, args)
     if not args.request_timeout > 0:
         parser.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
     method = "GET"

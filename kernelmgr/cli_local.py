@@ -1,6 +1,7 @@
-"""``jupyter elastic node-agent``, ``simulate`` and ``demo-config``: the subcommands that run here
-and talk to no server (the node's GPU activity agent, the policy simulator, the tour's example
-configuration), kept apart from the REST client in :mod:`kernelmgr.cli`."""
+"""``jupyter elastic node-agent``, ``simulate``, ``demo-config`` and ``rotate-keys``: the subcommands
+that run here and talk to no server (the node's GPU activity agent, the policy simulator, the
+tour's example configuration, a master key rotation of the file-system store's encryption at rest),
+kept apart from the REST client in :mod:`kernelmgr.cli`."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ FAILURE = 1
 NODE_AGENT = "node-agent"
 SIMULATE = "simulate"
 DEMO_CONFIG = "demo-config"
+ROTATE_KEYS = "rotate-keys"
+#: The subcommands of this module, in ``jupyter elastic --help``'s order.
+LOCAL_COMMANDS = (NODE_AGENT, SIMULATE, DEMO_CONFIG, ROTATE_KEYS)
 #: The tour's configuration: ``examples/local/jupyter_server_config.py`` in a checkout, put into
 #: the wheel at this place in the package by pyproject.toml (``force-include``).
 DEMO_CONFIG_PACKAGED = ("demo", "jupyter_server_config.py")
@@ -320,3 +324,67 @@ def run_demo_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         return FAILURE
     print(f"wrote {args.file}; start with: jupyter lab --config={args.file}", file=sys.stderr)
     return 0
+
+
+def add_rotate_keys(sub: Any) -> None:
+    rotate = sub.add_parser(
+        ROTATE_KEYS,
+        help="re-wrap every owner's checkpoint key (file-system store, encryption at rest) under a new "
+        "master key; no checkpoint is rewritten",
+        description="Run it on the server's machine (or in its pod) with the checkpoint root and both "
+        "master keys, then make the new key ElasticKernels.checkpoint_encryption_key_files' only entry "
+        "and restart the server. Safe to run again; a server still running with the old key re-wraps "
+        "nothing back.",
+    )
+    rotate.add_argument("--checkpoint-root", required=True, help="ElasticKernels.checkpoint_root")
+    rotate.add_argument("--new-key", required=True, metavar="FILE", help="the new master key file")
+    rotate.add_argument(
+        "--old-key",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="a master key the owners' keys are wrapped by now (repeat for several)",
+    )
+
+
+def run_rotate_keys(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Re-wrap the owners' keys under ``--new-key``; one line and exit 1 when one cannot be."""
+    from kernelmgr.config import ConfigError, read_master_keys
+    from kernelmgr.objectstore.envelope import OWNER_KEYS_DIR, EnvelopeError, FileKeyRecords, OwnerKeys
+
+    prog = f"{parser.prog} {ROTATE_KEYS}"
+    if not os.path.isdir(os.path.join(args.checkpoint_root, OWNER_KEYS_DIR)):
+        parser.error(f"{ROTATE_KEYS}: {args.checkpoint_root!r} holds no {OWNER_KEYS_DIR} folder (no keys)")
+    try:
+        files = [args.new_key, *args.old_key]
+        masters = read_master_keys(files, "--new-key/--old-key", args.checkpoint_root)
+    except ConfigError as err:
+        parser.error(f"{ROTATE_KEYS}: {err}")
+    keys = OwnerKeys(FileKeyRecords(args.checkpoint_root), "", masters, setting="--old-key")
+    try:
+        done, kept = keys.rewrap_all()
+    except EnvelopeError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        return FAILURE
+    print(f"re-wrapped {done} owner key(s) under the new master key ({kept} already were)")
+    return 0
+
+
+def add_local_commands(sub: Any) -> None:
+    add_node_agent(sub)
+    add_simulate(sub)
+    add_demo_config(sub)
+    add_rotate_keys(sub)
+
+
+def run_local_command(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Run one of :data:`LOCAL_COMMANDS`."""
+    if args.command == SIMULATE:
+        args.sim_json = args.sim_json or args.json  # `--json simulate` as well as `simulate --json`
+    runners = {
+        NODE_AGENT: run_node_agent,
+        SIMULATE: run_simulate,
+        DEMO_CONFIG: run_demo_config,
+        ROTATE_KEYS: run_rotate_keys,
+    }
+    return runners[args.command](parser, args)

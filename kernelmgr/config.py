@@ -189,6 +189,17 @@ class ElasticKernels(LoggingConfigurable):
         kernelmgr.checkpoint_store.CheckpointStore, e.g. one that models a shared file system's
         view (the tests' lagging view).""",
     )
+    checkpoint_encryption_key_files = List(
+        Unicode(),
+        default_value=[],
+        config=True,
+        help="""checkpoint_store "filesystem": master key files (32 bytes, or 64 hex digits; a mounted
+        Secret, or locally a file outside checkpoint_root). Non-empty encrypts new checkpoints at
+        rest (AES-256-CTR) with a key per owner, wrapped by the first master key and kept in
+        checkpoint_root/.owner-keys. Rotation: `jupyter elastic rotate-keys` re-wraps every owner's
+        key under a new master key (no checkpoint is rewritten), or put the new key first and keep
+        the old ones after it (each owner's key is re-wrapped on its next use).""",
+    )
     checkpoint_store = Enum(
         ["filesystem", "s3"],
         default_value="filesystem",
@@ -517,7 +528,17 @@ class ElasticKernels(LoggingConfigurable):
         if os.path.lexists(old_secret):
             self._retire_old_secret(old_secret, secret_file, secret)
         if self.checkpoint_store == "s3":
+            if self.checkpoint_encryption_key_files:
+                raise ConfigError(
+                    "ElasticKernels.checkpoint_encryption_key_files is for the file-system store; "
+                    'with checkpoint_store "s3" set S3Checkpoints.encryption_key_files instead'
+                )
             return S3Checkpoints(parent=self).build(root, secret)
+        if self.checkpoint_encryption_key_files:
+            masters = read_master_keys(
+                self.checkpoint_encryption_key_files, "ElasticKernels.checkpoint_encryption_key_files", root
+            )
+            return cast(CheckpointStore, self.checkpoint_store_class(root, secret, master_keys=masters))
         return cast(CheckpointStore, self.checkpoint_store_class(root, secret))
 
     def _retire_old_secret(self, old_secret: str, secret_file: str, secret: bytes) -> None:
@@ -545,6 +566,39 @@ class ElasticKernels(LoggingConfigurable):
             "generic <name> --from-file=secret=<its copy> and set the chart's "
             f"checkpointSecret.existingSecret), or delete {old_secret} to give those checkpoints up"
         )
+
+
+def read_master_keys(paths: list[str], setting: str, data_root: str | None = None) -> list[bytes]:
+    """The master keys in ``paths`` (the first is current); :class:`ConfigError` naming ``setting``
+    when one is missing or malformed, when ``cryptography`` is not installed, or when one lies in
+    ``data_root`` (the volume kernels write to: a master key there protects nothing)."""
+    from kernelmgr.objectstore.envelope import read_master_key
+
+    try:
+        import cryptography  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"{setting} needs the 'cryptography' package: pip install 'jupyter-elastic-kernels[objectstore]'"
+        ) from None
+    masters = []
+    for path in paths:
+        if data_root is not None:
+            real_root = os.path.realpath(data_root)
+            if os.path.commonpath([real_root, os.path.realpath(path)]) == real_root:
+                raise ConfigError(
+                    f"{setting}: {path!r} is inside ElasticKernels.checkpoint_root {data_root!r}, where "
+                    "kernels write: keep the master key off the data volume (a mounted Secret)"
+                )
+        try:
+            masters.append(read_master_key(path))
+        except FileNotFoundError:
+            raise ConfigError(
+                f"{setting}: the master key {path!r} does not exist (mount its Secret, or create it: "
+                "head -c 32 /dev/urandom > FILE)"
+            ) from None
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"{setting}: {exc}") from None
+    return masters
 
 
 class S3Checkpoints(LoggingConfigurable):
@@ -625,21 +679,9 @@ class S3Checkpoints(LoggingConfigurable):
         bucket = Bucket(self.endpoint, self.bucket, Credentials(access, secret_key, self.region))
         envelope = None
         if self.encryption_key_files:
-            from kernelmgr.objectstore.envelope import OwnerKeys, read_master_key
+            from kernelmgr.objectstore.envelope import OwnerKeys
 
-            try:
-                import cryptography  # noqa: F401
-            except ImportError:
-                raise ConfigError(
-                    "S3Checkpoints.encryption_key_files needs the 'cryptography' package: "
-                    "pip install 'jupyter-elastic-kernels[objectstore]'"
-                ) from None
-            masters = []
-            for path in self.encryption_key_files:
-                try:
-                    masters.append(read_master_key(path))
-                except (OSError, ValueError) as exc:
-                    raise ConfigError(f"S3Checkpoints.encryption_key_files: {exc}") from None
+            masters = read_master_keys(self.encryption_key_files, "S3Checkpoints.encryption_key_files")
             envelope = OwnerKeys(bucket, self.prefix.strip("/"), masters)
         try:
             if self.create_bucket:

@@ -2242,3 +2242,23 @@ def test_failed_kernel_pods_are_kept_for_kubectl_logs_by_default(tmp_path: Path)
         "ElasticKubernetesProvisioner"
     ]
     assert off["failed_pod_retention"] == 0
+
+
+def test_the_file_system_store_is_encrypted_at_rest_under_a_secret_of_master_keys(tmp_path: Path) -> None:
+    docs = render(
+        {"checkpoints": {"encryptionSecret": "fs-keys", "encryptionKeys": ["new", "old"]}}, tmp_path
+    )
+    files = server_config(docs)["ElasticKernels"]["checkpoint_encryption_key_files"]
+    pod = only(docs, "Deployment")["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == "fs-keys"]
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    assert files == [f"{mount['mountPath']}/new", f"{mount['mountPath']}/old"] and mount["readOnly"]
+    assert [item["key"] for item in volume["secret"]["items"]] == ["new", "old"]
+    claims = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert all(
+        not mount["mountPath"].startswith(m["mountPath"])
+        for c in claims
+        for m in pod["containers"][0]["volumeMounts"]
+        if m["name"] == c["name"]
+    )
+    assert "checkpoint_encryption_key_files" not in server_config(render({}, tmp_path))["ElasticKernels"]

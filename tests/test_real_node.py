@@ -313,3 +313,66 @@ def test_the_node_pulls_the_kernel_image_from_the_local_registry(
     finally:
         core.delete_namespaced_pod("pulled", NAMESPACE, grace_period_seconds=0)
         wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the pod to be gone")
+
+
+def test_a_kernel_pod_without_a_claim_hibernates_through_the_object_store_and_resumes(
+    node: Node, core: Any, kube_plane: ControlPlane, kernel_image: str, tmp_path: Path
+) -> None:
+    """Issue 31 on real containers: the S3 server listens on the node's bridge address, which the
+    pods reach through the CNI bridge; the GPU-size kernel pod mounts no claim, sends its checkpoint
+    through presigned part URLs, and its next pod reads it back by presigned ranged GETs."""
+    from tests.support.s3 import running_s3
+
+    core.patch_node_status(node.name, {"status": {"capacity": {"nvidia.com/gpu": "1"}}})
+    wait_for(
+        lambda: core.read_node(node.name).status.allocatable.get("nvidia.com/gpu") == "1",
+        60,
+        "the GPU advertised",
+    )
+    with running_s3(tmp_path / "s3", host=node.gateway_ip) as s3:
+        config = server_config(kube_plane, kernel_image)
+        config["ElasticKernels"].update(
+            {"checkpoint_store": "s3", "checkpoint_root": str(tmp_path / "scratch")}  # the server's own disk
+        )
+        config["ElasticKubernetesProvisioner"]["checkpoint_claim"] = ""
+        config["S3Checkpoints"] = {
+            "endpoint": s3.endpoint,
+            "bucket": "real-node-checkpoints",
+            "create_bucket": True,
+            "access_key_id_env": "ELASTIC_TEST_S3_ACCESS_KEY",
+            "secret_access_key_env": "ELASTIC_TEST_S3_SECRET_KEY",
+        }
+        env = {
+            "ELASTIC_TEST_S3_ACCESS_KEY": s3.admin.access_key,
+            "ELASTIC_TEST_S3_SECRET_KEY": s3.admin.secret_key,
+        }
+        server = start_server(tmp_path / "home", config, env_extra=env)
+        kernel_id = ""
+        try:
+            specs = server.get("/api/kernelspecs")["kernelspecs"]
+            status, body = start_request(server, next(name for name in specs if name.endswith("gpu-whole")))
+            assert status == 201, (status, body, server.log()[-3000:])
+            kernel_id = body["id"]
+            (pod,) = core.list_namespaced_pod(NAMESPACE).items
+            assert pod.spec.node_name == node.name
+            assert all(v.persistent_volume_claim is None for v in pod.spec.volumes), pod.spec.volumes
+            server.execute(kernel_id, "words = b'REAL-NODE-' * 50000\nfacts = {'answer': 42}", timeout=300)
+            reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate", timeout=300)
+            assert reply.status == 200, (reply, server.log()[-3000:])
+            assert reply.body["state"] == "hibernated", reply.body
+            wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the kernel pod to be gone")
+            owner = reply.body["owner"]
+            committed = (
+                s3.bucket("real-node-checkpoints").get(f"{owner}/{kernel_id}/current") or b""
+            ).decode()
+            assert committed.strip() == reply.body["checkpoint"]["id"], (committed, reply.body)
+            assert not list((tmp_path / "scratch").rglob("data.bin"))  # only in the bucket
+            out = server.execute(kernel_id, "print(words[:10], len(words), facts['answer'])", timeout=300)
+            assert out.strip() == "b'REAL-NODE-' 500000 42", (out, server.log()[-3000:])
+            (pod,) = core.list_namespaced_pod(NAMESPACE).items
+            assert pod.spec.node_name == node.name
+        finally:
+            if kernel_id:
+                server.shutdown_kernel(kernel_id)
+            server.stop()
+    wait_for(lambda: not core.list_namespaced_pod(NAMESPACE).items, 120, "the kernel pod to be gone")

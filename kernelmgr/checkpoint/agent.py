@@ -86,7 +86,7 @@ import kernelmgr.objectstore.transfer as transfer
 from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.cells import MAX_CELLS, CellRecord, plan_recompute, record_cell
 from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
-from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_key_file
+from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_keys
 from kernelmgr.checkpoint.layout import DATA_FILE, MANIFEST_FILE, RESTORE_REPORT, write_file_atomic
 from kernelmgr.checkpoint.namespace import UserNamespace
 from kernelmgr.checkpoint.progress import CHECKPOINT_PROGRESS, ProgressFile
@@ -152,6 +152,9 @@ class AgentConfig:
     restore_data_url: str | None = None
     #: The checkpoint's encryption key (hex) when it is encrypted at rest.
     restore_key: str | None = None
+    #: The kernel's key for checkpoints encrypted at rest on a file system (the key file's
+    #: second line): each checkpoint's key is derived from it (``cipher.checkpoint_key``).
+    data_key: bytes | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> AgentConfig | None:
@@ -175,7 +178,7 @@ class AgentConfig:
             raise ValueError(f"{ENV_DIR} is set but {', '.join(missing)} is not{hint}")
         # A pod's key sits on a read-only Secret volume it cannot remove (the Secret dies with the pod).
         mounted = env.get("ELASTIC_CHECKPOINT_KEY_MOUNTED", "") == "1"
-        key = read_key_file(env[ENV_KEY_FILE], consume=not mounted)  # KeyFileError is a ValueError
+        key, data_key = read_keys(env[ENV_KEY_FILE], consume=not mounted)  # KeyFileError is a ValueError
         return cls(
             kernel_dir=Path(directory),
             key=key,
@@ -187,6 +190,7 @@ class AgentConfig:
             restore_manifest_url=env.get(ENV_RESTORE_MANIFEST_URL) or None,
             restore_data_url=env.get(ENV_RESTORE_DATA_URL) or None,
             restore_key=env.get(ENV_RESTORE_KEY) or None,
+            data_key=data_key,
         )
 
 
@@ -398,6 +402,7 @@ class _Agent:
                 prune=False,  # the server prunes once the kernel has stopped (off the hibernate path)
                 cells=[cell.to_dict() for cell in self.cells],
                 on_progress=ProgressFile(self.config.kernel_dir, name=CHECKPOINT_PROGRESS),
+                data_key=self.config.data_key,
             )
         except CheckpointFailed as exc:
             self.log.error("checkpoint failed: %s", exc)
@@ -542,6 +547,7 @@ class _Agent:
                 # A copy downloaded from an object store is mapped, not read again into new
                 # memory: only this kernel (and the server) can rewrite its scratch folder.
                 map_buffers=self.config.restore_mapped or source != directory,
+                data_key=self.config.data_key if source == directory else None,
             )
             if report is None:
                 report = refused_report(
@@ -599,6 +605,7 @@ class _Agent:
                 self.config.owner,
                 self.config.kernel_id,
                 str(report.get("checkpoint")),
+                self.config.data_key if self._restore_dir in (None, self.config.kernel_dir) else None,
             )
             if manifest is None:
                 return

@@ -1,4 +1,4 @@
-"""Encryption of a checkpoint's objects at rest in an object store (``cryptography``'s AES).
+"""Encryption of checkpoints at rest, in an object store or on a file system (``cryptography``'s AES).
 
 The server derives one key per checkpoint from its owner's envelope key
 (:mod:`kernelmgr.objectstore.envelope`) and hands only that key to the kernel, with its upload
@@ -7,6 +7,10 @@ their byte offsets, so every part of an upload and every range of a download is 
 decrypted on its own, in place, with no change in size. Integrity is not the cipher's job here:
 the manifest is HMAC-signed and carries ``data.bin``'s digest, both checked after decryption and
 before anything is unpickled.
+
+On a file system the kernel writes its checkpoints itself, with ids only it knows beforehand, so it
+gets its *kernel's* key (:meth:`kernelmgr.objectstore.envelope.OwnerKeys.kernel_key`) and derives
+each checkpoint's key from it (:func:`checkpoint_key`): one keystream never serves two checkpoints.
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ def data_key(checkpoint_key: bytes) -> bytes:
 
 def manifest_key(checkpoint_key: bytes) -> bytes:
     return derive(checkpoint_key, "jupyter-elastic-kernels manifest.json")
+
+
+def checkpoint_key(kernel_key: bytes, checkpoint_id: str) -> bytes:
+    """The key of one checkpoint a kernel writes on a file system, from its kernel's key."""
+    return derive(kernel_key, f"jupyter-elastic-kernels file checkpoint {checkpoint_id}")
 
 
 #: Encrypted through one buffer of this size: cryptography's ``update`` allocates its output and

@@ -22,7 +22,9 @@ This module is the one seam every provisioner goes through:
   handover) it also removes the file, so a later cell cannot simply read it off disk.
 
 ``ELASTIC_CHECKPOINT_KEY_FILE`` (:data:`ENV_KEY_FILE`) names the file; nothing else about the
-key is in the kernel's environment.
+key is in the kernel's environment. With checkpoints encrypted at rest on a file system, the same
+file carries a second line: the kernel's encryption key (:func:`read_keys`), handed over the
+same way and for the same reasons.
 """
 
 from __future__ import annotations
@@ -64,22 +66,38 @@ def owner_key(secret: bytes, owner: str) -> bytes:
     return hmac.new(secret, _OWNER_KEY_LABEL + owner.encode("utf-8"), hashlib.sha256).digest()
 
 
-def encode_key(key: bytes) -> bytes:
-    """The contents of a key file: the key in hex and a newline (the same for a Kubernetes Secret)."""
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"a checkpoint key is {KEY_BYTES} bytes, not {len(key)}")
-    return key.hex().encode("ascii") + b"\n"
+def encode_key(key: bytes, data_key: bytes | None = None) -> bytes:
+    """The contents of a key file: the key in hex and a newline (the same for a Kubernetes Secret),
+    then the kernel's encryption key the same way when its checkpoints are encrypted at rest."""
+    lines = b""
+    for value in (key, data_key):
+        if value is None:
+            continue
+        if len(value) != KEY_BYTES:
+            raise ValueError(f"a checkpoint key is {KEY_BYTES} bytes, not {len(value)}")
+        lines += value.hex().encode("ascii") + b"\n"
+    return lines
+
+
+def decode_keys(data: bytes, source: str) -> tuple[bytes, bytes | None]:
+    """The keys in ``data`` (what :func:`encode_key` wrote): the signing key and the encryption key
+    or ``None``; :class:`KeyFileError` naming ``source``."""
+    try:
+        lines = data.decode("ascii").split()
+        keys = [bytes.fromhex(line) for line in lines]
+    except (UnicodeDecodeError, ValueError):
+        raise KeyFileError(f"{source} does not hold a hex checkpoint key") from None
+    if not 1 <= len(keys) <= 2:
+        raise KeyFileError(f"{source} holds {len(keys)} keys, a key file holds one or two")
+    for key in keys:
+        if len(key) != KEY_BYTES:
+            raise KeyFileError(f"{source} holds a {len(key)}-byte key, a checkpoint key is {KEY_BYTES} bytes")
+    return keys[0], keys[1] if len(keys) == 2 else None
 
 
 def decode_key(data: bytes, source: str) -> bytes:
-    """The key in ``data`` (what :func:`encode_key` wrote); :class:`KeyFileError` naming ``source``."""
-    try:
-        key = bytes.fromhex(data.decode("ascii").strip())
-    except (UnicodeDecodeError, ValueError):
-        raise KeyFileError(f"{source} does not hold a hex checkpoint key") from None
-    if len(key) != KEY_BYTES:
-        raise KeyFileError(f"{source} holds a {len(key)}-byte key, a checkpoint key is {KEY_BYTES} bytes")
-    return key
+    """The signing key in ``data`` (what :func:`encode_key` wrote)."""
+    return decode_keys(data, source)[0]
 
 
 def private_key_dir(parent: str | os.PathLike[str]) -> Path:
@@ -112,8 +130,14 @@ def key_file_path(directory: str | os.PathLike[str], kernel_id: str) -> Path:
     return Path(directory) / f"kernel-{kernel_id}.key"
 
 
-def write_key_file(path: str | os.PathLike[str], key: bytes, owner: tuple[int, int] | None = None) -> Path:
-    """Write ``key`` to ``path`` readable by its owner only (0600), replacing any previous file.
+def write_key_file(
+    path: str | os.PathLike[str],
+    key: bytes,
+    owner: tuple[int, int] | None = None,
+    data_key: bytes | None = None,
+) -> Path:
+    """Write ``key`` (and ``data_key``, when checkpoints are encrypted at rest) to ``path``
+    readable by its owner only (0600), replacing any previous file.
 
     ``owner`` (uid, gid): the account the file is for, when that is not ours (a kernel running
     as its owner's account, started by a root gateway); the file is handed over before it
@@ -126,7 +150,7 @@ def write_key_file(path: str | os.PathLike[str], key: bytes, owner: tuple[int, i
     it, and a machine crash ends the kernel too.
     """
     target = Path(path)
-    data = encode_key(key)
+    data = encode_key(key, data_key)
     tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(tmp, flags, 0o600)
@@ -155,7 +179,13 @@ def remove_key_file(path: str | os.PathLike[str]) -> None:
 
 
 def read_key_file(path: str | os.PathLike[str], *, consume: bool = True) -> bytes:
-    """The key in ``path``; with ``consume`` (a file handed over locally) the file is removed.
+    """The signing key in ``path`` (see :func:`read_keys`)."""
+    return read_keys(path, consume=consume)[0]
+
+
+def read_keys(path: str | os.PathLike[str], *, consume: bool = True) -> tuple[bytes, bytes | None]:
+    """The keys in ``path`` (signing, encryption or ``None``); with ``consume`` (a file handed
+    over locally) the file is removed.
 
     ``consume=True`` expects exactly what :func:`write_key_file` made: a regular file (not a
     symlink) owned by this user and readable by nobody else; anything else is refused
@@ -192,7 +222,7 @@ def read_key_file(path: str | os.PathLike[str], *, consume: bool = True) -> byte
         os.close(fd)
     if len(data) > _MAX_FILE_BYTES:
         raise KeyFileError(f"key file {source} is too large to hold a key")
-    key = decode_key(data, f"key file {source}")
+    keys = decode_keys(data, f"key file {source}")
     if consume:
         try:
             remove_key_file(source)
@@ -200,7 +230,7 @@ def read_key_file(path: str | os.PathLike[str], *, consume: bool = True) -> byte
             raise KeyFileError(
                 f"key file {source} could not be removed after reading: {exc.strerror or exc}"
             ) from None
-    return key
+    return keys
 
 
 __all__ = [
@@ -208,11 +238,13 @@ __all__ = [
     "KEY_BYTES",
     "KeyFileError",
     "decode_key",
+    "decode_keys",
     "encode_key",
     "key_file_path",
     "owner_key",
     "private_key_dir",
     "read_key_file",
+    "read_keys",
     "remove_key_file",
     "write_key_file",
 ]

@@ -33,6 +33,17 @@ log = logging.getLogger(__name__)
 CURRENT = "current"
 DATA_FILE = "data.bin"
 MANIFEST_FILE = "manifest.json"
+#: An encrypted checkpoint's files carry this suffix (``data.bin.aes``, ``manifest.json.aes``): a
+#: reader knows from the names alone which it holds (checkpoints from before stay plaintext).
+ENCRYPTED_SUFFIX = ".aes"
+
+
+def file_names(encrypted: bool) -> tuple[str, str]:
+    """``(data file, manifest file)`` of a checkpoint, encrypted at rest or not."""
+    suffix = ENCRYPTED_SUFFIX if encrypted else ""
+    return DATA_FILE + suffix, MANIFEST_FILE + suffix
+
+
 QUARANTINE = "quarantine"
 REASON_FILE = "reason.txt"
 RESTORE_REPORT = "restore-report.json"

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.fidelity import compare, fingerprint
 from kernelmgr.checkpoint.integrity import (
@@ -49,7 +50,7 @@ from kernelmgr.checkpoint.integrity import (
     digest_workers,
     digests_match,
 )
-from kernelmgr.checkpoint.layout import DATA_FILE
+from kernelmgr.checkpoint.layout import DATA_FILE, file_names
 from kernelmgr.checkpoint.serialize import RestoreContext, restoring
 from kernelmgr.checkpoint.verify import (
     Untrusted,
@@ -157,16 +158,21 @@ def _readinto_fully(
     what: str,
     digest: DataDigest,
     on_piece: Callable[[int], None] | None = None,
+    data_key: bytes | None = None,
 ) -> None:
-    """Fill ``target`` from ``file``, digesting it as it arrives (:func:`_digest_pieces`)."""
+    """Fill ``target`` from ``file``, digesting it as it arrives (:func:`_digest_pieces`);
+    with ``data_key`` each piece is decrypted in place at its offset before it is digested."""
 
     def fill(piece: memoryview) -> None:
+        at = file.tell() if data_key is not None else 0
         rest = piece
         while rest:
             count = file.readinto(rest)
             if not count:
                 raise Untrusted(f"{DATA_FILE} ended early while reading {what}")
             rest = rest[count:]
+        if data_key is not None:
+            cipher.crypt_in_place(data_key, at, piece)
 
     _digest_pieces(target, digest, on_piece, fill)
 
@@ -180,8 +186,12 @@ def read_payload(
     manifest: Manifest,
     on_read: Callable[[int, int], None] | None = None,
     map_buffers: bool = False,
+    data_key: bytes | None = None,
 ) -> Payload:
     """All group regions of ``data.bin``, read once and checked against the manifest digest.
+
+    ``data_key``: the file is encrypted at rest (AES-CTR); every region is read into private
+    memory and decrypted there (nothing is mapped: the file holds ciphertext).
 
     ``on_read(bytes read, bytes in all)`` is called after each region (the resume's progress).
     With ``map_buffers``, raw buffers of 1 MiB or more are mapped from the file instead of read
@@ -206,7 +216,9 @@ def read_payload(
         position = 0
         for offset, length, group_id, slot in [*slots, (manifest.data_bytes, 0, -1, -2)]:
             if position < offset:  # padding, under ALIGN bytes (check_layout made sure)
-                _readinto_fully(file, memoryview(bytearray(offset - position)), "padding", digest)
+                _readinto_fully(
+                    file, memoryview(bytearray(offset - position)), "padding", digest, data_key=data_key
+                )
                 position = offset
             if slot == -2:
                 break
@@ -214,7 +226,7 @@ def read_payload(
             if on_read is not None:
                 piece_read = functools.partial(_report_read, on_read, position, manifest.data_bytes)
             mapped = None
-            if map_buffers and slot >= 0 and length >= MAPPED_MIN:
+            if map_buffers and data_key is None and slot >= 0 and length >= MAPPED_MIN:
                 mapped = _map_region(file, offset, length)
             if mapped is not None:
                 buffer: Buffer = mapped
@@ -222,7 +234,7 @@ def read_payload(
                 file.seek(offset + length)
             else:
                 buffer = _allocate(length)
-                _readinto_fully(file, memoryview(buffer), f"group {group_id}", digest, piece_read)
+                _readinto_fully(file, memoryview(buffer), f"group {group_id}", digest, piece_read, data_key)
             position += length
             if slot == -1:
                 payload[group_id] = (buffer, payload[group_id][1])
@@ -313,6 +325,7 @@ def restore_checkpoint(
     cuda_count: int | None = None,
     on_read: Callable[[str, int, int], None] | None = None,
     map_buffers: bool = False,
+    data_key: bytes | None = None,
 ) -> dict[str, Any] | None:
     """Restore the committed checkpoint's variables into ``namespace``; return the report.
 
@@ -325,17 +338,19 @@ def restore_checkpoint(
     number of visible GPUs (for tests). ``on_read(checkpoint id, bytes read, bytes in all)``
     follows the read of ``data.bin`` (the resume's progress). ``map_buffers``: map big raw
     buffers from the file instead of reading them (:func:`_map_region` says when that is safe).
+    ``data_key``: the kernel's key, for checkpoints encrypted at rest (``.aes`` files); one
+    written before encryption was switched on is read as it is.
     """
     started = time.perf_counter()
     directory = Path(kernel_dir)
     if expected_checkpoint is None:
-        manifest = load_verified_manifest(directory, key, owner, kernel_id)
+        manifest = load_verified_manifest(directory, key, owner, kernel_id, data_key)
         if manifest is None:
             return None
     else:
         # By its id, never through ``current``: that may lag (a shared file system's cache) or
         # have been put back to an older checkpoint; the id is the one the server recorded.
-        manifest = load_verified_checkpoint(directory, key, owner, kernel_id, expected_checkpoint)
+        manifest = load_verified_checkpoint(directory, key, owner, kernel_id, expected_checkpoint, data_key)
         if manifest is None:
             raise CheckpointRefused(
                 f"no committed checkpoint was found in {directory}, "
@@ -345,11 +360,16 @@ def restore_checkpoint(
     prewarm = _prewarm(manifest)
     try:
         checkpoint_id = manifest.checkpoint_id
+        sealed = directory / checkpoint_id / file_names(True)[0]
+        encrypted = data_key is not None and sealed.exists()
         payload = read_payload(
-            directory / checkpoint_id / DATA_FILE,
+            sealed if encrypted else directory / checkpoint_id / DATA_FILE,
             manifest,
             None if on_read is None else lambda done, total: on_read(checkpoint_id, done, total),
             map_buffers=map_buffers,
+            data_key=cipher.data_key(cipher.checkpoint_key(data_key, checkpoint_id))
+            if encrypted and data_key is not None
+            else None,
         )
     except Untrusted as exc:
         raise refuse(directory, manifest.checkpoint_id, str(exc)) from None

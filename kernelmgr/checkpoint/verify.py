@@ -15,12 +15,14 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
+from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.integrity import manifest_is_authentic
 from kernelmgr.checkpoint.layout import (
     ALIGN,
     DATA_FILE,
     MANIFEST_FILE,
+    file_names,
     quarantine,
     quarantine_reason,
     quarantined_path,
@@ -63,13 +65,34 @@ def check_layout(manifest: Manifest, size: int) -> None:
 MANIFEST_CAP = 32 * 1024 * 1024
 
 
-def _verify_dir(kernel_dir: SafeDir, checkpoint_id: str, key: bytes, owner: str, kernel_id: str) -> Manifest:
+#: Said when a checkpoint is encrypted at rest and no key came with the request to read it.
+NO_KEY = (
+    "checkpoint {id} is encrypted at rest and no key was given to read it: the server needs its "
+    "master key (ElasticKernels.checkpoint_encryption_key_files)"
+)
+
+
+def _verify_dir(
+    kernel_dir: SafeDir,
+    checkpoint_id: str,
+    key: bytes,
+    owner: str,
+    kernel_id: str,
+    data_key: bytes | None = None,
+) -> Manifest:
+    """``data_key`` (the kernel's key): a checkpoint encrypted at rest (its files' names say so)
+    has its manifest decrypted with it; without it such a checkpoint is refused, not quarantined
+    (the checkpoint is not at fault)."""
     try:
         with kernel_dir.subdir(checkpoint_id) as directory:
-            text = directory.read(MANIFEST_FILE, MANIFEST_CAP)
-            data_info = directory.lstat(DATA_FILE)
+            encrypted = directory.exists(file_names(True)[1])
+            data_name, manifest_name = file_names(encrypted)
+            if encrypted and data_key is None:
+                raise CheckpointRefused(NO_KEY.format(id=checkpoint_id))
+            text = directory.read(manifest_name, MANIFEST_CAP)
+            data_info = directory.lstat(data_name)
     except FileNotFoundError as exc:
-        missing = DATA_FILE if exc.filename == DATA_FILE else MANIFEST_FILE
+        missing = DATA_FILE if exc.filename and str(exc.filename).startswith(DATA_FILE) else MANIFEST_FILE
         raise Untrusted(f"{missing} is missing") from None
     except ValueError as exc:  # a link, not a plain file, too large
         raise Untrusted(str(exc)) from None
@@ -77,6 +100,8 @@ def _verify_dir(kernel_dir: SafeDir, checkpoint_id: str, key: bytes, owner: str,
         raise Untrusted(f"{MANIFEST_FILE} cannot be read: {exc}") from None
     if not stat.S_ISREG(data_info.st_mode):
         raise Untrusted(f"{DATA_FILE} is not a plain file (a link or something else)")
+    if encrypted and data_key is not None:
+        text = cipher.crypt(cipher.manifest_key(cipher.checkpoint_key(data_key, checkpoint_id)), 0, text)
     return check_manifest(text, data_info.st_size, key, owner, kernel_id, checkpoint_id)
 
 
@@ -113,7 +138,7 @@ def refuse(kernel_dir: Path | SafeDir, checkpoint_id: str, reason: str) -> Check
 
 
 def load_verified_manifest(
-    kernel_dir: Path | SafeDir, key: bytes, owner: str, kernel_id: str
+    kernel_dir: Path | SafeDir, key: bytes, owner: str, kernel_id: str, data_key: bytes | None = None
 ) -> Manifest | None:
     """The committed checkpoint's manifest, verified; ``None`` if nothing is committed.
 
@@ -123,13 +148,18 @@ def load_verified_manifest(
     """
     try:
         with opened(kernel_dir) as directory:
-            return _load_verified(directory, key, owner, kernel_id)
+            return _load_verified(directory, key, owner, kernel_id, data_key)
     except FileNotFoundError:
         return None  # no kernel folder: nothing was ever committed
 
 
 def load_verified_checkpoint(
-    kernel_dir: Path | SafeDir, key: bytes, owner: str, kernel_id: str, checkpoint_id: str
+    kernel_dir: Path | SafeDir,
+    key: bytes,
+    owner: str,
+    kernel_id: str,
+    checkpoint_id: str,
+    data_key: bytes | None = None,
 ) -> Manifest | None:
     """Checkpoint ``checkpoint_id``'s manifest, verified, read by its id (never through ``current``);
     ``None`` when that checkpoint is not there.
@@ -146,14 +176,16 @@ def load_verified_checkpoint(
                     raise CheckpointRefused(quarantine_reason(directory, checkpoint_id), earlier)
                 return None
             try:
-                return _verify_dir(directory, checkpoint_id, key, owner, kernel_id)
+                return _verify_dir(directory, checkpoint_id, key, owner, kernel_id, data_key)
             except Untrusted as exc:
                 raise refuse(directory, checkpoint_id, str(exc)) from None
     except FileNotFoundError:
         return None
 
 
-def _load_verified(kernel_dir: SafeDir, key: bytes, owner: str, kernel_id: str) -> Manifest | None:
+def _load_verified(
+    kernel_dir: SafeDir, key: bytes, owner: str, kernel_id: str, data_key: bytes | None = None
+) -> Manifest | None:
     for _ in range(_ATTEMPTS):
         try:
             checkpoint_id = read_current(kernel_dir)
@@ -162,7 +194,7 @@ def _load_verified(kernel_dir: SafeDir, key: bytes, owner: str, kernel_id: str) 
         if checkpoint_id is None:
             return None
         try:
-            return _verify_dir(kernel_dir, checkpoint_id, key, owner, kernel_id)
+            return _verify_dir(kernel_dir, checkpoint_id, key, owner, kernel_id, data_key)
         except Untrusted as exc:
             reason = str(exc)
         try:

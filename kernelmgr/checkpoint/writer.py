@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.errors import CheckpointFailed
 from kernelmgr.checkpoint.fidelity import fingerprint_unless_plain
 from kernelmgr.checkpoint.grouping import DEFAULT_MAX_OBJECTS, VariableGroup, group_variables
@@ -57,9 +58,8 @@ from kernelmgr.checkpoint.integrity import (
 )
 from kernelmgr.checkpoint.layout import (
     ALIGN,
-    DATA_FILE,
-    MANIFEST_FILE,
     PARTIAL_PREFIX,
+    file_names,
     new_checkpoint_id,
     publish_current,
     read_current,
@@ -205,9 +205,18 @@ class _DataFile:
     """
 
     def __init__(
-        self, fd: int, write_fn: WriteFn, digest: DataDigest, on_written: Callable[[int], None] | None = None
+        self,
+        fd: int,
+        write_fn: WriteFn,
+        digest: DataDigest,
+        on_written: Callable[[int], None] | None = None,
+        data_key: bytes | None = None,
     ) -> None:
         self.fd = fd
+        # Encrypted at rest: each write call's bytes go through one reused buffer, encrypted at
+        # their offset (CTR), so a rewind or a short write needs nothing special.
+        self.data_key = data_key
+        self._sealed = bytearray(WRITE_CALL) if data_key is not None else None
         self.on_written = on_written  # told the bytes written after each piece (a progress file)
         self.write_fn = write_fn
         self.writeback = _Writeback(fd)
@@ -229,7 +238,13 @@ class _DataFile:
             try:
                 rest = piece
                 while rest:
-                    count = self.write_fn(self.fd, rest[:WRITE_CALL])
+                    call = rest[:WRITE_CALL]
+                    if self.data_key is not None and self._sealed is not None:
+                        at = self.offset + start + len(piece) - len(rest)
+                        sealed = memoryview(self._sealed)[: len(call)]
+                        cipher.crypt_into(self.data_key, at, call, sealed)
+                        call = sealed
+                    count = self.write_fn(self.fd, call)
                     self.written += count
                     rest = rest[count:]
                 self.writeback.advance(self.offset + start + len(piece))
@@ -375,8 +390,13 @@ def write_checkpoint(
     prune: bool = True,
     cells: Sequence[Mapping[str, Any]] | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
+    data_key: bytes | None = None,
 ) -> Manifest:
     """Checkpoint the user variables of ``namespace`` into ``kernel_dir`` and commit it.
+
+    ``data_key``: the kernel's key (a file system with encryption at rest): ``data.bin.aes`` and
+    ``manifest.json.aes`` are written encrypted under this checkpoint's key
+    (:func:`kernelmgr.checkpoint.cipher.checkpoint_key`); the digest and the HMAC cover the plaintext.
 
     ``on_progress(checkpoint_id, written, expected)`` hears how far the data file has got (the
     agent's progress file, shown while a kernel hibernates); ``expected`` is the estimate made
@@ -414,6 +434,8 @@ def write_checkpoint(
 
     created = time.time()
     checkpoint_id = new_checkpoint_id(created)
+    sealing = cipher.checkpoint_key(data_key, checkpoint_id) if data_key is not None else None
+    data_name, manifest_name = file_names(sealing is not None)
     partial = directory / f"{PARTIAL_PREFIX}{checkpoint_id}"
     final = directory / checkpoint_id
     data: _DataFile | None = None
@@ -422,7 +444,7 @@ def write_checkpoint(
         directory.mkdir(parents=True, exist_ok=True)
         remove_stale(directory, keep=_committed_id(directory))
         partial.mkdir()
-        fd = _create(partial / DATA_FILE)
+        fd = _create(partial / data_name)
         try:
             with digest_workers() as workers:
                 told = None
@@ -432,7 +454,13 @@ def write_checkpoint(
                     def told(written: int) -> None:
                         progress(checkpoint_id, written, expected)
 
-                data = _DataFile(fd, write_fn, DataDigest(workers, default_digest_algorithm()), told)
+                data = _DataFile(
+                    fd,
+                    write_fn,
+                    DataDigest(workers, default_digest_algorithm()),
+                    told,
+                    None if sealing is None else cipher.data_key(sealing),
+                )
                 result = _write_data(ns, groups, data)
         finally:
             os.close(fd)
@@ -460,7 +488,9 @@ def write_checkpoint(
         timings = {"grouping": grouping, **result.timings, "total": time.perf_counter() - started}
         manifest.timings = {name: round(seconds, 6) for name, seconds in timings.items()}
         sign(key, manifest)
-        _write_manifest(partial / MANIFEST_FILE, manifest)
+        _write_manifest(
+            partial / manifest_name, manifest, None if sealing is None else cipher.manifest_key(sealing)
+        )
         fsync_dir(partial)
         os.rename(partial, final)
         fsync_dir(directory)
@@ -536,10 +566,11 @@ def _save_all(
     return records, group_records
 
 
-def _write_manifest(path: Path, manifest: Manifest) -> None:
+def _write_manifest(path: Path, manifest: Manifest, key: bytes | None = None) -> None:
     fd = _create(path, 0o640)  # the server reads manifests; data.bin stays 0600
     try:
-        view = memoryview(manifest.to_json().encode("utf-8"))
+        body = manifest.to_json().encode("utf-8")
+        view = memoryview(body if key is None else cipher.crypt(key, 0, body))
         while view:
             view = view[os.write(fd, view) :]
         os.fsync(fd)

@@ -245,6 +245,7 @@ def make_kernel_secret(
     checkpoint_key: bytes,
     instance: str = DEFAULT_INSTANCE,
     env: Mapping[str, str] | None = None,
+    data_key: bytes | None = None,
 ) -> dict[str, Any]:
     """Connection file and checkpoint key (made owned by the pod once the pod exists), and the
     values of the pod's ``secret_env`` variables."""
@@ -257,7 +258,7 @@ def make_kernel_secret(
         "type": "Opaque",
         "stringData": {
             CONNECTION_FILE: json.dumps(info),
-            KEY_FILE: encode_key(checkpoint_key).decode(),
+            KEY_FILE: encode_key(checkpoint_key, data_key).decode(),
             **(env or {}),
         },
     }

@@ -253,7 +253,10 @@ def kernel_launch(handoff: dict[str, Any], environ: dict[str, str], checkpoints:
     env.update({str(k): str(v) for k, v in handoff["env"].items()})
     env["ELASTIC_CHECKPOINT_DIR"] = str(kernel_dir)
     tmp = Path(environ.get("TMPDIR") or "/tmp")
-    env[ENV_KEY_FILE] = str(write_key_file(tmp / "elastic-checkpoint.key", bytes.fromhex(handoff["key"])))
+    data_key = bytes.fromhex(handoff.get("data_key") or "") or None
+    env[ENV_KEY_FILE] = str(
+        write_key_file(tmp / "elastic-checkpoint.key", bytes.fromhex(handoff["key"]), data_key=data_key)
+    )
     connection = write_pod_connection_file(dict(handoff["connection"]), environ)
     argv = [sys.executable, "-m", "ipykernel_launcher", "-f", connection, *handoff["args"]]
     return {"argv": argv, "env": env, "cwd": os.getcwd()}

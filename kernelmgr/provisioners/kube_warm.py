@@ -167,6 +167,7 @@ class WarmHandoff:
             "kernel_id": k.kernel_id,
             "connection": connection,
             "key": store.key_for(record.owner).hex(),
+            "data_key": (store.data_key_for(record.owner, k.kernel_id) or b"").hex(),
             "env": agent_env,
             "args": cmd[cmd.index(POD_KERNEL) + 3 :],
         }

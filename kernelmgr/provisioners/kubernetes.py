@@ -224,7 +224,9 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             or self._kernel_env
         )
         try:
-            if self._plan.restore:  # an object store's key: read off the event loop, before pod_manifest
+            # The owner's encryption key (a bucket or a file: read once per owner, off the event
+            # loop, before pod_manifest); a file system's encrypted checkpoints need it to start.
+            if self._plan.restore or runtime.checkpoints.file_keys is not None:
                 await asyncio.to_thread(runtime.checkpoints.prepare, self._record.owner)
             await self._select_namespace()
             self.informer  # noqa: B018  (start the watch now: the pod's first events must be seen)
@@ -363,6 +365,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             connection_info=self.connection_info,
             checkpoint_key=self.runtime.checkpoints.key_for(self._record.owner),
             env=self._secret_env,
+            data_key=self.runtime.checkpoints.data_key_for(self._record.owner, self.kernel_id),
             instance=self.instance,
         )
 

@@ -94,7 +94,12 @@ def agent_environment(
     the agent removes it once read. The key itself never enters the environment.
     """
     owner = (account.uid, account.gid) if account is not None else None
-    write_key_file(key_file, runtime.checkpoints.key_for(record.owner), owner=owner)
+    write_key_file(
+        key_file,
+        runtime.checkpoints.key_for(record.owner),
+        owner=owner,
+        data_key=runtime.checkpoints.data_key_for(record.owner, record.kernel_id),
+    )
     env = runtime.checkpoints.agent_env(
         record.owner,
         record.kernel_id,
@@ -191,7 +196,9 @@ class ElasticLocalProvisioner(LocalProvisioner):
             self.choose_new_ports()
         try:
             account = self._prepare_account(record)
-            if plan.restore:  # an object store's key: read off the event loop, before agent_environment
+            # The owner's encryption key (a bucket or a file: read once per owner, off the event
+            # loop, before agent_environment); a file system's encrypted checkpoints need it to start.
+            if plan.restore or runtime.checkpoints.file_keys is not None:
                 await asyncio.to_thread(runtime.checkpoints.prepare, record.owner)
             kwargs = await super().pre_launch(**kwargs)
             env = kwargs.get("env") or {}

@@ -4,7 +4,8 @@ Two servers, both Apache-2.0 and built from Go modules: Versity's S3 gateway (``
 default: a 45 MB binary that builds cold in about 3 minutes, objects as plain files in a folder)
 and SeaweedFS (``weed server -s3``: master, volume server, filer and S3 gateway in one process; a
 233 MB binary, about an hour cold on two loaded cores). ``ELASTIC_S3_SERVER`` picks one
-(``versitygw`` or ``seaweedfs``); unset, the first one built. Each runs on free loopback ports with
+(``versitygw`` or ``seaweedfs``); unset, the first one built. Each runs on free loopback ports (its
+S3 API on a real node's bridge address instead with ``host``, for kernel pods there) with
 one admin identity (the server's credential) and one more identity that may not write (to show a
 credential that is not the server's gets nothing written). Its data lives in a temporary folder.
 Skipped when no binary is built, failed instead under ``ELASTIC_REQUIRE_S3``.
@@ -103,22 +104,24 @@ def _bindable(port: int) -> bool:
 
 
 @contextmanager
-def running_s3(workdir: Path) -> Iterator[S3Server]:
+def running_s3(workdir: Path, host: str = "127.0.0.1") -> Iterator[S3Server]:
+    """``host``: the address the S3 API listens on (loopback; a real node's bridge address,
+    ``Node.gateway_ip``, for kernel pods in its containers to reach it)."""
     kind, binary = require_s3()
     admin = Credentials("elastic-admin", secrets.token_hex(20))
     reader = Credentials("elastic-reader", secrets.token_hex(20))
     workdir.mkdir(parents=True, exist_ok=True)
     if kind == "versitygw":
-        with _running_versitygw(binary, workdir, admin, reader) as server:
+        with _running_versitygw(binary, workdir, admin, reader, host) as server:
             yield server
         return
-    with _running_weed(binary, workdir, admin, reader) as server:
+    with _running_weed(binary, workdir, admin, reader, host) as server:
         yield server
 
 
 @contextmanager
 def _running_versitygw(
-    binary: Path, workdir: Path, admin: Credentials, reader: Credentials
+    binary: Path, workdir: Path, admin: Credentials, reader: Credentials, host: str
 ) -> Iterator[S3Server]:
     """``versitygw posix``: buckets are folders under ``workdir/data``, users in ``workdir/iam``."""
     for name in ("data", "iam"):
@@ -127,12 +130,12 @@ def _running_versitygw(
     log_path = workdir / "versitygw.log"
     env = {**os.environ, "ROOT_ACCESS_KEY": admin.access_key, "ROOT_SECRET_KEY": admin.secret_key}
     args = [
-        str(binary), f"--port=127.0.0.1:{s3}", f"--admin-port=127.0.0.1:{admin_port}",
+        str(binary), f"--port={host}:{s3}", f"--admin-port=127.0.0.1:{admin_port}",
         f"--iam-dir={workdir / 'iam'}", "--quiet", "posix", str(workdir / "data"),
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{s3}", admin, reader, proc, log_path)
+    server = S3Server(f"http://{host}:{s3}", admin, reader, proc, log_path)
     try:
         _wait_ready(server)
         # The second identity: a plain user, who owns no bucket and is granted nothing.
@@ -163,7 +166,9 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def _running_weed(binary: Path, workdir: Path, admin: Credentials, reader: Credentials) -> Iterator[S3Server]:
+def _running_weed(
+    binary: Path, workdir: Path, admin: Credentials, reader: Credentials, host: str
+) -> Iterator[S3Server]:
     config = {
         "identities": [
             {
@@ -185,14 +190,14 @@ def _running_weed(binary: Path, workdir: Path, admin: Credentials, reader: Crede
     master, volume, filer, s3 = _ports(4)
     log_path = workdir / "weed.log"
     args = [
-        str(binary), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir / 'data'}",
+        str(binary), "server", f"-ip={host}", f"-ip.bind={host}", f"-dir={workdir / 'data'}",
         f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
         "-s3", f"-s3.port={s3}", f"-s3.config={config_path}", "-master.telemetry=false",
         "-master.volumeSizeLimitMB=64", "-volume.max=0",
     ]  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{s3}", admin, reader, proc, log_path)
+    server = S3Server(f"http://{host}:{s3}", admin, reader, proc, log_path)
     try:
         _wait_ready(server)
         yield server

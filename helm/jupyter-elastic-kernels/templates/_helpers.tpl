@@ -316,6 +316,22 @@ serves no files, so the claim's folder is as good a root as any. */ -}}
 {{- end }}
 {{- $_ := set (index $config "S3Checkpoints") "encryption_key_files" $files -}}
 {{- end }}
+{{- else if $v.checkpoints.encryptionSecret }}
+{{- /* The file system's checkpoints, encrypted at rest under master keys off the claim. */ -}}
+{{- $files := list -}}
+{{- range $v.checkpoints.encryptionKeys }}
+{{- $files = append $files (printf "/etc/jupyter-elastic-encryption/%s" .) -}}
+{{- end }}
+{{- $_ := set $elastic "checkpoint_encryption_key_files" $files -}}
 {{- end }}
 {{- mustMergeOverwrite $config (deepCopy $v.extraConfig) | toPrettyJson -}}
+{{- end -}}
+
+{{/* The Secret of the master keys checkpoints are encrypted under (the store's), or "". */}}
+{{- define "jek.encryptionSecret" -}}
+{{- if eq .Values.checkpoints.store "s3" -}}
+{{- .Values.checkpoints.objectStore.encryptionSecret -}}
+{{- else -}}
+{{- .Values.checkpoints.encryptionSecret -}}
+{{- end -}}
 {{- end -}}
