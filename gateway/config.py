@@ -81,7 +81,7 @@ class ElasticGateway(Configurable):
         "user_attributes.uidNumber"; an LDAP attribute's one-value list is its value; gid optional:
         the uid). "uid_base"/"gid_base" (numbers) are added, for a numeric id that is not a uid yet
         (e.g. {"uid": "github_user.id", "uid_base": 100000}). The gateway reads the auth state from the
-        Hub's API with its service token, which needs admin:auth_state!user and read:users; answers
+        Hub's API with its service token, which needs admin:auth_state and read:users; answers
         are cached for user_ids_refresh_seconds. A user without the key is refused (403, saying what to
         fix), never run as another uid. ElasticKubernetesProvisioner.user_ids wins where it names the
         user. Kubernetes kernels only (local kernels run as kernel_account). Empty: off.""",

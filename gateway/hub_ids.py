@@ -4,7 +4,7 @@ Why the auth state: where homes are uid-owned (NFS), the directory that owns the
 ``uidNumber``/``gidNumber``) is what the Hub's authenticator already reads at login, and it keeps
 what it read in the user's encrypted auth state (``Authenticator.enable_auth_state``). The gateway
 reads it from the Hub's REST API with its own service token, which needs the scopes
-``admin:auth_state!user`` (the auth state) and ``read:users`` (the user model that carries it):
+``admin:auth_state`` (the auth state) and ``read:users`` (the user model that carries it):
 never from the client (a ``KERNEL_UID`` any user could send would claim anyone's files).
 
 Answers are cached per user for ``user_ids_refresh_seconds`` and asked again after that (a changed
@@ -28,7 +28,7 @@ from kernelmgr.core.errors import ConfigError, ElasticError
 
 SETTING = "ElasticGateway.user_ids_from_auth_state"
 #: What the gateway's service token needs (JupyterHub's scope names).
-SCOPES = "admin:auth_state!user and read:users"
+SCOPES = "admin:auth_state and read:users"
 KEYS = ("uid", "gid", "uid_base", "gid_base")
 
 
@@ -165,7 +165,10 @@ class HubUserIds:
                     f"admin must grant the gateway's service the scopes {SCOPES} (c.JupyterHub.load_roles)"
                 ) from None
             if exc.code == 404:
-                raise IdentityRefused(f"the Hub has no user {owner!r}") from None
+                raise IdentityRefused(
+                    f"the Hub shows the gateway no user {owner!r}: the admin must grant the gateway's service "
+                    f"{SCOPES} for them (c.JupyterHub.load_roles)"
+                ) from None
             raise _HubUnreachable(str(exc)) from None
         except OSError as exc:
             raise _HubUnreachable(str(exc)) from None
@@ -173,7 +176,7 @@ class HubUserIds:
         if "auth_state" not in model:
             raise IdentityRefused(
                 f"the Hub did not send {owner!r}'s auth state: the admin must grant the gateway's service "
-                "the scope admin:auth_state!user (besides read:users) in c.JupyterHub.load_roles"
+                "the scope admin:auth_state (besides read:users) in c.JupyterHub.load_roles"
             )
         return model["auth_state"]
 

@@ -193,6 +193,13 @@ def test_kernel_pods_run_as_the_uid_in_the_users_auth_state_and_a_user_without_o
         assert (context.run_as_user, context.run_as_group, context.fs_group) == (5101, 5102, 5102)
         found = (cluster.checkpoints / "alice").stat()
         assert (found.st_uid, found.st_gid) == (5101, 5102)
+        # A resume (no request to take the user from) makes her new pod as her uid again.
+        kernel = reply.body["id"]
+        for action in ("hibernate", "resume"):
+            done = server.request("POST", f"/api/elastic/kernels/{kernel}/{action}", token=tokens["alice"])
+            assert done.status == 200, (action, done, server.log()[-3000:])
+        context = cluster.running_pod(kernel).spec.security_context
+        assert (context.run_as_user, context.run_as_group, context.fs_group) == (5101, 5102, 5102)
 
         # bob, asking for alice's uid the way Enterprise Gateway clients do, still runs as his own.
         body = {"name": SIZE, "env": {"KERNEL_UID": "5101", "KERNEL_GID": "5102"}}

@@ -42,8 +42,9 @@ _UMASK = 0o007
 _umask_lock = threading.Lock()
 
 
-def shared_with_server(folder: str | os.PathLike[str]) -> bool:
-    """Whether ``folder`` is a shared one: setgid, of a group this process is not in (the server's)."""
+def shared_with_server(folder: str | os.PathLike[str] | int) -> bool:
+    """Whether ``folder`` (a path or an open descriptor) is a shared one: setgid, of a group this
+    process is not in (the server's)."""
     try:
         info = os.stat(folder)
     except OSError:
@@ -68,6 +69,17 @@ def _group_umask() -> Iterator[None]:
             yield
         finally:
             os.umask(old)
+
+
+@contextlib.contextmanager
+def shared_mkdir(parent: str | os.PathLike[str] | int, mode: int) -> Iterator[int]:
+    """Around a ``mkdir`` in ``parent``: the mode to pass (``mode``, or ``2770``'s bits in a shared
+    folder, with the umask that keeps them)."""
+    if not shared_with_server(parent):
+        yield mode
+        return
+    with _group_umask():
+        yield KERNEL_FOLDER_MODE
 
 
 def make_kernel_dir(path: str | os.PathLike[str], mode: int = 0o700, *, exist_ok: bool = False) -> None:
