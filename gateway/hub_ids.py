@@ -166,8 +166,8 @@ class HubUserIds:
                 ) from None
             if exc.code == 404:
                 raise IdentityRefused(
-                    f"the Hub shows the gateway no user {owner!r}: the admin must grant the gateway's service "
-                    f"{SCOPES} for them (c.JupyterHub.load_roles)"
+                    f"the Hub shows the gateway no user {owner!r}: the admin must grant the gateway's service"
+                    f" {SCOPES} for them (c.JupyterHub.load_roles)"
                 ) from None
             raise _HubUnreachable(str(exc)) from None
         except OSError as exc:
