@@ -37,6 +37,7 @@ from gateway.limits import (
 from kernelmgr.config import CullPolicy, ElasticKernels
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.modes import KUBERNETES_PROVISIONER, LOCAL_PROVISIONER
+from kernelmgr.kube.settings import KubeSettings
 from kernelmgr.server.live_config import LiveConfig
 from kernelmgr.server.ownership import SETTINGS_KEY
 
@@ -243,6 +244,12 @@ class ElasticGatewayApp(ServerApp):
                     "ElasticGateway.user_ids_from_auth_state is for Kubernetes kernels "
                     f"(ElasticKernels.kernel_provisioner = {KUBERNETES_PROVISIONER}); local kernels run as "
                     "their owner's OS account (ElasticGateway.kernel_account): remove it"
+                )
+            if KubeSettings(parent=self).warm_pods:
+                raise ConfigError(
+                    "ElasticKubernetesProvisioner.warm_pods cannot be used with "
+                    "ElasticGateway.user_ids_from_auth_state: a warm pod runs before it has an owner, so "
+                    "not as its owner's uid (no kernel would take one): remove warm_pods"
                 )
         except ConfigError as exc:
             self.log.critical("elastic-gateway: %s", exc.message)

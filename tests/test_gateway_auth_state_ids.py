@@ -227,18 +227,36 @@ def test_kernel_pods_run_as_the_uid_in_the_users_auth_state_and_a_user_without_o
                 os.chown(folder, os.getuid(), os.getgid())  # as the other tests expect it
 
 
+@pytest.mark.parametrize(
+    ("keys", "provisioner", "said"),
+    [
+        ({"gid": "gidNumber"}, {}, "user_ids_from_auth_state must be"),
+        ({"uid": "uidNumber"}, {"warm_pods": {"whole": {"count": 1}}}, "warm_pods cannot be used with"),
+    ],
+)
 def test_a_bad_user_ids_from_auth_state_stops_the_gateway_in_one_line(
-    cluster: PodCluster, hub: tuple[Hub, str, str], tmp_path: Path
+    cluster: PodCluster,
+    hub: tuple[Hub, str, str],
+    tmp_path: Path,
+    keys: dict[str, str],
+    provisioner: dict[str, Any],
+    said: str,
 ) -> None:
     _, api_url, _ = hub
-    config = cluster.config()
-    config["ElasticGateway"] = {"auth": "jupyterhub", "user_ids_from_auth_state": {"gid": "gidNumber"}}
+    config = cluster.config(**provisioner)
+    config["ElasticGateway"] = {"auth": "jupyterhub", "user_ids_from_auth_state": keys}
     env = {
         "JUPYTERHUB_API_TOKEN": "x" * 32,
         "JUPYTERHUB_API_URL": api_url,
         "JUPYTERHUB_SERVICE_NAME": GATEWAY,
     }
     proc, log_path, _, _ = launch(tmp_path, config, env_extra=env, app_module="gateway.app")
-    assert proc.wait(timeout=180) == 2
-    lines = [line for line in log_path.read_text().splitlines() if "user_ids_from_auth_state must be" in line]
+    try:
+        code = proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:  # a gateway that started instead: leave nothing behind
+            proc.kill()
+            proc.wait()
+    assert code == 2
+    lines = [line for line in log_path.read_text().splitlines() if said in line]
     assert len(lines) == 1, log_path.read_text()[-3000:]
