@@ -9,6 +9,7 @@ Hub tokens, as a single-user server does.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import subprocess
@@ -43,7 +44,9 @@ HUB_CONFIG = """
 import os
 from jupyterhub.auth import DummyAuthenticator
 
-IDS = {ids!r}
+import json
+
+IDS_FILE = {ids_file!r}  # the directory: read at every login, so a test can change it
 
 
 class DirectoryAuthenticator(DummyAuthenticator):
@@ -53,7 +56,8 @@ class DirectoryAuthenticator(DummyAuthenticator):
         name = await super().authenticate(handler, data)
         if not name:
             return None
-        found = IDS.get(name)
+        with open(IDS_FILE) as f:
+            found = json.load(f).get(name)
         attributes = {{"cn": [name]}}
         if found:
             attributes.update(uidNumber=[str(found[0])], gidNumber=[str(found[1])])
@@ -87,17 +91,19 @@ def cluster(kube_plane: ControlPlane, kube_api: Any, kube_runner: NodeRunner) ->
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hub, str, str]]:
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hub, str, str, Path]]:
     """The Hub and the gateway service's token (the Hub does not run the gateway here)."""
     proxy = require_proxy()
     tmp = tmp_path_factory.mktemp("hub-ids")
     state = Path(tempfile.mkdtemp(prefix="ekt-hub-ids-"))
     token = secrets.token_hex(16)
     hub_port, api_port, proxy_api_port = free_port(), free_port(), free_port()
+    ids_file = tmp / "directory.json"
+    ids_file.write_text(json.dumps(IDS))
     config = tmp / "jupyterhub_config.py"
     config.write_text(
         HUB_CONFIG.format(
-            ids=IDS,
+            ids_file=str(ids_file),
             hub_port=hub_port,
             api_port=api_port,
             proxy_api_port=proxy_api_port,
@@ -132,7 +138,7 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hub, str, st
 
     try:
         wait_for(up, 120, "JupyterHub to answer")
-        yield made, f"http://127.0.0.1:{api_port}/hub/api", token
+        yield made, f"http://127.0.0.1:{api_port}/hub/api", token, ids_file
     finally:
         proc.terminate()
         try:
@@ -147,6 +153,7 @@ def start_gateway(home: Path, cluster: PodCluster, api_url: str, service_token: 
     config["ElasticGateway"] = {
         "auth": "jupyterhub",
         "user_ids_from_auth_state": {"uid": "user_attributes.uidNumber", "gid": "user_attributes.gidNumber"},
+        "user_ids_refresh_seconds": 0,  # asked again at every start: a changed uid is followed at once
     }
     env = {
         "JUPYTERHUB_API_TOKEN": service_token,
@@ -169,9 +176,9 @@ def start_gateway(home: Path, cluster: PodCluster, api_url: str, service_token: 
 
 
 def test_kernel_pods_run_as_the_uid_in_the_users_auth_state_and_a_user_without_one_is_refused(
-    cluster: PodCluster, hub: tuple[Hub, str, str], tmp_path: Path
+    cluster: PodCluster, hub: tuple[Hub, str, str, Path], tmp_path: Path
 ) -> None:
-    the_hub, api_url, service_token = hub
+    the_hub, api_url, service_token, ids_file = hub
     tokens = {user: the_hub.login_token(user) for user in ("alice", "bob", "carol", "ada")}
     server = start_gateway(tmp_path, cluster, api_url, service_token)
     started: list[str] = []
@@ -215,8 +222,17 @@ def test_kernel_pods_run_as_the_uid_in_the_users_auth_state_and_a_user_without_o
         started.append(reply.body["id"])
         context = cluster.running_pod(reply.body["id"]).spec.security_context
         assert (context.run_as_user, context.run_as_group) == (5501, 5502)
+
+        # The directory gives bob another uid; at his next login and start his new pod follows it.
+        ids_file.write_text(json.dumps({**IDS, "bob": (5301, 5302)}))
+        tokens["bob"] = the_hub.login_token("bob")
+        reply = server.request("POST", "/api/kernels", {"name": "python3-cpu"}, token=tokens["bob"])
+        assert reply.status == 201, (reply, server.log()[-3000:])
+        started.append(reply.body["id"])
+        context = cluster.running_pod(reply.body["id"]).spec.security_context
+        assert (context.run_as_user, context.run_as_group) == (5301, 5302)
     finally:
-        for kernel_id, owner in zip(started, ("alice", "bob", "ada"), strict=False):
+        for kernel_id, owner in zip(started, ("alice", "bob", "ada", "bob"), strict=False):
             server.request("DELETE", f"/api/kernels/{kernel_id}", token=tokens[owner])
         for kernel_id in started:
             wait_for(lambda k=kernel_id: cluster.pod_of(k) is None, 120, "the kernel pod to be deleted")
@@ -236,13 +252,13 @@ def test_kernel_pods_run_as_the_uid_in_the_users_auth_state_and_a_user_without_o
 )
 def test_a_bad_user_ids_from_auth_state_stops_the_gateway_in_one_line(
     cluster: PodCluster,
-    hub: tuple[Hub, str, str],
+    hub: tuple[Hub, str, str, Path],
     tmp_path: Path,
     keys: dict[str, str],
     provisioner: dict[str, Any],
     said: str,
 ) -> None:
-    _, api_url, _ = hub
+    _, api_url, _, _ = hub
     config = cluster.config(**provisioner)
     config["ElasticGateway"] = {"auth": "jupyterhub", "user_ids_from_auth_state": keys}
     env = {
