@@ -24,6 +24,7 @@ from traitlets import default
 from gateway.access import GatewayAccess
 from gateway.authorizer import GatewayAuthorizer
 from gateway.config import METRICS_TOKEN_VARIABLE, ElasticGateway, ElasticQuota
+from gateway.hub_ids import HubUserIds, parse_setting
 from gateway.identity import HubIdentityProvider
 from gateway.kernel_accounts import install as install_kernel_accounts
 from gateway.kernel_accounts import per_user, start_up_refusal
@@ -35,7 +36,8 @@ from gateway.limits import (
 )
 from kernelmgr.config import CullPolicy, ElasticKernels
 from kernelmgr.core.errors import ConfigError
-from kernelmgr.core.modes import LOCAL_PROVISIONER
+from kernelmgr.core.modes import KUBERNETES_PROVISIONER, LOCAL_PROVISIONER
+from kernelmgr.kube.settings import KubeSettings
 from kernelmgr.server.live_config import LiveConfig
 from kernelmgr.server.ownership import SETTINGS_KEY
 
@@ -157,6 +159,7 @@ class ElasticGatewayApp(ServerApp):
         self.gateway_settings.metrics_token  # noqa: B018 - read now, then out of the environment:
         os.environ.pop(METRICS_TOKEN_VARIABLE, None)  # no kernel inherits the scrape token
         self._check_kernel_accounts()
+        self._check_user_ids()
         super().init_configurables()
 
     def _check_kernel_accounts(self) -> None:
@@ -207,6 +210,7 @@ class ElasticGatewayApp(ServerApp):
                 accounts.template,
                 accounts.runtime_root,
             )
+        self._install_user_ids(runtime, identity)
         access = GatewayAccess(
             km,
             runtime,
@@ -222,6 +226,45 @@ class ElasticGatewayApp(ServerApp):
         if km.hibernator is not None:
             km.hibernator.admission = access.reserve_resume  # quota held until the resume ends
         self.log.info("elastic-gateway: JupyterHub users own their kernels; quotas %s", quotas)
+
+    def _check_user_ids(self) -> None:
+        """user_ids_from_auth_state checked before anything starts: one line and exit code 2."""
+        raw = self.gateway_settings.user_ids_from_auth_state
+        if not raw:
+            return
+        try:
+            parse_setting(raw)
+            if self.gateway_settings.auth != "jupyterhub":
+                raise ConfigError(
+                    "ElasticGateway.user_ids_from_auth_state needs ElasticGateway.auth = 'jupyterhub' "
+                    "(the uids come from the Hub's auth state)"
+                )
+            if ElasticKernels(parent=self).kernel_provisioner != KUBERNETES_PROVISIONER:
+                raise ConfigError(
+                    "ElasticGateway.user_ids_from_auth_state is for Kubernetes kernels "
+                    f"(ElasticKernels.kernel_provisioner = {KUBERNETES_PROVISIONER}); local kernels run as "
+                    "their owner's OS account (ElasticGateway.kernel_account): remove it"
+                )
+            if KubeSettings(parent=self).warm_pods:
+                raise ConfigError(
+                    "ElasticKubernetesProvisioner.warm_pods cannot be used with "
+                    "ElasticGateway.user_ids_from_auth_state: a warm pod runs before it has an owner, so "
+                    "not as its owner's uid (no kernel would take one): remove warm_pods"
+                )
+        except ConfigError as exc:
+            self.log.critical("elastic-gateway: %s", exc.message)
+            sys.exit(CONFIG_ERROR_EXIT)
+
+    def _install_user_ids(self, runtime: Any, identity: HubIdentityProvider) -> None:
+        """Kernel pods as each user's uid and gid from their Hub auth state (user_ids_from_auth_state)."""
+        raw = self.gateway_settings.user_ids_from_auth_state
+        if not raw:
+            return
+        setting = parse_setting(raw)  # checked at start (_check_user_ids)
+        runtime.owner_ids = HubUserIds(
+            identity.hub_auth, setting, self.gateway_settings.user_ids_refresh_seconds, self.log
+        )
+        self.log.info("elastic-gateway: kernel pods run as the uids in auth state %s", setting)
 
     def _live_quotas(self, access: GatewayAccess, profiles: list[str]) -> Any:
         """The quotas' part of a live change (ElasticKernels.live_config_file): the next start or

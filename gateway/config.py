@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from traitlets import Bool, Dict, Enum, List, Unicode, default
+from traitlets import Bool, Dict, Enum, Float, List, Unicode, default
 from traitlets.config import Configurable
 
 from gateway.quota import QuotaTable, parse_limits
@@ -73,6 +73,26 @@ class ElasticGateway(Configurable):
         help="""With kernel_accounts = 'per-user': the root-owned folder (0711) holding one folder per
         account for its kernels' connection and key files. Every folder above it must be enterable
         by other users (o+x).""",
+    ).tag(config=True)
+
+    user_ids_from_auth_state = Dict(
+        help="""Run each Hub user's kernel pods as the uid and gid their JupyterHub auth state holds, e.g.
+        {"uid": "uidNumber", "gid": "gidNumber"}: the auth state's keys (dots for nested keys, e.g.
+        "user_attributes.uidNumber"; an LDAP attribute's one-value list is its value; gid optional:
+        the uid). "uid_base"/"gid_base" (numbers) are added, for a numeric id that is not a uid yet
+        (e.g. {"uid": "github_user.id", "uid_base": 100000}). The gateway reads the auth state from the
+        Hub's API with its service token, which needs admin:auth_state and read:users; answers
+        are cached for user_ids_refresh_seconds. A user without the key is refused (403, saying what to
+        fix), never run as another uid. ElasticKubernetesProvisioner.user_ids wins where it names the
+        user. Kubernetes kernels only (local kernels run as kernel_account). Empty: off.""",
+    ).tag(config=True)
+
+    user_ids_refresh_seconds = Float(
+        300.0,
+        min=0,
+        help="""How long a user's uid and gid read from their auth state are used before the Hub is asked
+        again (at their next kernel start or resume). A Hub that does not answer then leaves the last
+        answer in use.""",
     ).tag(config=True)
 
     metrics_token = Unicode(

@@ -28,6 +28,7 @@ from jupyter_server.utils import ensure_async
 from tornado import web
 
 from gateway.access import GatewayAccess
+from gateway.hub_ids import IdentityRefused
 from kernelmgr import compat
 from kernelmgr.core.kernels import requesting_owner
 from kernelmgr.server.errors import http_error, no_such_kernel
@@ -105,6 +106,7 @@ class MainKernelHandler(kernel_handlers.MainKernelHandler):
             kernel_id: str = await km.start_kernel(kernel_name=name, **options)
         else:
             owner = self.current_user.username
+            await _check_owner_ids(access, owner)
             token = requesting_owner.set(owner)
             try:
                 # The id is chosen first, so the quota counts this start exactly once while it runs.
@@ -119,6 +121,19 @@ class MainKernelHandler(kernel_handlers.MainKernelHandler):
         self.set_header("Location", self.base_url.rstrip("/") + f"/api/kernels/{kernel_id}")
         self.set_status(201)
         self.finish(json.dumps(model, default=kernel_handlers.json_default))
+
+
+async def _check_owner_ids(access: GatewayAccess, owner: str) -> None:
+    """403 saying what the admin must fix when the user's uid cannot be known (their auth state
+    lacks it), before anything is reserved; the pod's start asks again (cached)."""
+    source = access.runtime.owner_ids
+    kube = access.runtime.kube
+    if source is None or (kube is not None and owner in kube.settings.user_ids):
+        return  # the admin's user_ids wins where it names the user
+    try:
+        await source.ids_of(owner)
+    except IdentityRefused as exc:
+        raise http_error(403, f"your kernels cannot start: {exc.message}") from None
 
 
 class KernelHandler(_Guarded, kernel_handlers.KernelHandler):

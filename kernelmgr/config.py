@@ -106,6 +106,12 @@ class ElasticRuntime:
     #: Set by a multi-user gateway (``ElasticGateway.kernel_accounts = "per-user"``): local kernels
     #: then run as their owner's OS account (:mod:`kernelmgr.provisioners.accounts`).
     kernel_accounts: KernelAccounts | None = None
+    #: Set by a JupyterHub gateway (``ElasticGateway.user_ids_from_auth_state``): an object with
+    #: ``async ids_of(owner) -> (uid, gid)`` that raises :class:`~kernelmgr.core.errors.ElasticError`
+    #: saying what the admin must fix when the owner has none. Kernel pods of owners not in
+    #: ``ElasticKubernetesProvisioner.user_ids`` then run as those ids. Typed ``Any``: the runtime
+    #: must not import the gateway.
+    owner_ids: Any = None
 
     def __post_init__(self) -> None:
         self.states = KernelStates(self.kernels)

@@ -165,6 +165,8 @@ def test_lint_strict() -> None:
         ({"kernels": {"userVolumes": [{"name": "home", "mountPath": "/home/jovyan"}]}}, "userVolumes"),
         ({"kernels": {"homeAccessMode": "ReadWriteSometimes"}}, "homeAccessMode"),
         ({"kernels": {"clientEnv": ["PATH"]}}, "clientEnv"),
+        ({"kernels": {"userIds": {"alice": {"uid": 0}}}}, "uid"),
+        ({"jupyterhub": {"userIdsFromAuthState": {"gid": "gidNumber"}}}, "userIdsFromAuthState"),
         ({"checkpoints": {"store": "gcs"}}, "store"),
         ({"checkpoints": {"accessModes": ["ReadWriteOnce"]}}, "accessModes"),
         ({"checkpoints": {"objectStore": {"partSizeMib": 1}}}, "partSizeMib"),
@@ -1259,6 +1261,25 @@ def test_user_volumes_reach_the_provisioner(tmp_path: Path) -> None:
     assert config["client_env"] == ["KERNEL_PROJECT"] and config["kernelspec_images"] == {
         "python3": "reg/torch:2"
     }
+
+
+def test_user_ids_and_the_auth_state_keys_reach_the_gateway(tmp_path: Path) -> None:
+    from gateway.hub_ids import parse_setting
+    from kernelmgr.kube.settings import KubeSettings
+
+    keys = {"uid": "user_attributes.uidNumber", "gid": "user_attributes.gidNumber"}
+    values = {
+        "kernels": {"userIds": {"alice": {"uid": 1001, "gid": 1001}}},
+        "jupyterhub": {"userIdsFromAuthState": keys, "userIdsRefreshSeconds": 60},
+    }
+    config = server_config(render(values, tmp_path))
+    assert config["ElasticKubernetesProvisioner"]["user_ids"] == {"alice": {"uid": 1001, "gid": 1001}}
+    assert config["ElasticGateway"]["user_ids_from_auth_state"] == keys
+    assert config["ElasticGateway"]["user_ids_refresh_seconds"] == 60
+    assert parse_setting(config["ElasticGateway"]["user_ids_from_auth_state"]) == keys
+    ids = config["ElasticKubernetesProvisioner"]["user_ids"]
+    KubeSettings(user_ids=ids, checkpoint_claim="c").check_sizes([])
+    assert "user_ids_from_auth_state" not in server_config(render({}, tmp_path))["ElasticGateway"]
 
 
 def test_gateway_replicas_are_active_and_standby_behind_a_lease(tmp_path: Path) -> None:

@@ -353,9 +353,10 @@ def test_owners_listed_in_user_ids_run_as_their_own_uid_and_gid() -> None:
             KubeSettings(user_ids=bad)
 
 
-def test_user_ids_with_a_checkpoint_claim_need_a_server_that_can_give_folders() -> None:
-    """Each listed owner's checkpoint folder must become theirs (chown): a server that is not root
-    refuses the configuration at start-up, not at the first hibernation."""
+def test_user_ids_with_a_checkpoint_claim_start_on_a_server_that_is_not_root() -> None:
+    """A root server gives each listed owner's checkpoint folder away (chown); one that is not root
+    shares it through its own group (kernelmgr.checkpoint.sharing): both start. (A gid that is the
+    server's own group is refused: tests/test_checkpoint_shared_folders.py.)"""
     import os
     import subprocess
     import sys
@@ -365,15 +366,12 @@ def test_user_ids_with_a_checkpoint_claim_need_a_server_that_can_give_folders() 
         "KubeSettings(checkpoint_claim='ck', user_ids={'alice': {'uid': 2001}}).check_user_files()\n"
     )
     KubeSettings(user_ids={"alice": {"uid": 2001}}).check_user_files()  # no claim: nothing to give
-    if os.geteuid() != 0:
-        with pytest.raises(ConfigError, match=f"server runs as uid {os.geteuid()}, not root"):
-            KubeSettings(checkpoint_claim="ck", user_ids={"alice": {"uid": 2001}}).check_user_files()
-        return
-    subprocess.run([sys.executable, "-c", check], check=True)  # root: it can
-    as_nobody = subprocess.run(
-        [sys.executable, "-c", check], user=65534, group=65534, capture_output=True, text=True, cwd="/"
-    )
-    assert "server runs as uid 65534, not root" in as_nobody.stderr, as_nobody.stderr[-2000:]
+    subprocess.run([sys.executable, "-c", check], check=True)
+    if os.geteuid() == 0:
+        as_nobody = subprocess.run(
+            [sys.executable, "-c", check], user=65534, group=65534, capture_output=True, text=True, cwd="/"
+        )
+        assert as_nobody.returncode == 0, as_nobody.stderr[-2000:]
 
 
 def test_a_sizes_resources_replace_the_defaults_and_can_be_guaranteed() -> None:

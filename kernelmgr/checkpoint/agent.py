@@ -94,6 +94,7 @@ from kernelmgr.checkpoint.quick_exit import flush, open_files
 from kernelmgr.checkpoint.quick_exit import install as install_quick_exit
 from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
 from kernelmgr.checkpoint.recompute import DEFAULT_LIMIT, replay
+from kernelmgr.checkpoint.sharing import make_kernel_dir
 from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
 from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest, load_verified_checkpoint
 from kernelmgr.checkpoint.version import advertise
@@ -473,7 +474,7 @@ class _Agent:
         config = self.config
         assert config is not None and config.restore_checkpoint and config.restore_data_url
         checkpoint_id = config.restore_checkpoint
-        config.kernel_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_kernel_dir(config.kernel_dir, 0o700, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=config.kernel_dir))
         try:
             text = transfer.get(config.restore_manifest_url or "")

@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
+from kernelmgr.checkpoint.sharing import shared_mkdir
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: opening a FIFO someone put in place of a file must not block the caller.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -74,8 +76,8 @@ class SafeDir:
         """The folder ``name`` in this one (made if ``create``); ``UnsafePath`` for a link or a file."""
         check_name(name)
         if create:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(name, mode, dir_fd=self.fd)
+            with contextlib.suppress(FileExistsError), shared_mkdir(self.fd, mode) as made_mode:
+                os.mkdir(name, made_mode, dir_fd=self.fd)
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=self.fd)
         except OSError as exc:

@@ -67,6 +67,7 @@ from kernelmgr.checkpoint.layout import (
 )
 from kernelmgr.checkpoint.namespace import is_machinery
 from kernelmgr.checkpoint.serialize import GroupPickler
+from kernelmgr.checkpoint.sharing import make_kernel_dir
 from kernelmgr.core.manifest import GroupRecord, Manifest, VariableRecord
 
 log = logging.getLogger(__name__)
@@ -441,9 +442,9 @@ def write_checkpoint(
     data: _DataFile | None = None
     publishing = False
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        make_kernel_dir(directory, 0o777, exist_ok=True)  # shared with a non-root server: 2770
         remove_stale(directory, keep=_committed_id(directory))
-        partial.mkdir()
+        make_kernel_dir(partial, 0o777)
         fd = _create(partial / data_name)
         try:
             with digest_workers() as workers:

@@ -105,6 +105,18 @@ def ids_of(raw: dict[str, int]) -> tuple[int, int]:
     return int(raw["uid"]), int(raw.get("gid", raw["uid"]))
 
 
+def shared_group_refusal(owner: str, gid: int, claim: bool) -> str | None:
+    """Why ``owner``'s kernels may not run with ``gid``, or ``None``. A server that is not root shares
+    the owners' checkpoint folders through its own group (:mod:`kernelmgr.checkpoint.sharing`): a
+    kernel in that group could not keep its folders from the other kernels in it."""
+    if not claim or os.geteuid() == 0 or gid != os.getegid():
+        return None
+    return (
+        f"{owner!r} would run with gid {gid}, the server's own group, through which it shares the owners' "
+        "checkpoint folders on checkpoint_claim: give them their own gid (or run the server as root)"
+    )
+
+
 class KubeSettings(LoggingConfigurable):
     """Where and how kernel pods run; read from the ``ElasticKubernetesProvisioner`` section."""
 
@@ -460,15 +472,7 @@ class KubeSettings(LoggingConfigurable):
         """Refuse (ConfigError, at server start) user-volume settings that cannot work together."""
         names = [entry["name"] for entry in self.user_volumes]
         where = "ElasticKubernetesProvisioner"
-        own_uid = os.geteuid()
-        others = sorted(o for o, raw in self.user_ids.items() if ids_of(raw)[0] != own_uid)
-        if self.checkpoint_claim and others and own_uid != 0:
-            raise ConfigError(
-                f"{where}.user_ids gives {others[0]!r} uid {ids_of(self.user_ids[others[0]])[0]}, but the "
-                f"server runs as uid {own_uid}, not root: it cannot give that owner their checkpoint folder "
-                "on checkpoint_claim (their kernel could not write a checkpoint). Run the server as root "
-                "or drop user_ids"
-            )
+        self.check_owner_folders()
         if self.home_volume and self.home_volume not in names:
             raise ConfigError(
                 f"{where}.home_volume {self.home_volume!r} is not a user_volumes entry; entries: "
@@ -494,6 +498,13 @@ class KubeSettings(LoggingConfigurable):
                         f"{where}.user_volumes entry {entry['name']!r} is mounted at {entry['mountPath']!r}, "
                         f"over the kernel_home emptyDir {self.kernel_home!r}: make it the home_volume"
                     )
+
+    def check_owner_folders(self) -> None:
+        """Refuse (ConfigError) a user_ids gid this server cannot share checkpoint folders with."""
+        for owner, raw in self.user_ids.items():
+            refusal = shared_group_refusal(owner, ids_of(raw)[1], bool(self.checkpoint_claim))
+            if refusal is not None:
+                raise ConfigError(f"ElasticKubernetesProvisioner.user_ids: {refusal}")
 
     @validate("size_pod_settings")
     def _check_size_pod_settings(self, proposal: Any) -> dict[str, Any]:

@@ -14,6 +14,7 @@ import base64
 import json
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kernelmgr.core.kernels import requesting_owner
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.kube.labels import COMPONENT_LABEL, KERNEL, KERNEL_ID_LABEL, OWNER_LABEL, label_value
 from kernelmgr.kube.manifests import (
@@ -49,6 +50,7 @@ class WarmKernel(Protocol):
     def command(self) -> list[str]: ...
     @property
     def own_environment(self) -> bool: ...
+    def has_own_ids(self, owner: str | None) -> bool: ...
     @property
     def log(self) -> Any: ...
     @property
@@ -97,9 +99,10 @@ class WarmHandoff:
             return None  # (a restarting kernel keeps the slice it holds, and starts in a new cold pod)
         record = runtime.kernels.get(k.kernel_id)
         use = "resume" if record is not None and record.state is KernelState.RESUMING else "start"
+        owner = record.owner if record is not None else (requesting_owner.get() or runtime.owner)
         warm = None
         if pool.serves(size, use):
-            if POD_KERNEL not in k.command or k.own_environment:
+            if POD_KERNEL not in k.command or k.own_environment or k.has_own_ids(owner):
                 pool.miss(size, "not_poolable")
             else:
                 warm = pool.take(size, use)

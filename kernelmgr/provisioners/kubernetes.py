@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
-import os
 import secrets
 import signal
 from typing import Any
@@ -39,7 +39,9 @@ from kubernetes import client
 
 from kernelmgr.backends.kubernetes import render_pod_fragment
 from kernelmgr.checkpoint.agent import ENV_RESTORE_DATA_URL, ENV_RESTORE_KEY, ENV_RESTORE_MANIFEST_URL
+from kernelmgr.checkpoint.sharing import give_owner_folder
 from kernelmgr.config import ElasticRuntime
+from kernelmgr.core.errors import ElasticError
 from kernelmgr.core.kernels import FRESH_START, LaunchPlan, ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.core.modes import KUBERNETES_PROVISIONER
@@ -71,7 +73,7 @@ from kernelmgr.kube.pods import (
     pod_failure,
     stopping_gracefully,
 )
-from kernelmgr.kube.settings import KubeSettings
+from kernelmgr.kube.settings import KubeSettings, shared_group_refusal
 from kernelmgr.kube.warm_client import WarmPodError
 from kernelmgr.provisioners.common import (
     AGENT_EXTENSION,
@@ -132,6 +134,9 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         self._unplaced: str | None = None
         #: Agent variables the pod reads from its Secret (an object store's restore URLs and key).
         self._secret_env: dict[str, str] = {}
+        #: The owner's (uid, gid) learned for this launch (runtime.owner_ids: the Hub's auth state),
+        #: when user_ids does not name them.
+        self._learned_ids: tuple[int, int] | None = None
 
     # ---- plumbing
 
@@ -224,6 +229,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             or self._kernel_env
         )
         try:
+            self._learned_ids = await self._owner_ids(self._record.owner)
             # The owner's encryption key (a bucket or a file: read once per owner, off the event
             # loop, before pod_manifest); a file system's encrypted checkpoints need it to start.
             if self._plan.restore or runtime.checkpoints.file_keys is not None:
@@ -252,6 +258,25 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             raise
         kwargs["cmd"] = self._command()
         return kwargs
+
+    async def _owner_ids(self, owner: str) -> tuple[int, int] | None:
+        """The owner's (uid, gid) from runtime.owner_ids (the Hub's auth state), asked at every
+        launch (a resume too, so a changed uid is followed); ``None`` when user_ids names the owner
+        (the admin's map wins) or no source is set. A source that has none for the owner raises:
+        the kernel then never starts, rather than run as run_as_user, which may be someone else's."""
+        source = self.runtime.owner_ids
+        if source is None or owner in self.user_ids:
+            return None
+        uid, gid = await source.ids_of(owner)
+        refusal = shared_group_refusal(owner, int(gid), bool(self.checkpoint_claim))
+        if refusal is not None:
+            raise ElasticError(refusal)
+        return int(uid), int(gid)
+
+    def has_own_ids(self, owner: str | None) -> bool:
+        """Whether ``owner``'s kernels run as their own uid (user_ids, or the Hub's auth state): a
+        warm pod, made before it had an owner, runs as run_as_user and cannot serve them."""
+        return owner is not None and (owner in self.user_ids or self.runtime.owner_ids is not None)
 
     def _session_key(self) -> bytes:
         key = getattr(getattr(self.parent, "session", None), "key", None)
@@ -321,7 +346,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             self._give_owner(owner_dir, record.owner)
             sub_path = checkpoint_sub_path(self.checkpoint_claim_path, owner_dir.name)
         return make_kernel_pod(
-            self.pod_template(),
+            self._template_for(record.owner),
             name=self._pod_name,
             kernel_id=self.kernel_id,
             cmd=cmd,
@@ -341,15 +366,22 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         """The GPU size the pod asks for: its slice's, or the one it waits for a node with."""
         return self._granted.profile if self._granted is not None else self._unplaced
 
+    def _template_for(self, owner: str) -> Any:
+        """The pod template, with the owner's learned (uid, gid) added under the admin's user_ids."""
+        template = self.pod_template()
+        if self._learned_ids is None or owner in template.user_ids:
+            return template
+        return dataclasses.replace(template, user_ids={**template.user_ids, owner: self._learned_ids})
+
     def _give_owner(self, owner_dir: Any, owner: str) -> None:
         """Make the owner's checkpoint folder theirs when their kernels run as their own uid
-        (user_ids): a folder the server made is the server's, and their kernel could not write there."""
-        if owner not in self.user_ids:
+        (user_ids, or the Hub's auth state): a folder the server made is the server's, and their
+        kernel could not write there."""
+        template = self._template_for(owner)
+        if owner not in template.user_ids:
             return
-        uid, gid = self.pod_template().identity(owner)
-        found = owner_dir.stat()
-        if (found.st_uid, found.st_gid) != (uid, gid):
-            os.chown(owner_dir, uid, gid)
+        uid, gid = template.identity(owner)
+        give_owner_folder(owner_dir, uid, gid)  # chown (a root server), or shared through its group
 
     def _base_kernelspec(self) -> str:
         """The base kernelspec this kernel's GPU-size (or CPU) kernelspec was made from."""

@@ -229,6 +229,7 @@ mounted as a folder (the kubelet replaces the file when it changes) and re-read 
   "namespace" (include "jek.kernelNamespace" .)
   "image" (include "jek.kernelImage" .)
   "run_as_user" $v.kernels.runAsUser
+  "user_ids" $v.kernels.userIds
   "node_selector" $v.kernels.nodeSelector
   "tolerations" $v.kernels.tolerations
   "launch_timeout" $v.kernels.launchTimeout
@@ -283,6 +284,10 @@ serves no files, so the claim's folder is as good a root as any. */ -}}
 {{- $_ := set $server "base_url" (printf "/services/%s/" $v.jupyterhub.serviceName) -}}
 {{- end }}
 {{- $gateway := dict "auth" $v.gateway.auth "admin_users" $v.gateway.adminUsers "admin_groups" $v.gateway.adminGroups -}}
+{{- if $v.jupyterhub.userIdsFromAuthState }}
+{{- $_ := set $gateway "user_ids_from_auth_state" $v.jupyterhub.userIdsFromAuthState -}}
+{{- $_ := set $gateway "user_ids_refresh_seconds" $v.jupyterhub.userIdsRefreshSeconds -}}
+{{- end }}
 {{- $quota := dict "default" $v.quota.default "groups" $v.quota.groups "users" $v.quota.users -}}
 {{- $config := dict
   "ServerApp" $server
