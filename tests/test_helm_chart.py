@@ -124,8 +124,10 @@ def server_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
     )
     assert config["ElasticKernels"]["live_config_file"] == f"{LIVE_CONFIG_DIR}/live_config.json"
     live = json.loads(only(docs, "ConfigMap", f"{RELEASE}-live")["data"]["live_config.json"])
+    sizes = live.pop("ElasticKernels", {})
+    assert set(sizes) <= {"profiles"} and "profiles" not in config["ElasticKernels"], "sizes in both files"
     assert not set(live) & set(config), "a live section is also in the restart-requiring file"
-    return {**config, **live}
+    return {**config, **live, "ElasticKernels": {**config["ElasticKernels"], **sizes}}
 
 
 # ---- helm lint and the values schema
@@ -1070,7 +1072,7 @@ def test_values_reach_the_server_config(tmp_path: Path) -> None:
     assert hub["ElasticGateway"]["auth"] == "jupyterhub"
 
 
-def test_quotas_and_the_cull_policy_change_without_restarting_the_gateway(tmp_path: Path) -> None:
+def test_quotas_the_cull_policy_and_gpu_sizes_change_without_restarting_the_gateway(tmp_path: Path) -> None:
     """They are the live ConfigMap's, mounted as a folder (the kubelet updates it) and out of the
     checksum that restarts the gateway; any other setting, or extraConfig, restarts it."""
 
@@ -1082,7 +1084,8 @@ def test_quotas_and_the_cull_policy_change_without_restarting_the_gateway(tmp_pa
 
     docs = render({}, tmp_path)
     live = json.loads(only(docs, "ConfigMap", f"{RELEASE}-live")["data"]["live_config.json"])
-    assert set(live) == {"CullPolicy", "ElasticQuota"}
+    assert set(live) == {"CullPolicy", "ElasticQuota", "ElasticKernels"}
+    assert set(live["ElasticKernels"]) == {"profiles"}
     pod = only(docs, "Deployment")["spec"]["template"]["spec"]
     assert {"name": "live-config", "configMap": {"name": f"{RELEASE}-live"}} in pod["volumes"]
     (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "live-config"]
@@ -1091,6 +1094,7 @@ def test_quotas_and_the_cull_policy_change_without_restarting_the_gateway(tmp_pa
     assert checksum({"quota": {"users": {"alice": {"max_kernels": 1}}}}) == base
     assert checksum({"cull": {"idleTimeout": 600, "rules": [{"profiles": ["*"], "warn_before": 30}]}}) == base
     assert checksum({"extraConfig": {"CullPolicy": {"busy_gpu_idle_warning": 60}}}) == base
+    assert checksum({"gpu": {"profiles": {"half": {"gpu_fraction": 0.5, "memory_mib": 20480}}}}) == base
     assert checksum({"kernels": {"launchTimeout": 61}}) != base
     assert checksum({"extraConfig": {"ElasticKernels": {"reap_interval": 2}}}) != base
 
