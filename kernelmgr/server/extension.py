@@ -314,12 +314,14 @@ class ElasticKernelsExtension(ExtensionApp):
         beside the checkpoints."""
         assert self.serverapp is not None
         identity = server_identity(self.serverapp.root_dir)
+        path = os.path.join(runtime.checkpoint_root, f"kernels-{identity}.json")
         if runtime.mode.in_pods:
             from kernelmgr.kube.records import KubeRecordStore
 
             cluster = runtime.kube
-            return KubeRecordStore(cluster.core, cluster.settings.namespace, identity, self.log)
-        return KernelStateFile(os.path.join(runtime.checkpoint_root, f"kernels-{identity}.json"))
+            # The file an earlier version kept: imported once (an upgrade), then renamed.
+            return KubeRecordStore(cluster.core, cluster.settings.namespace, identity, self.log, path)
+        return KernelStateFile(path)
 
     def _leader_lease(self, runtime: ElasticRuntime) -> Any:
         """The Lease (``ElasticLeaderElection.enabled``, Kubernetes mode), not started yet; None with one
