@@ -143,7 +143,9 @@ class KubeRecordStore:
         try:
             os.replace(legacy, done)
         except OSError as exc:
-            self.log.error("Kernel registry %s imported but not renamed (%s): rename it %s", legacy, exc, done)
+            self.log.error(
+                "Kernel registry %s imported but not renamed (%s): rename it %s", legacy, exc, done
+            )
             return merged
         self.log.warning(
             "Imported %d kernel record(s) from the registry file of an earlier version (%s) into %s; "
