@@ -114,6 +114,7 @@ def only(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict
 
 
 LIVE_CONFIG_DIR = "/etc/jupyter-elastic-live"
+RBAC_GROUP = "rbac.authorization.k8s.io"
 
 
 def server_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -650,6 +651,17 @@ def test_kernel_role_is_exactly_the_shipped_rbac(tmp_path: Path) -> None:
 
     per_user = render(VALUE_SETS["per-user-namespaces"], tmp_path)
     assert rules(per_user, "kernel-pods") == rules(shipped, "kernel-pods")
+    # The records and the Lease: a Role in the release namespace only, bound to the gateway there.
+    role = only(per_user, "Role", "jupyter-elastic-kernels:gateway")
+    assert role["rules"] == only(shipped, "Role", "jupyter-elastic-kernels:gateway")["rules"]
+    assert role["metadata"]["namespace"] == "jupyter"
+    binding = only(per_user, "RoleBinding", "jupyter-elastic-kernels:gateway")
+    assert binding["roleRef"] == {"apiGroup": RBAC_GROUP, "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["metadata"]["namespace"] == "jupyter"
+    assert {r for rule in rules(per_user, "kernel-pods") for r in rule["resources"]}.isdisjoint(
+        {"configmaps", "leases"}
+    )
+    assert server_config(per_user)["ElasticKubernetesProvisioner"]["state_namespace"] == "jupyter"
     assert rules(per_user, "nodes") == rules(shipped, "nodes")
     assert rules(per_user, "namespaces") == rules(shipped_namespaces, "namespaces")
     config = server_config(per_user)["ElasticKubernetesProvisioner"]
@@ -663,10 +675,14 @@ def test_kernel_role_is_exactly_the_shipped_rbac(tmp_path: Path) -> None:
     assert not [d for d in plain if d["metadata"]["name"].endswith(":namespaces")]
     # A RoleBinding and a NetworkPolicy in every kernel namespace, none elsewhere.
     spread = render(VALUE_SETS["extra-namespaces"], tmp_path)
-    assert sorted(d["metadata"]["namespace"] for d in spread if d["kind"] == "RoleBinding") == [
-        "kernels",
-        "kernels-b",
+    kernel_bindings = [
+        d for d in spread if d["kind"] == "RoleBinding" and d["roleRef"]["kind"] == "ClusterRole"
     ]
+    assert sorted(d["metadata"]["namespace"] for d in kernel_bindings) == ["kernels", "kernels-b"]
+    # The gateway's own Role stays in its namespace, away from the kernels'.
+    assert (
+        only(spread, "RoleBinding", "jupyter-elastic-kernels:gateway")["metadata"]["namespace"] == "jupyter"
+    )
     policies = [
         d for d in spread if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-kernel-pods")
     ]
@@ -1721,6 +1737,23 @@ def test_per_user_namespace_made_by_the_gateway_with_the_charts_rights(
         assert [(s.kind, s.name, s.namespace) for s in binding.subjects] == [
             ("ServiceAccount", RELEASE, release["namespace"])
         ]
+        # What the user's namespace grants the gateway holds no ConfigMaps and no Lease: those rights
+        # (the kernel records, the Lease) are a Role in the release namespace only.
+        from tests.support import rbac
+
+        _kubeconfig, token = rbac.service_account_kubeconfig(
+            kube_plane, kube_api, release["namespace"], RELEASE, tmp_path / "sa-check.kubeconfig"
+        )
+        for namespace, allowed in ((user_namespace, False), (release["namespace"], True)):
+            for verb, group, resource in (
+                ("list", "", "configmaps"),
+                ("update", "coordination.k8s.io", "leases"),
+            ):
+                assert gateway_may(kube_plane, token, verb, group, resource, namespace) is allowed, (
+                    verb,
+                    resource,
+                    namespace,
+                )
         pods = core.list_namespaced_pod(user_namespace, label_selector=f"{KERNEL_ID_LABEL}={kernel_id}").items
         assert len(pods) == 1
         # The namespace the gateway made holds the chart's kernel NetworkPolicies (ingress from the
@@ -1766,6 +1799,29 @@ def test_per_user_namespace_made_by_the_gateway_with_the_charts_rights(
             except client.ApiException as exc:
                 if exc.status != 404:
                     raise
+
+
+def gateway_may(plane: Any, token: str, verb: str, group: str, resource: str, namespace: str) -> bool:
+    """The authorizer's answer for the holder of ``token`` (a SelfSubjectAccessReview)."""
+    from kubernetes import client
+
+    with plane.api_client(token=token) as api:
+        authorization: Any = client.AuthorizationV1Api(api)
+        review = authorization.create_self_subject_access_review(
+            {
+                "apiVersion": "authorization.k8s.io/v1",
+                "kind": "SelfSubjectAccessReview",
+                "spec": {
+                    "resourceAttributes": {
+                        "verb": verb,
+                        "group": group,
+                        "resource": resource,
+                        "namespace": namespace,
+                    }
+                },
+            }
+        )
+        return bool(review.status.allowed)
 
 
 def test_warm_pods_reach_the_provisioner_and_the_schema_checks_them(tmp_path: Path) -> None:

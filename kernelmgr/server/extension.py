@@ -319,8 +319,9 @@ class ElasticKernelsExtension(ExtensionApp):
             from kernelmgr.kube.records import KubeRecordStore
 
             cluster = runtime.kube
+            namespace = cluster.settings.state_namespace or cluster.settings.namespace
             # The file an earlier version kept: imported once (an upgrade), then renamed.
-            return KubeRecordStore(cluster.core, cluster.settings.namespace, identity, self.log, path)
+            return KubeRecordStore(cluster.core, namespace, identity, self.log, path)
         return KernelStateFile(path)
 
     def _leader_lease(self, runtime: ElasticRuntime) -> Any:
@@ -335,7 +336,8 @@ class ElasticKernelsExtension(ExtensionApp):
             return None
         cluster = runtime.kube
         try:
-            lease = election.build(cluster.api(), cluster.settings.namespace, cluster.identity)
+            namespace = cluster.settings.state_namespace or cluster.settings.namespace
+            lease = election.build(cluster.api(), namespace, cluster.identity)
         except ConfigError as exc:
             self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", exc.message)
             sys.exit(CONFIG_ERROR_EXIT)

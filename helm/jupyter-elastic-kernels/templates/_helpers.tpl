@@ -232,6 +232,7 @@ gateway. */}}
   "kernel_provisioner" "elastic-kubernetes-provisioner" -}}
 {{- $provisioner := dict
   "namespace" (include "jek.kernelNamespace" .)
+  "state_namespace" .Release.Namespace
   "image" (include "jek.kernelImage" .)
   "run_as_user" $v.kernels.runAsUser
   "node_selector" $v.kernels.nodeSelector
