@@ -1476,6 +1476,8 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
         # copied it (here: the test does).
         generation = apps.read_namespaced_deployment(RELEASE, namespace).metadata.generation
         values["cull"] = {"idleTimeout": 1234}
+        # And the GPU sizes: "whole" replaced by "solo"; whole's running kernel keeps working.
+        values["gpu"] = {"profiles": {"solo": {"gpu_fraction": 1, "backend": "whole"}}}
         helm(
             "upgrade",
             RELEASE,
@@ -1488,6 +1490,9 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
         assert apps.read_namespaced_deployment(RELEASE, namespace).metadata.generation == generation
         live_file(gateway.home).write_text(read_live(kube_api, namespace))
         wait_for(lambda: gateway.get("/api/elastic/policy")["idle_timeout"] == 1234, 60, "the live change")
+        offered = set(gateway.get("/api/kernelspecs")["kernelspecs"])
+        assert "python3-gpu-solo" in offered and SIZE not in offered, offered
+        assert gateway.request("POST", "/api/kernels", {"name": SIZE}).status == 404
         said = gateway.execute(kernel_id, "print(os.getpid(), next(g))", timeout=120).split()
         assert said == [pids[kernel_id], "2"], said
         for k in kernels:
