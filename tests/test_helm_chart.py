@@ -1047,12 +1047,17 @@ def test_gateway_replicas_are_active_and_standby_behind_a_lease(tmp_path: Path) 
     assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     election = server_config(docs)["ElasticLeaderElection"]
     assert election == {"enabled": True, "lease_name": "jupyter-elastic-kernels-gateway"}
-    role = only(docs, "ClusterRole", "jupyter-elastic-kernels:kernel-pods")["rules"]
+    # The Lease is the gateway's namespace's Role's (where the gateway keeps it), not the kernels'.
+    role = only(docs, "Role", "jupyter-elastic-kernels:gateway")
+    assert (
+        role["metadata"]["namespace"]
+        == server_config(docs)["ElasticKubernetesProvisioner"]["state_namespace"]
+    )
     assert {
         "apiGroups": ["coordination.k8s.io"],
         "resources": ["leases"],
         "verbs": ["get", "create", "update", "patch"],
-    } in role
+    } in role["rules"]
     single = render({}, tmp_path)
     assert only(single, "Deployment", "jupyter-elastic-kernels")["spec"]["strategy"]["type"] == "Recreate"
     assert server_config(single)["ElasticLeaderElection"]["enabled"] is True
