@@ -38,7 +38,7 @@ from kernelmgr.config import CullPolicy, ElasticKernels
 from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.modes import KUBERNETES_PROVISIONER, LOCAL_PROVISIONER
 from kernelmgr.kube.settings import KubeSettings
-from kernelmgr.server.live_config import LiveConfig
+from kernelmgr.server.live_config import LiveConfig, sizes
 from kernelmgr.server.ownership import SETTINGS_KEY
 
 CONFIG_ERROR_EXIT = 2
@@ -222,7 +222,7 @@ class ElasticGatewayApp(ServerApp):
         self.web_app.settings[SETTINGS_KEY] = access
         live = self.web_app.settings.get("elastic_live_config")
         if isinstance(live, LiveConfig):
-            live.appliers.append(self._live_quotas(access, list(runtime.profiles)))
+            live.appliers.append(self._live_quotas(access))
         if km.hibernator is not None:
             km.hibernator.admission = access.reserve_resume  # quota held until the resume ends
         self.log.info("elastic-gateway: JupyterHub users own their kernels; quotas %s", quotas)
@@ -266,12 +266,12 @@ class ElasticGatewayApp(ServerApp):
         )
         self.log.info("elastic-gateway: kernel pods run as the uids in auth state %s", setting)
 
-    def _live_quotas(self, access: GatewayAccess, profiles: list[str]) -> Any:
+    def _live_quotas(self, access: GatewayAccess) -> Any:
         """The quotas' part of a live change (ElasticKernels.live_config_file): the next start or
         resume is checked against the new table; running kernels keep running."""
 
         def prepare(config: Any) -> Any:
-            table = ElasticQuota(config=config).build(profiles)
+            table = ElasticQuota(config=config).build(sizes(config))
 
             def apply() -> None:
                 access.quotas = table

@@ -83,6 +83,9 @@ class ElasticRuntime:
     scale_up_wait: float = 0.0
     #: The one writer of the kernels' lifecycle states (provisioners report starts and exits to it).
     states: KernelStates = field(init=False)
+    #: Sizes removed from ``profiles`` while the server ran (the live file): no longer offered for
+    #: new kernels, but the kernels that have one keep it (running, hibernated, resuming).
+    retired: dict[str, GpuProfile] = field(default_factory=dict)
 
     #: Where devices come from at run time: "declared", "nvml", or "kubernetes" (the cluster's
     #: nodes, kept current by :class:`kernelmgr.kube.nodes.NodeInventorySync`, which the server
@@ -144,8 +147,9 @@ class ElasticRuntime:
         return self.scale_up_wait > 0 and not self.allocator.fits(profile, warm_gives_way=True)
 
     def profile(self, name: str) -> GpuProfile:
+        """The size ``name``, a retired one included (its kernels still resume with it)."""
         try:
-            return self.profiles[name]
+            return self.profiles[name] if name in self.profiles else self.retired[name]
         except KeyError:
             offered = ", ".join(self.profiles) or "none"
             raise UnknownProfileError(f"unknown GPU size {name!r}; sizes offered here: {offered}") from None
@@ -379,9 +383,7 @@ class ElasticKernels(LoggingConfigurable):
 
     def build(self, nvml_factory: Callable[[], Nvml] | None = None) -> ElasticRuntime:
         """Validate the configuration and assemble the runtime; raises :class:`ConfigError`."""
-        profiles = parse_profiles(self.profiles)
-        for profile in profiles.values():
-            validate_backend_options(profile)
+        profiles = self.build_profiles()
         nvml: Nvml = nvml_factory() if nvml_factory is not None else cast(Nvml, self.nvml_class())
         source = self.gpu_inventory_source
         if source == "auto":
@@ -480,6 +482,13 @@ class ElasticKernels(LoggingConfigurable):
             mode=KernelMode(self.kernel_provisioner),
             background_checkpoint_interval=self._background_checkpoint_interval(),
         )
+
+    def build_profiles(self) -> dict[str, GpuProfile]:
+        """``profiles``, validated (at start, and at each change of the live file)."""
+        profiles = parse_profiles(self.profiles)
+        for profile in profiles.values():
+            validate_backend_options(profile)
+        return profiles
 
     def _hibernate_on_shutdown(self) -> bool:
         """Unset: only local kernels are hibernated at a stop (a kernel pod is adopted instead)."""

@@ -116,6 +116,7 @@ def only(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict
 
 
 LIVE_CONFIG_DIR = "/etc/jupyter-elastic-live"
+RBAC_GROUP = "rbac.authorization.k8s.io"
 
 
 def server_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -126,8 +127,10 @@ def server_config(docs: list[dict[str, Any]]) -> dict[str, Any]:
     )
     assert config["ElasticKernels"]["live_config_file"] == f"{LIVE_CONFIG_DIR}/live_config.json"
     live = json.loads(only(docs, "ConfigMap", f"{RELEASE}-live")["data"]["live_config.json"])
+    sizes = live.pop("ElasticKernels", {})
+    assert set(sizes) <= {"profiles"} and "profiles" not in config["ElasticKernels"], "sizes in both files"
     assert not set(live) & set(config), "a live section is also in the restart-requiring file"
-    return {**config, **live}
+    return {**config, **live, "ElasticKernels": {**config["ElasticKernels"], **sizes}}
 
 
 # ---- helm lint and the values schema
@@ -890,6 +893,17 @@ def test_kernel_role_is_exactly_the_shipped_rbac(tmp_path: Path) -> None:
 
     per_user = render(VALUE_SETS["per-user-namespaces"], tmp_path)
     assert rules(per_user, "kernel-pods") == rules(shipped, "kernel-pods")
+    # The records and the Lease: a Role in the release namespace only, bound to the gateway there.
+    role = only(per_user, "Role", "jupyter-elastic-kernels:gateway")
+    assert role["rules"] == only(shipped, "Role", "jupyter-elastic-kernels:gateway")["rules"]
+    assert role["metadata"]["namespace"] == "jupyter"
+    binding = only(per_user, "RoleBinding", "jupyter-elastic-kernels:gateway")
+    assert binding["roleRef"] == {"apiGroup": RBAC_GROUP, "kind": "Role", "name": role["metadata"]["name"]}
+    assert binding["metadata"]["namespace"] == "jupyter"
+    assert {r for rule in rules(per_user, "kernel-pods") for r in rule["resources"]}.isdisjoint(
+        {"configmaps", "leases"}
+    )
+    assert server_config(per_user)["ElasticKubernetesProvisioner"]["state_namespace"] == "jupyter"
     assert rules(per_user, "nodes") == rules(shipped, "nodes")
     assert rules(per_user, "namespaces") == rules(shipped_namespaces, "namespaces")
     config = server_config(per_user)["ElasticKubernetesProvisioner"]
@@ -903,11 +917,18 @@ def test_kernel_role_is_exactly_the_shipped_rbac(tmp_path: Path) -> None:
     assert not [d for d in plain if d["metadata"]["name"].endswith(":namespaces")]
     # A RoleBinding and a NetworkPolicy in every kernel namespace, none elsewhere.
     spread = render(VALUE_SETS["extra-namespaces"], tmp_path)
-    gateways = [d for d in spread if "helm.sh/hook" not in d["metadata"].get("annotations", {})]
-    assert sorted(d["metadata"]["namespace"] for d in gateways if d["kind"] == "RoleBinding") == [
-        "kernels",
-        "kernels-b",
+    kernel_bindings = [
+        d
+        for d in spread
+        if d["kind"] == "RoleBinding"
+        and d["roleRef"]["kind"] == "ClusterRole"
+        and "helm.sh/hook" not in d["metadata"].get("annotations", {})
     ]
+    assert sorted(d["metadata"]["namespace"] for d in kernel_bindings) == ["kernels", "kernels-b"]
+    # The gateway's own Role stays in its namespace, away from the kernels'.
+    assert (
+        only(spread, "RoleBinding", "jupyter-elastic-kernels:gateway")["metadata"]["namespace"] == "jupyter"
+    )
     policies = [
         d for d in spread if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-kernel-pods")
     ]
@@ -1295,12 +1316,17 @@ def test_gateway_replicas_are_active_and_standby_behind_a_lease(tmp_path: Path) 
     assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     election = server_config(docs)["ElasticLeaderElection"]
     assert election == {"enabled": True, "lease_name": "jupyter-elastic-kernels-gateway"}
-    role = only(docs, "ClusterRole", "jupyter-elastic-kernels:kernel-pods")["rules"]
+    # The Lease is the gateway's namespace's Role's (where the gateway keeps it), not the kernels'.
+    role = only(docs, "Role", "jupyter-elastic-kernels:gateway")
+    assert (
+        role["metadata"]["namespace"]
+        == server_config(docs)["ElasticKubernetesProvisioner"]["state_namespace"]
+    )
     assert {
         "apiGroups": ["coordination.k8s.io"],
         "resources": ["leases"],
         "verbs": ["get", "create", "update", "patch"],
-    } in role
+    } in role["rules"]
     single = render({}, tmp_path)
     assert only(single, "Deployment", "jupyter-elastic-kernels")["spec"]["strategy"]["type"] == "Recreate"
     assert server_config(single)["ElasticLeaderElection"]["enabled"] is True
@@ -1336,7 +1362,7 @@ def test_values_reach_the_server_config(tmp_path: Path) -> None:
     assert hub["ElasticGateway"]["auth"] == "jupyterhub"
 
 
-def test_quotas_and_the_cull_policy_change_without_restarting_the_gateway(tmp_path: Path) -> None:
+def test_quotas_the_cull_policy_and_gpu_sizes_change_without_restarting_the_gateway(tmp_path: Path) -> None:
     """They are the live ConfigMap's, mounted as a folder (the kubelet updates it) and out of the
     checksum that restarts the gateway; any other setting, or extraConfig, restarts it."""
 
@@ -1348,7 +1374,8 @@ def test_quotas_and_the_cull_policy_change_without_restarting_the_gateway(tmp_pa
 
     docs = render({}, tmp_path)
     live = json.loads(only(docs, "ConfigMap", f"{RELEASE}-live")["data"]["live_config.json"])
-    assert set(live) == {"CullPolicy", "ElasticQuota"}
+    assert set(live) == {"CullPolicy", "ElasticQuota", "ElasticKernels"}
+    assert set(live["ElasticKernels"]) == {"profiles"}
     pod = only(docs, "Deployment")["spec"]["template"]["spec"]
     assert {"name": "live-config", "configMap": {"name": f"{RELEASE}-live"}} in pod["volumes"]
     (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "live-config"]
@@ -1357,6 +1384,7 @@ def test_quotas_and_the_cull_policy_change_without_restarting_the_gateway(tmp_pa
     assert checksum({"quota": {"users": {"alice": {"max_kernels": 1}}}}) == base
     assert checksum({"cull": {"idleTimeout": 600, "rules": [{"profiles": ["*"], "warn_before": 30}]}}) == base
     assert checksum({"extraConfig": {"CullPolicy": {"busy_gpu_idle_warning": 60}}}) == base
+    assert checksum({"gpu": {"profiles": {"half": {"gpu_fraction": 0.5, "memory_mib": 20480}}}}) == base
     assert checksum({"kernels": {"launchTimeout": 61}}) != base
     assert checksum({"extraConfig": {"ElasticKernels": {"reap_interval": 2}}}) != base
 
@@ -1724,6 +1752,8 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
         # copied it (here: the test does).
         generation = apps.read_namespaced_deployment(RELEASE, namespace).metadata.generation
         values["cull"] = {"idleTimeout": 1234}
+        # And the GPU sizes: "whole" replaced by "solo"; whole's running kernel keeps working.
+        values["gpu"] = {"profiles": {"solo": {"gpu_fraction": 1, "backend": "whole"}}}
         helm(
             "upgrade",
             RELEASE,
@@ -1736,6 +1766,9 @@ def test_install_then_gateway_with_chart_identity_hibernates_resumes_and_survive
         assert apps.read_namespaced_deployment(RELEASE, namespace).metadata.generation == generation
         live_file(gateway.home).write_text(read_live(kube_api, namespace))
         wait_for(lambda: gateway.get("/api/elastic/policy")["idle_timeout"] == 1234, 60, "the live change")
+        offered = set(gateway.get("/api/kernelspecs")["kernelspecs"])
+        assert "python3-gpu-solo" in offered and SIZE not in offered, offered
+        assert gateway.request("POST", "/api/kernels", {"name": SIZE}).status == 404
         said = gateway.execute(kernel_id, "print(os.getpid(), next(g))", timeout=120).split()
         assert said == [pids[kernel_id], "2"], said
         for k in kernels:
@@ -2193,6 +2226,23 @@ def test_per_user_namespace_made_by_the_gateway_with_the_charts_rights(
         assert [(s.kind, s.name, s.namespace) for s in binding.subjects] == [
             ("ServiceAccount", RELEASE, release["namespace"])
         ]
+        # What the user's namespace grants the gateway holds no ConfigMaps and no Lease: those rights
+        # (the kernel records, the Lease) are a Role in the release namespace only.
+        from tests.support import rbac
+
+        _kubeconfig, token = rbac.service_account_kubeconfig(
+            kube_plane, kube_api, release["namespace"], RELEASE, tmp_path / "sa-check.kubeconfig"
+        )
+        for namespace, allowed in ((user_namespace, False), (release["namespace"], True)):
+            for verb, group, resource in (
+                ("list", "", "configmaps"),
+                ("update", "coordination.k8s.io", "leases"),
+            ):
+                assert gateway_may(kube_plane, token, verb, group, resource, namespace) is allowed, (
+                    verb,
+                    resource,
+                    namespace,
+                )
         pods = core.list_namespaced_pod(user_namespace, label_selector=f"{KERNEL_ID_LABEL}={kernel_id}").items
         assert len(pods) == 1
         # The namespace the gateway made holds the chart's kernel NetworkPolicies (ingress from the
@@ -2238,6 +2288,29 @@ def test_per_user_namespace_made_by_the_gateway_with_the_charts_rights(
             except client.ApiException as exc:
                 if exc.status != 404:
                     raise
+
+
+def gateway_may(plane: Any, token: str, verb: str, group: str, resource: str, namespace: str) -> bool:
+    """The authorizer's answer for the holder of ``token`` (a SelfSubjectAccessReview)."""
+    from kubernetes import client
+
+    with plane.api_client(token=token) as api:
+        authorization: Any = client.AuthorizationV1Api(api)
+        review = authorization.create_self_subject_access_review(
+            {
+                "apiVersion": "authorization.k8s.io/v1",
+                "kind": "SelfSubjectAccessReview",
+                "spec": {
+                    "resourceAttributes": {
+                        "verb": verb,
+                        "group": group,
+                        "resource": resource,
+                        "namespace": namespace,
+                    }
+                },
+            }
+        )
+        return bool(review.status.allowed)
 
 
 def test_warm_pods_reach_the_provisioner_and_the_schema_checks_them(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@
 - a leader stopped (SIGSTOP) past its Lease, then continued, writes nothing: the API server's
   audit log (kube-apiserver ``--audit-log-path``) holds no successful write from it after the
   standby took over, and it exits;
-- the fence itself: a Lease holder whose renewals stopped refuses every write at once.
+- the fence itself: a Lease holder whose renewals stopped refuses every write at once, and a gateway
+  without the Lease makes no per-user namespace, RoleBinding or NetworkPolicy (none appears).
 
 Its own control plane (module scope) with an audit log; the pods run on the node runners.
 """
@@ -343,3 +344,58 @@ def test_a_stopping_holder_releases_the_lease_so_the_standby_need_not_wait(
         wait_for(second.holds, 60, "the standby to take the released Lease")
     finally:
         second.stop(release=False)
+
+
+def test_a_gateway_without_the_lease_creates_no_namespace_or_rolebinding(
+    cluster: PodCluster, kube_api: Any
+) -> None:
+    """Per-user namespaces (create_namespace) go through the same fence as pod writes."""
+    from kernelmgr.kube.namespaces import ensure_namespace
+
+    name = f"gw-{uuid.uuid4().hex[:8]}"
+    timings = {"lease_duration": LEASE, "renew_deadline": RENEW, "retry_period": RETRY}
+    holder = LeaderLease(kube_api, NAMESPACE, name, "holder", **timings).start()
+    standby = LeaderLease(kube_api, NAMESPACE, name, "standby", **timings)
+    rbac = client.RbacAuthorizationV1Api(kube_api)
+    policy = {"metadata": {"name": "deny-egress"}, "spec": {"podSelector": {}, "policyTypes": ["Egress"]}}
+    made = [f"{name}-standby", f"{name}-holder"]
+    try:
+        wait_for(holder.holds, 30, "the holder to hold the Lease")
+        standby.start()
+        assert not standby.holds()
+        with pytest.raises(Fenced, match="may not create namespaces"):
+            ensure_namespace(
+                kube_api,
+                made[0],
+                labels={},
+                cluster_role="view",
+                network_policies=[policy],
+                fence=standby.check,
+            )
+        with pytest.raises(client.ApiException) as missing:
+            cluster.core.read_namespace(made[0])
+        assert missing.value.status == 404
+        # The namespace exists (made by its admin): the standby still binds nothing in it.
+        cluster.core.create_namespace({"metadata": {"name": made[0]}})
+        with pytest.raises(Fenced, match="does not hold the Lease"):
+            ensure_namespace(kube_api, made[0], labels={}, cluster_role="view", fence=standby.check)
+        assert rbac.list_namespaced_role_binding(made[0]).items == []
+        # The holder makes all three.
+        assert ensure_namespace(
+            kube_api, made[1], labels={}, cluster_role="view", network_policies=[policy], fence=holder.check
+        )
+        (binding,) = rbac.list_namespaced_role_binding(made[1]).items
+        assert binding.role_ref.name == "view"
+        networking = client.NetworkingV1Api(kube_api)
+        assert [p.metadata.name for p in networking.list_namespaced_network_policy(made[1]).items] == [
+            "deny-egress"
+        ]
+    finally:
+        standby.stop(release=False)
+        holder.stop(release=True)
+        for namespace in made:
+            try:
+                cluster.core.delete_namespace(namespace)
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise

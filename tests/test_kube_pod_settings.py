@@ -314,3 +314,42 @@ def test_a_read_write_once_home_puts_kernels_on_the_node_of_the_owners_server(
     finally:
         server.stop()
         core.delete_namespaced_pod(f"jupyter-{owner}", namespace, grace_period_seconds=0)
+
+
+def test_a_gpu_size_added_in_the_live_file_starts_pods_without_a_restart(
+    kube_plane: ControlPlane, setup: dict[str, Any], tmp_path: Path
+) -> None:
+    """ElasticKernels.profiles in the live file (the chart's live ConfigMap): a new size is checked as
+    at start (its pod dry-run by the API server) and offered at once; removing a size that
+    size_pod_settings names is refused with one line, the sizes stay."""
+    import json
+
+    # The new size has no size_pod_settings (restart-only): every pod tolerates the nodes' taint.
+    base = config(kube_plane, setup, tmp_path, tolerations=TOLERATE)
+    sizes = base["ElasticKernels"].pop("profiles")
+    live = tmp_path / "live_config.json"
+    live.write_text(json.dumps({"ElasticKernels": {"profiles": sizes}}))
+    base["ElasticKernels"].update({"live_config_file": str(live), "live_config_interval": 0.5})
+    server: RunningServer = start_server(tmp_path, base)
+    core, namespace = setup["core"], setup["namespace"]
+
+    def offered() -> set[str]:
+        return set(server.get("/api/kernelspecs")["kernelspecs"])
+
+    try:
+        assert "python3-gpu-pair" not in offered()
+        live.write_text(json.dumps({"ElasticKernels": {"profiles": {**sizes, "pair": {"gpu_fraction": 2}}}}))
+        wait_for(lambda: "python3-gpu-pair" in offered(), 120, "the new size's kernelspec")
+        kernel_id = server.start_kernel("python3-gpu-pair")
+        pod = wait_for(lambda: core.read_namespaced_pod(f"kernel-{kernel_id}", namespace), 120, "its pod")
+        assert pod.spec.containers[0].resources.limits["nvidia.com/gpu"] == "2"
+        assert pod.metadata.annotations["elastic.jupyter.org/size"] == "pair"
+        # l4 is named by size_pod_settings (a restart-only setting): it cannot go live.
+        live.write_text(json.dumps({"ElasticKernels": {"profiles": {"a100": sizes["a100"]}}}))
+        wait_for(lambda: "Live configuration refused" in server.log(), 120, "the refusal")
+        refusals = [line for line in server.log().splitlines() if "Live configuration refused" in line]
+        assert len(refusals) == 1 and "size_pod_settings" in refusals[0], refusals
+        assert {"python3-gpu-l4", "python3-gpu-pair"} <= offered()
+        server.shutdown_kernel(kernel_id)
+    finally:
+        server.stop()

@@ -119,8 +119,24 @@ def test_shipped_rules_are_exactly_the_calls_the_code_makes() -> None:
     assert {("create", "secrets"), ("patch", "secrets"), ("delete", "secrets"), ("list", "events")} <= needed
     docs = rbac.read(rbac.RBAC)
     kernel_role = [d for d in docs if d["metadata"]["name"] == "jupyter-elastic-kernels:kernel-pods"]
-    namespaced = {(v, r) for v, r in needed if r not in ("namespaces", "nodes")}
+    # The server's own state (the kernel records) is its own namespace's Role, not the kernel ClusterRole
+    # that every kernel namespace (a per-user one too) binds.
+    own = {(v, r) for v, r in needed if r == "configmaps"}
+    assert own == {("create", "configmaps"), ("update", "configmaps"), ("delete", "configmaps")} | {
+        ("list", "configmaps")
+    }
+    namespaced = {(v, r) for v, r in needed if r not in ("namespaces", "nodes", "configmaps")}
     assert _granted(kernel_role) == namespaced, "rbac.yaml's kernel-pods rules differ from the code's calls"
+    gateway_role = [d for d in docs if d["metadata"]["name"] == "jupyter-elastic-kernels:gateway"]
+    assert [d["kind"] for d in gateway_role] == ["Role", "RoleBinding"]
+    assert _granted(gateway_role, "Role") == own
+    (lease_rule,) = [r for r in gateway_role[0]["rules"] if r["apiGroups"] == ["coordination.k8s.io"]]
+    assert lease_rule == {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": ["get", "create", "update", "patch"],
+    }
+    assert not [r for d in kernel_role for r in d["rules"] if "leases" in r["resources"]]
     cluster_role = [d for d in docs if d["metadata"]["name"] == "jupyter-elastic-kernels:nodes"]
     nodes = {("get", "nodes"), ("list", "nodes"), ("watch", "nodes")}
     across = _calls_in_code("cluster")

@@ -807,3 +807,53 @@ def test_the_server_tells_kubectl_what_it_did_to_each_kernel_pod(cluster: PodClu
         for runner in cluster.runners:
             cluster.cordon(runner.node_name, False)
         running.stop()
+
+
+def test_an_upgrade_from_the_registry_file_imports_it_once(cluster: PodCluster, tmp_path: Path) -> None:
+    """An earlier version kept the kernel registry in a file beside the checkpoints, not in ConfigMaps:
+    the first server of this version lists its hibernated kernel (which resumes), writes its record
+    as a ConfigMap and renames the file; a later server never reads it again."""
+    from kernelmgr.lifecycle.records import KernelRecord, KernelStateFile
+
+    selector = "elastic.jupyter.org/component=kernel-record"
+    first = start_server(tmp_path, cluster.config())
+    try:
+        kernel_id = first.start_kernel(SIZE)
+        assert first.execute(kernel_id, "kept = 41 + 1; print(kept)").strip() == "42"
+        hibernate(first, cluster, kernel_id)
+    finally:
+        first.stop()
+    # What the earlier version left: the same record in its file, and no ConfigMap.
+    (item,) = cluster.core.list_namespaced_config_map(NAMESPACE, label_selector=selector).items
+    registry = item.metadata.labels["elastic.jupyter.org/registry"]
+    record = KernelRecord.from_dict(json.loads(item.data["record.json"]))
+    legacy = cluster.checkpoints / f"kernels-{registry}.json"
+    KernelStateFile(legacy).save({kernel_id: record})
+    cluster.core.delete_namespaced_config_map(item.metadata.name, NAMESPACE)
+    wait_for(
+        lambda: not cluster.core.list_namespaced_config_map(NAMESPACE, label_selector=selector).items,
+        60,
+        "no record ConfigMap",
+    )
+
+    second = start_server(tmp_path, cluster.config())
+    try:
+        assert model(second, kernel_id)["state"] == "hibernated"
+        assert not legacy.exists() and legacy.with_name(legacy.name + ".imported").exists()
+        (item,) = cluster.core.list_namespaced_config_map(NAMESPACE, label_selector=selector).items
+        assert json.loads(item.data["record.json"])["kernel_id"] == kernel_id
+        assert second.execute(kernel_id, "print(kept)", timeout=120).strip() == "42"
+        second.shutdown_kernel(kernel_id)
+        wait_for(
+            lambda: not cluster.core.list_namespaced_config_map(NAMESPACE, label_selector=selector).items,
+            60,
+            "the record to go with its kernel",
+        )
+    finally:
+        second.stop()
+    third = start_server(tmp_path, cluster.config())  # the imported file is not read again
+    try:
+        assert third.request("GET", f"/api/elastic/kernels/{kernel_id}").status == 404
+        assert third.get("/api/kernels") == []
+    finally:
+        third.stop()

@@ -164,6 +164,7 @@ class KubeCluster:
             labels=dict(owner_settings.namespace_labels),
             cluster_role=owner_settings.namespace_cluster_role,
             network_policies=[dict(policy) for policy in owner_settings.namespace_network_policies],
+            fence=self.fence,
         )
         self._namespaces.add(key)
         return bool(created)
@@ -182,6 +183,8 @@ class KubeCluster:
                 if side["kind"] == "ResourceClaimTemplate"
                 else resource.create_namespaced_resource_claim
             )
+            if self.fence is not None:
+                self.fence(f"create {side['kind']}")
             try:
                 await asyncio.to_thread(create, namespace, side)
             except client.ApiException as exc:

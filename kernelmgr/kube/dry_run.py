@@ -53,8 +53,10 @@ def client_refusal(exc: ValueError) -> str:
     return "; ".join(parts)
 
 
-def check_kernel_pods(cluster: Any, profiles: Mapping[str, GpuProfile], log: logging.Logger) -> int:
-    """Dry-run a CPU kernel's pod and each size's pod in the kernel namespace; raise
+def check_kernel_pods(
+    cluster: Any, profiles: Mapping[str, GpuProfile], log: logging.Logger, cpu: bool = True
+) -> int:
+    """Dry-run a CPU kernel's pod (``cpu``) and each size's pod in the kernel namespace; raise
     :class:`ConfigError` for the first one refused. Returns how many the API server accepted."""
     settings = cluster.settings
     if not settings.validate_pods_at_start:
@@ -62,7 +64,7 @@ def check_kernel_pods(cluster: Any, profiles: Mapping[str, GpuProfile], log: log
     namespace = settings.namespace
     template = settings.pod_template()
     checked = 0
-    for profile in (None, *profiles.values()):
+    for profile in ((None,) if cpu else ()) + tuple(profiles.values()):
         size = profile.name if profile is not None else None
         where = (
             f"ElasticKubernetesProvisioner.size_pod_settings[{size!r}] (GPU size {size!r})"

@@ -260,7 +260,8 @@ class ElasticLeaderElection(LoggingConfigurable):
     lease_name = Unicode(
         "jupyter-elastic-kernels-gateway",
         config=True,
-        help="Name of the coordination.k8s.io Lease, in ElasticKubernetesProvisioner.namespace.",
+        help="Name of the coordination.k8s.io Lease, in ElasticKubernetesProvisioner.state_namespace "
+        "(empty: ElasticKubernetesProvisioner.namespace).",
     )
     identity = Unicode(
         "",

@@ -17,7 +17,8 @@ one ClusterRole, ``deploy/kubernetes/rbac-namespaces.yaml``), and waits until th
 authorizer lets it create pods there. Then it creates the configured NetworkPolicies there (the Helm
 chart passes the same ingress and default-deny egress policies it renders in its own kernel
 namespaces), before any kernel pod exists in the namespace. These calls block: run them in a worker
-thread.
+thread. With several gateways each of these writes asks the Lease's fence first, as pod writes do: a
+gateway that does not hold the Lease creates no namespace, RoleBinding or NetworkPolicy.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 from kubernetes import client
 
 from kernelmgr.core.errors import ConfigError
-from kernelmgr.kube.access import RBAC_FILE, RBAC_NAMESPACES_FILE, ExplainedCoreV1Api, forbidden
+from kernelmgr.kube.access import RBAC_FILE, RBAC_NAMESPACES_FILE, ExplainedCoreV1Api, Fence, forbidden
 
 _LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _HASHED = re.compile(r"-[0-9a-f]{8}$")
@@ -105,14 +106,16 @@ def ensure_namespace(
     binding_name: str = "jupyter-elastic-kernels",
     timeout: float = 30.0,
     network_policies: list[dict[str, Any]] | None = None,
+    fence: Fence | None = None,
 ) -> bool:
     """Create ``name`` (if missing) and bind ``cluster_role`` to the caller there; ``True`` if created.
 
     An existing namespace is left as it is (labels included): its admin decides. Raises
     :class:`~kernelmgr.kube.access.KubeForbidden` naming the missing rule, or ``TimeoutError`` if the
-    binding does not take effect within ``timeout`` seconds.
+    binding does not take effect within ``timeout`` seconds; ``fence`` (the Lease's check) raises
+    before each write when this gateway may not write.
     """
-    core: Any = ExplainedCoreV1Api(api)
+    core: Any = ExplainedCoreV1Api(api, fence)
     created = False
     try:
         core.create_namespace(
@@ -130,6 +133,8 @@ def ensure_namespace(
         "subjects": [own_subject(api)],
     }
     try:
+        if fence is not None:
+            fence("create rolebindings")
         rbac: Any = client.RbacAuthorizationV1Api(api)
         rbac.create_namespaced_role_binding(name, binding)
     except client.ApiException as exc:
@@ -156,11 +161,13 @@ def ensure_namespace(
             )
         time.sleep(0.2)
     for policy in network_policies or []:
-        create_network_policy(api, name, policy)
+        create_network_policy(api, name, policy, fence)
     return created
 
 
-def create_network_policy(api: client.ApiClient, namespace: str, policy: dict[str, Any]) -> None:
+def create_network_policy(
+    api: client.ApiClient, namespace: str, policy: dict[str, Any], fence: Fence | None = None
+) -> None:
     """Create ``policy`` in ``namespace`` (one already there under its name is left as it is)."""
     manifest = {
         **policy,
@@ -168,6 +175,8 @@ def create_network_policy(api: client.ApiClient, namespace: str, policy: dict[st
         "kind": "NetworkPolicy",
         "metadata": {**(policy.get("metadata") or {}), "namespace": namespace},
     }
+    if fence is not None:
+        fence("create networkpolicies")
     networking: Any = client.NetworkingV1Api(api)
     try:
         networking.create_namespaced_network_policy(namespace, manifest)

@@ -17,15 +17,22 @@ Same interface as :class:`~kernelmgr.lifecycle.records.KernelStateFile` (``load`
 ``save``), so the write-behind and the recovery do not change: :meth:`write` compares the new
 registry with what it last wrote and creates, replaces or deletes only the kernels that changed.
 Every write goes through the cluster's fenced client: a gateway without the Lease writes nothing.
+
+Upgrading from a version that kept the registry in a file (``kernels-<identity>.json`` beside the
+checkpoints): the first load that finds that file imports it (records already in ConfigMaps win),
+writes the ConfigMaps, and renames the file ``….imported`` once every record is written, so the
+hibernated kernels are listed after the upgrade and the file is never read again.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from kubernetes import client
@@ -41,6 +48,8 @@ STATE_LABEL = "elastic.jupyter.org/state"
 OWNER_ANNOTATION = "elastic.jupyter.org/owner"
 COMPONENT = "kernel-record"
 PAGE = 500
+#: What an imported registry file is renamed to (its name plus this).
+IMPORTED_SUFFIX = ".imported"
 
 
 def record_name(kernel_id: str) -> str:
@@ -50,9 +59,18 @@ def record_name(kernel_id: str) -> str:
 class KubeRecordStore:
     """:class:`KernelRecord` by kernel id, one ConfigMap each, in ``namespace``."""
 
-    def __init__(self, core: Any, namespace: str, registry: str, log: logging.Logger | None = None) -> None:
+    def __init__(
+        self,
+        core: Any,
+        namespace: str,
+        registry: str,
+        log: logging.Logger | None = None,
+        legacy_file: str | Path | None = None,
+    ) -> None:
         #: A callable giving the (fenced) CoreV1Api: ``KubeCluster.core``.
         self.core = core
+        #: The registry file of a version before the ConfigMaps: imported once, then renamed.
+        self.legacy_file = Path(legacy_file) if legacy_file is not None else None
         self.namespace = namespace
         self.registry = registry
         self.log = log or logging.getLogger(__name__)
@@ -107,7 +125,37 @@ class KubeRecordStore:
             known[record.kernel_id] = _dump(asdict(record))
         with self._lock:
             self._known = known
-        return records
+        return self._import_legacy(records)
+
+    def _import_legacy(self, records: dict[str, KernelRecord]) -> dict[str, KernelRecord]:
+        """``records`` plus the old registry file's, written as ConfigMaps; the file renamed once all
+        are (a failure leaves it for the next load to finish). Raises ValueError as :meth:`load`."""
+        legacy = self.legacy_file
+        if legacy is None or not legacy.exists():
+            return records
+        old = KernelStateFile(legacy).load()  # unreadable: ValueError, the recovery logs it
+        merged = {**old, **records}
+        try:
+            self.write(self.serialize(merged))
+        except OSError as exc:
+            raise ValueError(f"kernel registry {legacy} not imported into {self.path}: {exc}") from exc
+        done = legacy.with_name(legacy.name + IMPORTED_SUFFIX)
+        try:
+            os.replace(legacy, done)
+        except OSError as exc:
+            self.log.error(
+                "Kernel registry %s imported but not renamed (%s): rename it %s", legacy, exc, done
+            )
+            return merged
+        self.log.warning(
+            "Imported %d kernel record(s) from the registry file of an earlier version (%s) into %s; "
+            "the file is renamed %s and no longer read",
+            len(set(old) - set(records)),
+            legacy,
+            self.path,
+            done.name,
+        )
+        return merged
 
     def _list(self) -> list[Any]:
         items: list[Any] = []

@@ -130,6 +130,14 @@ class KubeSettings(LoggingConfigurable):
         config=True,
         help="Namespace of the kernel pods (with namespace_template: set per kernel from the template).",
     )
+    state_namespace = Unicode(
+        "",
+        config=True,
+        help="Namespace of the server's own state in the API: the kernel records (one ConfigMap per "
+        "kernel) and, with several gateways, the Lease. Empty: `namespace`. The chart sets the "
+        "gateway's namespace, where a Role of its own grants these (not the kernel ClusterRole, which "
+        "every kernel namespace binds).",
+    )
     namespace_template = Unicode(
         "",
         config=True,

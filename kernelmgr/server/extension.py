@@ -40,7 +40,7 @@ from kernelmgr.server.handlers import elastic_handlers, gateway_mode_handlers
 from kernelmgr.server.health import Health, health_handlers
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
-from kernelmgr.server.live_config import LiveConfig
+from kernelmgr.server.live_config import LiveConfig, sizes
 from kernelmgr.server.sessions import ElasticSessionManager, server_identity
 from kernelmgr.server.websocket import ElasticWebsocketConnection
 from kernelmgr.warm.pool import WarmPools
@@ -180,7 +180,9 @@ class ElasticKernelsExtension(ExtensionApp):
         )
         km.hibernator.on_resumed.append(ElasticWebsocketConnection.attach_all)
         if live is not None:
-            live.appliers.append(self._live_policy(km.culler, list(runtime.profiles)))
+            # The sizes first: the policy and the quotas are validated against the new ones.
+            live.appliers.append(self._live_profiles(runtime))
+            live.appliers.append(self._live_policy(km.culler))
             self.settings["elastic_live_config"] = live
             self.live_config = live.start()
         if runtime.background_checkpoint_interval > 0:
@@ -243,11 +245,52 @@ class ElasticKernelsExtension(ExtensionApp):
             sys.exit(CONFIG_ERROR_EXIT)
         return live
 
-    def _live_policy(self, culler: Culler, profiles: list[str]) -> Any:
+    def _live_profiles(self, runtime: ElasticRuntime) -> Any:
+        """The GPU sizes' part of a live change: checked as at start (in Kubernetes mode the new or
+        changed sizes' pods dry-run), then swapped in; a removed size is retired, not forgotten."""
+
+        def prepare(config: Any) -> Any:
+            new = ElasticKernels(config=config, log=self.log).build_profiles()
+            old = runtime.profiles
+            removed = [name for name in old if name not in new]
+            changed = {name: p for name, p in new.items() if old.get(name) != p}
+            if not removed and not changed:
+                return lambda: None
+            warm = runtime.warm_pods.settings if runtime.warm_pods is not None else {}
+            held = sorted(set(removed) & set(warm))
+            if held:
+                raise ConfigError(
+                    f"ElasticKernels.profiles: {', '.join(held)} cannot be removed while "
+                    "ElasticKubernetesProvisioner.warm_pods keeps pods of it (a restart can)"
+                )
+            if runtime.mode.in_pods and runtime.kube is not None:
+                from kernelmgr.kube.dry_run import check_kernel_pods
+
+                runtime.kube.settings.check_sizes(list(new))
+                check_kernel_pods(runtime.kube, changed, self.log, cpu=False)
+
+            def apply() -> None:
+                for name in removed:
+                    runtime.retired[name] = old[name]
+                for name in new:
+                    runtime.retired.pop(name, None)
+                runtime.profiles = new
+                self.log.info(
+                    "jupyter-elastic-kernels: GPU sizes %s (new or changed: %s; no longer offered: %s)",
+                    ", ".join(new) or "none",
+                    ", ".join(changed) or "none",
+                    ", ".join(removed) or "none",
+                )
+
+            return apply
+
+        return prepare
+
+    def _live_policy(self, culler: Culler) -> Any:
         """The cull policy's part of a live change: built (validated) first, then applied."""
 
         def prepare(config: Any) -> Any:
-            policy = CullPolicy(config=config, log=self.log).build(profiles)
+            policy = CullPolicy(config=config, log=self.log).build(sizes(config))
 
             def apply() -> None:
                 culler.set_policy(policy)
@@ -271,12 +314,15 @@ class ElasticKernelsExtension(ExtensionApp):
         beside the checkpoints."""
         assert self.serverapp is not None
         identity = server_identity(self.serverapp.root_dir)
+        path = os.path.join(runtime.checkpoint_root, f"kernels-{identity}.json")
         if runtime.mode.in_pods:
             from kernelmgr.kube.records import KubeRecordStore
 
             cluster = runtime.kube
-            return KubeRecordStore(cluster.core, cluster.settings.namespace, identity, self.log)
-        return KernelStateFile(os.path.join(runtime.checkpoint_root, f"kernels-{identity}.json"))
+            namespace = cluster.settings.state_namespace or cluster.settings.namespace
+            # The file an earlier version kept: imported once (an upgrade), then renamed.
+            return KubeRecordStore(cluster.core, namespace, identity, self.log, path)
+        return KernelStateFile(path)
 
     def _leader_lease(self, runtime: ElasticRuntime) -> Any:
         """The Lease (``ElasticLeaderElection.enabled``, Kubernetes mode), not started yet; None with one
@@ -290,7 +336,8 @@ class ElasticKernelsExtension(ExtensionApp):
             return None
         cluster = runtime.kube
         try:
-            lease = election.build(cluster.api(), cluster.settings.namespace, cluster.identity)
+            namespace = cluster.settings.state_namespace or cluster.settings.namespace
+            lease = election.build(cluster.api(), namespace, cluster.identity)
         except ConfigError as exc:
             self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", exc.message)
             sys.exit(CONFIG_ERROR_EXIT)

@@ -162,6 +162,15 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             if isinstance(ksm, ElasticKernelSpecManager):
                 raise http_error(404, ksm.not_offered(kernel_name)) from None
             raise http_error(404, f"no kernelspec named {kernel_name!r}; see /api/kernelspecs") from None
+        if profile_name in runtime.retired and profile_name not in runtime.profiles:
+            # Removed from ElasticKernels.profiles while the server ran: its kernels keep it, no new one.
+            assert isinstance(ksm, ElasticKernelSpecManager)
+            raise http_error(
+                404,
+                f"GPU size {profile_name!r} is no longer offered (removed from ElasticKernels.profiles; "
+                "its kernels keep it); start one of: "
+                f"{', '.join(sorted(ksm.elastic_kernel_names())) or 'none'} (see /api/kernelspecs)",
+            )
         try:
             profile = runtime.profile(profile_name) if profile_name is not None else None
         except UnknownProfileError as exc:

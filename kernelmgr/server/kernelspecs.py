@@ -96,15 +96,19 @@ class ElasticKernelSpecManager(KernelSpecManager):
             return {}
         return {cpu_name(base): base for base in runtime.base_kernels}
 
-    def _candidates(self) -> dict[str, tuple[str, GpuProfile]]:
-        """Every derived name the configuration allows (no disk access: the base may be absent)."""
+    def _candidates(self, retired: bool = False) -> dict[str, tuple[str, GpuProfile]]:
+        """Every derived name the configuration allows (no disk access: the base may be absent).
+
+        ``retired``: with the sizes removed while the server ran, which are not offered but whose
+        kernels still resolve their kernelspec (to run, resume, and be listed)."""
         runtime = self.elastic_runtime
         if runtime is None or not runtime.gpus_available:
             return {}
+        sizes = [*runtime.profiles.values(), *(runtime.retired.values() if retired else ())]
         return {
             derived_name(base, profile.name): (base, profile)
             for base in runtime.base_kernels
-            for profile in runtime.profiles.values()
+            for profile in sizes
         }
 
     def _derived(self, found: dict[str, str]) -> dict[str, tuple[str, GpuProfile]]:
@@ -128,7 +132,7 @@ class ElasticKernelSpecManager(KernelSpecManager):
         cpu_base = self._cpu_candidates().get(kernel_name)
         if cpu_base is not None:
             return derive_cpu_spec(cpu_base, super().get_kernel_spec(cpu_base), provisioner)
-        candidate = self._candidates().get(kernel_name)
+        candidate = self._candidates(retired=True).get(kernel_name)
         if candidate is None:
             if self.pods_only:  # it would run inside the server: not offered
                 raise NoSuchKernel(kernel_name)

@@ -184,25 +184,27 @@ items:
         {{- end }}
 {{- end -}}
 
-{{/* The sections of the server's config that change without a restart: a ConfigMap of their own,
-mounted as a folder (the kubelet replaces the file when it changes) and re-read by the gateway
-(ElasticKernels.live_config_file), outside the checksum that restarts the gateway. */}}
+{{/* The sections of the server's config that change without a restart (and of ElasticKernels, the GPU
+sizes): a ConfigMap of their own, mounted as a folder (the kubelet replaces the file when it changes)
+and re-read by the gateway (ElasticKernels.live_config_file), outside the checksum that restarts the
+gateway. */}}
 {{- define "jek.liveSections" -}}CullPolicy ElasticQuota{{- end -}}
 {{- define "jek.liveConfigDir" -}}/etc/jupyter-elastic-live{{- end -}}
 
-{{/* The gateway's jupyter_server_config.json: all but the live sections, and where those are. */}}
+{{/* The gateway's jupyter_server_config.json: all but the live settings, and where those are. */}}
 {{- define "jek.gatewayConfig" -}}
 {{- $config := include "jek.serverConfig" . | fromJson -}}
 {{- range (include "jek.liveSections" . | splitList " ") }}
 {{- $_ := unset $config . -}}
 {{- end }}
 {{- $elastic := index $config "ElasticKernels" | default dict -}}
+{{- $_ := unset $elastic "profiles" -}}
 {{- $_ := set $elastic "live_config_file" (printf "%s/live_config.json" (include "jek.liveConfigDir" .)) -}}
 {{- $_ := set $config "ElasticKernels" $elastic -}}
 {{- toPrettyJson $config -}}
 {{- end -}}
 
-{{/* live_config.json: the live sections of the server's config (extraConfig's included). */}}
+{{/* live_config.json: the live settings of the server's config (extraConfig's included). */}}
 {{- define "jek.liveConfig" -}}
 {{- $config := include "jek.serverConfig" . | fromJson -}}
 {{- $live := dict -}}
@@ -211,10 +213,13 @@ mounted as a folder (the kubelet replaces the file when it changes) and re-read 
 {{- $_ := set $live . (index $config .) -}}
 {{- end }}
 {{- end }}
+{{- $elastic := index $config "ElasticKernels" | default dict -}}
+{{- if hasKey $elastic "profiles" }}
+{{- $_ := set $live "ElasticKernels" (dict "profiles" (index $elastic "profiles")) -}}
+{{- end }}
 {{- toPrettyJson $live -}}
 {{- end -}}
 
-{{/* jupyter_server_config.json, built from the values (extraConfig merged over it). */}}
 {{- define "jek.serverConfig" -}}
 {{- $v := .Values -}}
 {{- $elastic := dict
@@ -227,6 +232,7 @@ mounted as a folder (the kubelet replaces the file when it changes) and re-read 
   "kernel_provisioner" "elastic-kubernetes-provisioner" -}}
 {{- $provisioner := dict
   "namespace" (include "jek.kernelNamespace" .)
+  "state_namespace" .Release.Namespace
   "image" (include "jek.kernelImage" .)
   "run_as_user" $v.kernels.runAsUser
   "user_ids" $v.kernels.userIds
