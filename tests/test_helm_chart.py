@@ -568,7 +568,8 @@ def test_uninstall_hook_has_its_own_narrow_rights_a_deadline_and_the_gateways_id
     from kernelmgr.server.sessions import server_identity
 
     name = f"{RELEASE}-uninstall"
-    hooks = _pre_delete(render(VALUE_SETS["extra-namespaces"], tmp_path))
+    docs = render(VALUE_SETS["extra-namespaces"], tmp_path)
+    hooks = _pre_delete(docs)
     roles = {ns: d["rules"] for (kind, ns, _), d in hooks.items() if kind == "Role"}
     core_rules = {
         "apiGroups": [""],
@@ -606,7 +607,9 @@ def test_uninstall_hook_has_its_own_narrow_rights_a_deadline_and_the_gateways_id
         "--kernel-namespace=kernels",
         "--kernel-namespace=kernels-b",
     ]
-    assert args["records-namespace"] == "kernels" and args["deadline"] == "240"
+    # The records are where the gateway keeps them: its own namespace, not the kernels'.
+    state_namespace = server_config(docs)["ElasticKubernetesProvisioner"]["state_namespace"]
+    assert args["records-namespace"] == state_namespace == "jupyter" and args["deadline"] == "240"
     assert "--keep-hibernated" in command
     assert args["gateway-url"] == "http://jupyter-elastic-kernels.jupyter.svc:8888/services/elastic-gateway/"
     # Hub mode without a token Secret: no token, the kernels are stopped; auth: token uses the gateway's.
