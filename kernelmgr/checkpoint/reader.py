@@ -46,6 +46,7 @@ from kernelmgr.checkpoint.integrity import (
     DIGEST_CHUNK,
     DataDigest,
     DigestUnavailable,
+    KnownDigest,
     digest_workers,
     digests_match,
 )
@@ -180,12 +181,15 @@ def read_payload(
     manifest: Manifest,
     on_read: Callable[[int, int], None] | None = None,
     map_buffers: bool = False,
+    data_digest: str | None = None,
 ) -> Payload:
     """All group regions of ``data.bin``, read once and checked against the manifest digest.
 
     ``on_read(bytes read, bytes in all)`` is called after each region (the resume's progress).
     With ``map_buffers``, raw buffers of 1 MiB or more are mapped from the file instead of read
-    (:func:`_map_region`); pickle streams are always read into private memory.
+    (:func:`_map_region`); pickle streams are always read into private memory. ``data_digest``:
+    the digest of this very file computed as it was downloaded (:class:`ChunkDigests`), compared
+    instead of hashing the file again.
     Raises :class:`Untrusted` on a short file, a size mismatch or a digest mismatch.
     """
     slots: list[tuple[int, int, int, int]] = []  # offset, length, group id, slot (-1 = pickle)
@@ -201,7 +205,11 @@ def read_payload(
     except FileNotFoundError:
         raise Untrusted(f"{DATA_FILE} is missing") from None
     with file, digest_workers() as workers:
-        digest = DataDigest(workers, manifest.digest_algorithm)
+        digest = (
+            DataDigest(workers, manifest.digest_algorithm)
+            if data_digest is None
+            else KnownDigest(manifest.digest_algorithm, data_digest)
+        )
         check_layout(manifest, os.fstat(file.fileno()).st_size)
         position = 0
         for offset, length, group_id, slot in [*slots, (manifest.data_bytes, 0, -1, -2)]:
@@ -313,6 +321,7 @@ def restore_checkpoint(
     cuda_count: int | None = None,
     on_read: Callable[[str, int, int], None] | None = None,
     map_buffers: bool = False,
+    data_digest: str | None = None,
 ) -> dict[str, Any] | None:
     """Restore the committed checkpoint's variables into ``namespace``; return the report.
 
@@ -325,6 +334,9 @@ def restore_checkpoint(
     number of visible GPUs (for tests). ``on_read(checkpoint id, bytes read, bytes in all)``
     follows the read of ``data.bin`` (the resume's progress). ``map_buffers``: map big raw
     buffers from the file instead of reading them (:func:`_map_region` says when that is safe).
+    ``data_digest``: the digest of ``data.bin`` computed while it was downloaded into this
+    kernel's own scratch folder (only it can rewrite it), compared with the manifest's before
+    anything is unpickled, as a digest computed here would be.
     """
     started = time.perf_counter()
     directory = Path(kernel_dir)
@@ -350,6 +362,7 @@ def restore_checkpoint(
             manifest,
             None if on_read is None else lambda done, total: on_read(checkpoint_id, done, total),
             map_buffers=map_buffers,
+            data_digest=data_digest,
         )
     except Untrusted as exc:
         raise refuse(directory, manifest.checkpoint_id, str(exc)) from None
