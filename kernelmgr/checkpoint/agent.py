@@ -93,12 +93,12 @@ from kernelmgr.checkpoint.namespace import UserNamespace
 from kernelmgr.checkpoint.progress import CHECKPOINT_PROGRESS, ProgressFile
 from kernelmgr.checkpoint.quick_exit import flush, open_files
 from kernelmgr.checkpoint.quick_exit import install as install_quick_exit
-from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
+from kernelmgr.checkpoint.reader import prewarm_imports, refused_report, restore_checkpoint
 from kernelmgr.checkpoint.recompute import DEFAULT_LIMIT, replay
 from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
 from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest, load_verified_checkpoint
 from kernelmgr.checkpoint.version import advertise
-from kernelmgr.checkpoint.writer import describe_error, write_checkpoint
+from kernelmgr.checkpoint.writer import LIBRARIES, describe_error, write_checkpoint
 from kernelmgr.core.manifest import Manifest, ManifestError
 
 ENV_DIR = "ELASTIC_CHECKPOINT_DIR"
@@ -583,6 +583,9 @@ class _Agent:
                 digests = ChunkDigests(manifest.digest_algorithm, declared)
             except DigestUnavailable as exc:
                 raise CheckpointRefused(str(exc)) from None
+            # The libraries the checkpoint was saved with are imported while the ranges arrive
+            # (only imported: nothing is unpickled before the digest matched).
+            prewarm = prewarm_imports(manifest, LIBRARIES)
 
             def arrived(offset: int, piece: memoryview) -> None:
                 # On the thread the range came in on, while the other ranges still arrive: the
@@ -619,6 +622,8 @@ class _Agent:
                             view.release()
             progress(checkpoint_id, declared, declared)
             self._downloaded_digest = digests.hexdigest()
+            if prewarm is not None:
+                prewarm.join()  # before anything imports on this thread
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise

@@ -249,6 +249,10 @@ PREWARM_LIBRARIES = ("torch",)
 
 
 def _prewarm(manifest: Manifest) -> threading.Thread | None:
+    return prewarm_imports(manifest, PREWARM_LIBRARIES)
+
+
+def prewarm_imports(manifest: Manifest, libraries: tuple[str, ...]) -> threading.Thread | None:
     """Import, on a thread, the slow libraries the checkpoint was saved with.
 
     Why: a resumed kernel is a new process; importing torch takes seconds, as long as reading
@@ -256,9 +260,11 @@ def _prewarm(manifest: Manifest) -> threading.Thread | None:
     GIL, so the import overlaps them. Only *importing* is done early, never unpickling: the
     data is still verified before any object is built. The caller joins the thread before it
     unpickles, so the two threads never import at once. A failed import is ignored here; the
-    group that needs the module reports it when it is unpickled.
+    group that needs the module reports it when it is unpickled. A download from an object store
+    (the agent) imports every library in :data:`~kernelmgr.checkpoint.writer.LIBRARIES` this way
+    while the ranges arrive (the network wait is long enough for numpy and pandas too).
     """
-    wanted = [name for name in PREWARM_LIBRARIES if name in manifest.libraries and name not in sys.modules]
+    wanted = [name for name in libraries if name in manifest.libraries and name not in sys.modules]
     if not wanted:
         return None
 
