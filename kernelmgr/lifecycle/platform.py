@@ -18,6 +18,7 @@ import ast
 import asyncio
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
@@ -255,12 +256,15 @@ class JupyterKernelPlatform:
         store = self.runtime.checkpoints
         stream: Upload | None = None
         committed = False
+        phases = [time.monotonic()]  # where a hibernation's checkpoint spends its time (logged)
         try:
             if store.uploads:  # the upload starts first: the kernel sends parts as it writes them
                 stream = await self._begin_stream(km, record.owner, kernel_id)
+            phases.append(time.monotonic())
             record.kernel_info, record.execution_count, reported, uploaded = await self._run_checkpoint(
                 km, stream
             )
+            phases.append(time.monotonic())
             collect = getattr(km.provisioner, "collect_checkpoint", None)
             if collect is not None:  # a Kubernetes warm pod keeps it in its emptyDir until taken
                 await self._collect(collect)
@@ -276,6 +280,13 @@ class JupyterKernelPlatform:
             else:
                 manifest = await self._commit(km, record.owner, kernel_id, reported, stream, uploaded)
             committed = True
+            phases.append(time.monotonic())
+            self.host.log.info(
+                "Kernel %s checkpoint: %.2f s to start the upload, %.2f s to write (and stream) it, "
+                "%.2f s to commit it",
+                kernel_id,
+                *(later - earlier for earlier, later in itertools.pairwise(phases)),
+            )
         except KernelDied:
             committed_by_kernel = await self._committed_by_the_kernel(record.owner, kernel_id)
             if committed_by_kernel is None:
