@@ -698,6 +698,37 @@ def test_a_checkpoint_that_outgrows_its_estimate_sends_the_rest_after(
     assert bucket.get(upload.key) == data
 
 
+def test_a_kernel_that_underestimates_its_checkpoint_still_commits_it_whole(
+    tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest
+) -> None:
+    """The server presigns parts for the kernel's estimate; the parts past it go after the write."""
+    name = bucket_name(request)
+    bucket = s3.bucket(name)
+    server = s3_server(tmp_path, s3, name, part_size_mib=5)
+    try:
+        kernel_id = server.start_kernel("python3-gpu-small")
+        server.execute(kernel_id, STATE_24_MIB)
+        # The estimate says 0 bytes: URLs for one part of the five this checkpoint needs.
+        server.execute(
+            kernel_id,
+            "__import__('kernelmgr.checkpoint.agent').checkpoint.agent._AGENT.estimate = lambda: 0",
+        )
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert reply.status == 200, reply
+        owner = reply.body["owner"]
+        committed = current(bucket, owner, kernel_id)
+        info = bucket.head(f"{owner}/{kernel_id}/{committed}/data.bin")
+        assert info is not None and info.size == reply.body["checkpoint"]["bytes"] > 20 * MiB
+        wait_for(
+            lambda: not local_checkpoints(tmp_path, owner, kernel_id), timeout=60, what="the local copy to go"
+        )
+        out = server.execute(kernel_id, "print(int(big.sum()), balance)", timeout=120)
+        assert out.split() == [str(sum(range(3 * MiB))), "100"], out
+    finally:
+        server.shutdown_all_kernels()
+        server.stop()
+
+
 @pytest.mark.pure
 def test_ranges_digested_as_they_arrive_give_the_writers_digest() -> None:
     from kernelmgr.checkpoint.integrity import DIGEST_CHUNK, ChunkDigests, DataDigest
