@@ -5,15 +5,20 @@ For each state size (a NumPy array of that many MiB, plus a few small variables)
 path (a jupyter_server with the extension and ``ElasticKernels.checkpoint_store = "s3"``, a real
 ipykernel kernel, a real S3 server from ``tests/support/s3.py``):
 
-* hibernate: ``POST /api/elastic/kernels/{id}/hibernate`` (the checkpoint written to the local
-  scratch folder, ``data.bin`` sent in parallel parts through presigned URLs, the manifest
+* hibernate: ``POST /api/elastic/kernels/{id}/hibernate`` (the kernel's size estimate, the
+  upload started, the checkpoint written to the local scratch folder while each part of
+  ``data.bin`` goes to the store as soon as it is written, the upload completed, the manifest
   committed, the kernel stopped), beside its floor: the same number of bytes sent with the same
   client (``kernelmgr.objectstore.transfer.upload_parts``: same part size, same threads) to the
   same server, through presigned part URLs of a multipart upload, completed;
 * resume: hibernated -> the first cell's reply (the kernel started, ``data.bin`` read back by
-  parallel ranged GETs, verified, unpickled), once the local copy is pruned (so it is read from
-  the bucket), beside its floor: the same bytes read with the same client
-  (``transfer.download``) into fresh memory.
+  parallel ranged GETs, each range digested as it arrives, verified, unpickled), once the local
+  copy is pruned (so it is read from the bucket), beside its floor: the same bytes read with
+  the same client (``transfer.download``) into fresh memory.
+
+Each timed step starts after an ``os.sync()``: the store writes to this machine's disk too, and a
+step would otherwise pay for the writeback of the gigabyte the step before it wrote. The load
+average is printed before and after (the machine is shared).
 
 Run: ``python benchmarks/bench_objectstore.py [--sizes 1024] [--repeat 3] [--encrypt]`` (sizes in
 MiB; ``--encrypt``: encryption at rest on, the raw floor stays plaintext; needs
@@ -89,6 +94,7 @@ def raw_upload(bucket: Bucket, nbytes: int) -> float:
     """The same bytes through the same client: a multipart upload by presigned part URLs, completed."""
     data = memoryview(os.urandom(nbytes))
     key = "raw/floor.bin"
+    os.sync()
     start_t = time.perf_counter()
     upload_id = bucket.start_upload(key)
     count = transfer.part_count(nbytes)
@@ -100,6 +106,7 @@ def raw_upload(bucket: Bucket, nbytes: int) -> float:
 
 def raw_download(bucket: Bucket, nbytes: int) -> float:
     url = bucket.presign("GET", "raw/floor.bin", 900)
+    os.sync()
     start_t = time.perf_counter()
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = memoryview(buffer)[:nbytes]
@@ -118,11 +125,13 @@ def one_run(server: RunningServer, home: Path, size_mib: int) -> tuple[float, fl
     kernel_id = server.start_kernel("python3-gpu-small")
     try:
         server.execute(kernel_id, build_cells(size_mib), timeout=1800)
+        os.sync()
         start_t = time.perf_counter()
         reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
         hibernate = time.perf_counter() - start_t
         assert reply.status == 200, reply
         wait_for(lambda: not local_checkpoints(home), timeout=600, what="the local copy to be pruned")
+        os.sync()
         start_t = time.perf_counter()
         out = server.execute(kernel_id, "print(len(x))", timeout=1800)
         resume = time.perf_counter() - start_t
@@ -139,6 +148,7 @@ def main() -> None:
     parser.add_argument("--encrypt", action="store_true", help="with S3Checkpoints.encryption_key_files")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    print("load average before: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="bench-objectstore-") as tmp:
         home = Path(tmp)
         with running_s3(home / "s3") as s3:
@@ -179,6 +189,7 @@ def main() -> None:
                     )
             finally:
                 server.stop()
+    print("load average after: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), file=sys.stderr)
 
 
 if __name__ == "__main__":

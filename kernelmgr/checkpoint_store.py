@@ -272,6 +272,14 @@ class CheckpointStore:
         """Start the upload of a reported checkpoint's data (stores with :attr:`uploads` only)."""
         raise NotImplementedError(f"{type(self).__name__} takes no uploads")
 
+    def begin_stream(self, owner: str, kernel_id: str, estimate: int) -> Upload:
+        """Start the upload of a checkpoint before it is written (stores with :attr:`uploads` only)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no uploads")
+
+    def stream_urls(self, upload: Upload, size: int) -> Upload:
+        """``upload`` with the part URLs ``size`` bytes need (stores with :attr:`uploads` only)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no uploads")
+
     def finish_upload(self, upload: Upload, etags: list[str], reported: str) -> None:
         """Complete the upload and commit its manifest last (stores with :attr:`uploads` only)."""
         raise NotImplementedError(f"{type(self).__name__} takes no uploads")

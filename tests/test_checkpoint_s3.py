@@ -51,6 +51,7 @@ def s3_server(
     bucket: str,
     key_files: list[str] | None = None,
     policy: dict[str, Any] | None = None,
+    part_size_mib: int = 32,
 ) -> RunningServer:
     config: dict[str, Any] = {
         "ElasticKernels": {
@@ -66,6 +67,7 @@ def s3_server(
             "access_key_id_env": ID_ENV,
             "secret_access_key_env": KEY_ENV,
             "encryption_key_files": key_files or [],
+            "part_size_mib": part_size_mib,
         },
     }
     if policy:
@@ -497,3 +499,273 @@ def test_a_prune_leaves_an_upload_in_flight_alone(
     store.abort_upload(upload)  # given up: the next prune takes the leftover
     store.prune("erin", "k")
     assert checkpoint_folders(bucket, "erin", "k") == {first}
+
+
+# -- parts streamed while the checkpoint is written; ranges digested as they arrive ------------
+
+MiB = 1 << 20
+#: 24 MiB of float64 in one array: five parts of 5 MiB (S3's smallest).
+STATE_24_MIB = "import numpy as np\nbig = np.arange(3 * (1 << 20), dtype=np.float64)\nbalance = 100"
+#: In the kernel: each part sent sets an event; the local manifest (written once data.bin is whole)
+#: waits for it and writes down whether a part reached the store before the data was whole.
+PART_BEFORE_MANIFEST = """
+def _watch(marker={marker!r}):
+    import pathlib, threading
+    import kernelmgr.checkpoint.writer as w
+    import kernelmgr.objectstore.transfer as t
+    sent, put, write_manifest = threading.Event(), t.put, w._write_manifest
+    def counted_put(url, data, timeout=300.0):
+        etag = put(url, data, timeout)
+        sent.set()
+        return etag
+    def waiting_write_manifest(path, manifest):
+        pathlib.Path(marker).write_text("before" if sent.wait(120) else "after")
+        write_manifest(path, manifest)
+    t.put, w._write_manifest = counted_put, waiting_write_manifest
+_watch()
+del _watch
+"""
+#: In the kernel: the first part goes through; the second writes the marker and never returns.
+HANG_SECOND_PART = """
+def _hang_second(marker={marker!r}):
+    import pathlib, threading
+    import kernelmgr.objectstore.transfer as t
+    put, calls, lock = t.put, [], threading.Lock()
+    def second_hangs(url, data, timeout=300.0):
+        with lock:
+            calls.append(url)
+            first = len(calls) == 1
+        if first:
+            return put(url, data, timeout)
+        pathlib.Path(marker).write_text("streaming")
+        threading.Event().wait()
+    t.put = second_hangs
+_hang_second()
+del _hang_second
+"""
+
+
+def open_uploads(bucket: Bucket, prefix: str) -> list[str]:
+    """The keys of the multipart uploads under ``prefix`` that were neither completed nor aborted."""
+    import xml.etree.ElementTree as ET
+
+    _, _, body = bucket.request("GET", query={"uploads": "", "prefix": prefix})
+    return [el.text or "" for el in ET.fromstring(body).iter() if el.tag.endswith("}Key") or el.tag == "Key"]
+
+
+def test_parts_reach_the_store_while_the_checkpoint_is_written(
+    tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest
+) -> None:
+    name = bucket_name(request)
+    bucket = s3.bucket(name)
+    server = s3_server(tmp_path, s3, name, part_size_mib=5)
+    marker = tmp_path / "first-part"
+    try:
+        kernel_id = server.start_kernel("python3-gpu-small")
+        server.execute(kernel_id, STATE_24_MIB)
+        server.execute(kernel_id, PART_BEFORE_MANIFEST.format(marker=str(marker)), timeout=60)
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert reply.status == 200, reply
+        # The first part was in the store before data.bin was whole (before its manifest).
+        assert marker.read_text() == "before"
+        owner = reply.body["owner"]
+        committed = current(bucket, owner, kernel_id)
+        assert committed is not None and committed_ids(bucket, owner, kernel_id) == {committed}
+        assert open_uploads(bucket, f"{owner}/{kernel_id}/") == []
+        wait_for(
+            lambda: not local_checkpoints(tmp_path, owner, kernel_id), timeout=60, what="the local copy to go"
+        )
+        out = server.execute(kernel_id, "print(int(big.sum()), big.nbytes, balance)", timeout=120)
+        assert out.split() == [str(sum(range(3 * MiB))), str(24 * MiB), "100"], out
+    finally:
+        server.shutdown_all_kernels()
+        server.stop()
+
+
+def test_a_kernel_killed_mid_stream_leaves_the_previous_checkpoint(
+    tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest
+) -> None:
+    name = bucket_name(request)
+    bucket = s3.bucket(name)
+    server = s3_server(tmp_path, s3, name, part_size_mib=5)
+    try:
+        kernel_id = server.start_kernel("python3-gpu-small")
+        server.execute(kernel_id, STATE_24_MIB)
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert reply.status == 200, reply
+        owner = reply.body["owner"]
+        first = current(bucket, owner, kernel_id)
+        assert first is not None
+
+        marker = tmp_path / "streaming"
+        pid = int(server.execute(kernel_id, "balance = 0\nimport os; print(os.getpid())", timeout=120))
+        server.execute(kernel_id, HANG_SECOND_PART.format(marker=str(marker)), timeout=60)
+        replies: list[Any] = []
+        hibernating = threading.Thread(
+            target=lambda: replies.append(
+                server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+            )
+        )
+        hibernating.start()
+        wait_for(marker.exists, timeout=120, what="the kernel to be streaming its second part")
+        os.kill(pid, signal.SIGKILL)
+        hibernating.join(timeout=180)
+        assert replies and replies[0].status >= 500, replies
+
+        assert current(bucket, owner, kernel_id) == first
+        assert committed_ids(bucket, owner, kernel_id) == {first}
+        # The upload the kernel was streaming into was aborted: its first part is gone too.
+        assert open_uploads(bucket, f"{owner}/{kernel_id}/") == []
+        model = server.get(f"/api/elastic/kernels/{kernel_id}")
+        assert model["checkpoint"]["id"] == first, model["checkpoint"]
+    finally:
+        server.shutdown_all_kernels()
+        server.stop()
+
+
+def test_a_streamed_upload_holds_at_most_its_workers_parts_and_never_stalls_the_writer(
+    tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer queues parts as offsets: however far it runs ahead of a slow store, only
+    ``workers`` parts are mapped and in flight at once."""
+    bucket = s3.bucket(bucket_name(request))
+    bucket.create()
+    part, parts, workers = 5 * MiB, 8, 2
+    data = os.urandom(parts * part - 12345)
+    key = "streamed/data.bin"
+    upload_id = bucket.start_upload(key)
+    urls = bucket.part_urls(key, upload_id, parts, 300)
+    gate, started = threading.Event(), threading.Semaphore(0)
+    put = transfer.put
+
+    def gated_put(url: str, body: Any, timeout: float = 300.0) -> str:
+        started.release()
+        assert gate.wait(120), "the test never opened the gate"
+        return put(url, body, timeout)
+
+    monkeypatch.setattr(transfer, "put", gated_put)
+    streamer = transfer.PartStreamer(urls, part, workers=workers)
+    path = tmp_path / "data.bin"
+    with open(path, "w+b") as handle:
+        fd = handle.fileno()
+        for offset in range(0, len(data), MiB):  # the writer, a MiB at a time, never waiting
+            os.pwrite(fd, data[offset : offset + MiB], offset)
+            streamer.settled(fd, min(offset + MiB, len(data)))
+        for _ in range(workers):
+            assert started.acquire(timeout=120)
+        assert not started.acquire(timeout=0.5)  # no third part was taken while two are held
+        assert streamer.in_flight == workers
+        gate.set()
+        etags = streamer.finish(len(data))
+    assert len(etags) == parts and streamer.peak_in_flight == workers
+    bucket.complete_upload(key, upload_id, etags)
+    assert bucket.get(key) == data
+
+
+def test_a_checkpoint_that_outgrows_its_estimate_sends_the_rest_after(
+    tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest
+) -> None:
+    import numpy as np
+
+    bucket = s3.bucket(bucket_name(request))
+    bucket.create()
+    store = ObjectCheckpointStore(tmp_path / "scratch", SECRET, bucket, part_size=5 * MiB)
+    owner, kernel_id = "dana", "k"
+    upload = store.begin_stream(owner, kernel_id, estimate=0)  # URLs for one part only
+    assert len(upload.urls) == 1
+    streamer = transfer.PartStreamer(upload.urls, upload.part_size)
+    manifest = write_checkpoint(
+        store.kernel_dir(owner, kernel_id),
+        {"value": np.arange(12 * MiB // 8, dtype=np.float64)},
+        key=store.key_for(owner),
+        owner=owner,
+        kernel_id=kernel_id,
+        prune=False,
+        checkpoint_id=upload.checkpoint_id,
+        on_settled=streamer.settled,
+        durable=False,
+    )
+    data = (store.kernel_dir(owner, kernel_id) / upload.checkpoint_id / "data.bin").read_bytes()
+    etags = streamer.finish(len(data))
+    assert len(etags) == 1
+    upload = store.stream_urls(upload, manifest.data_bytes)
+    assert len(upload.urls) == transfer.part_count(len(data), upload.part_size) == 3
+    etags += transfer.upload_parts(upload.urls[1:], memoryview(data), upload.part_size, first=1)
+    store.finish_upload(upload, etags, manifest.to_json())
+    restarted = ObjectCheckpointStore(tmp_path / "scratch", SECRET, bucket)
+    latest = restarted.latest(owner, kernel_id)
+    assert latest is not None and latest.checkpoint_id == upload.checkpoint_id
+    assert bucket.get(upload.key) == data
+
+
+def test_a_kernel_that_underestimates_its_checkpoint_still_commits_it_whole(
+    tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest
+) -> None:
+    """The server presigns parts for the kernel's estimate; the parts past it go after the write."""
+    name = bucket_name(request)
+    bucket = s3.bucket(name)
+    server = s3_server(tmp_path, s3, name, part_size_mib=5)
+    try:
+        kernel_id = server.start_kernel("python3-gpu-small")
+        server.execute(kernel_id, STATE_24_MIB)
+        # The estimate says 0 bytes: URLs for one part of the five this checkpoint needs.
+        server.execute(
+            kernel_id,
+            "__import__('kernelmgr.checkpoint.agent').checkpoint.agent._AGENT.estimate = lambda: 0",
+        )
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert reply.status == 200, reply
+        owner = reply.body["owner"]
+        committed = current(bucket, owner, kernel_id)
+        info = bucket.head(f"{owner}/{kernel_id}/{committed}/data.bin")
+        assert info is not None and info.size == reply.body["checkpoint"]["bytes"] > 20 * MiB
+        wait_for(
+            lambda: not local_checkpoints(tmp_path, owner, kernel_id), timeout=60, what="the local copy to go"
+        )
+        out = server.execute(kernel_id, "print(int(big.sum()), balance)", timeout=120)
+        assert out.split() == [str(sum(range(3 * MiB))), "100"], out
+    finally:
+        server.shutdown_all_kernels()
+        server.stop()
+
+
+@pytest.mark.pure
+def test_ranges_digested_as_they_arrive_give_the_writers_digest() -> None:
+    from kernelmgr.checkpoint.integrity import DIGEST_CHUNK, ChunkDigests, DataDigest
+
+    data = memoryview(os.urandom(3 * DIGEST_CHUNK + 777))
+    for algorithm in ("blake3", "sha256"):
+        whole = DataDigest(None, algorithm)
+        whole.update(data)
+        arrived = ChunkDigests(algorithm, len(data))
+        for offset in (2 * DIGEST_CHUNK, 0):  # out of order, in ranges of two chunks
+            arrived.add(offset, data[offset : offset + 2 * DIGEST_CHUNK])
+        assert arrived.hexdigest() == whole.hexdigest()
+        with pytest.raises(ValueError, match="whole chunks"):
+            arrived.add(100, data[100:200])
+
+
+def test_a_checkpoint_tampered_with_in_the_bucket_is_refused_on_resume(
+    tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest
+) -> None:
+    name = bucket_name(request)
+    bucket = s3.bucket(name)
+    server = s3_server(tmp_path, s3, name, part_size_mib=5)
+    try:
+        kernel_id = server.start_kernel("python3-gpu-small")
+        server.execute(kernel_id, STATE_24_MIB)
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+        assert reply.status == 200, reply
+        owner = reply.body["owner"]
+        committed = current(bucket, owner, kernel_id)
+        key = f"{owner}/{kernel_id}/{committed}/data.bin"
+        data = bytearray(bucket.get(key) or b"")
+        data[len(data) // 2] ^= 0xFF  # one byte in the middle of the array, same size
+        bucket.put(key, bytes(data))
+        server.execute(kernel_id, "x = 1", timeout=120)  # wakes it
+        report = json.loads((tmp_path / "scratch" / owner / kernel_id / REPORT).read_text())
+        assert "does not match the manifest's digest" in (report["refused"] or ""), report
+        assert report["restored"] == [], report
+    finally:
+        server.shutdown_all_kernels()
+        server.stop()

@@ -86,19 +86,20 @@ import kernelmgr.objectstore.transfer as transfer
 from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.cells import MAX_CELLS, CellRecord, plan_recompute, record_cell
 from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
+from kernelmgr.checkpoint.integrity import ChunkDigests, DigestUnavailable
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_keys
 from kernelmgr.checkpoint.layout import DATA_FILE, MANIFEST_FILE, RESTORE_REPORT, write_file_atomic
 from kernelmgr.checkpoint.namespace import UserNamespace
 from kernelmgr.checkpoint.progress import CHECKPOINT_PROGRESS, ProgressFile
 from kernelmgr.checkpoint.quick_exit import flush, open_files
 from kernelmgr.checkpoint.quick_exit import install as install_quick_exit
-from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
+from kernelmgr.checkpoint.reader import prewarm_imports, refused_report, restore_checkpoint
 from kernelmgr.checkpoint.recompute import DEFAULT_LIMIT, replay
 from kernelmgr.checkpoint.sharing import make_kernel_dir
 from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
 from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest, load_verified_checkpoint
 from kernelmgr.checkpoint.version import advertise
-from kernelmgr.checkpoint.writer import describe_error, write_checkpoint
+from kernelmgr.checkpoint.writer import LIBRARIES, describe_error, write_checkpoint
 from kernelmgr.core.manifest import Manifest, ManifestError
 
 ENV_DIR = "ELASTIC_CHECKPOINT_DIR"
@@ -125,11 +126,51 @@ UPLOAD_EXPRESSION = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.l
 REPORT_EXPRESSION = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.last_report_json()'
 
 
-def upload_code(checkpoint_id: str, urls: list[str], part_size: int, key: str = "") -> str:
+#: The user expression that asks how big a checkpoint would be (bytes, an estimate made before
+#: pickling), so the server can start the upload and presign its parts before the checkpoint.
+ESTIMATE_EXPRESSION = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.estimate()'
+
+
+def upload_code(
+    checkpoint_id: str, urls: list[str], part_size: int, key: str = "", first_part: int = 0
+) -> str:
     """The silent cell that sends ``checkpoint_id``'s ``data.bin`` through presigned part URLs
-    (encrypted with the checkpoint's ``key``, hex, when given: :mod:`kernelmgr.checkpoint.cipher`)."""
-    plan = json.dumps({"checkpoint": checkpoint_id, "urls": urls, "part_size": part_size, "key": key})
+    (encrypted with the checkpoint's ``key``, hex, when given: :mod:`kernelmgr.checkpoint.cipher`),
+    from part ``first_part`` on (those before it were streamed with the checkpoint)."""
+    plan = json.dumps(
+        {"checkpoint": checkpoint_id, "urls": urls, "part_size": part_size, "key": key}
+        | {"first_part": first_part}
+    )
     return f'__import__("kernelmgr.checkpoint.agent").checkpoint.agent.upload({plan!r})'
+
+
+def streaming_checkpoint_code(checkpoint_id: str, urls: list[str], part_size: int, key: str = "") -> str:
+    """The silent cell that writes checkpoint ``checkpoint_id`` and sends ``data.bin``'s parts
+    through the presigned part URLs *while* it is written (:class:`~kernelmgr.objectstore.transfer.
+    PartStreamer`); :data:`COMMIT_EXPRESSION` and :data:`UPLOAD_EXPRESSION` then give the manifest
+    and the ETags of the parts sent (fewer than the file's parts when it outgrew the URLs)."""
+    plan = json.dumps({"checkpoint": checkpoint_id, "urls": urls, "part_size": part_size, "key": key})
+    return f'__import__("kernelmgr.checkpoint.agent").checkpoint.agent.checkpoint({plan!r})'
+
+
+def _part_crypt(key: str) -> Any:
+    """The transform that encrypts an upload's parts with the checkpoint ``key`` (hex); ``None``
+    without one. One buffer per sending thread, reused part after part (a thread sends a part
+    before it encrypts the next): no new memory to fault in per part."""
+    if not key:
+        return None
+    data_key = cipher.data_key(bytes.fromhex(key))
+    buffers = threading.local()
+
+    def crypt(offset: int, piece: memoryview) -> memoryview:
+        buffer = getattr(buffers, "buffer", None)
+        if buffer is None or len(buffer) < len(piece):
+            buffer = buffers.buffer = bytearray(len(piece))
+        out = memoryview(buffer)[: len(piece)]
+        cipher.crypt_into(data_key, offset, piece, out)
+        return out
+
+    return crypt
 
 
 _fallback_log = logging.getLogger(__name__)
@@ -266,6 +307,18 @@ def recompute_limit(env: Mapping[str, str]) -> float:
         return DEFAULT_LIMIT
 
 
+def _close_mapping(region: mmap.mmap | None) -> None:
+    """Unmap ``region``; after a failed upload a part's slice may still hold it, and the
+    BufferError of closing it then must not hide the upload's own error (it is unmapped when
+    that slice goes)."""
+    if region is None:
+        return
+    try:
+        region.close()
+    except BufferError:
+        pass
+
+
 class _Agent:
     """The extension's state inside one shell."""
 
@@ -293,8 +346,13 @@ class _Agent:
         self.committed: str | None = None
         #: The ETags of the last upload's parts (JSON), for the server.
         self.uploaded: str | None = None
+        #: How the last streamed upload went (parts, how many went while the data was written,
+        #: the most parts in flight at once): logged, and read by the tests.
+        self.last_stream: dict[str, Any] | None = None
         #: Where the last restore read its checkpoint (a scratch folder with an object store).
         self._restore_dir: Path | None = None
+        #: The digest of the last downloaded ``data.bin``, computed as its ranges arrived.
+        self._downloaded_digest: str | None = None
         shell.events.register("pre_run_cell", self._cell_started)
         shell.events.register("post_run_cell", self._cell_finished)
         # The exit after a hibernation's checkpoint skips the interpreter's final collections.
@@ -370,9 +428,19 @@ class _Agent:
         with contextlib.suppress(ValueError):
             self.shell.events.unregister("pre_execute", self._unhide_restored)
 
-    def checkpoint(self) -> dict[str, Any]:
+    def checkpoint(self, plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Write a checkpoint; with an upload ``plan`` (:func:`streaming_checkpoint_code`), send its
+        parts to the object store as they are written."""
         with self._writing:
-            return self._checkpoint_locked()
+            return self._checkpoint_locked(plan)
+
+    def estimate(self) -> int:
+        """The bytes a checkpoint of the namespace would take, estimated before pickling."""
+        from kernelmgr.checkpoint.grouping import group_variables
+
+        ns = self.shell.user_ns
+        names = [name for name in self.namespace.user_names() if name in ns]
+        return sum(group.approx_bytes for group in group_variables(ns, names))
 
     def checkpoint_if_changed(self) -> dict[str, Any] | None:
         """The watchdog's checkpoint: none if no cell ran since the last committed one.
@@ -386,13 +454,22 @@ class _Agent:
                 return None
             return self._checkpoint_locked()
 
-    def _checkpoint_locked(self) -> dict[str, Any]:
+    def _checkpoint_locked(self, plan: Mapping[str, Any] | None = None) -> dict[str, Any]:
         if self.config is None:
             raise CheckpointFailed(
                 self.config_error or f"this kernel has no checkpoint directory ({ENV_DIR} is not set)"
             )
         cells_run = self.cells_run
+        self.uploaded = None
+        streamer = None
+        if plan is not None:
+            streamer = transfer.PartStreamer(
+                [str(url) for url in plan["urls"]],
+                int(plan["part_size"]),
+                transform=_part_crypt(str(plan.get("key") or "")),
+            )
         try:
+            started = time.perf_counter()
             manifest = write_checkpoint(
                 self.config.kernel_dir,
                 self.shell.user_ns,
@@ -404,13 +481,48 @@ class _Agent:
                 cells=[cell.to_dict() for cell in self.cells],
                 on_progress=ProgressFile(self.config.kernel_dir, name=CHECKPOINT_PROGRESS),
                 data_key=self.config.data_key,
+                checkpoint_id=str(plan["checkpoint"]) if plan is not None else None,
+                on_settled=streamer.settled if streamer is not None else None,
+                # With an object store the local copy is scratch: the store's commit is the one.
+                durable=streamer is None,
             )
+            if streamer is not None:
+                written = time.perf_counter()
+                path = self.config.kernel_dir / manifest.checkpoint_id / DATA_FILE
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    etags = streamer.finish(manifest.data_bytes, fd)
+                finally:
+                    os.close(fd)
+                self.uploaded = json.dumps(etags)
+                self.log.info(
+                    "checkpoint %s: %d of %d parts sent, %d of them while it was written; %.2f s "
+                    "after the write; at most %d parts in flight",
+                    manifest.checkpoint_id,
+                    len(etags),
+                    transfer.part_count(manifest.data_bytes, streamer.part_size),
+                    streamer.streamed_early,
+                    time.perf_counter() - written,
+                    streamer.peak_in_flight,
+                )
+                self.last_stream = {
+                    "parts": len(etags),
+                    "streamed_early": streamer.streamed_early,
+                    "peak_in_flight": streamer.peak_in_flight,
+                    "seconds": round(time.perf_counter() - started, 3),
+                }
         except CheckpointFailed as exc:
             self.log.error("checkpoint failed: %s", exc)
             raise
+        except transfer.TransferError as exc:
+            self.log.error("upload of the checkpoint failed: %s", exc)
+            raise CheckpointFailed(f"the checkpoint could not be uploaded: {describe_error(exc)}") from exc
         except Exception as exc:
             self.log.exception("checkpoint failed")
             raise CheckpointFailed(f"checkpoint failed: {describe_error(exc)}") from exc
+        finally:
+            if streamer is not None:
+                streamer.close()
         self.saved_at_cell = cells_run
         self.committed = manifest.to_json()
         summary = manifest.summary()
@@ -436,29 +548,16 @@ class _Agent:
                     size = os.fstat(handle.fileno()).st_size
                     region = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else None
                 try:
-                    view = memoryview(region) if region is not None else memoryview(b"")
-                    crypt = None
-                    if plan.get("key"):
-                        data_key = cipher.data_key(bytes.fromhex(str(plan["key"])))
-                        # One buffer per sending thread, reused part after part (a thread sends
-                        # a part before it encrypts the next): no new memory to fault in per part.
-                        buffers = threading.local()
-
-                        def crypt(offset: int, piece: memoryview) -> memoryview:
-                            buffer = getattr(buffers, "buffer", None)
-                            if buffer is None or len(buffer) < len(piece):
-                                buffer = buffers.buffer = bytearray(len(piece))
-                            out = memoryview(buffer)[: len(piece)]
-                            cipher.crypt_into(data_key, offset, piece, out)
-                            return out
-
-                    etags = transfer.upload_parts(
-                        list(plan["urls"]), view, int(plan["part_size"]), transform=crypt
-                    )
-                    view.release()
+                    with memoryview(region) if region is not None else memoryview(b"") as view:
+                        etags = transfer.upload_parts(
+                            list(plan["urls"]),
+                            view,
+                            int(plan["part_size"]),
+                            transform=_part_crypt(str(plan.get("key") or "")),
+                            first=int(plan.get("first_part") or 0),
+                        )
                 finally:
-                    if region is not None:
-                        region.close()
+                    _close_mapping(region)
             except (OSError, ValueError, transfer.TransferError) as exc:
                 self.log.error("upload of checkpoint %s failed: %s", checkpoint_id, exc)
                 raise CheckpointFailed(
@@ -474,6 +573,7 @@ class _Agent:
         config = self.config
         assert config is not None and config.restore_checkpoint and config.restore_data_url
         checkpoint_id = config.restore_checkpoint
+        self._downloaded_digest = None
         make_kernel_dir(config.kernel_dir, 0o700, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=config.kernel_dir))
         try:
@@ -484,20 +584,32 @@ class _Agent:
                 raise CheckpointRefused(
                     f"the manifest of {checkpoint_id} is larger than {MANIFEST_CAP} bytes"
                 )
-            arrived = None
+            data_key = None
             if config.restore_key:  # encrypted at rest: decrypted here, verified below
                 checkpoint_key = bytes.fromhex(config.restore_key)
                 text = cipher.crypt(cipher.manifest_key(checkpoint_key), 0, text)
                 data_key = cipher.data_key(checkpoint_key)
-
-                def arrived(offset: int, piece: memoryview) -> None:
-                    cipher.crypt_in_place(data_key, offset, piece)
-
             try:
-                declared = Manifest.from_json(text).data_bytes
+                manifest = Manifest.from_json(text)
+                declared = manifest.data_bytes
                 check_manifest(text, declared, config.key, config.owner, config.kernel_id, checkpoint_id)
             except (ManifestError, Untrusted) as exc:
                 raise CheckpointRefused(f"checkpoint {checkpoint_id} in the object store: {exc}") from None
+            try:
+                digests = ChunkDigests(manifest.digest_algorithm, declared)
+            except DigestUnavailable as exc:
+                raise CheckpointRefused(str(exc)) from None
+            # The libraries the checkpoint was saved with are imported while the ranges arrive
+            # (only imported: nothing is unpickled before the digest matched).
+            prewarm = prewarm_imports(manifest, LIBRARIES)
+
+            def arrived(offset: int, piece: memoryview) -> None:
+                # On the thread the range came in on, while the other ranges still arrive: the
+                # decryption and the digest overlap the download instead of following it.
+                if data_key is not None:
+                    cipher.crypt_in_place(data_key, offset, piece)
+                digests.add(offset, piece)
+
             folder = scratch / checkpoint_id
             folder.mkdir(mode=0o700)
             (folder / MANIFEST_FILE).write_bytes(text)
@@ -516,11 +628,18 @@ class _Agent:
                         view = memoryview(region)
                         try:
                             transfer.download(
-                                config.restore_data_url, view, on_progress=advance, arrived=arrived
+                                config.restore_data_url,
+                                view,
+                                part_size=transfer.DEFAULT_PART_SIZE,  # whole digest chunks
+                                on_progress=advance,
+                                arrived=arrived,
                             )
                         finally:
                             view.release()
             progress(checkpoint_id, declared, declared)
+            self._downloaded_digest = digests.hexdigest()
+            if prewarm is not None:
+                prewarm.join()  # before anything imports on this thread
         except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
@@ -533,9 +652,11 @@ class _Agent:
         started = time.perf_counter()
         directory = self.config.kernel_dir
         source = directory
+        downloaded = None
         try:
             if self.config.restore_data_url and self.config.restore_checkpoint:
                 source = self.download()  # a CheckpointRefused or a TransferError is reported below
+                downloaded = time.perf_counter() - started
             self._restore_dir = source
             report = restore_checkpoint(
                 source,
@@ -549,6 +670,7 @@ class _Agent:
                 # memory: only this kernel (and the server) can rewrite its scratch folder.
                 map_buffers=self.config.restore_mapped or source != directory,
                 data_key=self.config.data_key if source == directory else None,
+                data_digest=self._downloaded_digest if source != directory else None,
             )
             if report is None:
                 report = refused_report(
@@ -563,6 +685,9 @@ class _Agent:
             report = refused_report(
                 CheckpointRefused(f"restore failed: {describe_error(exc)}"), time.perf_counter() - started
             )
+        if downloaded is not None and isinstance(report.get("timings"), dict):
+            # The download with its decryption and digest (logged and benchmarked, never asserted).
+            report["timings"]["download"] = round(downloaded, 3)
         if not report["refused"]:
             self._resume_history(report)
         if source != directory:  # the scratch copy (mapped arrays stay valid: the mapping holds it)
@@ -845,15 +970,23 @@ def unload_ipython_extension(ipython: Any) -> None:
         _AGENT = None
 
 
-def checkpoint() -> dict[str, Any]:
-    """Checkpoint the user namespace now; return the manifest summary.
+def checkpoint(plan: str | None = None) -> dict[str, Any]:
+    """Checkpoint the user namespace now; return the manifest summary. ``plan`` (JSON, from
+    :func:`streaming_checkpoint_code`): stream ``data.bin``'s parts to the object store meanwhile.
 
     Raises :class:`CheckpointFailed` with a one-line message when it could not be written
     (the previous checkpoint, if any, is still the committed one).
     """
     if _AGENT is None:
         raise CheckpointFailed("the checkpoint agent is not loaded in this kernel")
-    return _AGENT.checkpoint()
+    return _AGENT.checkpoint(json.loads(plan) if plan is not None else None)
+
+
+def estimate() -> str:
+    """The estimated size of a checkpoint, in bytes, as a string (:data:`ESTIMATE_EXPRESSION`)."""
+    if _AGENT is None:
+        raise CheckpointFailed("the checkpoint agent is not loaded in this kernel")
+    return str(_AGENT.estimate())
 
 
 def last_commit() -> str:
@@ -892,15 +1025,18 @@ def last_restore_report() -> dict[str, Any] | None:
 __all__ = [
     "CHECKPOINT_CODE",
     "COMMIT_EXPRESSION",
+    "ESTIMATE_EXPRESSION",
     "REPORT_EXPRESSION",
     "UPLOAD_EXPRESSION",
     "AgentConfig",
     "checkpoint",
+    "estimate",
     "format_report",
     "last_commit",
     "last_restore_report",
     "last_upload",
     "load_ipython_extension",
+    "streaming_checkpoint_code",
     "unload_ipython_extension",
     "upload",
     "upload_code",

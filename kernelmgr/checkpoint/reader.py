@@ -47,6 +47,7 @@ from kernelmgr.checkpoint.integrity import (
     DIGEST_CHUNK,
     DataDigest,
     DigestUnavailable,
+    KnownDigest,
     digest_workers,
     digests_match,
 )
@@ -187,6 +188,7 @@ def read_payload(
     on_read: Callable[[int, int], None] | None = None,
     map_buffers: bool = False,
     data_key: bytes | None = None,
+    data_digest: str | None = None,
 ) -> Payload:
     """All group regions of ``data.bin``, read once and checked against the manifest digest.
 
@@ -195,7 +197,9 @@ def read_payload(
 
     ``on_read(bytes read, bytes in all)`` is called after each region (the resume's progress).
     With ``map_buffers``, raw buffers of 1 MiB or more are mapped from the file instead of read
-    (:func:`_map_region`); pickle streams are always read into private memory.
+    (:func:`_map_region`); pickle streams are always read into private memory. ``data_digest``:
+    the digest of this very file computed as it was downloaded (:class:`ChunkDigests`), compared
+    instead of hashing the file again.
     Raises :class:`Untrusted` on a short file, a size mismatch or a digest mismatch.
     """
     slots: list[tuple[int, int, int, int]] = []  # offset, length, group id, slot (-1 = pickle)
@@ -211,7 +215,11 @@ def read_payload(
     except FileNotFoundError:
         raise Untrusted(f"{DATA_FILE} is missing") from None
     with file, digest_workers() as workers:
-        digest = DataDigest(workers, manifest.digest_algorithm)
+        digest = (
+            DataDigest(workers, manifest.digest_algorithm)
+            if data_digest is None
+            else KnownDigest(manifest.digest_algorithm, data_digest)
+        )
         check_layout(manifest, os.fstat(file.fileno()).st_size)
         position = 0
         for offset, length, group_id, slot in [*slots, (manifest.data_bytes, 0, -1, -2)]:
@@ -253,6 +261,10 @@ PREWARM_LIBRARIES = ("torch",)
 
 
 def _prewarm(manifest: Manifest) -> threading.Thread | None:
+    return prewarm_imports(manifest, PREWARM_LIBRARIES)
+
+
+def prewarm_imports(manifest: Manifest, libraries: tuple[str, ...]) -> threading.Thread | None:
     """Import, on a thread, the slow libraries the checkpoint was saved with.
 
     Why: a resumed kernel is a new process; importing torch takes seconds, as long as reading
@@ -260,9 +272,11 @@ def _prewarm(manifest: Manifest) -> threading.Thread | None:
     GIL, so the import overlaps them. Only *importing* is done early, never unpickling: the
     data is still verified before any object is built. The caller joins the thread before it
     unpickles, so the two threads never import at once. A failed import is ignored here; the
-    group that needs the module reports it when it is unpickled.
+    group that needs the module reports it when it is unpickled. A download from an object store
+    (the agent) imports every library in :data:`~kernelmgr.checkpoint.writer.LIBRARIES` this way
+    while the ranges arrive (the network wait is long enough for numpy and pandas too).
     """
-    wanted = [name for name in PREWARM_LIBRARIES if name in manifest.libraries and name not in sys.modules]
+    wanted = [name for name in libraries if name in manifest.libraries and name not in sys.modules]
     if not wanted:
         return None
 
@@ -326,6 +340,7 @@ def restore_checkpoint(
     on_read: Callable[[str, int, int], None] | None = None,
     map_buffers: bool = False,
     data_key: bytes | None = None,
+    data_digest: str | None = None,
 ) -> dict[str, Any] | None:
     """Restore the committed checkpoint's variables into ``namespace``; return the report.
 
@@ -340,6 +355,9 @@ def restore_checkpoint(
     buffers from the file instead of reading them (:func:`_map_region` says when that is safe).
     ``data_key``: the kernel's key, for checkpoints encrypted at rest (``.aes`` files); one
     written before encryption was switched on is read as it is.
+    ``data_digest``: the digest of ``data.bin`` computed while it was downloaded into this
+    kernel's own scratch folder (only it can rewrite it), compared with the manifest's before
+    anything is unpickled, as a digest computed here would be.
     """
     started = time.perf_counter()
     directory = Path(kernel_dir)
@@ -370,6 +388,7 @@ def restore_checkpoint(
             data_key=cipher.data_key(cipher.checkpoint_key(data_key, checkpoint_id))
             if encrypted and data_key is not None
             else None,
+            data_digest=data_digest,
         )
     except Untrusted as exc:
         raise refuse(directory, manifest.checkpoint_id, str(exc)) from None

@@ -60,6 +60,7 @@ from kernelmgr.checkpoint.layout import (
     ALIGN,
     PARTIAL_PREFIX,
     file_names,
+    is_checkpoint_id,
     new_checkpoint_id,
     publish_current,
     read_current,
@@ -199,10 +200,17 @@ class _Mark:
     digest: DigestMark
 
 
+#: ``(fd of data.bin, offset)``: every byte of ``data.bin`` before ``offset`` is written and final.
+Settled = Callable[[int, int], None]
+
+
 class _DataFile:
     """``data.bin`` being written: the pickler's file object, and the buffer writer.
 
-    Counts bytes, feeds the data digest, and can rewind to a mark.
+    Counts bytes, feeds the data digest, and can rewind to a mark. With ``on_settled`` it also
+    says how far the file is final: a failed group rewinds to where it started, so the bytes of
+    a group are final once its pickle stream is whole (its buffers are final as they are written),
+    and an object store's upload may send them while the rest is still being written.
     """
 
     def __init__(
@@ -212,6 +220,8 @@ class _DataFile:
         digest: DataDigest,
         on_written: Callable[[int], None] | None = None,
         data_key: bytes | None = None,
+        on_settled: Settled | None = None,
+        writeback: bool = True,
     ) -> None:
         self.fd = fd
         # Encrypted at rest: each write call's bytes go through one reused buffer, encrypted at
@@ -219,8 +229,13 @@ class _DataFile:
         self.data_key = data_key
         self._sealed = bytearray(WRITE_CALL) if data_key is not None else None
         self.on_written = on_written  # told the bytes written after each piece (a progress file)
+        self.on_settled = on_settled
+        self.settled = 0  # bytes before this offset can no longer be rewound
+        self.stable = True  # false while a group's pickle stream is written (it may be rewound)
         self.write_fn = write_fn
         self.writeback = _Writeback(fd)
+        if not writeback:
+            self.writeback.func = None
         self.offset = 0
         self.written = 0  # handed to the OS, including rewound groups and a failed last write
         self.digest = digest
@@ -256,8 +271,24 @@ class _DataFile:
             self.digest.update(piece)
             if self.on_written is not None:
                 self.on_written(self.written)
+            if self.stable:
+                self._settle(self.offset + start + len(piece))
         self.offset += total
         return total
+
+    def _settle(self, end: int) -> None:
+        if self.on_settled is not None and end > self.settled:
+            self.settled = end
+            self.on_settled(self.fd, end)
+
+    def unstable(self) -> None:
+        """A group's pickle stream starts: what follows may be rewound until :meth:`settle`."""
+        self.stable = False
+
+    def settle(self) -> None:
+        """Everything written so far is final."""
+        self.stable = True
+        self._settle(self.offset)
 
     def pad(self) -> None:
         gap = -self.offset % ALIGN
@@ -268,6 +299,7 @@ class _DataFile:
         return _Mark(self.offset, self.digest.mark())
 
     def rollback(self, mark: _Mark) -> None:
+        assert mark.offset >= self.settled, "a rewind past bytes already settled"
         try:
             os.ftruncate(self.fd, mark.offset)
             os.lseek(self.fd, mark.offset, os.SEEK_SET)
@@ -301,13 +333,16 @@ def _save_group(
 
     # The pickler lives until the buffers are written: it owns host copies of GPU storages.
     pickler = GroupPickler(data, namespace, take, carry_dropped=carry_dropped)
+    data.unstable()
     try:
         pickler.dump({name: namespace[name] for name in names})
     except _DiskError:
         raise
     except Exception as exc:
         data.rollback(mark)
+        data.settle()
         return _GroupResult(None, exc, pickler.carried)
+    data.settle()
     pickle_length = data.offset - mark.offset
     placed = []
     for view in buffers:
@@ -332,7 +367,8 @@ def _failure_message(exc: OSError, written: int, expected: int, kernel_dir: Path
 
 
 def _create(path: Path, mode: int = 0o600) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    # Read and write: an upload streamed while the file is written reads it through this fd.
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode)
 
 
 @dataclass
@@ -345,13 +381,16 @@ class _DataResult:
     timings: dict[str, float]
 
 
-def _write_data(ns: dict[str, Any], groups: list[VariableGroup], data: _DataFile) -> _DataResult:
-    """Fill ``data.bin`` group by group, then fsync it."""
+def _write_data(
+    ns: dict[str, Any], groups: list[VariableGroup], data: _DataFile, durable: bool = True
+) -> _DataResult:
+    """Fill ``data.bin`` group by group, then fsync it (unless not ``durable``)."""
     started = time.perf_counter()
     records, group_records = _save_all(data, ns, groups)
     serialize = time.perf_counter() - started - data.write_seconds
     started = time.perf_counter()
-    os.fsync(data.fd)
+    if durable:
+        os.fsync(data.fd)
     fsync = time.perf_counter() - started
     started = time.perf_counter()
     digest = data.digest.hexdigest()  # the workers' tail, hashed while fsync waited
@@ -392,12 +431,21 @@ def write_checkpoint(
     cells: Sequence[Mapping[str, Any]] | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
     data_key: bytes | None = None,
+    checkpoint_id: str | None = None,
+    on_settled: Settled | None = None,
+    durable: bool = True,
 ) -> Manifest:
     """Checkpoint the user variables of ``namespace`` into ``kernel_dir`` and commit it.
 
     ``data_key``: the kernel's key (a file system with encryption at rest): ``data.bin.aes`` and
     ``manifest.json.aes`` are written encrypted under this checkpoint's key
     (:func:`kernelmgr.checkpoint.cipher.checkpoint_key`); the digest and the HMAC cover the plaintext.
+    ``checkpoint_id``: the id to write (one the server chose, when it started the checkpoint's
+    upload to an object store before the checkpoint); a new one otherwise. ``on_settled(fd,
+    offset)`` hears how far ``data.bin`` is final while it is written (:class:`_DataFile`): the
+    agent streams the parts of an upload from there. ``durable=False`` skips the fsync of
+    ``data.bin`` and the writeback hints: for a local copy that is only scratch space on the way
+    to an object store, where the commit that counts is the store's.
 
     ``on_progress(checkpoint_id, written, expected)`` hears how far the data file has got (the
     agent's progress file, shown while a kernel hibernates); ``expected`` is the estimate made
@@ -434,7 +482,10 @@ def write_checkpoint(
     expected = sum(group.approx_bytes for group in groups)
 
     created = time.time()
-    checkpoint_id = new_checkpoint_id(created)
+    if checkpoint_id is None:
+        checkpoint_id = new_checkpoint_id(created)
+    elif not is_checkpoint_id(checkpoint_id):
+        raise ValueError(f"{checkpoint_id[:80]!r} is not a checkpoint id")
     sealing = cipher.checkpoint_key(data_key, checkpoint_id) if data_key is not None else None
     data_name, manifest_name = file_names(sealing is not None)
     partial = directory / f"{PARTIAL_PREFIX}{checkpoint_id}"
@@ -455,14 +506,17 @@ def write_checkpoint(
                     def told(written: int) -> None:
                         progress(checkpoint_id, written, expected)
 
+                digest = DataDigest(workers, default_digest_algorithm())
                 data = _DataFile(
                     fd,
                     write_fn,
-                    DataDigest(workers, default_digest_algorithm()),
+                    digest,
                     told,
                     None if sealing is None else cipher.data_key(sealing),
+                    on_settled,
+                    writeback=durable,
                 )
-                result = _write_data(ns, groups, data)
+                result = _write_data(ns, groups, data, durable)
         finally:
             os.close(fd)
         manifest = Manifest(

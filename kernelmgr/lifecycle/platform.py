@@ -18,6 +18,7 @@ import ast
 import asyncio
 import contextlib
 import errno
+import itertools
 import json
 import logging
 import os
@@ -34,8 +35,10 @@ from kernelmgr.activity.jupyter import JupyterActivity
 from kernelmgr.checkpoint.agent import (
     CHECKPOINT_CODE,
     COMMIT_EXPRESSION,
+    ESTIMATE_EXPRESSION,
     REPORT_EXPRESSION,
     UPLOAD_EXPRESSION,
+    streaming_checkpoint_code,
     upload_code,
 )
 from kernelmgr.checkpoint.version import compare
@@ -48,6 +51,7 @@ from kernelmgr.lifecycle.records import KernelRecords
 from kernelmgr.provisioners.local import BIND_ERROR
 
 if TYPE_CHECKING:
+    from kernelmgr.checkpoint_store import Upload
     from kernelmgr.config import ElasticRuntime
 
 #: How long a hibernation request waits for a kernel reported busy to report idle.
@@ -92,6 +96,14 @@ def _ok(reply: dict[str, Any]) -> dict[str, Any]:
     if content.get("status") != "ok":
         raise LifecycleError(f"{content.get('ename', 'Error')}: {content.get('evalue', '')}".strip(), 500)
     return dict(content)
+
+
+def _etags(text: str | None) -> list[str]:
+    """The ETags (JSON list) a kernel reported for the parts it sent."""
+    etags = json.loads(text or "null")
+    if not isinstance(etags, list) or not all(isinstance(tag, str) for tag in etags):
+        raise LifecycleError("the kernel did not report the uploaded parts", 500)
+    return etags
 
 
 def _expression(reply: dict[str, Any], name: str) -> str | None:
@@ -242,8 +254,17 @@ class JupyterKernelPlatform:
         self.records.remember(kernel_id, pid=self.pid_of(km))
         record.kernel_info, record.execution_count = {}, 0
         store = self.runtime.checkpoints
+        stream: Upload | None = None
+        committed = False
+        phases = [time.monotonic()]  # where a hibernation's checkpoint spends its time (logged)
         try:
-            record.kernel_info, record.execution_count, reported = await self._run_checkpoint(km)
+            if store.uploads:  # the upload starts first: the kernel sends parts as it writes them
+                stream = await self._begin_stream(km, record.owner, kernel_id)
+            phases.append(time.monotonic())
+            record.kernel_info, record.execution_count, reported, uploaded = await self._run_checkpoint(
+                km, stream
+            )
+            phases.append(time.monotonic())
             collect = getattr(km.provisioner, "collect_checkpoint", None)
             if collect is not None:  # a Kubernetes warm pod keeps it in its emptyDir until taken
                 await self._collect(collect)
@@ -257,23 +278,49 @@ class JupyterKernelPlatform:
                 if manifest is None:
                     raise LifecycleError("the agent reported success but no checkpoint was committed", 500)
             else:
-                manifest = await self._commit(km, record.owner, kernel_id, reported)
+                manifest = await self._commit(km, record.owner, kernel_id, reported, stream, uploaded)
+            committed = True
+            phases.append(time.monotonic())
+            self.host.log.info(
+                "Kernel %s checkpoint: %.2f s to start the upload, %.2f s to write (and stream) it, "
+                "%.2f s to commit it",
+                kernel_id,
+                *(later - earlier for earlier, later in itertools.pairwise(phases)),
+            )
         except KernelDied:
-            committed = await self._committed_by_the_kernel(record.owner, kernel_id)
-            if committed is None:
+            committed_by_kernel = await self._committed_by_the_kernel(record.owner, kernel_id)
+            if committed_by_kernel is None:
                 raise
             self.host.log.warning(
                 "Kernel %s exited during its checkpoint after committing checkpoint %s itself "
                 "(at SIGTERM, or its server watchdog's); taking that one",
                 kernel_id,
-                committed.checkpoint_id,
+                committed_by_kernel.checkpoint_id,
             )
-            return committed
+            return committed_by_kernel
         except LifecycleError as exc:
             if disk_full(exc.message):
                 raise LifecycleError(exc.message, 507) from None
             raise
+        finally:
+            if stream is not None and not committed:  # nothing of it is ever read: drop its parts
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(store.abort_upload, stream)
         return committed_of(manifest)
+
+    async def _begin_stream(self, km: Any, owner: str, kernel_id: str) -> Upload:
+        """Ask the kernel how big its checkpoint will be, then start the upload with part URLs for
+        that size: the kernel streams the parts while it writes (``ObjectCheckpointStore.begin_stream``)."""
+        reply = await self._silent(km, "pass", ESTIMATE_EXPRESSION, 60, name="estimate")
+        try:
+            estimate = int(_expression(reply, "estimate") or 0)
+        except ValueError:
+            estimate = 0  # a wrong estimate costs a second round of parts, nothing else
+        store = self.runtime.checkpoints
+        try:
+            return await asyncio.to_thread(store.begin_stream, owner, kernel_id, estimate)
+        except Exception as exc:
+            raise LifecycleError(f"the object store refused the upload: {exc}", 502) from None
 
     async def _collect(self, collect: Callable[[], Any]) -> None:
         try:
@@ -285,11 +332,20 @@ class JupyterKernelPlatform:
         except RuntimeError as exc:
             raise LifecycleError(str(exc), 500) from None
 
-    async def _commit(self, km: Any, owner: str, kernel_id: str, reported: str) -> Any:
+    async def _commit(
+        self,
+        km: Any,
+        owner: str,
+        kernel_id: str,
+        reported: str,
+        stream: Upload | None = None,
+        uploaded: str | None = None,
+    ) -> Any:
         """Record the checkpoint the kernel reported: its signed manifest, verified with the owner's
         key (never a checkpoint inferred from the store's listing or ``current``). With an object
-        store, the kernel first sends ``data.bin`` through presigned part URLs; the server then
-        completes the upload and writes the manifest last (the commit)."""
+        store, the kernel sent ``data.bin``'s parts while it wrote it (``stream``; the parts past
+        the URLs it had go now, from its local copy); the server then completes the upload and
+        writes the manifest last (the commit)."""
         store = self.runtime.checkpoints
         try:
             manifest = await asyncio.to_thread(store.commit, owner, kernel_id, reported)
@@ -299,27 +355,35 @@ class JupyterKernelPlatform:
             ) from None
         if not store.uploads:
             return manifest
+        if stream is None or manifest.checkpoint_id != stream.checkpoint_id:
+            raise LifecycleError(
+                f"the kernel reported checkpoint {manifest.checkpoint_id}, not the one it was asked to "
+                f"write ({stream.checkpoint_id if stream else 'none'})",
+                500,
+            )
+        etags = _etags(uploaded)
         try:
-            upload = await asyncio.to_thread(store.begin_upload, owner, kernel_id, manifest)
-        except Exception as exc:
-            raise LifecycleError(f"the object store refused the upload: {exc}", 502) from None
+            upload = await asyncio.to_thread(store.stream_urls, stream, manifest.data_bytes)
+        except ValueError as exc:
+            raise LifecycleError(f"the checkpoint cannot be uploaded: {exc}", 507) from None
         try:
-            code = upload_code(manifest.checkpoint_id, upload.urls, upload.part_size, upload.checkpoint_key)
-            reply = await self._silent(km, code, UPLOAD_EXPRESSION, self.checkpoint_timeout)
-            etags = json.loads(_expression(reply, "upload") or "null")
-            if not isinstance(etags, list) or not all(isinstance(tag, str) for tag in etags):
-                raise LifecycleError("the kernel did not report the uploaded parts", 500)
+            if len(etags) < len(upload.urls):  # it outgrew the estimate: the rest from its copy
+                code = upload_code(
+                    manifest.checkpoint_id,
+                    upload.urls[len(etags) :],
+                    upload.part_size,
+                    upload.checkpoint_key,
+                    first_part=len(etags),
+                )
+                reply = await self._silent(km, code, UPLOAD_EXPRESSION, self.checkpoint_timeout)
+                etags += _etags(_expression(reply, "upload"))
             await asyncio.to_thread(store.finish_upload, upload, etags, reported)
-        except BaseException as exc:
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(store.abort_upload, upload)
-            if isinstance(exc, LifecycleError | KernelDied | asyncio.CancelledError):
-                raise
-            if isinstance(exc, Exception):
-                raise LifecycleError(
-                    f"the checkpoint could not be committed to the object store: {exc}", 502
-                ) from None
+        except (LifecycleError, KernelDied, asyncio.CancelledError):
             raise
+        except Exception as exc:
+            raise LifecycleError(
+                f"the checkpoint could not be committed to the object store: {exc}", 502
+            ) from None
         return manifest
 
     async def _committed_by_the_kernel(self, owner: str, kernel_id: str) -> Committed | None:
@@ -334,13 +398,22 @@ class JupyterKernelPlatform:
         known = record.committed if record else None
         return await newer_checkpoint(self.runtime.checkpoints, owner, kernel_id, known, self.host.log)
 
-    async def _run_checkpoint(self, km: Any) -> tuple[dict[str, Any], int, str | None]:
+    async def _run_checkpoint(
+        self, km: Any, stream: Upload | None = None
+    ) -> tuple[dict[str, Any], int, str | None, str | None]:
         """Run the agent's checkpoint through a private client.
 
         Returns the kernel_info content, the number of the last cell the user ran (a silent
-        execute's reply carries it without counting itself) and the manifest (JSON) the kernel
-        reports it committed (``None`` from an agent that does not report it).
+        execute's reply carries it without counting itself), the manifest (JSON) the kernel
+        reports it committed (``None`` from an agent that does not report it) and, with a
+        ``stream`` (an object store's upload), the ETags (JSON) of the parts it sent meanwhile.
         """
+        code, expressions = CHECKPOINT_CODE, {"commit": COMMIT_EXPRESSION}
+        if stream is not None:
+            code = streaming_checkpoint_code(
+                stream.checkpoint_id, stream.urls, stream.part_size, stream.checkpoint_key
+            )
+            expressions["upload"] = UPLOAD_EXPRESSION
         client = shell_client(km)
         pid = self.pid_of(km)
         try:
@@ -349,11 +422,11 @@ class JupyterKernelPlatform:
             info_id = try_send(client.kernel_info)
             msg_id = try_send(
                 lambda: client.execute(
-                    CHECKPOINT_CODE,
+                    code,
                     silent=True,
                     store_history=False,
                     allow_stdin=False,
-                    user_expressions={"commit": COMMIT_EXPRESSION},
+                    user_expressions=expressions,
                 )
             )
             if (
@@ -371,9 +444,12 @@ class JupyterKernelPlatform:
             dict(info["content"]),
             count if isinstance(count, int) and count > 0 else 0,
             _expression(reply, "commit"),
+            _expression(reply, "upload") if stream is not None else None,
         )
 
-    async def _silent(self, km: Any, code: str, expression: str, timeout: float) -> dict[str, Any]:
+    async def _silent(
+        self, km: Any, code: str, expression: str, timeout: float, name: str = "upload"
+    ) -> dict[str, Any]:
         """The reply to a silent execute of the agent's ``code`` with one user ``expression``."""
         client = shell_client(km)
         pid = self.pid_of(km)
@@ -384,7 +460,7 @@ class JupyterKernelPlatform:
                     silent=True,
                     store_history=False,
                     allow_stdin=False,
-                    user_expressions={"upload": expression},
+                    user_expressions={name: expression},
                 )
             )
             if msg_id is None:

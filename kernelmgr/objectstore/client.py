@@ -160,11 +160,12 @@ class Bucket:
             )
         return upload_id
 
-    def part_urls(self, key: str, upload_id: str, count: int, expires: int) -> list[str]:
-        """Presigned PUT URLs for parts 1..``count`` of an upload (all a kernel needs to send the data)."""
+    def part_urls(self, key: str, upload_id: str, count: int, expires: int, first: int = 1) -> list[str]:
+        """Presigned PUT URLs for ``count`` parts of an upload from part ``first`` (all a kernel
+        needs to send the data)."""
         return [
             self.presign("PUT", key, expires, {"partNumber": str(n), "uploadId": upload_id})
-            for n in range(1, count + 1)
+            for n in range(first, first + count)
         ]
 
     def complete_upload(self, key: str, upload_id: str, etags: list[str]) -> None:

@@ -2,8 +2,11 @@
 
 The bucket is the truth; the local folders of :class:`~kernelmgr.checkpoint_store.CheckpointStore`
 (under ``checkpoint_root``, on the server's own disk, never shared) are the kernels' scratch space:
-a kernel writes its checkpoint there as it always does, then sends ``data.bin`` straight to the
-bucket through presigned part URLs, and reads it back on resume by parallel ranged GETs. The
+the server starts the multipart upload before the checkpoint (:meth:`ObjectCheckpointStore.
+begin_stream`: it names the checkpoint, and presigns part URLs for the kernel's estimate of its
+size), the kernel writes its checkpoint there as it always does and sends each part of
+``data.bin`` straight to the bucket as soon as that part is written (the upload overlaps the
+write), and reads it back on resume by parallel ranged GETs. The
 kernel holds no credential: every URL is good for one request on one key under its owner's and
 kernel's prefix, for ``presign_seconds``.
 
@@ -25,13 +28,14 @@ Blocking (standard library HTTP): the lifecycle calls it in a worker thread.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import threading
 from typing import Any
 
 from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.errors import CheckpointRefused
-from kernelmgr.checkpoint.layout import CURRENT, DATA_FILE, MANIFEST_FILE, is_checkpoint_id
+from kernelmgr.checkpoint.layout import CURRENT, DATA_FILE, MANIFEST_FILE, is_checkpoint_id, new_checkpoint_id
 from kernelmgr.checkpoint.safedir import UnsafePath
 from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest
 from kernelmgr.checkpoint_store import CheckpointStore, Upload, _check_component, log
@@ -114,14 +118,48 @@ class ObjectCheckpointStore(CheckpointStore):
         size = manifest.data_bytes
         part_size = max(self.part_size, -(-size // MAX_PARTS))
         part_size += -part_size % 16  # whole cipher blocks, so each part encrypts on its own
+        return self._start(owner, kernel_id, manifest.checkpoint_id, part_size, part_count(size, part_size))
+
+    def begin_stream(self, owner: str, kernel_id: str, estimate: int) -> Upload:
+        """Start the upload of a checkpoint not written yet (its id chosen here, the kernel writes
+        under it), with part URLs for ``estimate`` bytes and an eighth more: the kernel sends the
+        parts while it writes the checkpoint. :meth:`stream_urls` adds any it outgrows."""
+        budget = max(0, estimate) + max(0, estimate) // 8
+        part_size = max(self.part_size, -(-budget // MAX_PARTS))
+        part_size += -part_size % (1 << 20)  # whole MiB: whole cipher blocks and pages
+        count = min(MAX_PARTS, part_count(budget + part_size, part_size))
+        return self._start(owner, kernel_id, new_checkpoint_id(), part_size, count)
+
+    def stream_urls(self, upload: Upload, size: int) -> Upload:
+        """The upload with exactly the part URLs ``size`` bytes need (more presigned when the
+        checkpoint outgrew the estimate; ``ValueError`` past S3's limit of parts)."""
+        needed = part_count(size, upload.part_size)
+        if needed > MAX_PARTS:
+            raise ValueError(
+                f"the checkpoint ({size} bytes) needs {needed} parts of {upload.part_size} bytes, "
+                f"more than the {MAX_PARTS} an upload may have"
+            )
+        urls = upload.urls[:needed]
+        if needed > len(urls):
+            urls += self.bucket.part_urls(
+                upload.key, upload.upload_id, needed - len(urls), self.presign_seconds, first=len(urls) + 1
+            )
+        return dataclasses.replace(upload, urls=urls)
+
+    def _start(self, owner: str, kernel_id: str, checkpoint_id: str, part_size: int, count: int) -> Upload:
         encrypted = self.envelope is not None
-        key = self.key(owner, kernel_id, manifest.checkpoint_id, self._names(encrypted)[0])
-        secret = self._checkpoint_key(owner, manifest.checkpoint_id).hex() if encrypted else ""
+        key = self.key(owner, kernel_id, checkpoint_id, self._names(encrypted)[0])
+        secret = self._checkpoint_key(owner, checkpoint_id).hex() if encrypted else ""
         with self._lock:
-            self._uploading.add((owner, kernel_id, manifest.checkpoint_id))
-        upload_id = self.bucket.start_upload(key)
-        urls = self.bucket.part_urls(key, upload_id, part_count(size, part_size), self.presign_seconds)
-        return Upload(owner, kernel_id, manifest.checkpoint_id, key, upload_id, urls, part_size, secret)
+            self._uploading.add((owner, kernel_id, checkpoint_id))
+        try:
+            upload_id = self.bucket.start_upload(key)
+        except BaseException:
+            with self._lock:
+                self._uploading.discard((owner, kernel_id, checkpoint_id))
+            raise
+        urls = self.bucket.part_urls(key, upload_id, count, self.presign_seconds)
+        return Upload(owner, kernel_id, checkpoint_id, key, upload_id, urls, part_size, secret)
 
     def finish_upload(self, upload: Upload, etags: list[str], reported: str) -> None:
         """Complete ``data.bin``, check its size, then write the manifest (only if new): the commit."""

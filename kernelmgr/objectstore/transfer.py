@@ -9,10 +9,12 @@ bytes so the existing "restoring N of M MiB" figures keep working.
 from __future__ import annotations
 
 import http.client
+import mmap
+import os
 import threading
 import urllib.parse
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 #: S3 refuses parts under 5 MiB (but the last); bigger parts mean fewer requests.
 DEFAULT_PART_SIZE = 32 * 1024 * 1024
@@ -75,19 +77,22 @@ def upload_parts(
     workers: int = DEFAULT_WORKERS,
     on_progress: Progress | None = None,
     transform: Transform | None = None,
+    first: int = 0,
 ) -> list[str]:
     """Send ``data`` as ``len(urls)`` parts of ``part_size`` (the last shorter), in parallel; their ETags.
 
-    ``transform(offset, part)`` gives the bytes sent for a part (its offset in ``data``)."""
-    if len(urls) != part_count(len(data), part_size):
-        raise ValueError(
-            f"{len(data)} bytes in parts of {part_size} need {part_count(len(data), part_size)} URLs"
-        )
+    ``transform(offset, part)`` gives the bytes sent for a part (its offset in ``data``).
+    ``first``: the parts before it went already (streamed while ``data`` was written); ``urls``
+    are those of the parts from ``first`` on."""
+    needed = part_count(len(data), part_size) - first
+    if len(urls) != needed:
+        raise ValueError(f"{len(data)} bytes in parts of {part_size} from part {first} need {needed} URLs")
     lock = threading.Lock()
 
-    def send(n: int) -> str:
+    def send(i: int) -> str:
+        n = first + i
         piece = data[n * part_size : (n + 1) * part_size]
-        etag = put(urls[n], piece if transform is None else transform(n * part_size, piece))
+        etag = put(urls[i], piece if transform is None else transform(n * part_size, piece))
         if on_progress is not None:
             with lock:
                 on_progress(len(piece))
@@ -95,6 +100,115 @@ def upload_parts(
 
     with ThreadPoolExecutor(max_workers=max(1, min(workers, len(urls)))) as pool:
         return list(pool.map(send, range(len(urls))))
+
+
+class PartStreamer:
+    """The parts of an upload sent while the file they come from is still being written.
+
+    The writer calls :meth:`settled` as the file becomes final up to an offset; each part that is
+    whole by then is queued for one of ``workers`` threads, which maps its range of the file
+    (the page cache: no copy), applies ``transform`` (encryption, into one buffer per thread)
+    and sends it. The writer never waits: parts queue as offsets, not bytes, so the memory an
+    upload holds is at most ``workers`` parts in flight (:attr:`peak_in_flight` counts them)
+    whatever the file's size. Parts past the last URL are left for :func:`upload_parts`
+    (``first=``) once the size is known. A failed part stops the queueing; :meth:`finish`
+    raises its error.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        part_size: int = DEFAULT_PART_SIZE,
+        workers: int = DEFAULT_WORKERS,
+        transform: Transform | None = None,
+        on_progress: Progress | None = None,
+    ) -> None:
+        self.urls = urls
+        self.part_size = part_size
+        self.transform = transform
+        self.on_progress = on_progress
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="ckpt-upload")
+        self._futures: list[Future[str]] = []
+        self._fd: int | None = None
+        self._lock = threading.Lock()
+        self._failed: BaseException | None = None
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        #: Parts queued before the file was whole (sent while it was still being written).
+        self.streamed_early = 0
+
+    def settled(self, fd: int, offset: int) -> None:
+        """``fd``'s file is final before ``offset``: queue the parts that are whole."""
+        if self._fd is None:
+            self._fd = os.dup(fd)  # the writer closes its own before the last parts have gone
+        while (
+            self._failed is None
+            and len(self._futures) < len(self.urls)
+            and (len(self._futures) + 1) * self.part_size <= offset
+        ):
+            self._queue(self.part_size)
+            self.streamed_early += 1
+
+    def _queue(self, length: int) -> None:
+        future = self._pool.submit(self._send, len(self._futures), length)
+        future.add_done_callback(self._done)
+        self._futures.append(future)
+
+    def _done(self, future: Future[str]) -> None:
+        error = None if future.cancelled() else future.exception()
+        if error is not None and self._failed is None:
+            self._failed = error
+
+    def _send(self, n: int, length: int) -> str:
+        with self._lock:
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            offset = n * self.part_size
+            if length == 0:
+                return put(self.urls[n], b"")
+            assert self._fd is not None
+            start = offset - offset % mmap.ALLOCATIONGRANULARITY
+            size = offset - start + length
+            with mmap.mmap(self._fd, size, access=mmap.ACCESS_READ, offset=start) as region:
+                view = memoryview(region)[offset - start :]
+                try:
+                    etag = put(self.urls[n], view if self.transform is None else self.transform(offset, view))
+                finally:
+                    view.release()
+            if self.on_progress is not None:
+                with self._lock:
+                    self.on_progress(length)
+            return etag
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def finish(self, size: int, fd: int | None = None) -> list[str]:
+        """The file is whole at ``size`` bytes: send the rest the URLs cover; the ETags of every
+        part sent (fewer than the file's parts when it outgrew the URLs)."""
+        try:
+            if self._fd is None and fd is not None:
+                self._fd = os.dup(fd)
+            total = part_count(size, self.part_size)
+            while self._failed is None and len(self._futures) < min(total, len(self.urls)):
+                n = len(self._futures)
+                self._queue(min(self.part_size, size - n * self.part_size))
+            etags = [future.result() for future in self._futures]
+            if self._failed is not None:
+                raise self._failed
+            return etags
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop: parts not started are dropped, those in flight are waited for."""
+        for future in self._futures:
+            future.cancel()
+        self._pool.shutdown(wait=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def download(
