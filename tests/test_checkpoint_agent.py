@@ -503,3 +503,19 @@ def test_a_kernel_checkpoints_itself_and_exits_when_its_server_dies(
     summary = store.summary(OWNER, KERNEL)
     assert summary is not None and summary["saved"] == ["x", "time", "y"]  # waited for the running cell
     assert (tmp_path / "notes.txt").read_text() == "unsaved work"  # flushed before the exit
+
+
+def test_an_upload_the_store_refuses_reports_its_own_error(
+    monkeypatch: pytest.MonkeyPatch, store: CheckpointStore
+) -> None:
+    """A store that cannot be reached mid-upload: the error says so. Before, a part's slice
+    still held the file's mapping and closing it raised BufferError, which hid the cause."""
+    shell = new_shell(monkeypatch, agent_env(store, restore=False))
+    run(shell, "x = 1")
+    assert agent._AGENT is not None and agent._AGENT.config is not None
+    folder = agent._AGENT.config.kernel_dir / "c1"
+    folder.mkdir(parents=True)
+    (folder / "data.bin").write_bytes(os.urandom(3 * 2**20))
+    unreachable = [f"http://127.0.0.1:9/part-{n}" for n in (1, 2, 3)]  # the discard port: refused
+    with pytest.raises(CheckpointFailed, match="could not be uploaded: ConnectionRefusedError"):
+        agent._AGENT.upload({"checkpoint": "c1", "urls": unreachable, "part_size": 2**20})
