@@ -185,6 +185,34 @@ del _t, _hang
 """
 
 
+def killed_mid_upload(
+    server: RunningServer, bucket: Any, kernel_id: str, state: str, hang: str, marker: Path
+) -> str:
+    """Hibernate once (``state`` in the kernel), then again with ``hang`` holding the upload
+    until ``marker`` appears, and SIGKILL the kernel there: the hibernation fails, and the first
+    checkpoint is still the bucket's only commit. Returns that checkpoint's id."""
+    server.execute(kernel_id, state)
+    reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+    assert reply.status == 200, reply
+    owner = reply.body["owner"]
+    first = current(bucket, owner, kernel_id)
+    assert first is not None
+    pid = int(server.execute(kernel_id, "balance = 0\nimport os; print(os.getpid())", timeout=120))
+    server.execute(kernel_id, hang.format(marker=str(marker)), timeout=60)
+    replies: list[Any] = []
+    hibernating = threading.Thread(
+        target=lambda: replies.append(server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate"))
+    )
+    hibernating.start()
+    wait_for(marker.exists, timeout=120, what="the kernel to be uploading")
+    os.kill(pid, signal.SIGKILL)
+    hibernating.join(timeout=180)
+    assert replies and replies[0].status >= 500, replies
+    assert current(bucket, owner, kernel_id) == first
+    assert committed_ids(bucket, owner, kernel_id) == {first}
+    return first
+
+
 def test_a_kernel_killed_mid_upload_leaves_the_previous_checkpoint(
     tmp_path: Path, s3: S3Server, request: pytest.FixtureRequest
 ) -> None:
@@ -193,30 +221,9 @@ def test_a_kernel_killed_mid_upload_leaves_the_previous_checkpoint(
     server = s3_server(tmp_path, s3, name)
     try:
         kernel_id = server.start_kernel("python3-gpu-small")
-        server.execute(kernel_id, "balance = 100")
-        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
-        assert reply.status == 200, reply
-        owner = reply.body["owner"]
-        first = current(bucket, owner, kernel_id)
-        assert first is not None
-
-        marker = tmp_path / "uploading"
-        pid = int(server.execute(kernel_id, "balance = 0\nimport os; print(os.getpid())", timeout=120))
-        server.execute(kernel_id, HANG_UPLOAD.format(marker=str(marker)), timeout=60)
-        replies: list[Any] = []
-        hibernating = threading.Thread(
-            target=lambda: replies.append(
-                server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
-            )
+        first = killed_mid_upload(
+            server, bucket, kernel_id, "balance = 100", HANG_UPLOAD, tmp_path / "uploading"
         )
-        hibernating.start()
-        wait_for(marker.exists, timeout=120, what="the kernel to start uploading")
-        os.kill(pid, signal.SIGKILL)
-        hibernating.join(timeout=180)
-        assert replies and replies[0].status >= 500, replies
-
-        assert current(bucket, owner, kernel_id) == first
-        assert committed_ids(bucket, owner, kernel_id) == {first}
         # The previous checkpoint stands (as with a file system: test_hibernation_local.py).
         model = server.get(f"/api/elastic/kernels/{kernel_id}")
         assert model["state"] in ("running", "starting", "dead"), model
@@ -590,30 +597,10 @@ def test_a_kernel_killed_mid_stream_leaves_the_previous_checkpoint(
     server = s3_server(tmp_path, s3, name, part_size_mib=5)
     try:
         kernel_id = server.start_kernel("python3-gpu-small")
-        server.execute(kernel_id, STATE_24_MIB)
-        reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
-        assert reply.status == 200, reply
-        owner = reply.body["owner"]
-        first = current(bucket, owner, kernel_id)
-        assert first is not None
-
-        marker = tmp_path / "streaming"
-        pid = int(server.execute(kernel_id, "balance = 0\nimport os; print(os.getpid())", timeout=120))
-        server.execute(kernel_id, HANG_SECOND_PART.format(marker=str(marker)), timeout=60)
-        replies: list[Any] = []
-        hibernating = threading.Thread(
-            target=lambda: replies.append(
-                server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
-            )
+        first = killed_mid_upload(
+            server, bucket, kernel_id, STATE_24_MIB, HANG_SECOND_PART, tmp_path / "streaming"
         )
-        hibernating.start()
-        wait_for(marker.exists, timeout=120, what="the kernel to be streaming its second part")
-        os.kill(pid, signal.SIGKILL)
-        hibernating.join(timeout=180)
-        assert replies and replies[0].status >= 500, replies
-
-        assert current(bucket, owner, kernel_id) == first
-        assert committed_ids(bucket, owner, kernel_id) == {first}
+        owner = server.get(f"/api/elastic/kernels/{kernel_id}")["owner"]
         # The upload the kernel was streaming into was aborted: its first part is gone too.
         assert open_uploads(bucket, f"{owner}/{kernel_id}/") == []
         model = server.get(f"/api/elastic/kernels/{kernel_id}")
