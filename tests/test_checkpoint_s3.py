@@ -525,9 +525,9 @@ def _watch(marker={marker!r}):
         etag = put(url, data, timeout)
         sent.set()
         return etag
-    def waiting_write_manifest(path, manifest):
+    def waiting_write_manifest(path, manifest, *rest):
         pathlib.Path(marker).write_text("before" if sent.wait(120) else "after")
-        write_manifest(path, manifest)
+        write_manifest(path, manifest, *rest)
     t.put, w._write_manifest = counted_put, waiting_write_manifest
 _watch()
 del _watch
