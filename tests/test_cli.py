@@ -355,6 +355,9 @@ def test_ctrl_c_on_a_waiting_resume_cancels_the_wait_on_the_server(plain_server:
             stderr=subprocess.PIPE,
             text=True,
             env=plain_server.env,
+            # Ctrl-C as at a terminal: a suite started in the background (a CI runner, `cmd &`)
+            # hands its children SIGINT ignored, and an ignored signal stays ignored across exec.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         assert process.stderr is not None
         lines: list[str] = []
