@@ -816,6 +816,14 @@ def test_an_upgrade_from_the_registry_file_imports_it_once(cluster: PodCluster, 
     from kernelmgr.lifecycle.records import KernelRecord, KernelStateFile
 
     selector = "elastic.jupyter.org/component=kernel-record"
+    # Earlier tests in this namespace left hibernated kernels' records (their servers are gone):
+    # this upgrade starts from an install whose only kernel is this test's.
+    cluster.core.delete_collection_namespaced_config_map(NAMESPACE, label_selector=selector)
+    wait_for(
+        lambda: not cluster.core.list_namespaced_config_map(NAMESPACE, label_selector=selector).items,
+        60,
+        "no earlier record ConfigMap",
+    )
     first = start_server(tmp_path, cluster.config())
     try:
         kernel_id = first.start_kernel(SIZE)

@@ -323,6 +323,9 @@ def test_a_kernel_pod_without_a_claim_hibernates_through_the_object_store_and_re
     through presigned part URLs, and its next pod reads it back by presigned ranged GETs."""
     from tests.support.s3 import running_s3
 
+    # The image as the module imported it: seen missing here once after the module's other pods
+    # (a pull of the same image by another name ran just before); importing again is idempotent.
+    assert kernel_image in node.import_image(Path(images_script("export").split()[0]))
     core.patch_node_status(node.name, {"status": {"capacity": {"nvidia.com/gpu": "1"}}})
     wait_for(
         lambda: core.read_node(node.name).status.allocatable.get("nvidia.com/gpu") == "1",
