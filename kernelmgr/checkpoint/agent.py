@@ -313,10 +313,8 @@ def _close_mapping(region: mmap.mmap | None) -> None:
     that slice goes)."""
     if region is None:
         return
-    try:
+    with contextlib.suppress(BufferError):
         region.close()
-    except BufferError:
-        pass
 
 
 class _Agent:
