@@ -547,6 +547,8 @@ def test_the_server_runs_with_only_the_shipped_rbac(cluster: PodCluster, tmp_pat
     config["ElasticKubernetesProvisioner"]["warm_pods"] = {"whole": {"count": 1}}
     running = start_server(tmp_path, config)
     try:
+        # The GPU sizes are offered once the node watch has listed the nodes' GPUs.
+        wait_for(lambda: running.get("/api/elastic/gpus")["devices"], 60, "the nodes' GPUs listed")
         kernel_id = running.start_kernel(SIZE)
         assert running.execute(kernel_id, "x = 41; print(x)").strip() == "41"
         wait_for(lambda: model(running, kernel_id)["checkpoint"], 60, "a background checkpoint")
