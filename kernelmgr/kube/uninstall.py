@@ -38,6 +38,7 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.config.incluster_config import InClusterConfigLoader
 
+from kernelmgr.kube.image_awaiter import api_message
 from kernelmgr.kube.labels import COMPONENT_LABEL as COMPONENT_NAME
 from kernelmgr.kube.labels import FAILED_KERNEL, KERNEL, KERNEL_ID_LABEL, WARM_KERNEL, common_labels
 from kernelmgr.kube.namespaces import namespace_for
@@ -183,14 +184,6 @@ def _listed(lister: Callable[..., Any], namespaces: Iterable[str] | None, select
     if namespaces is None:
         return list(lister(label_selector=selector).items)
     return [item for ns in namespaces for item in lister(ns, label_selector=selector).items]
-
-
-def api_message(err: ApiException) -> str:
-    try:
-        message = str(json.loads(err.body or "")["message"])
-    except (ValueError, KeyError, TypeError):
-        message = str(err.reason)
-    return f"{err.status} {' '.join(message.split())}"
 
 
 def main(argv: list[str] | None = None) -> int:
