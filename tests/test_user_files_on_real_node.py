@@ -369,7 +369,7 @@ def test_a_pytorch_kernelspec_runs_its_argv_and_a_dataloader_with_workers_on_the
     )
     server = start_server(tmp_path, config)
     try:
-        gpu = server.start_kernel("torch-gpu-whole")
+        gpu = server.start_kernel("torch-gpu-whole", timeout=300)  # a first start unpacks the large image
         pod = kernel_pod(core, gpu)
         assert (pod.spec.node_name, pod.spec.containers[0].image) == (node.name, torch_image)
         inside = (
@@ -385,7 +385,7 @@ def test_a_pytorch_kernelspec_runs_its_argv_and_a_dataloader_with_workers_on_the
         assert said == "ok [6, 22, 38, 54]", said
         server.shutdown_kernel(gpu)
 
-        cpu = server.start_kernel("torch-cpu")
+        cpu = server.start_kernel("torch-cpu", timeout=300)
         pod = kernel_pod(core, cpu)
         assert not [volume for volume in pod.spec.volumes if volume.name == "dshm"]
         said = server.execute(cpu, DATALOADER_CELL, timeout=300).strip()

@@ -239,8 +239,8 @@ class RunningServer:
         assert reply.status == 200, (path, reply)
         return reply.body
 
-    def start_kernel(self, name: str) -> str:
-        reply = self.request("POST", "/api/kernels", {"name": name})
+    def start_kernel(self, name: str, timeout: float = 60) -> str:
+        reply = self.request("POST", "/api/kernels", {"name": name}, timeout=timeout)
         assert reply.status == 201, reply
         return str(reply.body["id"])
 
