@@ -28,7 +28,7 @@ from jupyter_server.utils import ensure_async
 from tornado import web
 
 from gateway.access import GatewayAccess
-from gateway.hub_ids import IdentityRefused
+from gateway.hub_ids import IdentityRefused, IdentityUnknownYet
 from kernelmgr import compat
 from kernelmgr.core.kernels import requesting_owner
 from kernelmgr.server.errors import http_error, no_such_kernel
@@ -125,13 +125,16 @@ class MainKernelHandler(kernel_handlers.MainKernelHandler):
 
 async def _check_owner_ids(access: GatewayAccess, owner: str) -> None:
     """403 saying what the admin must fix when the user's uid cannot be known (their auth state
-    lacks it), before anything is reserved; the pod's start asks again (cached)."""
+    lacks it), 503 while the Hub cannot be asked for a uid never read, before anything is reserved;
+    the pod's start asks again (cached)."""
     source = access.runtime.owner_ids
     kube = access.runtime.kube
     if source is None or (kube is not None and owner in kube.settings.user_ids):
         return  # the admin's user_ids wins where it names the user
     try:
         await source.ids_of(owner)
+    except IdentityUnknownYet as exc:
+        raise http_error(503, f"your kernels cannot start now: {exc.message}") from None
     except IdentityRefused as exc:
         raise http_error(403, f"your kernels cannot start: {exc.message}") from None
 

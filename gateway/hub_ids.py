@@ -36,6 +36,11 @@ class IdentityRefused(ElasticError):
     """The owner has no usable uid in their auth state (or the Hub would not say): refuse the kernel."""
 
 
+class IdentityUnknownYet(IdentityRefused):
+    """The Hub cannot be reached and the owner's uid was never read: refused for now (a 503, not a
+    403: nothing is wrong with the user, and the same start works when the Hub is back)."""
+
+
 def parse_setting(raw: Any) -> dict[str, Any]:
     """The checked setting: ``{"uid": path, "gid": path, "uid_base": N, "gid_base": N}`` (gid and
     bases optional). A path names a key of the auth state, dots for nested keys
@@ -134,7 +139,7 @@ class HubUserIds:
                 state = await self._auth_state(owner)
             except _HubUnreachable as exc:
                 if cached is None:
-                    raise IdentityRefused(
+                    raise IdentityUnknownYet(
                         f"no uid for {owner!r} yet: the Hub could not be asked for their auth state ({exc}); "
                         "try again when the Hub is back"
                     ) from None

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -90,11 +91,11 @@ def cluster(kube_plane: ControlPlane, kube_api: Any, kube_runner: NodeRunner) ->
         yield made
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hub, str, str, Path]]:
+@contextmanager
+def running_hub(tmp: Path) -> Iterator[tuple[Hub, str, str, Path]]:
     """The Hub and the gateway service's token (the Hub does not run the gateway here)."""
     proxy = require_proxy()
-    tmp = tmp_path_factory.mktemp("hub-ids")
+    tmp.mkdir(parents=True, exist_ok=True)
     state = Path(tempfile.mkdtemp(prefix="ekt-hub-ids-"))
     token = secrets.token_hex(16)
     hub_port, api_port, proxy_api_port = free_port(), free_port(), free_port()
@@ -140,16 +141,32 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hub, str, st
         wait_for(up, 120, "JupyterHub to answer")
         yield made, f"http://127.0.0.1:{api_port}/hub/api", token, ids_file
     finally:
+        stop_hub(made)
+
+
+def stop_hub(hub: Hub) -> None:
+    """SIGTERM the Hub (it stops its proxy), then kill what is left; a stopped one is left as is."""
+    proc = hub.proc
+    if proc.poll() is None:
         proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
 
 
-def start_gateway(home: Path, cluster: PodCluster, api_url: str, service_token: str) -> RunningServer:
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Hub, str, str, Path]]:
+    with running_hub(tmp_path_factory.mktemp("hub-ids")) as made:
+        yield made
+
+
+def start_gateway(
+    home: Path, cluster: PodCluster, api_url: str, service_token: str, **sections: dict[str, Any]
+) -> RunningServer:
     config = cluster.config(user_ids=ADMIN_MAP)
+    config.update(sections)
     config["ElasticGateway"] = {
         "auth": "jupyterhub",
         "user_ids_from_auth_state": {"uid": "user_attributes.uidNumber", "gid": "user_attributes.gidNumber"},
@@ -239,6 +256,60 @@ def test_kernel_pods_run_as_the_uid_in_the_users_auth_state_and_a_user_without_o
         server.stop()
         for owner in ("alice", "bob", "ada"):
             folder = cluster.checkpoints / owner
+            if folder.exists():
+                os.chown(folder, os.getuid(), os.getgid())  # as the other tests expect it
+
+
+def test_while_the_hub_is_unreachable_a_known_user_keeps_their_uid_and_an_unknown_one_is_told_why(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    """The Hub's answer is kept past user_ids_refresh_seconds while the Hub cannot be asked: a
+    kernel never starts as another uid (run_as_user), and a user whose uid was never read is told
+    the Hub is unreachable rather than refused for good."""
+    with running_hub(tmp_path / "hub") as (the_hub, api_url, service_token, _):
+        tokens = {user: the_hub.login_token(user) for user in ("alice", "bob", "carol")}
+        # The gateway's token checks stay cached while the Hub is away (they are HubAuth's, not ours).
+        home = tmp_path / "gateway"
+        server = start_gateway(home, cluster, api_url, service_token, HubAuth={"cache_max_age": 3600})
+        started: list[str] = []
+        try:
+            reply = server.request("POST", "/api/kernels", {"name": "python3-cpu"}, token=tokens["alice"])
+            assert reply.status == 201, (reply, server.log()[-3000:])
+            started.append(reply.body["id"])
+            context = cluster.running_pod(reply.body["id"]).spec.security_context
+            assert (context.run_as_user, context.run_as_group) == (5101, 5102)
+            # bob's token is known to the gateway, his uid is not (he has started nothing yet).
+            listed = server.request("GET", "/api/kernels", token=tokens["bob"])
+            assert listed.status == 200 and listed.body == [], listed
+
+            stop_hub(the_hub)  # the refresh interval (0) has passed: every start asks the Hub again
+            with pytest.raises(OSError):
+                the_hub.api("GET", "/hub/api/", service_token)
+
+            reply = server.request("POST", "/api/kernels", {"name": "python3-cpu"}, token=tokens["alice"])
+            assert reply.status == 201, (reply, server.log()[-3000:])
+            started.append(reply.body["id"])
+            context = cluster.running_pod(reply.body["id"]).spec.security_context
+            assert (context.run_as_user, context.run_as_group) == (5101, 5102)
+            assert "alice's uid from the cache: Hub unreachable" in server.log()
+
+            refused = server.request("POST", "/api/kernels", {"name": "python3-cpu"}, token=tokens["bob"])
+            assert refused.status == 503, (refused, server.log()[-3000:])
+            assert "bob" in refused.body["message"] and "Hub" in refused.body["message"], refused
+            assert "could not be asked" in refused.body["message"], refused
+            # carol's token was never checked: the Hub's client library says it cannot reach the Hub.
+            refused = server.request("POST", "/api/kernels", {"name": "python3-cpu"}, token=tokens["carol"])
+            assert 500 <= refused.status < 600, (refused, server.log()[-3000:])
+            assert "Failed to connect to Hub API" in refused.body["message"], refused
+            owners = {p.metadata.annotations.get("elastic.jupyter.org/owner") for p in cluster.pods()}
+            assert not owners & {"bob", "carol"}, owners
+        finally:
+            for kernel_id in started:
+                server.request("DELETE", f"/api/kernels/{kernel_id}", token=tokens["alice"])
+            for kernel_id in started:
+                wait_for(lambda k=kernel_id: cluster.pod_of(k) is None, 120, "the kernel pod to be deleted")
+            server.stop()
+            folder = cluster.checkpoints / "alice"
             if folder.exists():
                 os.chown(folder, os.getuid(), os.getgid())  # as the other tests expect it
 
