@@ -117,8 +117,9 @@ class ManagedKernel:
     orphan_pid: int | None = None
     #: Set when the kernel was lost rather than hibernated; cleared by the resume that tells it.
     loss: Loss | None = None
-    #: Set while Kubernetes stops the kernel's pod and the kernel checkpoints itself; done
-    #: once the server has taken it over (or it ended otherwise).
+    #: Set while Kubernetes stops the kernel's pod and the kernel checkpoints itself, and from a
+    #: loss's report until its takeover (what notebooks send is held meanwhile); done once the
+    #: server has taken it over (or it ended otherwise).
     stopping: asyncio.Future[None] | None = None
     #: When Kubernetes began stopping the running pod unasked (epoch seconds), once a
     #: provisioner saw it; told with the loss. Cleared by the next launch.

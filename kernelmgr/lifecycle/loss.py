@@ -101,7 +101,8 @@ class KernelLoss:
             done.set_result(None)
 
     def vanished(self, kernel_id: str, why: str, stop_began: float | None = None) -> bool:
-        """A provisioner saw a running kernel vanish: take it over if a checkpoint can bring it back.
+        """A provisioner saw a running kernel vanish: take it over if a checkpoint can bring it back;
+        what notebooks send is held from now until the takeover has ended (``stopped``).
 
         Without one (it never hibernated or checkpointed), ``False``: it ends as a crashed kernel
         does, and jupyter_server's restarter starts it again, empty.
@@ -113,6 +114,11 @@ class KernelLoss:
         km: Any = self.host.get_kernel(kernel_id) if kernel_id in self.host else None
         if km is not None:
             km.stop_restarter()  # now, before the restarter polls again: a restart would start it empty
+        if record.stopping is None:
+            # Held from the report on, as during a pod's stop: until the takeover below has made the
+            # kernel hibernated, it still reads as running, and a message sent to the process that
+            # is gone would never be answered. The resume the message starts waits for the takeover.
+            record.stopping = asyncio.get_running_loop().create_future()
         task = asyncio.ensure_future(self.lost(kernel_id, why, stop_began))
         task.add_done_callback(lambda _task: self.stopped(kernel_id))
         self.tasks.add(task)  # a strong reference until done (drained at exit like the prunes)

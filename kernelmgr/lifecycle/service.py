@@ -122,8 +122,8 @@ class Hibernator:
         return self.controller.state_of(kernel_id)
 
     def is_going_to_sleep(self, kernel_id: str) -> bool:
-        """Hibernating now, or checkpointing itself while its pod is stopped: a message sent to the
-        kernel must wait, or the stop would lose it."""
+        """Hibernating now, checkpointing itself while its pod is stopped, or lost and not yet
+        taken over: a message sent to the kernel must wait, or the stop (or the loss) would lose it."""
         record = self.runtime.kernels.get(kernel_id)
         return record is not None and (record.state is KernelState.HIBERNATING or record.stopping is not None)
 
