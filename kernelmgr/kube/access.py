@@ -16,7 +16,6 @@ tests use it to check that the shipped Role grants every call the code makes.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import sys
@@ -24,6 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
+
+from kernelmgr.kube.status import message_or_body
 
 
 def _shipped(name: str) -> str:
@@ -108,7 +109,7 @@ class KubeRefused(client.ApiException):
         super().__init__(status=exc.status, reason=exc.reason)
         self.body = exc.body
         self.headers = exc.headers
-        said = _api_message(exc)
+        said = message_or_body(exc)
         where = re.search(r'in the namespace "([^"]+)"', said)
         self.verb = verb
         self.resource = resource
@@ -152,16 +153,8 @@ class KubeForbidden(KubeRefused):
 
 def is_rbac_denial(exc: client.ApiException) -> bool:
     """A 403 from the authorizer (RBAC: 'User "x" cannot create resource ...'), not from admission."""
-    said = _api_message(exc)
+    said = message_or_body(exc)
     return exc.status == 403 and (" cannot " in said or "attempting to grant" in said or not said)
-
-
-def _api_message(exc: client.ApiException) -> str:
-    try:
-        body = json.loads(exc.body) if exc.body else {}
-    except (TypeError, ValueError):
-        return str(exc.body or "")
-    return str(body.get("message", "")) if isinstance(body, dict) else ""
 
 
 def forbidden(

@@ -11,7 +11,6 @@ ready and what to do, and the upgrade fails there. It needs only get/list/watch 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -20,6 +19,8 @@ from typing import Any
 
 from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
+
+from kernelmgr.kube.status import api_message
 
 
 class NotReady(RuntimeError):
@@ -53,15 +54,6 @@ def describe(namespace: str, name: str, last: Any, timeout: float) -> str:
         f" pulled (kubectl -n {namespace} describe daemonset {name}); fix the pull or raise"
         " prePuller.hook.timeout (and helm's --timeout above it)"
     )
-
-
-def api_message(err: ApiException) -> str:
-    """The API server's own message (a Status body), else the HTTP status and reason, on one line."""
-    try:
-        message = str(json.loads(err.body or "")["message"])
-    except (ValueError, KeyError, TypeError):
-        message = str(err.reason)
-    return f"{err.status} {' '.join(message.split())}"
 
 
 def wait_ready(

@@ -38,11 +38,11 @@ from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.config.incluster_config import InClusterConfigLoader
 
-from kernelmgr.kube.image_awaiter import api_message
 from kernelmgr.kube.labels import COMPONENT_LABEL as COMPONENT_NAME
 from kernelmgr.kube.labels import FAILED_KERNEL, KERNEL, KERNEL_ID_LABEL, WARM_KERNEL, common_labels
 from kernelmgr.kube.namespaces import namespace_for
 from kernelmgr.kube.records import COMPONENT, COMPONENT_LABEL, OWNER_ANNOTATION, REGISTRY_LABEL, STATE_LABEL
+from kernelmgr.kube.status import api_message
 
 PREFIX = "uninstall:"
 COMPONENTS = (KERNEL, WARM_KERNEL, FAILED_KERNEL)
