@@ -789,7 +789,7 @@ def test_uninstall_hook_reaches_per_user_namespaces_with_its_cluster_role(
             core.delete_namespace(alice)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_image_awaiter_waits_for_every_puller_pod_with_the_charts_rights(
     kube_plane: Any, kube_api: Any, kube_namespace: str, tmp_path: Path
 ) -> None:
@@ -857,7 +857,13 @@ def test_image_awaiter_waits_for_every_puller_pod_with_the_charts_rights(
             status = apps.read_namespaced_daemon_set(HOOK_PULLER, namespace).status
             return status.desired_number_scheduled == 2 and status.number_ready == 1
 
-        wait_for(one_of_two, 60, "one of the two puller pods ready")
+        try:  # the DaemonSet controller and kwok on a loaded machine: a failure budget, not a timing
+            wait_for(one_of_two, 180, "one of the two puller pods ready")
+        except TimeoutError as exc:
+            pods = core.list_namespaced_pod(namespace).items
+            seen = [(p.metadata.name, p.spec.node_name, p.status.phase) for p in pods]
+            status = apps.read_namespaced_daemon_set(HOOK_PULLER, namespace).status
+            raise AssertionError(f"{exc}: {status}, pods {seen}") from None
         late = subprocess.run(
             [*awaiter[:-1], "--timeout=2"], env=env, capture_output=True, text=True, timeout=60
         )
