@@ -22,6 +22,7 @@ from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.connect import write_connection_file
 
 from kernelmgr.checkpoint.keys import write_key_file
+from kernelmgr.checkpoint.launch import wrap
 from kernelmgr.checkpoint.writer import write_checkpoint
 from kernelmgr.objectstore.client import Bucket
 from tests.conftest import INVENTORY, PROFILES
@@ -42,18 +43,15 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         yield server
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, s3: S3Server) -> Iterator[RunningServer]:
-    """Checkpoints in the bucket, resumes through a warm pool of one process."""
-    home = tmp_path_factory.mktemp("prefetch")
-    config: dict[str, Any] = {
+def s3_config(home: Path, s3: S3Server, **elastic: Any) -> dict[str, Any]:
+    return {
         "ElasticKernels": {
             "profiles": PROFILES,
             "gpu_inventory": INVENTORY,
             "reap_interval": 1,
             "checkpoint_root": str(home / "scratch"),
             "checkpoint_store": "s3",
-            "warm_pool": {"python3": {"size": 1, "preload": [PRELOAD], "memory_mib": 2048, "starts": False}},
+            **elastic,
         },
         "S3Checkpoints": {
             "endpoint": s3.endpoint,
@@ -64,8 +62,18 @@ def server(tmp_path_factory: pytest.TempPathFactory, s3: S3Server) -> Iterator[R
             "part_size_mib": 5,
         },
     }
-    env = {ID_ENV: s3.admin.access_key, KEY_ENV: s3.admin.secret_key, "PYTHONPATH": str(REPO)}
-    running = start_server(home, config, env_extra=env)
+
+
+def s3_env(s3: S3Server) -> dict[str, str]:
+    return {ID_ENV: s3.admin.access_key, KEY_ENV: s3.admin.secret_key, "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, s3: S3Server) -> Iterator[RunningServer]:
+    """Checkpoints in the bucket, resumes through a warm pool of one process."""
+    home = tmp_path_factory.mktemp("prefetch")
+    pool = {"python3": {"size": 1, "preload": [PRELOAD], "memory_mib": 2048, "starts": False}}
+    running = start_server(home, s3_config(home, s3, warm_pool=pool), env_extra=s3_env(s3))
     try:
         wait_for(lambda: ready(running) == 1, timeout=120, what="the warm pool to fill")
         yield running
@@ -74,12 +82,13 @@ def server(tmp_path_factory: pytest.TempPathFactory, s3: S3Server) -> Iterator[R
         running.stop()
 
 
-def hibernated(server: RunningServer, s3: S3Server) -> tuple[str, str, str, Bucket]:
+def hibernated(server: RunningServer, s3: S3Server, warm: bool = True) -> tuple[str, str, str, Bucket]:
     """A kernel with ``STATE``, hibernated to the bucket once the pool is ready for its resume:
     its id, owner, committed checkpoint and the bucket."""
     kernel_id = server.start_kernel("python3-gpu-small")
     server.execute(kernel_id, STATE, timeout=120)
-    wait_for(lambda: ready(server) == 1, timeout=120, what="the warm pool to refill")
+    if warm:
+        wait_for(lambda: ready(server) == 1, timeout=120, what="the warm pool to refill")
     reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
     assert reply.status == 200, reply
     owner = reply.body["owner"]
@@ -115,6 +124,38 @@ def test_a_warm_resume_restores_from_the_download_started_before_the_agent(
     assert report["prefetch"]["lead"] > 0, report
     assert scratch_left(folder) == []
     server.shutdown_kernel(kernel_id)
+
+
+def test_a_cold_resume_starts_the_download_before_ipykernel(tmp_path: Path, s3: S3Server) -> None:
+    """Without a warm pool the local provisioner starts the kernel through
+    ``kernelmgr.checkpoint.launch``, which starts the download, then runs ipykernel."""
+    cold = start_server(tmp_path, s3_config(tmp_path, s3), env_extra=s3_env(s3))
+    try:
+        kernel_id, owner, _, _ = hibernated(cold, s3, warm=False)
+        assert cold.execute(kernel_id, "print(balance)", timeout=120).strip() == "100"  # wakes it
+        report = report_of(kernel_dir(cold, owner, kernel_id))
+        assert sorted(report["restored"]) == ["balance", "big", "np"], report
+        assert report["prefetch"] is not None and report["prefetch"]["lead"] > 0, report
+        cold.shutdown_kernel(kernel_id)
+    finally:
+        cold.shutdown_all_kernels()
+        cold.stop()
+
+
+@pytest.mark.pure
+def test_only_this_interpreters_ipykernel_launcher_is_started_through_the_prefetch() -> None:
+    restore = {"ELASTIC_RESTORE": "1", "ELASTIC_RESTORE_DATA_URL": "http://store/data.bin?signed"}
+    ours = [sys.executable, "-Xfrozen_modules=off", "-m", "ipykernel_launcher", "-f", "k.json"]
+    assert wrap(ours, restore) == [*ours[:3], "kernelmgr.checkpoint.launch", *ours[3:]]
+    for cmd in (
+        ["/opt/jax/bin/python", "-m", "ipykernel_launcher", "-f", "k.json"],  # another Python
+        [sys.executable, "-m", "other_launcher", "-f", "k.json"],
+        [sys.executable, "-X", "importtime", "-m", "ipykernel_launcher"],  # a flag with a value: unsure
+        [sys.executable, "script.py", "-m", "ipykernel_launcher"],
+    ):
+        assert wrap(cmd, restore) == cmd
+    assert wrap(ours, {"ELASTIC_RESTORE": "1"}) == ours  # a restore from a file system
+    assert wrap(ours, {**restore, "ELASTIC_RESTORE_PREFETCH": "0"}) == ours
 
 
 def test_a_tampered_manifest_is_refused_before_anything_is_downloaded(
