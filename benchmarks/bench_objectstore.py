@@ -14,7 +14,8 @@ ipykernel kernel, a real S3 server from ``tests/support/s3.py``):
 * resume: hibernated -> the first cell's reply (the kernel started, ``data.bin`` read back by
   parallel ranged GETs, each range digested as it arrives, verified, unpickled), once the local
   copy is pruned (so it is read from the bucket), beside its floor: the same bytes read with
-  the same client (``transfer.download``) into fresh memory;
+  the same client (``transfer.download``, with the GIL switch interval the kernel's download
+  sets) into fresh memory;
 * with ``--warm-pool``, the same resume on a second server whose resumes take a warm process
   (``ElasticKernels.warm_pool``, preloading numpy), where the download starts as the warm process
   becomes the kernel, before ipykernel runs (``kernelmgr.checkpoint.prefetch``); with
@@ -49,6 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.markdown import print_header, print_row
+from kernelmgr.checkpoint.prefetch import SWITCH_INTERVAL
 from kernelmgr.objectstore import transfer
 from kernelmgr.objectstore.client import Bucket
 from tests.support.s3 import S3Server, running_s3
@@ -143,11 +145,14 @@ def raw_upload(bucket: Bucket, nbytes: int) -> float:
 def raw_download(bucket: Bucket, nbytes: int) -> float:
     url = bucket.presign("GET", "raw/floor.bin", 900)
     os.sync()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL)  # as the kernel's download sets it (prefetch.download)
     start_t = time.perf_counter()
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = memoryview(buffer)[:nbytes]
     transfer.download(url, view)
     elapsed = time.perf_counter() - start_t
+    sys.setswitchinterval(interval)
     view.release()
     buffer.close()
     return elapsed

@@ -23,6 +23,7 @@ from jupyter_client.connect import write_connection_file
 
 from kernelmgr.checkpoint.keys import write_key_file
 from kernelmgr.checkpoint.launch import wrap
+from kernelmgr.checkpoint.prefetch import SWITCH_INTERVAL, quick_switches
 from kernelmgr.checkpoint.writer import write_checkpoint
 from kernelmgr.objectstore.client import Bucket
 from tests.conftest import INVENTORY, PROFILES
@@ -250,3 +251,17 @@ def test_the_pod_entry_point_downloads_before_ipykernel_starts(tmp_path: Path, s
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.pure
+def test_a_download_switches_threads_quickly_and_then_as_before() -> None:
+    before = sys.getswitchinterval()
+    try:
+        with quick_switches():
+            assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL) and before > SWITCH_INTERVAL
+        assert sys.getswitchinterval() == pytest.approx(before)
+        sys.setswitchinterval(SWITCH_INTERVAL / 2)  # already quicker: left alone
+        with quick_switches():
+            assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL / 2)
+    finally:
+        sys.setswitchinterval(before)
