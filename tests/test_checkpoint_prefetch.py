@@ -258,10 +258,13 @@ def test_a_download_switches_threads_quickly_and_then_as_before() -> None:
     before = sys.getswitchinterval()
     try:
         with quick_switches():
-            assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL) and before > SWITCH_INTERVAL
-        assert sys.getswitchinterval() == pytest.approx(before)
+            assert (
+                sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL, rel=0.05)
+                and before > SWITCH_INTERVAL
+            )
+        assert sys.getswitchinterval() == pytest.approx(before, rel=0.05)
         sys.setswitchinterval(SWITCH_INTERVAL / 2)  # already quicker: left alone
         with quick_switches():
-            assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL / 2)
+            assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL / 2, rel=0.05)
     finally:
         sys.setswitchinterval(before)
