@@ -18,10 +18,12 @@ ipykernel kernel, a real S3 server from ``tests/support/s3.py``):
   sets) into fresh memory;
 * with ``--warm-pool``, the same resume on a second server whose resumes take a warm process
   (``ElasticKernels.warm_pool``, preloading numpy), where the download starts as the warm process
-  becomes the kernel, before ipykernel runs (``kernelmgr.checkpoint.prefetch``); with
-  ``--no-prefetch-too``, also on a third, the same warm pool with ``ELASTIC_RESTORE_PREFETCH=0``
-  (the agent downloads once it has loaded). Each warm resume's restore report (how long before
-  the agent the download began, its own time, what the restore still waited) goes to stderr.
+  becomes the kernel, before ipykernel runs (``kernelmgr.checkpoint.prefetch``; a cold resume
+  starts it too, through ``kernelmgr.checkpoint.launch``, before ipykernel's imports); with
+  ``--no-prefetch-too``, also on servers with ``ELASTIC_RESTORE_PREFETCH=0`` (``cold-nopf``, and
+  ``warm-nopf`` with ``--warm-pool``: the agent downloads once it has loaded, as before). Each
+  resume's restore report (how long before the agent the download began, its own time, what the
+  restore still waited) goes to stderr.
 
 Each timed step starts after an ``os.sync()``: the store writes to this machine's disk too, and a
 step would otherwise pay for the writeback of the gigabyte the step before it wrote. The load
@@ -201,7 +203,7 @@ def main() -> None:
     parser.add_argument(
         "--no-prefetch-too",
         action="store_true",
-        help="with --warm-pool: also a warm pool without the prefetch",
+        help="also resume without the prefetch (cold, and warm with --warm-pool)",
     )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -210,6 +212,8 @@ def main() -> None:
         home = Path(tmp)
         with running_s3(home / "s3") as s3:
             servers = {"cold": start(home / "cold", s3, args.encrypt)}
+            if args.no_prefetch_too:
+                servers["cold-nopf"] = start(home / "cold-nopf", s3, args.encrypt, prefetch=False)
             if args.warm_pool:
                 servers["warm"] = start(home / "warm", s3, args.encrypt, warm=True)
                 if args.no_prefetch_too:
