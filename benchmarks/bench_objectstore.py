@@ -235,7 +235,7 @@ def main() -> None:
                     up, down = [], []
                     for _ in range(args.repeat):
                         for path, server in servers.items():  # alternated, run after run
-                            h, r = one_run(server, home / path, size, warm=path != "cold")
+                            h, r = one_run(server, home / path, size, warm=path.startswith("warm"))
                             if path == "cold":
                                 hib.append(h)
                             res[path].append(r)
