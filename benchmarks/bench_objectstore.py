@@ -14,22 +14,34 @@ ipykernel kernel, a real S3 server from ``tests/support/s3.py``):
 * resume: hibernated -> the first cell's reply (the kernel started, ``data.bin`` read back by
   parallel ranged GETs, each range digested as it arrives, verified, unpickled), once the local
   copy is pruned (so it is read from the bucket), beside its floor: the same bytes read with
-  the same client (``transfer.download``) into fresh memory.
+  the same client (``transfer.download``, with the GIL switch interval the kernel's download
+  sets) into fresh memory;
+* with ``--warm-pool``, the same resume on a second server whose resumes take a warm process
+  (``ElasticKernels.warm_pool``, preloading numpy), where the download starts as the warm process
+  becomes the kernel, before ipykernel runs (``kernelmgr.checkpoint.prefetch``; a cold resume
+  starts it too, through ``kernelmgr.checkpoint.launch``, before ipykernel's imports); with
+  ``--no-prefetch-too``, also on servers with ``ELASTIC_RESTORE_PREFETCH=0`` (``cold-nopf``, and
+  ``warm-nopf`` with ``--warm-pool``: the agent downloads once it has loaded, as before). Each
+  resume's restore report (how long before the agent the download began, its own time, what the
+  restore still waited) goes to stderr.
 
 Each timed step starts after an ``os.sync()``: the store writes to this machine's disk too, and a
 step would otherwise pay for the writeback of the gigabyte the step before it wrote. The load
 average is printed before and after (the machine is shared).
 
-Run: ``python benchmarks/bench_objectstore.py [--sizes 1024] [--repeat 3] [--encrypt]`` (sizes in
-MiB; ``--encrypt``: encryption at rest on, the raw floor stays plaintext; needs
-``scripts/s3.sh build``). Prints a Markdown table of medians and ratios for docs/benchmarks.md.
+Run: ``python benchmarks/bench_objectstore.py [--sizes 1024] [--repeat 3] [--encrypt] [--warm-pool
+[--no-prefetch-too]]`` (sizes in MiB; ``--encrypt``: encryption at rest on, the raw floor stays
+plaintext; needs ``scripts/s3.sh build``). Prints a Markdown table of medians and ratios for
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import mmap
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -40,6 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.markdown import print_header, print_row
+from kernelmgr.checkpoint.prefetch import SWITCH_INTERVAL
 from kernelmgr.objectstore import transfer
 from kernelmgr.objectstore.client import Bucket
 from tests.support.s3 import S3Server, running_s3
@@ -61,7 +74,9 @@ def build_cells(size_mib: int) -> str:
     )
 
 
-def start(home: Path, s3: S3Server, encrypt: bool = False) -> RunningServer:
+def start(
+    home: Path, s3: S3Server, encrypt: bool = False, warm: bool = False, prefetch: bool = True
+) -> RunningServer:
     key_files = []
     if encrypt:  # encryption at rest: a master key file, as the Helm chart mounts one
         home.mkdir(parents=True, exist_ok=True)
@@ -77,6 +92,16 @@ def start(home: Path, s3: S3Server, encrypt: bool = False) -> RunningServer:
             "checkpoint_store": "s3",
             "checkpoint_timeout": 1800,
             "resume_timeout": 1800,
+            # Resumes take a warm process: a user's frameworks imported ahead, as a lab would.
+            **(
+                {
+                    "warm_pool": {
+                        "python3": {"size": 1, "preload": ["numpy"], "memory_mib": 4096, "starts": False}
+                    }
+                }
+                if warm
+                else {}
+            ),
         },
         "S3Checkpoints": {
             "endpoint": s3.endpoint,
@@ -87,7 +112,22 @@ def start(home: Path, s3: S3Server, encrypt: bool = False) -> RunningServer:
             "encryption_key_files": key_files,
         },
     }
-    return start_server(home, config, env_extra={ID_ENV: s3.admin.access_key, KEY_ENV: s3.admin.secret_key})
+    env = {ID_ENV: s3.admin.access_key, KEY_ENV: s3.admin.secret_key}
+    if not prefetch:
+        env["ELASTIC_RESTORE_PREFETCH"] = "0"
+    server = start_server(home, config, env_extra=env)
+    if warm:
+        wait_for(lambda: warm_ready(server), timeout=600, what="the warm pool to fill")
+    return server
+
+
+def warm_ready(server: RunningServer) -> bool:
+    """The pool holds a ready process (``elastic_warm_pool_processes{state="ready"}``)."""
+    for line in server.text("/metrics").splitlines():
+        match = re.match(r"^elastic_warm_pool_processes\{(.*)\} (\S+)$", line)
+        if match and 'state="ready"' in match.group(1) and float(match.group(2)) >= 1:
+            return True
+    return False
 
 
 def raw_upload(bucket: Bucket, nbytes: int) -> float:
@@ -107,11 +147,14 @@ def raw_upload(bucket: Bucket, nbytes: int) -> float:
 def raw_download(bucket: Bucket, nbytes: int) -> float:
     url = bucket.presign("GET", "raw/floor.bin", 900)
     os.sync()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL)  # as the kernel's download sets it (prefetch.download)
     start_t = time.perf_counter()
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = memoryview(buffer)[:nbytes]
     transfer.download(url, view)
     elapsed = time.perf_counter() - start_t
+    sys.setswitchinterval(interval)
     view.release()
     buffer.close()
     return elapsed
@@ -121,10 +164,12 @@ def local_checkpoints(home: Path) -> list[Path]:
     return [p for p in (home / "scratch").glob("*/*/ckpt-*")]
 
 
-def one_run(server: RunningServer, home: Path, size_mib: int) -> tuple[float, float]:
+def one_run(server: RunningServer, home: Path, size_mib: int, warm: bool = False) -> tuple[float, float]:
     kernel_id = server.start_kernel("python3-gpu-small")
     try:
         server.execute(kernel_id, build_cells(size_mib), timeout=1800)
+        if warm:  # the resume must find a ready process (the previous run's was used)
+            wait_for(lambda: warm_ready(server), timeout=600, what="the warm pool to refill")
         os.sync()
         start_t = time.perf_counter()
         reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
@@ -136,6 +181,14 @@ def one_run(server: RunningServer, home: Path, size_mib: int) -> tuple[float, fl
         out = server.execute(kernel_id, "print(len(x))", timeout=1800)
         resume = time.perf_counter() - start_t
         assert out.strip() == str(size_mib * MIB // 8), out
+        report = json.loads(
+            (home / "scratch" / reply.body["owner"] / kernel_id / "restore-report.json").read_text()
+        )
+        print(
+            f"{home.name}: resume {resume:.2f} s, restore {report['seconds']} s, "
+            f"timings {report.get('timings')}, prefetch {report.get('prefetch')}",
+            file=sys.stderr,
+        )
         return hibernate, resume
     finally:
         server.request("DELETE", f"/api/kernels/{kernel_id}")
@@ -146,49 +199,60 @@ def main() -> None:
     parser.add_argument("--sizes", default="1024", help="state sizes in MiB, comma-separated")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--encrypt", action="store_true", help="with S3Checkpoints.encryption_key_files")
+    parser.add_argument("--warm-pool", action="store_true", help="also resume through a warm pool")
+    parser.add_argument(
+        "--no-prefetch-too",
+        action="store_true",
+        help="also resume without the prefetch (cold, and warm with --warm-pool)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     print("load average before: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="bench-objectstore-") as tmp:
         home = Path(tmp)
         with running_s3(home / "s3") as s3:
-            server = start(home / "server", s3, args.encrypt)
+            servers = {"cold": start(home / "cold", s3, args.encrypt)}
+            if args.no_prefetch_too:
+                servers["cold-nopf"] = start(home / "cold-nopf", s3, args.encrypt, prefetch=False)
+            if args.warm_pool:
+                servers["warm"] = start(home / "warm", s3, args.encrypt, warm=True)
+                if args.no_prefetch_too:
+                    servers["warm-nopf"] = start(
+                        home / "warm-nopf", s3, args.encrypt, warm=True, prefetch=False
+                    )
             bucket = s3.bucket(BUCKET)
+            paths = list(servers)
             try:
                 print_header(
-                    [
-                        "state (MiB)",
-                        "hibernate (s)",
-                        "raw upload (s)",
-                        "ratio",
-                        "resume (s)",
-                        "raw download (s)",
-                        "ratio",
-                    ]
+                    ["state (MiB)", "hibernate (s)", "raw upload (s)", "ratio"]
+                    + [f"resume, {path} (s)" for path in paths]
+                    + ["raw download (s)"]
+                    + [f"ratio, {path}" for path in paths]
                 )
                 for size in sizes:
-                    hib, res, up, down = [], [], [], []
+                    hib: list[float] = []
+                    res: dict[str, list[float]] = {path: [] for path in paths}
+                    up, down = [], []
                     for _ in range(args.repeat):
-                        h, r = one_run(server, home / "server", size)
-                        hib.append(h)
-                        res.append(r)
+                        for path, server in servers.items():  # alternated, run after run
+                            h, r = one_run(server, home / path, size, warm=path.startswith("warm"))
+                            if path == "cold":
+                                hib.append(h)
+                            res[path].append(r)
                         up.append(raw_upload(bucket, size * MIB))
                         down.append(raw_download(bucket, size * MIB))
-                    mh, mr = statistics.median(hib), statistics.median(res)
+                    mh = statistics.median(hib)
                     mu, md = statistics.median(up), statistics.median(down)
+                    mr = {path: statistics.median(times) for path, times in res.items()}
                     print_row(
-                        [
-                            str(size),
-                            f"{mh:.2f}",
-                            f"{mu:.2f}",
-                            f"{mh / mu:.2f}x",
-                            f"{mr:.2f}",
-                            f"{md:.2f}",
-                            f"{mr / md:.2f}x",
-                        ]
+                        [str(size), f"{mh:.2f}", f"{mu:.2f}", f"{mh / mu:.2f}x"]
+                        + [f"{mr[path]:.2f}" for path in paths]
+                        + [f"{md:.2f}"]
+                        + [f"{mr[path] / md:.2f}x" for path in paths]
                     )
             finally:
-                server.stop()
+                for server in servers.values():
+                    server.stop()
     print("load average after: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), file=sys.stderr)
 
 

@@ -129,6 +129,8 @@ def test_pod_kernels_hibernate_to_the_bucket_and_resume_on_another_node(
         # The pod's agent kept its restore report in its emptyDir; the server asked it for it.
         report = server.get(f"/api/elastic/kernels/{kernel_id}/report")["restore_report"]
         assert report["refused"] is None and report["checkpoint"] in seen and report["restored"], report
+        # The pod's entry point started the download before ipykernel ran (kernelmgr.checkpoint.prefetch).
+        assert report["prefetch"] is not None and report["prefetch"]["lead"] > 0, report
         # The big array came from the bucket into the pod's scratch copy, mapped from there (the
         # copy deleted), not read a second time into new memory.
         run_both(

@@ -73,7 +73,6 @@ import logging
 import mmap
 import os
 import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -83,38 +82,37 @@ from pathlib import Path
 from typing import Any
 
 import kernelmgr.objectstore.transfer as transfer
-from kernelmgr.checkpoint import cipher
+from kernelmgr.checkpoint import cipher, prefetch
 from kernelmgr.checkpoint.cells import MAX_CELLS, CellRecord, plan_recompute, record_cell
 from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
-from kernelmgr.checkpoint.integrity import ChunkDigests, DigestUnavailable
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_keys
-from kernelmgr.checkpoint.layout import DATA_FILE, MANIFEST_FILE, RESTORE_REPORT, write_file_atomic
+from kernelmgr.checkpoint.layout import DATA_FILE, RESTORE_REPORT, write_file_atomic
 from kernelmgr.checkpoint.namespace import UserNamespace
+from kernelmgr.checkpoint.prefetch import (
+    ENV_DIR,
+    ENV_KERNEL_ID,
+    ENV_OWNER,
+    ENV_RESTORE,
+    ENV_RESTORE_CHECKPOINT,
+    ENV_RESTORE_DATA_URL,
+    ENV_RESTORE_KEY,
+    ENV_RESTORE_MANIFEST_URL,
+)
 from kernelmgr.checkpoint.progress import CHECKPOINT_PROGRESS, ProgressFile
 from kernelmgr.checkpoint.quick_exit import flush, open_files
 from kernelmgr.checkpoint.quick_exit import install as install_quick_exit
-from kernelmgr.checkpoint.reader import prewarm_imports, refused_report, restore_checkpoint
+from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
 from kernelmgr.checkpoint.recompute import DEFAULT_LIMIT, replay
-from kernelmgr.checkpoint.sharing import make_kernel_dir
 from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
-from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest, load_verified_checkpoint
+from kernelmgr.checkpoint.verify import load_verified_checkpoint
 from kernelmgr.checkpoint.version import advertise
-from kernelmgr.checkpoint.writer import LIBRARIES, describe_error, write_checkpoint
-from kernelmgr.core.manifest import Manifest, ManifestError
+from kernelmgr.checkpoint.writer import describe_error, write_checkpoint
 
-ENV_DIR = "ELASTIC_CHECKPOINT_DIR"
 #: No longer read: a key in the environment is visible to every cell. Named only to say so.
 ENV_KEY_REMOVED = "ELASTIC_CHECKPOINT_KEY"
-ENV_KERNEL_ID = "ELASTIC_KERNEL_ID"
-ENV_OWNER = "ELASTIC_OWNER"
-ENV_RESTORE = "ELASTIC_RESTORE"
-ENV_RESTORE_CHECKPOINT = "ELASTIC_RESTORE_CHECKPOINT"
 ENV_RESTORE_MAPPED = "ELASTIC_RESTORE_MAPPED"
 ENV_SERVER_PID = "ELASTIC_SERVER_PID"
 ENV_RECOMPUTE_SECONDS = "ELASTIC_RECOMPUTE_SECONDS"
-ENV_RESTORE_MANIFEST_URL = "ELASTIC_RESTORE_MANIFEST_URL"
-ENV_RESTORE_DATA_URL = "ELASTIC_RESTORE_DATA_URL"
-ENV_RESTORE_KEY = "ELASTIC_RESTORE_KEY"
 
 #: What the server sends (silently) to checkpoint a kernel.
 CHECKPOINT_CODE = '__import__("kernelmgr.checkpoint.agent").checkpoint.agent.checkpoint()'
@@ -351,6 +349,11 @@ class _Agent:
         self._restore_dir: Path | None = None
         #: The digest of the last downloaded ``data.bin``, computed as its ranges arrived.
         self._downloaded_digest: str | None = None
+        #: When the agent loaded (``time.monotonic()``), and, after a restore that took the
+        #: download its launcher started, how long before that it started (``lead``) and its
+        #: own time (``seconds``): in the restore report as ``prefetch``.
+        self._loaded_at = time.monotonic()
+        self.prefetched: dict[str, float] | None = None
         shell.events.register("pre_run_cell", self._cell_started)
         shell.events.register("post_run_cell", self._cell_finished)
         # The exit after a hibernation's checkpoint skips the interpreter's final collections.
@@ -565,83 +568,33 @@ class _Agent:
         self.log.info("checkpoint %s uploaded: %d bytes in %d parts", checkpoint_id, size, len(etags))
 
     def download(self) -> Path:
-        """Read the checkpoint to restore from the object store into a scratch folder laid out as a
-        kernel folder; that folder. The manifest is verified before ``data.bin`` is read (its size
-        comes from the manifest); ``data.bin`` arrives by parallel ranged GETs, with progress."""
+        """The checkpoint to restore, read from the object store into a scratch folder laid out as
+        a kernel folder; that folder. The download the launcher started before the agent loaded
+        (:mod:`kernelmgr.checkpoint.prefetch`) when there is one for this checkpoint, else the same
+        download run here; its errors are raised here either way."""
         config = self.config
         assert config is not None and config.restore_checkpoint and config.restore_data_url
-        checkpoint_id = config.restore_checkpoint
         self._downloaded_digest = None
-        make_kernel_dir(config.kernel_dir, 0o700, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".download-", dir=config.kernel_dir))
-        try:
-            text = transfer.get(config.restore_manifest_url or "")
-            if text is None:
-                raise CheckpointRefused(f"checkpoint {checkpoint_id} is not in the object store")
-            if len(text) > MANIFEST_CAP:
-                raise CheckpointRefused(
-                    f"the manifest of {checkpoint_id} is larger than {MANIFEST_CAP} bytes"
-                )
-            data_key = None
-            if config.restore_key:  # encrypted at rest: decrypted here, verified below
-                checkpoint_key = bytes.fromhex(config.restore_key)
-                text = cipher.crypt(cipher.manifest_key(checkpoint_key), 0, text)
-                data_key = cipher.data_key(checkpoint_key)
-            try:
-                manifest = Manifest.from_json(text)
-                declared = manifest.data_bytes
-                check_manifest(text, declared, config.key, config.owner, config.kernel_id, checkpoint_id)
-            except (ManifestError, Untrusted) as exc:
-                raise CheckpointRefused(f"checkpoint {checkpoint_id} in the object store: {exc}") from None
-            try:
-                digests = ChunkDigests(manifest.digest_algorithm, declared)
-            except DigestUnavailable as exc:
-                raise CheckpointRefused(str(exc)) from None
-            # The libraries the checkpoint was saved with are imported while the ranges arrive
-            # (only imported: nothing is unpickled before the digest matched).
-            prewarm = prewarm_imports(manifest, LIBRARIES)
-
-            def arrived(offset: int, piece: memoryview) -> None:
-                # On the thread the range came in on, while the other ranges still arrive: the
-                # decryption and the digest overlap the download instead of following it.
-                if data_key is not None:
-                    cipher.crypt_in_place(data_key, offset, piece)
-                digests.add(offset, piece)
-
-            folder = scratch / checkpoint_id
-            folder.mkdir(mode=0o700)
-            (folder / MANIFEST_FILE).write_bytes(text)
-            progress = ProgressFile(config.kernel_dir)
-            done = 0
-
-            def advance(count: int) -> None:
-                nonlocal done
-                done += count
-                progress(checkpoint_id, done, declared)
-
-            with open(folder / DATA_FILE, "w+b") as handle:
-                handle.truncate(declared)
-                if declared:
-                    with mmap.mmap(handle.fileno(), declared) as region:
-                        view = memoryview(region)
-                        try:
-                            transfer.download(
-                                config.restore_data_url,
-                                view,
-                                part_size=transfer.DEFAULT_PART_SIZE,  # whole digest chunks
-                                on_progress=advance,
-                                arrived=arrived,
-                            )
-                        finally:
-                            view.release()
-            progress(checkpoint_id, declared, declared)
-            self._downloaded_digest = digests.hexdigest()
-            if prewarm is not None:
-                prewarm.join()  # before anything imports on this thread
-        except BaseException:
-            shutil.rmtree(scratch, ignore_errors=True)
-            raise
-        return scratch
+        source = prefetch.RestoreSource(
+            kernel_dir=config.kernel_dir,
+            checkpoint_id=config.restore_checkpoint,
+            manifest_url=config.restore_manifest_url or "",
+            data_url=config.restore_data_url,
+            restore_key=config.restore_key,
+            key=config.key,
+            owner=config.owner,
+            kernel_id=config.kernel_id,
+        )
+        started = prefetch.take(source)
+        if started is None:
+            self.prefetched = None
+            got = prefetch.download(source)
+        else:
+            self.prefetched = {"lead": round(self._loaded_at - started.started_at, 3)}
+            got = started.join()
+            self.prefetched["seconds"] = round(got.seconds, 3)
+        self._downloaded_digest = got.digest
+        return got.scratch
 
     # -- restore --------------------------------------------------------------------------
 
@@ -684,8 +637,11 @@ class _Agent:
                 CheckpointRefused(f"restore failed: {describe_error(exc)}"), time.perf_counter() - started
             )
         if downloaded is not None and isinstance(report.get("timings"), dict):
-            # The download with its decryption and digest (logged and benchmarked, never asserted).
+            # The wait for the download with its decryption and digest (logged and benchmarked,
+            # never asserted); with a prefetch, only what was left of it when the agent asked.
             report["timings"]["download"] = round(downloaded, 3)
+        # Whether the download began before the agent loaded (the launcher's), even when refused.
+        report["prefetch"] = self.prefetched
         if not report["refused"]:
             self._resume_history(report)
         if source != directory:  # the scratch copy (mapped arrays stay valid: the mapping holds it)
@@ -948,12 +904,16 @@ def load_ipython_extension(ipython: Any) -> None:
     if config is not None:
         _keep_config(ipython, config)
     if config is None:
+        prefetch.discard()
         if config_error is not None and os.environ.get(ENV_RESTORE, "") == "1":
             _AGENT.refuse_restore(config_error)
         log.info("checkpoint agent loaded without a usable configuration: checkpoints are disabled")
         return
     if config.restore:
         _AGENT.restore()
+    # A download the launcher started that this restore did not take (none asked for, another
+    # checkpoint, no configuration) is of no use: its scratch copy goes.
+    prefetch.discard()
     server_pid = os.environ.get(ENV_SERVER_PID, "")
     if server_pid:
         _AGENT.watch_server(server_pid)

@@ -183,9 +183,13 @@ def read_key_file(path: str | os.PathLike[str], *, consume: bool = True) -> byte
     return read_keys(path, consume=consume)[0]
 
 
-def read_keys(path: str | os.PathLike[str], *, consume: bool = True) -> tuple[bytes, bytes | None]:
+def read_keys(
+    path: str | os.PathLike[str], *, consume: bool = True, remove: bool = True
+) -> tuple[bytes, bytes | None]:
     """The keys in ``path`` (signing, encryption or ``None``); with ``consume`` (a file handed
-    over locally) the file is removed.
+    over locally) the file is removed, unless ``remove=False`` (the restore download that starts
+    before the agent, :mod:`kernelmgr.checkpoint.prefetch`, reads it with the same checks and
+    leaves it for the agent, which removes it).
 
     ``consume=True`` expects exactly what :func:`write_key_file` made: a regular file (not a
     symlink) owned by this user and readable by nobody else; anything else is refused
@@ -223,7 +227,7 @@ def read_keys(path: str | os.PathLike[str], *, consume: bool = True) -> tuple[by
     if len(data) > _MAX_FILE_BYTES:
         raise KeyFileError(f"key file {source} is too large to hold a key")
     keys = decode_keys(data, f"key file {source}")
-    if consume:
+    if consume and remove:
         try:
             remove_key_file(source)
         except OSError as exc:

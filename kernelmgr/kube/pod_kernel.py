@@ -10,6 +10,11 @@ replaces itself with ``python -m ipykernel_launcher -f <that file> <the other ar
 A kernelspec whose own argv runs in the pod (``kernelspec_argv``: another Python environment in the
 image) comes after ``--``: that argv runs instead, ``{connection_file}`` replaced by the written file.
 
+A resume from an object store runs ipykernel in this process instead (``runpy``, as ``python -m``
+would), after starting the checkpoint's download (:mod:`kernelmgr.checkpoint.prefetch`), so the
+download overlaps ipykernel's start and the agent takes it. A kernelspec's own argv is another
+program: it is exec'd as always, and its agent downloads the checkpoint when it loads.
+
 Usage: ``python -m kernelmgr.kube.pod_kernel -f /etc/elastic/connection.json [ipykernel args...]``, or
 ``... -f /etc/elastic/connection.json -- /opt/jax/bin/python -m ipykernel_launcher -f {connection_file}``.
 """
@@ -18,12 +23,16 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import sys
 import tempfile
 from collections.abc import Mapping
 
 #: Separates the entry point's arguments from a kernelspec's own argv.
 ARGV_SEPARATOR = "--"
+LAUNCHER = "ipykernel_launcher"
+#: Set (a presigned URL) when the kernel resumes from an object store (``checkpoint.prefetch``).
+ENV_RESTORE_DATA_URL = "ELASTIC_RESTORE_DATA_URL"
 
 
 def write_pod_connection_file(info: dict[str, object], environ: Mapping[str, str]) -> str:
@@ -51,11 +60,20 @@ def prepare(argv: list[str], environ: dict[str, str]) -> list[str]:
         if not own:
             raise SystemExit(f"nothing to run after {ARGV_SEPARATOR!r}")
         return [part.replace("{connection_file}", path) for part in own]
-    return [sys.executable, "-m", "ipykernel_launcher", "-f", path, *rest]
+    return [sys.executable, "-m", LAUNCHER, "-f", path, *rest]
 
 
 def main() -> None:
     command = prepare(sys.argv[1:], dict(os.environ))
+    if os.environ.get(ENV_RESTORE_DATA_URL) and command[:3] == [sys.executable, "-m", LAUNCHER]:
+        # A resume from an object store: start the download now, while ipykernel starts, and run
+        # ipykernel in this process (as ``python -m`` would) so that its agent can take it.
+        from kernelmgr.checkpoint import prefetch
+
+        if prefetch.start() is not None:
+            sys.argv = [command[0], *command[3:]]
+            runpy.run_module(LAUNCHER, run_name="__main__", alter_sys=True)
+            return
     os.execvp(command[0], command)  # a kernelspec's argv may name its program by PATH
 
 

@@ -44,6 +44,7 @@ from kernelmgr.checkpoint.keys import (
     remove_key_file,
     write_key_file,
 )
+from kernelmgr.checkpoint.launch import wrap as wrap_for_prefetch
 from kernelmgr.checkpoint.termination import EXIT_AFTER_SIGTERM
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.kernels import LaunchPlan, ManagedKernel
@@ -276,7 +277,10 @@ class ElasticLocalProvisioner(LocalProvisioner):
 
     async def _launch_cold(self, cmd: list[str], kwargs: dict[str, Any]) -> KernelConnectionInfo:
         """jupyter_client's launch, with the kernel's stderr in :attr:`stderr_file` (a file, not a
-        pipe: the kernel must be able to outlive the server and keep writing)."""
+        pipe: the kernel must be able to outlive the server and keep writing). A resume from an
+        object store starts through :mod:`kernelmgr.checkpoint.launch`: its download begins before
+        ipykernel's imports."""
+        cmd = wrap_for_prefetch(cmd, kwargs.get("env") or {})
         if "stderr" in kwargs:
             return await super().launch_kernel(cmd, **kwargs)
         # 0600: the kernel's errors are its owner's (the child writes through the inherited descriptor).

@@ -19,7 +19,9 @@ Started by :class:`kernelmgr.warm.pool.WarmPool` as
    preloaded modules are only in ``sys.modules``, as after an ``import`` nobody made.
 
 The checkpoint agent loads as an extension of that kernel and reads its owner's key file and
-the restore instruction from the environment, as on a cold start.
+the restore instruction from the environment, as on a cold start. A restore from an object store
+starts downloading before ipykernel runs (:mod:`kernelmgr.checkpoint.prefetch`); the agent takes
+that download.
 """
 
 from __future__ import annotations
@@ -75,6 +77,11 @@ def become_kernel(handoff: dict[str, Any]) -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     sys.argv = [argv[0], *argv[3:]]
+    # A resume from an object store starts downloading now, while ipykernel starts; the agent
+    # takes that download when it loads (kernelmgr.checkpoint.prefetch).
+    from kernelmgr.checkpoint import prefetch
+
+    prefetch.start()
     runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
 
 

@@ -1,0 +1,270 @@
+"""A resume from an object store downloads while the kernel process starts (kernelmgr.checkpoint.prefetch).
+
+Real parts: a real S3-compatible server (``tests/support/s3.py``), a real server with a warm pool
+and real ipykernel kernels; the kernel pod's entry point (``kernelmgr.kube.pod_kernel``) run as a
+process on this machine. The restore report's ``prefetch`` says that the download the agent
+restored from began before the agent loaded (``lead``: how long before); each test here fails with
+``ELASTIC_RESTORE_PREFETCH=0`` (the agent downloads itself, ``prefetch`` is ``null``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client.blocking import BlockingKernelClient
+from jupyter_client.connect import write_connection_file
+
+from kernelmgr.checkpoint.keys import write_key_file
+from kernelmgr.checkpoint.launch import wrap
+from kernelmgr.checkpoint.prefetch import SWITCH_INTERVAL, quick_switches
+from kernelmgr.checkpoint.writer import write_checkpoint
+from kernelmgr.objectstore.client import Bucket
+from tests.conftest import INVENTORY, PROFILES
+from tests.support.s3 import S3Server, running_s3
+from tests.support.server import RunningServer, start_server, wait_for
+from tests.test_warm_pool import PRELOAD, ready
+
+REPO = Path(__file__).resolve().parent.parent
+ID_ENV, KEY_ENV = "ELASTIC_TEST_S3_ACCESS_KEY", "ELASTIC_TEST_S3_SECRET_KEY"
+BUCKET = "ck-prefetch"
+REPORT = "restore-report.json"
+STATE = "import numpy as np\nbig = np.arange(3 * (1 << 20), dtype=np.float64)\nbalance = 100"
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with running_s3(tmp_path_factory.mktemp("s3")) as server:
+        yield server
+
+
+def s3_config(home: Path, s3: S3Server, **elastic: Any) -> dict[str, Any]:
+    return {
+        "ElasticKernels": {
+            "profiles": PROFILES,
+            "gpu_inventory": INVENTORY,
+            "reap_interval": 1,
+            "checkpoint_root": str(home / "scratch"),
+            "checkpoint_store": "s3",
+            **elastic,
+        },
+        "S3Checkpoints": {
+            "endpoint": s3.endpoint,
+            "bucket": BUCKET,
+            "create_bucket": True,
+            "access_key_id_env": ID_ENV,
+            "secret_access_key_env": KEY_ENV,
+            "part_size_mib": 5,
+        },
+    }
+
+
+def s3_env(s3: S3Server) -> dict[str, str]:
+    return {ID_ENV: s3.admin.access_key, KEY_ENV: s3.admin.secret_key, "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, s3: S3Server) -> Iterator[RunningServer]:
+    """Checkpoints in the bucket, resumes through a warm pool of one process."""
+    home = tmp_path_factory.mktemp("prefetch")
+    pool = {"python3": {"size": 1, "preload": [PRELOAD], "memory_mib": 2048, "starts": False}}
+    running = start_server(home, s3_config(home, s3, warm_pool=pool), env_extra=s3_env(s3))
+    try:
+        wait_for(lambda: ready(running) == 1, timeout=120, what="the warm pool to fill")
+        yield running
+    finally:
+        running.shutdown_all_kernels()
+        running.stop()
+
+
+def hibernated(server: RunningServer, s3: S3Server, warm: bool = True) -> tuple[str, str, str, Bucket]:
+    """A kernel with ``STATE``, hibernated to the bucket once the pool is ready for its resume:
+    its id, owner, committed checkpoint and the bucket."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    server.execute(kernel_id, STATE, timeout=120)
+    if warm:
+        wait_for(lambda: ready(server) == 1, timeout=120, what="the warm pool to refill")
+    reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
+    assert reply.status == 200, reply
+    owner = reply.body["owner"]
+    bucket = s3.bucket(BUCKET)
+    raw = bucket.get(f"{owner}/{kernel_id}/current")
+    assert raw is not None
+    return kernel_id, owner, raw.decode().strip(), bucket
+
+
+def kernel_dir(server: RunningServer, owner: str, kernel_id: str) -> Path:
+    return server.home / "scratch" / owner / kernel_id
+
+
+def report_of(folder: Path) -> dict[str, Any]:
+    return dict(json.loads((folder / REPORT).read_text()))
+
+
+def scratch_left(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith(".download-"))
+
+
+def test_a_warm_resume_restores_from_the_download_started_before_the_agent(
+    server: RunningServer, s3: S3Server
+) -> None:
+    kernel_id, owner, _, _ = hibernated(server, s3)
+    out = server.execute(kernel_id, "print(balance, int(big.sum()))", timeout=120)  # wakes it
+    assert out.split() == ["100", str(sum(range(3 * (1 << 20))))]
+    folder = kernel_dir(server, owner, kernel_id)
+    report = report_of(folder)
+    assert sorted(report["restored"]) == ["balance", "big", "np"], report
+    # The download the agent restored from was the launcher's: it began before the agent loaded.
+    assert report["prefetch"] is not None, report
+    assert report["prefetch"]["lead"] > 0, report
+    assert scratch_left(folder) == []
+    server.shutdown_kernel(kernel_id)
+
+
+def test_a_cold_resume_starts_the_download_before_ipykernel(tmp_path: Path, s3: S3Server) -> None:
+    """Without a warm pool the local provisioner starts the kernel through
+    ``kernelmgr.checkpoint.launch``, which starts the download, then runs ipykernel."""
+    cold = start_server(tmp_path, s3_config(tmp_path, s3), env_extra=s3_env(s3))
+    try:
+        kernel_id, owner, _, _ = hibernated(cold, s3, warm=False)
+        assert cold.execute(kernel_id, "print(balance)", timeout=120).strip() == "100"  # wakes it
+        report = report_of(kernel_dir(cold, owner, kernel_id))
+        assert sorted(report["restored"]) == ["balance", "big", "np"], report
+        assert report["prefetch"] is not None and report["prefetch"]["lead"] > 0, report
+        cold.shutdown_kernel(kernel_id)
+    finally:
+        cold.shutdown_all_kernels()
+        cold.stop()
+
+
+@pytest.mark.pure
+def test_only_this_interpreters_ipykernel_launcher_is_started_through_the_prefetch() -> None:
+    restore = {"ELASTIC_RESTORE": "1", "ELASTIC_RESTORE_DATA_URL": "http://store/data.bin?signed"}
+    ours = [sys.executable, "-Xfrozen_modules=off", "-m", "ipykernel_launcher", "-f", "k.json"]
+    assert wrap(ours, restore) == [*ours[:3], "kernelmgr.checkpoint.launch", *ours[3:]]
+    for cmd in (
+        ["/opt/jax/bin/python", "-m", "ipykernel_launcher", "-f", "k.json"],  # another Python
+        [sys.executable, "-m", "other_launcher", "-f", "k.json"],
+        [sys.executable, "-X", "importtime", "-m", "ipykernel_launcher"],  # a flag with a value: unsure
+        [sys.executable, "script.py", "-m", "ipykernel_launcher"],
+    ):
+        assert wrap(cmd, restore) == cmd
+    assert wrap(ours, {"ELASTIC_RESTORE": "1"}) == ours  # a restore from a file system
+    assert wrap(ours, {**restore, "ELASTIC_RESTORE_PREFETCH": "0"}) == ours
+
+
+def test_a_tampered_manifest_is_refused_before_anything_is_downloaded(
+    server: RunningServer, s3: S3Server
+) -> None:
+    kernel_id, owner, committed, bucket = hibernated(server, s3)
+    key = f"{owner}/{kernel_id}/{committed}/manifest.json"
+    manifest = json.loads(bucket.get(key) or b"")
+    manifest["totals"]["bytes"] = 1 << 40  # a terabyte to download, were it trusted
+    bucket.put(key, json.dumps(manifest).encode())
+    server.execute(kernel_id, "x = 1", timeout=120)  # wakes it
+    folder = kernel_dir(server, owner, kernel_id)
+    report = report_of(folder)
+    assert "in the object store" in (report["refused"] or ""), report
+    assert report["restored"] == [], report
+    assert report["prefetch"] is not None, report  # refused in the download the launcher started
+    assert scratch_left(folder) == []
+    assert server.execute(kernel_id, "print('balance' in dir())").strip() == "False"
+    server.shutdown_kernel(kernel_id)
+
+
+def test_a_checkpoint_gone_from_the_bucket_gives_a_refused_report(
+    server: RunningServer, s3: S3Server
+) -> None:
+    kernel_id, owner, committed, bucket = hibernated(server, s3)
+    bucket.delete(f"{owner}/{kernel_id}/{committed}/data.bin")
+    server.execute(kernel_id, "x = 1", timeout=120)  # wakes it
+    folder = kernel_dir(server, owner, kernel_id)
+    report = report_of(folder)
+    assert "the checkpoint was not restored" not in (report["refused"] or "")
+    assert "404" in (report["refused"] or ""), report
+    assert report["restored"] == [], report
+    assert report["prefetch"] is not None, report
+    assert scratch_left(folder) == []
+    server.shutdown_kernel(kernel_id)
+
+
+def test_the_pod_entry_point_downloads_before_ipykernel_starts(tmp_path: Path, s3: S3Server) -> None:
+    """``python -m kernelmgr.kube.pod_kernel`` as a kernel pod runs it (its connection file, the
+    agent's environment with presigned URLs), as a process here: no node needed for this part."""
+    key, owner, kernel = os.urandom(32), "alice", "0f1e2d3c-0000-4000-8000-000000000001"
+    written = write_checkpoint(
+        tmp_path / "written", {"balance": 100, "words": ["w"] * 1000}, key=key, owner=owner, kernel_id=kernel
+    )
+    bucket = s3.bucket(BUCKET)
+    bucket.create()
+    base = f"{owner}/{kernel}/{written.checkpoint_id}"
+    for name in ("manifest.json", "data.bin"):
+        bucket.put(f"{base}/{name}", (tmp_path / "written" / written.checkpoint_id / name).read_bytes())
+    (tmp_path / "secret").mkdir(mode=0o700)
+    key_file = write_key_file(tmp_path / "secret" / "key", key)
+    connection = tmp_path / "connection.json"
+    write_connection_file(str(connection), ip="127.0.0.1")
+    folder = tmp_path / "kernel"
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "POD_IP": "127.0.0.1",
+        "ELASTIC_CHECKPOINT_DIR": str(folder),
+        "ELASTIC_CHECKPOINT_KEY_FILE": str(key_file),
+        "ELASTIC_KERNEL_ID": kernel,
+        "ELASTIC_OWNER": owner,
+        "ELASTIC_RESTORE": "1",
+        "ELASTIC_RESTORE_CHECKPOINT": written.checkpoint_id,
+        "ELASTIC_RESTORE_MANIFEST_URL": bucket.presign("GET", f"{base}/manifest.json", 600),
+        "ELASTIC_RESTORE_DATA_URL": bucket.presign("GET", f"{base}/data.bin", 600),
+    }
+    command = [sys.executable, "-m", "kernelmgr.kube.pod_kernel", "-f", str(connection)]
+    command.append("--IPKernelApp.extra_extensions=kernelmgr.checkpoint.agent")
+    process = subprocess.Popen(command, env=env, cwd=tmp_path)
+    client = BlockingKernelClient(connection_file=str(connection))
+    client.load_connection_file()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=120)
+        outputs: list[str] = []
+
+        def hook(msg: dict[str, Any]) -> None:
+            if msg["msg_type"] == "stream":
+                outputs.append(msg["content"]["text"])
+
+        client.execute_interactive("print(balance, len(words))", timeout=60, output_hook=hook)
+        assert "".join(outputs).split() == ["100", "1000"]
+        report = report_of(folder)
+        assert report["prefetch"] is not None and report["prefetch"]["lead"] > 0, report
+        assert not key_file.exists()  # the agent still removes the key file it was handed
+        assert scratch_left(folder) == []
+        client.shutdown()
+        assert process.wait(timeout=60) == 0
+    finally:
+        client.stop_channels()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.mark.pure
+def test_a_download_switches_threads_quickly_and_then_as_before() -> None:
+    before = sys.getswitchinterval()
+    try:
+        with quick_switches():
+            assert (
+                sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL, rel=0.05)
+                and before > SWITCH_INTERVAL
+            )
+        assert sys.getswitchinterval() == pytest.approx(before, rel=0.05)
+        sys.setswitchinterval(SWITCH_INTERVAL / 2)  # already quicker: left alone
+        with quick_switches():
+            assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL / 2, rel=0.05)
+    finally:
+        sys.setswitchinterval(before)
