@@ -837,6 +837,8 @@ def test_an_upgrade_from_the_registry_file_imports_it_once(cluster: PodCluster, 
     (item,) = cluster.core.list_namespaced_config_map(NAMESPACE, label_selector=selector).items
     registry = item.metadata.labels["elastic.jupyter.org/registry"]
     record = KernelRecord.from_dict(json.loads(item.data["record.json"]))
+    # The size's definition travels with the record (a size removed later is rebuilt from it).
+    assert record.profile_definition and record.profile_definition["name"] == record.profile, record
     legacy = cluster.checkpoints / f"kernels-{registry}.json"
     KernelStateFile(legacy).save({kernel_id: record})
     cluster.core.delete_namespaced_config_map(item.metadata.name, NAMESPACE)

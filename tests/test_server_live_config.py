@@ -162,3 +162,37 @@ def test_gpu_sizes_change_in_the_live_file_without_a_restart(tmp_path: Path) -> 
         assert server.process.poll() is None
     finally:
         server.stop()
+
+
+def test_a_size_removed_while_its_kernel_is_hibernated_survives_a_restart(tmp_path: Path) -> None:
+    """The admin removes a size over the weekend and restarts the server: the user's hibernated
+    kernel of that size is still listed and resumes with its variables and its size (kept from the
+    kernel's record); the size is offered to no new kernel."""
+    small = {"gpu_fraction": 0.25, "memory_mib": 10240}
+    whole = {"gpu_fraction": 1}
+    live = tmp_path / "live_config.json"
+    live.write_text(json.dumps({"ElasticKernels": {"profiles": {"small": small, "whole": whole}}}))
+    home = tmp_path / "server"
+    server = start_server(home, with_live(live))
+    try:
+        kernel = server.start_kernel("python3-gpu-small")
+        assert server.execute(kernel, "x = 41; print(x)").strip() == "41"
+        reply = server.request("POST", f"/api/elastic/kernels/{kernel}/hibernate")
+        assert reply.status == 200, reply
+        live.write_text(json.dumps({"ElasticKernels": {"profiles": {"whole": whole}}}))
+        wait_for(lambda: "python3-gpu-small" not in specs(server), 120, what="the size removed")
+    finally:
+        server.stop()
+
+    server = start_server(home, with_live(live))
+    try:
+        listed = server.get(f"/api/elastic/kernels/{kernel}")
+        assert (listed["state"], listed["profile"]) == ("hibernated", "small"), listed
+        assert "python3-gpu-small" not in specs(server)
+        refused = server.request("POST", "/api/kernels", {"name": "python3-gpu-small"})
+        assert refused.status == 404 and "no longer offered" in refused.body["message"], refused
+        assert server.execute(kernel, "print(x + 1)", timeout=120).strip() == "42"
+        held = server.get(f"/api/elastic/kernels/{kernel}")["slice"]
+        assert held["profile"] == "small" and held["devices"][0]["memory_mib"] == 10240, held
+    finally:
+        server.stop()

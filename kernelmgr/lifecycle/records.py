@@ -24,6 +24,8 @@ FORMAT = 1
 
 #: The working directory a kernel was started in, by id (``None``: unknown).
 CwdOf = Callable[[str], "str | None"]
+#: A GPU size's definition by name (``None``: not configured).
+DefinitionOf = Callable[[str], "dict[str, Any] | None"]
 
 
 @dataclass
@@ -42,6 +44,10 @@ class KernelRecord:
     kernel_info: dict[str, Any] = field(default_factory=dict)
     reason: str = ""
     execution_count: int = 0
+    #: The GPU size's definition when the kernel was recorded (``GpuProfile.to_dict``): a size
+    #: the admin removed while the kernel was hibernated is rebuilt from it after a restart, so
+    #: the kernel stays listed and resumes with what it had. ``None`` in records of older versions.
+    profile_definition: dict[str, Any] | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> KernelRecord:
@@ -188,12 +194,20 @@ class KernelRecords(dict[str, KernelRecord]):
     :class:`~kernelmgr.core.kernels.ManagedKernel` (plus the given fields) and saves.
     """
 
-    def __init__(self, state_file: RecordStore, kernels: KernelRegistry, log: Any, cwd_of: CwdOf) -> None:
+    def __init__(
+        self,
+        state_file: RecordStore,
+        kernels: KernelRegistry,
+        log: Any,
+        cwd_of: CwdOf,
+        definition_of: DefinitionOf | None = None,
+    ) -> None:
         super().__init__()
         self.state_file = state_file
         self.writer = WriteBehind(state_file, log)
         self.kernels = kernels
         self.cwd_of = cwd_of
+        self.definition_of = definition_of
 
     def remember(self, kernel_id: str, **changes: Any) -> None:
         """Update the record of ``kernel_id`` from the registry (plus ``changes``) and save it.
@@ -215,6 +229,8 @@ class KernelRecords(dict[str, KernelRecord]):
                 cwd=self.cwd_of(kernel_id),
             )
             self[kernel_id] = record
+        if record.profile_definition is None and record.profile and self.definition_of is not None:
+            record.profile_definition = self.definition_of(record.profile)
         record.state = managed.state.value
         record.reason = managed.lifecycle.reason
         for key, value in changes.items():

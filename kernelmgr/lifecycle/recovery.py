@@ -15,8 +15,10 @@ import time
 from typing import TYPE_CHECKING
 
 from kernelmgr.core.controller import LifecycleController
+from kernelmgr.core.errors import ConfigError
 from kernelmgr.core.kernels import Committed, Loss
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.core.profiles import parse_profile
 from kernelmgr.lifecycle.checkpoints import committed_of, latest_or_none
 from kernelmgr.lifecycle.host import KernelHost
 from kernelmgr.lifecycle.records import KernelRecord, KernelRecords
@@ -42,6 +44,28 @@ class Recovery:
         #: Kernels that ran in pods when the previous server stopped, until adoption decides.
         self.deferred: dict[str, KernelRecord] = {}
 
+    def _size_known(self, name: str) -> bool:
+        return name in self.runtime.profiles or name in self.runtime.retired
+
+    def _keep_removed_size(self, kernel_id: str, record: KernelRecord) -> None:
+        """A size removed while its kernel was hibernated (or the server down) comes back from the
+        record's copy, retired: the kernel stays listed and resumes with it; no new kernel gets it."""
+        name, definition = record.profile, record.profile_definition
+        if name is None or self._size_known(name) or not isinstance(definition, dict):
+            return
+        fields = {key: value for key, value in definition.items() if key not in ("name", "whole_gpus")}
+        try:
+            self.runtime.retired[name] = parse_profile(name, fields)
+        except ConfigError as exc:
+            self.host.log.error("Kernel %s: its record's GPU size %r is unreadable: %s", kernel_id, name, exc)
+            return
+        self.host.log.warning(
+            "GPU size %r is no longer configured: kept from the record of kernel %s for the kernels "
+            "that have it (not offered for new kernels)",
+            name,
+            kernel_id,
+        )
+
     def recover(self) -> list[str]:
         """Re-register the kernels a previous server run left hibernated (or hibernating).
 
@@ -59,15 +83,17 @@ class Recovery:
         adopted: list[str] = []
         in_pods = self.runtime.mode.in_pods
         for kernel_id, record in previous.items():
+            self._keep_removed_size(kernel_id, record)
             if in_pods and record.state != KernelState.HIBERNATED.value:
                 # Its pod may still run: kernelmgr.server.adoption looks, then adopts it or recovers it.
                 self.deferred[kernel_id] = record
                 self.records[kernel_id] = record  # kept on disk until adoption decides
                 continue
-            if record.profile is not None and record.profile not in self.runtime.profiles:
+            if record.profile is not None and not self._size_known(record.profile):
                 self.host.log.error(
-                    "Kernel %s was hibernated with GPU size %r, which is no longer configured; "
-                    "its checkpoint is kept on disk but the kernel is not listed",
+                    "Kernel %s was hibernated with GPU size %r, which is no longer configured and "
+                    "which its record (written by an older version) does not define; its checkpoint "
+                    "is kept but the kernel is not listed: add the size back to resume it",
                     kernel_id,
                     record.profile,
                 )

@@ -44,6 +44,7 @@ from kernelmgr.core.controller import (
     Notify,
     WaitCancelled,
 )
+from kernelmgr.core.errors import UnknownProfileError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.lifecycle import metrics
 from kernelmgr.lifecycle.events import LifecycleEvents
@@ -84,7 +85,9 @@ class Hibernator:
         self.released = ReleasedSliceSeconds(runtime.kernels)
         self.start_timeout = start_timeout
         self._pruning: set[asyncio.Future[Any]] = set()
-        self.records = KernelRecords(state_file, runtime.kernels, mkm.log, self._cwd_of)
+        self.records = KernelRecords(
+            state_file, runtime.kernels, mkm.log, self._cwd_of, definition_of=self._definition_of
+        )
         self.platform = JupyterKernelPlatform(mkm, runtime, self.records, self.activity, checkpoint_timeout)
         self.controller = LifecycleController(
             runtime.kernels,
@@ -374,6 +377,12 @@ class Hibernator:
     def recover_lost(self, record: KernelRecord, why: str) -> bool:
         """A kernel whose pod ended while no server ran: hibernated from its last checkpoint."""
         return self.recovery.recover_lost(record, why)
+
+    def _definition_of(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self.runtime.profile(name).to_dict()
+        except UnknownProfileError:
+            return None
 
     def _cwd_of(self, kernel_id: str) -> str | None:
         km = self.mkm.get_kernel(kernel_id) if kernel_id in self.mkm else None
