@@ -20,21 +20,22 @@ def _parsed(exc: ApiException) -> tuple[bool, Any]:
         return False, None
 
 
+def _message(body: Any) -> str | None:
+    return str(body["message"]) if isinstance(body, dict) and "message" in body else None
+
+
 def status_message(exc: ApiException) -> str | None:
     """The Status body's ``message``; ``None`` when there is none (no body, not JSON, no message)."""
-    _, body = _parsed(exc)
-    if isinstance(body, dict) and "message" in body:
-        return str(body["message"])
-    return None
+    return _message(_parsed(exc)[1])
 
 
 def message_or_body(exc: ApiException) -> str:
     """The Status body's ``message``, else the body as sent when it is not JSON (a proxy's error
     page says more than nothing), else ``""``."""
-    message = status_message(exc)
+    is_json, body = _parsed(exc)
+    message = _message(body)
     if message is not None:
         return message
-    is_json, _ = _parsed(exc)
     return "" if is_json else str(exc.body)
 
 
