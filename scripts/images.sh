@@ -10,6 +10,8 @@
 #   scripts/images.sh registry-start DIR [PORT]   a local registry (Debian's docker-registry) on
 #                                        127.0.0.1:PORT (default 5000) storing in DIR; prints its address
 #   scripts/images.sh registry-stop DIR  stop that registry
+#   scripts/images.sh prune              remove unnamed images and stray working containers from the
+#                                        storage (each build does this too)
 #   scripts/images.sh names              print the two image names with their tags
 #   scripts/images.sh export-torch [DIR] the kernel image with PyTorch (Debian's CPU build, python3-torch)
 #                                        as an OCI archive DIR/kernel-torch-VERSION.tar: the tests' PyTorch
@@ -189,6 +191,15 @@ build_one() {
     log "built ${name} in $((SECONDS - started)) s"
 }
 
+# Every rebuild leaves the previous images' layers behind, unnamed (their first step copies the wheels,
+# which change with the checkout, so no later build can reuse them), and an interrupted build leaves its
+# working container: about 2.5 GB a code change, 46 GB after a day here, which filled the disk CI shares.
+# Called with the build lock held, after each build, so the storage holds only the named images.
+prune_storage() {
+    bud rm --all >/dev/null
+    bud rmi --prune >/dev/null
+}
+
 build() {
     need buildah
     mkdir -p "${CACHE_DIR}"
@@ -201,6 +212,7 @@ build() {
     stage_context "${CACHE_DIR}/context" "${python_version}"
     build_one kernel "$(kernel_name)" "${base}"
     build_one gateway "$(gateway_name)" "${base}"
+    prune_storage
     log "both images ready in $((SECONDS - started)) s: $(kernel_name) $(gateway_name)"
 }
 
@@ -215,6 +227,7 @@ build_torch() {
     python_version="$(image_python "${base}")"
     stage_context "${CACHE_DIR}/context" "${python_version}"
     build_one kernel "$(torch_kernel_name)" "${base}" kernel-torch
+    prune_storage
     log "the PyTorch kernel image ready in $((SECONDS - started)) s: $(torch_kernel_name)"
 }
 
@@ -276,6 +289,13 @@ cmd="${1:-}"
 case "${cmd}" in
     build)
         build
+        ;;
+    prune)
+        [[ -d "${STORAGE_ROOT}" ]] || exit 0
+        need buildah
+        exec 8>"${CACHE_DIR}/.build.lock"
+        flock 8
+        prune_storage
         ;;
     export)
         build

@@ -25,6 +25,8 @@ deps() {
         cp package.json package-lock.json "$dir/"
         (cd "$dir" && npm ci --silent --no-audit --no-fund)
         touch "$dir/.complete"
+        # An older lock's modules (420 MB each) are not used again once the lock has moved on.
+        find "$(dirname "$dir")" -maxdepth 1 -name 'labext-*' ! -path "$dir" -exec rm -rf {} +
     fi
     # A real folder inside the checkout (hard links: no copy of the data where the cache shares the
     # file system), not a link to the cache: webpack names modules by their path relative to the
