@@ -21,7 +21,10 @@ ipykernel kernel, a real S3 server from ``tests/support/s3.py``):
   becomes the kernel, before ipykernel runs (``kernelmgr.checkpoint.prefetch``; a cold resume
   starts it too, through ``kernelmgr.checkpoint.launch``, before ipykernel's imports); with
   ``--no-prefetch-too``, also on servers with ``ELASTIC_RESTORE_PREFETCH=0`` (``cold-nopf``, and
-  ``warm-nopf`` with ``--warm-pool``: the agent downloads once it has loaded, as before). Each
+  ``warm-nopf`` with ``--warm-pool``: the agent downloads once it has loaded, as before); with
+  ``--thread-too``, also on servers with ``ELASTIC_RESTORE_PREFETCH=thread`` (``cold-thread``,
+  ``warm-thread``: the prefetch on a thread of the kernel process, sharing its GIL, as before it
+  ran in a child process of its own). Each
   resume's restore report (how long before the agent the download began, its own time, what the
   restore still waited) goes to stderr.
 
@@ -30,7 +33,7 @@ step would otherwise pay for the writeback of the gigabyte the step before it wr
 average is printed before and after (the machine is shared).
 
 Run: ``python benchmarks/bench_objectstore.py [--sizes 1024] [--repeat 3] [--encrypt] [--warm-pool
-[--no-prefetch-too]]`` (sizes in MiB; ``--encrypt``: encryption at rest on, the raw floor stays
+[--no-prefetch-too] [--thread-too]]`` (sizes in MiB; ``--encrypt``: encryption at rest on, the raw floor stays
 plaintext; needs ``scripts/s3.sh build``). Prints a Markdown table of medians and ratios for
 docs/benchmarks.md.
 """
@@ -75,8 +78,9 @@ def build_cells(size_mib: int) -> str:
 
 
 def start(
-    home: Path, s3: S3Server, encrypt: bool = False, warm: bool = False, prefetch: bool = True
+    home: Path, s3: S3Server, encrypt: bool = False, warm: bool = False, prefetch: str = ""
 ) -> RunningServer:
+    """``prefetch``: ``ELASTIC_RESTORE_PREFETCH`` (empty: the default, a child process)."""
     key_files = []
     if encrypt:  # encryption at rest: a master key file, as the Helm chart mounts one
         home.mkdir(parents=True, exist_ok=True)
@@ -113,8 +117,8 @@ def start(
         },
     }
     env = {ID_ENV: s3.admin.access_key, KEY_ENV: s3.admin.secret_key}
-    if not prefetch:
-        env["ELASTIC_RESTORE_PREFETCH"] = "0"
+    if prefetch:
+        env["ELASTIC_RESTORE_PREFETCH"] = prefetch
     server = start_server(home, config, env_extra=env)
     if warm:
         wait_for(lambda: warm_ready(server), timeout=600, what="the warm pool to fill")
@@ -205,6 +209,11 @@ def main() -> None:
         action="store_true",
         help="also resume without the prefetch (cold, and warm with --warm-pool)",
     )
+    parser.add_argument(
+        "--thread-too",
+        action="store_true",
+        help="also resume with the prefetch on a thread of the kernel (cold, and warm with --warm-pool)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     print("load average before: {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()), file=sys.stderr)
@@ -212,14 +221,20 @@ def main() -> None:
         home = Path(tmp)
         with running_s3(home / "s3") as s3:
             servers = {"cold": start(home / "cold", s3, args.encrypt)}
-            if args.no_prefetch_too:
-                servers["cold-nopf"] = start(home / "cold-nopf", s3, args.encrypt, prefetch=False)
+            variants = {
+                "nopf": "0" if args.no_prefetch_too else "",
+                "thread": "thread" if args.thread_too else "",
+            }
+            for name, value in variants.items():
+                if value:
+                    servers[f"cold-{name}"] = start(home / f"cold-{name}", s3, args.encrypt, prefetch=value)
             if args.warm_pool:
                 servers["warm"] = start(home / "warm", s3, args.encrypt, warm=True)
-                if args.no_prefetch_too:
-                    servers["warm-nopf"] = start(
-                        home / "warm-nopf", s3, args.encrypt, warm=True, prefetch=False
-                    )
+                for name, value in variants.items():
+                    if value:
+                        servers[f"warm-{name}"] = start(
+                            home / f"warm-{name}", s3, args.encrypt, warm=True, prefetch=value
+                        )
             bucket = s3.bucket(BUCKET)
             paths = list(servers)
             try:

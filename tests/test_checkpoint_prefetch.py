@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,14 +22,18 @@ import pytest
 from jupyter_client.blocking import BlockingKernelClient
 from jupyter_client.connect import write_connection_file
 
+from kernelmgr.checkpoint import prefetch
+from kernelmgr.checkpoint.child import ChildFailed
 from kernelmgr.checkpoint.keys import write_key_file
 from kernelmgr.checkpoint.launch import wrap
 from kernelmgr.checkpoint.prefetch import SWITCH_INTERVAL, quick_switches
 from kernelmgr.checkpoint.writer import write_checkpoint
+from kernelmgr.core.manifest import Manifest
 from kernelmgr.objectstore.client import Bucket
 from tests.conftest import INVENTORY, PROFILES
 from tests.support.s3 import S3Server, running_s3
 from tests.support.server import RunningServer, start_server, wait_for
+from tests.test_checkpoint_child import gone, wait_until
 from tests.test_warm_pool import PRELOAD, ready
 
 REPO = Path(__file__).resolve().parent.parent
@@ -123,6 +128,8 @@ def test_a_warm_resume_restores_from_the_download_started_before_the_agent(
     # The download the agent restored from was the launcher's: it began before the agent loaded.
     assert report["prefetch"] is not None, report
     assert report["prefetch"]["lead"] > 0, report
+    # ...in a child process of the kernel's (its own GIL, not shared with the kernel starting).
+    assert report["prefetch"]["in_child"] is True, report
     assert scratch_left(folder) == []
     server.shutdown_kernel(kernel_id)
 
@@ -137,6 +144,7 @@ def test_a_cold_resume_starts_the_download_before_ipykernel(tmp_path: Path, s3: 
         report = report_of(kernel_dir(cold, owner, kernel_id))
         assert sorted(report["restored"]) == ["balance", "big", "np"], report
         assert report["prefetch"] is not None and report["prefetch"]["lead"] > 0, report
+        assert report["prefetch"]["in_child"] is True, report
         cold.shutdown_kernel(kernel_id)
     finally:
         cold.shutdown_all_kernels()
@@ -194,9 +202,9 @@ def test_a_checkpoint_gone_from_the_bucket_gives_a_refused_report(
     server.shutdown_kernel(kernel_id)
 
 
-def test_the_pod_entry_point_downloads_before_ipykernel_starts(tmp_path: Path, s3: S3Server) -> None:
-    """``python -m kernelmgr.kube.pod_kernel`` as a kernel pod runs it (its connection file, the
-    agent's environment with presigned URLs), as a process here: no node needed for this part."""
+def restore_env(tmp_path: Path, s3: S3Server) -> tuple[dict[str, str], Path]:
+    """A checkpoint written and put in the bucket, and the environment a kernel gets to restore
+    it (presigned URLs, its key file); the key file."""
     key, owner, kernel = os.urandom(32), "alice", "0f1e2d3c-0000-4000-8000-000000000001"
     written = write_checkpoint(
         tmp_path / "written", {"balance": 100, "words": ["w"] * 1000}, key=key, owner=owner, kernel_id=kernel
@@ -208,14 +216,8 @@ def test_the_pod_entry_point_downloads_before_ipykernel_starts(tmp_path: Path, s
         bucket.put(f"{base}/{name}", (tmp_path / "written" / written.checkpoint_id / name).read_bytes())
     (tmp_path / "secret").mkdir(mode=0o700)
     key_file = write_key_file(tmp_path / "secret" / "key", key)
-    connection = tmp_path / "connection.json"
-    write_connection_file(str(connection), ip="127.0.0.1")
-    folder = tmp_path / "kernel"
     env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "POD_IP": "127.0.0.1",
-        "ELASTIC_CHECKPOINT_DIR": str(folder),
+        "ELASTIC_CHECKPOINT_DIR": str(tmp_path / "kernel"),
         "ELASTIC_CHECKPOINT_KEY_FILE": str(key_file),
         "ELASTIC_KERNEL_ID": kernel,
         "ELASTIC_OWNER": owner,
@@ -224,6 +226,56 @@ def test_the_pod_entry_point_downloads_before_ipykernel_starts(tmp_path: Path, s
         "ELASTIC_RESTORE_MANIFEST_URL": bucket.presign("GET", f"{base}/manifest.json", 600),
         "ELASTIC_RESTORE_DATA_URL": bucket.presign("GET", f"{base}/data.bin", 600),
     }
+    return env, key_file
+
+
+@pytest.mark.parametrize("setting", ["", "thread"])
+def test_the_download_runs_in_a_child_process_unless_asked_for_a_thread(
+    tmp_path: Path, s3: S3Server, setting: str
+) -> None:
+    """Both give the same verified copy; ``ELASTIC_RESTORE_PREFETCH=thread`` (for benchmarks) keeps
+    it in this process."""
+    env, _ = restore_env(tmp_path, s3)
+    fetch = prefetch.start({**env, prefetch.ENV_PREFETCH: setting})
+    assert fetch is not None
+    try:
+        got = fetch.join()
+        assert (got.pid != os.getpid()) is (setting == "")
+        written = tmp_path / "written" / env["ELASTIC_RESTORE_CHECKPOINT"]
+        assert got.digest == Manifest.from_json((written / "manifest.json").read_bytes()).data_digest
+        copy = got.scratch / env["ELASTIC_RESTORE_CHECKPOINT"] / "data.bin"
+        assert copy.read_bytes() == (written / "data.bin").read_bytes()
+    finally:
+        prefetch.discard()
+    assert not fetch.scratch.exists()
+
+
+def test_a_discarded_download_stops_its_child(tmp_path: Path, s3: S3Server) -> None:
+    """A download nobody will take (the agent loaded without restoring) must not keep running:
+    here its store accepts the connection and never answers."""
+    env, _ = restore_env(tmp_path, s3)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        fetch = prefetch.start({**env, "ELASTIC_RESTORE_MANIFEST_URL": f"http://127.0.0.1:{port}/m"})
+        assert fetch is not None and fetch.child_pid is not None
+        connection, _ = silent.accept()  # the child is connected and waits for an answer
+        with connection:
+            assert not gone(fetch.child_pid)
+            prefetch.discard()
+            wait_until(lambda: gone(fetch.child_pid), "the discarded download's process to end")
+    with pytest.raises(ChildFailed, match="signal 9"):
+        fetch.join()
+    assert not fetch.scratch.exists()
+
+
+def test_the_pod_entry_point_downloads_before_ipykernel_starts(tmp_path: Path, s3: S3Server) -> None:
+    """``python -m kernelmgr.kube.pod_kernel`` as a kernel pod runs it (its connection file, the
+    agent's environment with presigned URLs), as a process here: no node needed for this part."""
+    env, key_file = restore_env(tmp_path, s3)
+    connection = tmp_path / "connection.json"
+    write_connection_file(str(connection), ip="127.0.0.1")
+    folder = tmp_path / "kernel"
+    env = {**os.environ, **env, "PYTHONPATH": str(REPO), "POD_IP": "127.0.0.1"}
     command = [sys.executable, "-m", "kernelmgr.kube.pod_kernel", "-f", str(connection)]
     command.append("--IPKernelApp.extra_extensions=kernelmgr.checkpoint.agent")
     process = subprocess.Popen(command, env=env, cwd=tmp_path)
@@ -242,6 +294,7 @@ def test_the_pod_entry_point_downloads_before_ipykernel_starts(tmp_path: Path, s
         assert "".join(outputs).split() == ["100", "1000"]
         report = report_of(folder)
         assert report["prefetch"] is not None and report["prefetch"]["lead"] > 0, report
+        assert report["prefetch"]["in_child"] is True, report
         assert not key_file.exists()  # the agent still removes the key file it was handed
         assert scratch_left(folder) == []
         client.shutdown()

@@ -353,7 +353,7 @@ class _Agent:
         #: download its launcher started, how long before that it started (``lead``) and its
         #: own time (``seconds``): in the restore report as ``prefetch``.
         self._loaded_at = time.monotonic()
-        self.prefetched: dict[str, float] | None = None
+        self.prefetched: dict[str, float | bool] | None = None
         shell.events.register("pre_run_cell", self._cell_started)
         shell.events.register("post_run_cell", self._cell_finished)
         # The exit after a hibernation's checkpoint skips the interpreter's final collections.
@@ -593,6 +593,8 @@ class _Agent:
             self.prefetched = {"lead": round(self._loaded_at - started.started_at, 3)}
             got = started.join()
             self.prefetched["seconds"] = round(got.seconds, 3)
+            # In a child process of its own (its own GIL), or on a thread of this one.
+            self.prefetched["in_child"] = got.pid != os.getpid()
         self._downloaded_digest = got.digest
         return got.scratch
 

@@ -34,12 +34,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import kernelmgr.objectstore.transfer as transfer
-from kernelmgr.checkpoint import cipher
+from kernelmgr.checkpoint import child, cipher
 from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.integrity import ChunkDigests, DigestUnavailable
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_keys
@@ -61,8 +61,9 @@ ENV_RESTORE_DATA_URL = "ELASTIC_RESTORE_DATA_URL"
 ENV_RESTORE_KEY = "ELASTIC_RESTORE_KEY"
 #: A pod's key file is on a read-only Secret volume (read, never removed).
 ENV_KEY_MOUNTED = "ELASTIC_CHECKPOINT_KEY_MOUNTED"
-#: ``0`` starts no download before the agent loads (the agent downloads itself, as before):
-#: for comparing the two in tests and benchmarks.
+#: ``0`` starts no download before the agent loads (the agent downloads itself, as before);
+#: ``thread`` runs it on a thread of the kernel process instead of a child process: both for
+#: comparing in tests and benchmarks.
 ENV_PREFETCH = "ELASTIC_RESTORE_PREFETCH"
 
 #: The GIL switch interval while a download runs (seconds; Python's default is 0.005).
@@ -95,12 +96,20 @@ class Downloaded:
     digest: str
     #: How long the download took, from its start (its own time, wherever it ran).
     seconds: float
+    #: The process that downloaded (a child of the kernel's, or the kernel's own).
+    pid: int
 
 
-def download(source: RestoreSource, scratch: Path | None = None) -> Downloaded:
+def download(
+    source: RestoreSource,
+    scratch: Path | None = None,
+    verified: Callable[[Manifest], None] | None = None,
+) -> Downloaded:
     """Read ``source`` into a scratch folder under the kernel folder (``scratch``, else a new one);
     removed again if anything fails. The manifest is verified before ``data.bin`` is read (its
-    size comes from the manifest); ``data.bin`` arrives by parallel ranged GETs, with progress."""
+    size comes from the manifest); ``data.bin`` arrives by parallel ranged GETs, with progress.
+    ``verified`` is told the verified manifest (in a child process: the parent imports its
+    libraries); without it, they are imported here while the ranges arrive."""
     started = time.perf_counter()
     checkpoint_id = source.checkpoint_id
     if scratch is None:
@@ -128,7 +137,11 @@ def download(source: RestoreSource, scratch: Path | None = None) -> Downloaded:
             raise CheckpointRefused(str(exc)) from None
         # The libraries the checkpoint was saved with are imported while the ranges arrive
         # (only imported: nothing is unpickled before the digest matched).
-        prewarm = prewarm_imports(manifest, LIBRARIES)
+        prewarm = None
+        if verified is None:
+            prewarm = prewarm_imports(manifest.libraries, LIBRARIES)
+        else:
+            verified(manifest)
 
         def arrived(offset: int, piece: memoryview) -> None:
             # On the thread the range came in on, while the other ranges still arrive: the
@@ -170,7 +183,7 @@ def download(source: RestoreSource, scratch: Path | None = None) -> Downloaded:
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    return Downloaded(scratch, digest, time.perf_counter() - started)
+    return Downloaded(scratch, digest, time.perf_counter() - started, os.getpid())
 
 
 @contextlib.contextmanager
@@ -222,18 +235,40 @@ def source_from_env(env: Mapping[str, str]) -> RestoreSource | None:
 
 
 class Prefetch:
-    """A :func:`download` running on its own thread; :meth:`join` gives its result or raises its
-    error."""
+    """A :func:`download` running in a child process (:mod:`kernelmgr.checkpoint.child`: its own
+    GIL, beside the kernel starting here), or on a thread where the platform cannot fork;
+    :meth:`join` gives its result or raises its error."""
 
-    def __init__(self, source: RestoreSource) -> None:
+    def __init__(self, source: RestoreSource, in_child: bool = True) -> None:
         self.source = source
         #: ``time.monotonic()`` when it started (the restore report says how long before the agent).
         self.started_at = time.monotonic()
         self.scratch = new_scratch(source.kernel_dir)
         self._result: Downloaded | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="checkpoint-prefetch", daemon=True)
-        self._thread.start()
+        self._child: child.Child | None = None
+        self._thread: threading.Thread | None = None
+        if in_child and child.can_fork():
+            self._child = child.Child(self._download_in_child, self._import_libraries)
+        else:
+            self._thread = threading.Thread(target=self._run, name="checkpoint-prefetch", daemon=True)
+            self._thread.start()
+
+    @property
+    def child_pid(self) -> int | None:
+        """The process downloading, when it is a child of this one."""
+        return self._child.pid if self._child is not None else None
+
+    def _download_in_child(self, send: Callable[[child.Message], None]) -> child.Message:
+        got = download(self.source, self.scratch, verified=lambda m: send({"libraries": list(m.libraries)}))
+        return {"digest": got.digest, "seconds": got.seconds, "pid": got.pid}
+
+    @staticmethod
+    def _import_libraries(message: child.Message) -> None:
+        # Here, not in the child: the kernel is this process. Only names on the writer's list.
+        thread = prewarm_imports(list(message.get("libraries", [])), LIBRARIES)
+        if thread is not None:
+            thread.join()
 
     def _run(self) -> None:
         try:
@@ -242,6 +277,15 @@ class Prefetch:
             self._error = exc
 
     def join(self) -> Downloaded:
+        if self._child is not None:
+            try:
+                result = self._child.result()
+            except child.ChildFailed as exc:
+                raise _as_raised(exc) from None
+            return Downloaded(
+                self.scratch, str(result["digest"]), float(result["seconds"]), int(result["pid"])
+            )
+        assert self._thread is not None
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -249,8 +293,19 @@ class Prefetch:
         return self._result
 
     def discard(self) -> None:
-        """Remove its scratch folder (a download still running finishes into removed files)."""
+        """Stop the download and remove its scratch folder."""
+        if self._child is not None:
+            self._child.kill()
         shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _as_raised(failed: child.ChildFailed) -> Exception:
+    """The child's error as the agent would have seen it raised here."""
+    if failed.kind == CheckpointRefused.__name__:
+        return CheckpointRefused(str(failed))
+    if failed.kind == transfer.TransferError.__name__:
+        return transfer.TransferError(str(failed))
+    return failed
 
 
 _lock = threading.Lock()
@@ -269,7 +324,7 @@ def start(env: Mapping[str, str] | None = None) -> Prefetch | None:
         source = source_from_env(env)
         if source is None:
             return None
-        fetch = Prefetch(source)
+        fetch = Prefetch(source, in_child=env.get(ENV_PREFETCH, "") != "thread")
     except Exception as exc:
         log.warning("no restore download before the agent loads: %s", exc)
         return None

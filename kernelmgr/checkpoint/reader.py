@@ -36,7 +36,7 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -261,10 +261,10 @@ PREWARM_LIBRARIES = ("torch",)
 
 
 def _prewarm(manifest: Manifest) -> threading.Thread | None:
-    return prewarm_imports(manifest, PREWARM_LIBRARIES)
+    return prewarm_imports(manifest.libraries, PREWARM_LIBRARIES)
 
 
-def prewarm_imports(manifest: Manifest, libraries: tuple[str, ...]) -> threading.Thread | None:
+def prewarm_imports(saved_with: Iterable[str], libraries: tuple[str, ...]) -> threading.Thread | None:
     """Import, on a thread, the slow libraries the checkpoint was saved with.
 
     Why: a resumed kernel is a new process; importing torch takes seconds, as long as reading
@@ -276,7 +276,8 @@ def prewarm_imports(manifest: Manifest, libraries: tuple[str, ...]) -> threading
     (the agent) imports every library in :data:`~kernelmgr.checkpoint.writer.LIBRARIES` this way
     while the ranges arrive (the network wait is long enough for numpy and pandas too).
     """
-    wanted = [name for name in libraries if name in manifest.libraries and name not in sys.modules]
+    saved = set(saved_with)  # the manifest's libraries
+    wanted = [name for name in libraries if name in saved and name not in sys.modules]
     if not wanted:
         return None
 

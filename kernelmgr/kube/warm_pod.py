@@ -270,7 +270,7 @@ def serve(state: WarmState, token: str, address: str, port: int) -> ThreadingHTT
 
 
 def main(args: list[str]) -> int:
-    from kernelmgr.warm.worker import become_kernel, preload
+    from kernelmgr.warm.worker import KERNEL_MODULES, become_kernel, preload
 
     if len(args) < 2 or args[0] != "--port" or not args[1].isdigit():
         print("usage: python -m kernelmgr.kube.warm_pod --port PORT [MODULE ...]", file=sys.stderr)
@@ -280,7 +280,7 @@ def main(args: list[str]) -> int:
     state = WarmState(Path(os.environ[ENV_CHECKPOINTS]))
     serve(state, token, os.environ.get("POD_IP") or "0.0.0.0", port)
     started = time.perf_counter()
-    failure = preload([*modules, "ipykernel.kernelapp"])
+    failure = preload([*modules, *KERNEL_MODULES])
     with state.lock:
         if failure is None:
             state.state = "ready"

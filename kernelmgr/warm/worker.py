@@ -4,7 +4,7 @@ Started by :class:`kernelmgr.warm.pool.WarmPool` as
 ``python -m kernelmgr.warm.worker STATUS_FILE [MODULE ...]`` with no slice in its environment
 (``CUDA_VISIBLE_DEVICES=""``: a framework that touched the GPU at import would see none). It
 
-1. imports the modules (and ipykernel, which every kernel needs), touching no GPU;
+1. imports the modules (and what every kernel imports: :data:`KERNEL_MODULES`), touching no GPU;
 2. checks that no GPU was touched (:func:`kernelmgr.warm.detect.gpu_touched`) and writes
    ``STATUS_FILE`` (``{"ok": true, ...}``, or ``{"ok": false, "reason": ...}`` and exits 3);
 3. waits for one line on stdin: the hand-off, ``{"argv", "env", "cwd"}``, exactly what a cold
@@ -38,6 +38,19 @@ from kernelmgr.warm.detect import gpu_touched
 
 #: Exit status of a warm process that cannot be used (preload failed, GPU touched).
 UNUSABLE = 3
+
+#: What every elastic kernel imports as it starts, whatever the user preloads: ipykernel's app
+#: and kernel, the checkpoint agent (its extension) and the restore's download. Imported while
+#: the process waits, they are not imported after the hand-off, where the resume waits for them.
+#: Not ipykernel's debugger, though a kernel imports it too (a tenth of a second here): debugpy
+#: sets ``PYDEVD_USE_FRAME_EVAL`` in the environment as it is imported, and the hand-off replaces
+#: the environment, so the kernel's children would not see it.
+KERNEL_MODULES = (
+    "ipykernel.kernelapp",
+    "ipykernel.ipkernel",
+    "kernelmgr.checkpoint.prefetch",
+    "kernelmgr.checkpoint.agent",
+)
 
 
 def write_status(path: str, status: dict[str, Any]) -> None:
@@ -88,7 +101,7 @@ def become_kernel(handoff: dict[str, Any]) -> None:
 def main(args: list[str]) -> int:
     status_file, modules = args[0], args[1:]
     started = time.perf_counter()
-    failure = preload([*modules, "ipykernel.kernelapp"])
+    failure = preload([*modules, *KERNEL_MODULES])
     if failure is None:
         touched = gpu_touched()
         if touched:
