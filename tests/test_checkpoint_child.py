@@ -4,6 +4,7 @@ download runs in, beside the kernel starting in its parent."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -87,6 +88,24 @@ def test_kill_ends_a_child_that_would_run_forever() -> None:
     with pytest.raises(ChildFailed, match="signal 9"):
         child.result()
     assert gone(child.pid)
+
+
+def test_an_interrupt_for_the_kernels_cell_does_not_stop_the_child(tmp_path: Path) -> None:
+    """jupyter_client interrupts a kernel with SIGINT to its whole process group."""
+    sent = tmp_path / "interrupt-sent"
+    started = threading.Event()
+
+    def work(send: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        send({"started": True})
+        while not sent.exists():  # still working when the interrupt arrives
+            time.sleep(0.01)
+        return {"finished": True}
+
+    child = Child(work, lambda message: started.set())
+    assert started.wait(60)
+    os.kill(child.pid, signal.SIGINT)
+    sent.touch()
+    assert child.result() == {"finished": True}
 
 
 def test_the_child_leaves_without_running_the_parents_exit_handlers(tmp_path: Path) -> None:

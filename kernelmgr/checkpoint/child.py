@@ -10,7 +10,9 @@ Forked, not spawned: the launchers start the download before ipykernel runs, wit
 needs already imported, so a fork starts at once where a new interpreter would spend its first
 0.1 s importing them. The child never returns into the parent's code: it leaves by ``os._exit``
 (no exit handlers, no flush of the parent's buffers), and it is killed when its parent dies
-(``PR_SET_PDEATHSIG``), so an interrupted kernel leaves no download behind.
+(``PR_SET_PDEATHSIG``), so an interrupted kernel leaves no download behind. Linux ties that to
+the thread that forked: start a child from a thread that outlives it (the launchers use the main
+thread). It ignores SIGINT: an interrupt sent to the kernel's process group is for a cell.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class Child:
 def _run_child(work: Work, write_end: int, parent: int) -> None:
     status = 1
     try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         _die_with(parent)
         pipe = os.fdopen(write_end, "wb", buffering=0)
 
