@@ -157,3 +157,13 @@ def test_the_child_dies_with_its_parent(tmp_path: Path) -> None:
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+def test_kill_after_the_child_was_reaped_signals_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once reaped, the pid may belong to another process: a late discard must not signal it."""
+    child = Child(lambda send: {"done": True}, no_messages)
+    assert child.result() == {"done": True}
+    signalled: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: signalled.append((pid, sig)))
+    child.kill()
+    assert signalled == []

@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -70,31 +71,51 @@ class Child:
         self._on_message = on_message
         self._result: Message | None = None
         self._error: ChildFailed | None = None
+        self._lock = threading.Lock()
+        self._reaped = False
         self._reader = threading.Thread(
             target=self._read, args=(read_end,), name="checkpoint-child", daemon=True
         )
         self._reader.start()
 
     def _read(self, read_end: int) -> None:
-        with os.fdopen(read_end, "rb") as pipe:
-            for line in pipe:
-                event = json.loads(line)
-                if "message" in event:
-                    with contextlib.suppress(Exception):  # the parent's side never stops the child
-                        self._on_message(event["message"])
-                elif "result" in event:
-                    self._result = event["result"]
-                elif "error" in event:
-                    self._error = ChildFailed(str(event["error"]), str(event.get("detail", "")))
-        status = self._reap()
-        if self._result is None and self._error is None:
-            self._error = ChildFailed("ChildExited", f"the child process ended ({status}) without a result")
+        try:
+            with os.fdopen(read_end, "rb") as pipe:
+                for line in pipe:
+                    self._take(line)
+        finally:
+            status = self._reap()
+            if self._result is None and self._error is None:
+                why = f"the child process ended ({status}) without a result"
+                self._error = ChildFailed("ChildExited", why)
+
+    def _take(self, line: bytes) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:  # a last line cut short by the child's death: it has no result then
+            return
+        if "message" in event:
+            with contextlib.suppress(Exception):  # the parent's side never stops the child
+                self._on_message(event["message"])
+        elif "result" in event:
+            self._result = event["result"]
+        elif "error" in event:
+            self._error = ChildFailed(str(event["error"]), str(event.get("detail", "")))
 
     def _reap(self) -> str:
-        try:
-            _, status = os.waitpid(self.pid, 0)
-        except ChildProcessError:  # reaped elsewhere
-            return "status unknown"
+        """Wait for the child's exit (its pipe has closed). Reaped with the lock held, so that
+        :meth:`kill` never signals the pid once the system may have given it to another process."""
+        while True:
+            with self._lock:
+                try:
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)
+                except ChildProcessError:  # reaped elsewhere
+                    self._reaped = True
+                    return "status unknown"
+                if pid:
+                    self._reaped = True
+                    break
+            time.sleep(0.01)  # the pipe closes as the child exits: a moment at most
         if os.WIFSIGNALED(status):
             return f"signal {os.WTERMSIG(status)}"
         return f"exit status {os.waitstatus_to_exitcode(status)}"
@@ -109,8 +130,10 @@ class Child:
 
     def kill(self) -> None:
         """Stop the child now (its result no longer matters)."""
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
+        with self._lock:
+            if not self._reaped:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.pid, signal.SIGKILL)
 
 
 def _run_child(work: Work, write_end: int, parent: int) -> None:
