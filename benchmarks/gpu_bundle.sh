@@ -13,6 +13,8 @@
 #
 # There, from the repository root:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site DIR/*.whl
+#   python3 -m compileall -q -j 8 /tmp/site kernelmgr   # that machine sets PYTHONDONTWRITEBYTECODE=1:
+#                                                       # without this every import compiles from source
 #   export PYTHONPATH=/tmp/site
 #   python3 -m pytest tests/gpu -s -p no:cacheprovider
 #   python3 benchmarks/bench_gpu_resume.py --sizes 1,4 --repeat 2
