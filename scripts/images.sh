@@ -195,9 +195,10 @@ build_one() {
 # which change with the checkout, so no later build can reuse them), and an interrupted build leaves its
 # working container: about 2.5 GB a code change, 46 GB after a day here, which filled the disk CI shares.
 # Called with the build lock held, after each build, so the storage holds only the named images.
+# A failed prune only costs disk, never the build it follows: it is logged, not fatal.
 prune_storage() {
-    bud rm --all >/dev/null
-    bud rmi --prune >/dev/null
+    bud rm --all >/dev/null || log "could not remove the working containers (left in ${STORAGE_ROOT})"
+    bud rmi --prune >/dev/null || log "could not remove the unnamed images (left in ${STORAGE_ROOT})"
 }
 
 build() {

@@ -45,7 +45,7 @@ from kernelmgr.checkpoint.integrity import ChunkDigests, DigestUnavailable
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_keys
 from kernelmgr.checkpoint.layout import DATA_FILE, MANIFEST_FILE
 from kernelmgr.checkpoint.progress import ProgressFile
-from kernelmgr.checkpoint.reader import prewarm_imports
+from kernelmgr.checkpoint.reader import import_saved, prewarm_imports
 from kernelmgr.checkpoint.sharing import make_kernel_dir
 from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest
 from kernelmgr.checkpoint.writer import LIBRARIES
@@ -265,10 +265,8 @@ class Prefetch:
 
     @staticmethod
     def _import_libraries(message: child.Message) -> None:
-        # Here, not in the child: the kernel is this process. Only names on the writer's list.
-        thread = prewarm_imports(list(message.get("libraries", [])), LIBRARIES)
-        if thread is not None:
-            thread.join()
+        # Here (on the child's reader thread), not in the child: the kernel is this process.
+        import_saved(list(message.get("libraries", [])), LIBRARIES)
 
     def _run(self) -> None:
         try:

@@ -276,19 +276,27 @@ def prewarm_imports(saved_with: Iterable[str], libraries: tuple[str, ...]) -> th
     (the agent) imports every library in :data:`~kernelmgr.checkpoint.writer.LIBRARIES` this way
     while the ranges arrive (the network wait is long enough for numpy and pandas too).
     """
-    saved = set(saved_with)  # the manifest's libraries
-    wanted = [name for name in libraries if name in saved and name not in sys.modules]
+    wanted = _not_imported(saved_with, libraries)
     if not wanted:
         return None
-
-    def run() -> None:
-        for name in wanted:
-            with contextlib.suppress(Exception):
-                __import__(name)
-
-    thread = threading.Thread(target=run, name="checkpoint-prewarm", daemon=True)
+    thread = threading.Thread(
+        target=import_saved, args=(wanted, libraries), name="checkpoint-prewarm", daemon=True
+    )
     thread.start()
     return thread
+
+
+def import_saved(saved_with: Iterable[str], libraries: tuple[str, ...]) -> None:
+    """Import, here and now, those of ``libraries`` the checkpoint was saved with (only names on
+    that list, whatever the manifest says); a failed import is left for the unpickling to report."""
+    for name in _not_imported(saved_with, libraries):
+        with contextlib.suppress(Exception):
+            __import__(name)
+
+
+def _not_imported(saved_with: Iterable[str], libraries: tuple[str, ...]) -> list[str]:
+    saved = set(saved_with)  # the manifest's libraries
+    return [name for name in libraries if name in saved and name not in sys.modules]
 
 
 def _version_warnings(manifest: Manifest) -> list[str]:
