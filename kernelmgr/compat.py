@@ -6,8 +6,8 @@ packages at the next major version. ``tests/test_compat.py`` checks that every n
 the installed releases; ``.ci/pins.sh lowest|newest`` runs it, with the server tests, on both ends
 of each range.
 
-Checked against (the lowest and newest releases each range allowed on 2026-11-26):
-jupyter_server 2.13.0 and 2.21.1, jupyter_client 8.3.0 and 8.10.0, jupyterhub 5.0.0 and 6.1.1.
+Checked against (the lowest and newest releases each range allowed on 2026-11-27):
+jupyter_server 2.18.0 and 2.21.1, jupyter_client 8.3.0 and 8.10.0, jupyterhub 5.0.0 and 6.1.1.
 
 No Jupyter import here: ``lifecycle/`` uses it and must not import jupyter_server.
 """

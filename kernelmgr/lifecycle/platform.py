@@ -196,7 +196,7 @@ class JupyterKernelPlatform:
         """Whether the kernel answers a kernel_info within ``timeout``: it runs its shell requests
         one at a time, so an answer means no cell is running, whatever the server's "busy" says.
 
-        That "busy" can be stale: jupyter_server before 2.15 records the busy/idle of every
+        That "busy" can be stale: jupyter_server before 2.15 recorded the busy/idle of every
         request (a notebook's kernel_info or comm_info, the websocket's nudge, this probe), and
         its IOPub watcher can trail the kernel by seconds on a loaded machine. Without this, a
         hibernation just after a cell was refused (409) and a server stop shut the kernel down
