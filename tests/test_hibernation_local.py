@@ -127,6 +127,32 @@ def test_two_cycles_in_a_row(server: RunningServer) -> None:
     )
 
 
+def test_the_cell_that_resumes_a_kernel_counts_as_its_use(server: RunningServer) -> None:
+    """The server's own IOPub subscription (what the cull policy's execution tracking reads)
+    reconnects to a resumed kernel by itself, 100 ms or more after the process binds, and ZeroMQ
+    drops what was published before. Without the resume waiting for it, the cell that woke the
+    kernel often ran unseen (up to one resume in three here): not counted as use, so the policy
+    could take the kernel for idle while its user worked. Each cycle is one chance to miss it
+    (without the wait, this test failed in 1 run of 3 with 6 cycles)."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id) as chan:
+        chan.execute("n = 0")
+        for cycle in range(10):
+            assert hibernate(server, kernel_id).status == 200
+            before = time.time()
+            assert chan.execute("n += 1; print(n)", timeout=120).stdout.strip() == str(cycle + 1)
+            activity = wait_for(
+                lambda before=before: (
+                    (a := server.get(f"/api/elastic/kernels/{kernel_id}")["activity"])
+                    and (a["last_execution_end"] or 0) >= before
+                    and a
+                ),
+                timeout=10,
+                what=f"the server to see the cell that resumed the kernel (cycle {cycle + 1})",
+            )
+            assert activity["last_execution_start"] >= before and activity["busy_since"] is None
+
+
 HOLDS_A_FILE = """
 class Holder:
     def __init__(self, path, marker):

@@ -51,10 +51,11 @@ class JupyterActivity:
         self, kernel_id: str, msg_type: str, parent: dict[str, Any], content: dict[str, Any] | None
     ) -> None:
         """Account one IOPub message (``content`` is only needed for status and execute_input)."""
-        if parent.get("msg_type") != "execute_request" or parent.get("msg_id") in self._internal:
-            return
         now = self.clock()
         activity = self.get(kernel_id)
+        activity.iopub_heard = now
+        if parent.get("msg_type") != "execute_request" or parent.get("msg_id") in self._internal:
+            return
         if msg_type == "execute_input":
             activity.last_execution_start = now
             count = (content or {}).get("execution_count")

@@ -18,6 +18,9 @@ class ExecutionActivity:
     busy_since: float | None = None
     #: The execution count of the latest cell (so a resumed kernel continues the numbering).
     execution_count: int = 0
+    #: When the server's own IOPub subscription last heard the kernel (any message): a resume
+    #: lets cells through only once it has (see ``JupyterKernelPlatform._until_watched``).
+    iopub_heard: float | None = None
 
     @property
     def last_execution(self) -> float | None:

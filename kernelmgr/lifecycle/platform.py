@@ -61,6 +61,10 @@ STARTING_PROBE_SECONDS = 5.0
 #: How long a kernel still reported busy after the grace gets to answer kernel_info (an answer
 #: means no cell is running) before a hibernation is refused.
 BUSY_PROBE_SECONDS = 5.0
+#: How long a resumed kernel is asked kernel_info until the server's IOPub subscription hears it.
+WATCH_PROBE_SECONDS = 5.0
+#: How long each ask waits for the subscription to hear the kernel's busy/idle.
+WATCH_HEARD_SECONDS = 0.25
 #: A relaunch with new ports is tried at most this many times (each choice is fresh: a repeat
 #: collision is a sign of something else, reported then).
 BIND_RETRIES = 3
@@ -506,6 +510,8 @@ class JupyterKernelPlatform:
         relaunches = 0
         while True:
             await self._start_process(km, record, restore, deadline)
+            if relaunches:  # new ports: the server's own IOPub watcher must follow them
+                self.host.ports_changed(kernel_id)
             # Two budgets: the process (a pod: scheduled, its node booted, its image pulled) has the
             # provisioner's; "kernel restored" (``timeout``) counts from when it runs, so a slow
             # pod start never eats the restore's time.
@@ -527,8 +533,6 @@ class JupyterKernelPlatform:
                     BIND_RETRIES,
                 )
                 await self._end_process(kernel_id, graceful=False)
-        if relaunches:  # the server's own IOPub watcher still points at the old ports
-            self.host.ports_changed(kernel_id)
         collect = getattr(km.provisioner, "collect_restore_report", None)
         if restore is not None and collect is not None:
             try:
@@ -576,6 +580,8 @@ class JupyterKernelPlatform:
 
     async def _wait_ready(self, km: Any, continue_count_of: str | None, timeout: float) -> None:
         client = shell_client(km)
+        kernel_id = str(getattr(km, "kernel_id", ""))
+        asked = self.activity.clock()
         try:
             # One kernel_info round trip proves the kernel serves requests (the agent has
             # restored by then: it runs at extension load, before the first request).
@@ -593,8 +599,37 @@ class JupyterKernelPlatform:
                 self.activity.internal(msg_id)
                 await self.reply(client, msg_id, timeout, km, self.pid_of(km))
                 self.activity.get(record.kernel_id).execution_count = record.execution_count
+            await self._until_watched(client, km, kernel_id, asked)
         finally:
             client.stop_channels()
+
+    async def _until_watched(self, client: Any, km: Any, kernel_id: str, since: float) -> None:
+        """Return once the server's own IOPub subscription has heard the new process.
+
+        That subscription (jupyter_server's activity watcher, which the cull policy's execution
+        tracking rides on) reconnects to the new process on its own, 100 ms or more after the
+        process binds; ZeroMQ drops what the kernel publishes before that. A resume answers
+        sooner, and the cell that caused it then ran unseen: not counted as use, its "busy"
+        missed. So the kernel is asked kernel_info (it publishes busy/idle around each request)
+        until the subscription hears one, for at most ``WATCH_PROBE_SECONDS``; past that the
+        resume goes on, with a warning.
+        """
+        deadline = time.monotonic() + WATCH_PROBE_SECONDS
+        while True:
+            heard_by = min(deadline, time.monotonic() + WATCH_HEARD_SECONDS)
+            while time.monotonic() < heard_by:
+                if (self.activity.get(kernel_id).iopub_heard or 0.0) >= since:
+                    return
+                await asyncio.sleep(0.01)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.host.log.warning(
+                    "Kernel %s: the server's IOPub watcher has not heard it since its start; its first "
+                    "cell may not count as activity",
+                    kernel_id,
+                )
+                return
+            await self.reply(client, client.kernel_info, remaining, km, self.pid_of(km))
 
     def release_slice(self, kernel_id: str) -> None:
         released = self.runtime.allocator.release(kernel_id)
