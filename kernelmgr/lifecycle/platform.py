@@ -63,8 +63,8 @@ STARTING_PROBE_SECONDS = 5.0
 BUSY_PROBE_SECONDS = 5.0
 #: How long a resumed kernel is asked kernel_info until the server's IOPub subscription hears it.
 WATCH_PROBE_SECONDS = 5.0
-#: How long each ask waits for the subscription to hear the kernel's busy/idle.
-WATCH_HEARD_SECONDS = 0.25
+#: How long each ask waits for the subscription to hear the kernel's busy/idle (short: a resume waits it).
+WATCH_HEARD_SECONDS = 0.05
 #: A relaunch with new ports is tried at most this many times (each choice is fresh: a repeat
 #: collision is a sign of something else, reported then).
 BIND_RETRIES = 3
