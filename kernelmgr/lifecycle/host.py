@@ -39,5 +39,5 @@ class KernelHost(Protocol):
     def remove_kernel(self, kernel_id: str) -> Any:
         """Drop a kernel from the listing (it ended before any checkpoint)."""
 
-    def ports_changed(self, kernel_id: str) -> None:
-        """The kernel was relaunched on new ports: the server's own watchers must follow."""
+    def new_process(self, kernel_id: str) -> None:
+        """The kernel has a new process (a new pod, or new ports): the server's own watchers follow it."""

@@ -510,8 +510,9 @@ class JupyterKernelPlatform:
         relaunches = 0
         while True:
             await self._start_process(km, record, restore, deadline)
-            if relaunches:  # new ports: the server's own IOPub watcher must follow them
-                self.host.ports_changed(kernel_id)
+            # The server's own IOPub watcher follows the new process: a pod's new address, or new
+            # ports after a bind error (a local kernel on the same ports gets a fresh subscription).
+            self.host.new_process(kernel_id)
             # Two budgets: the process (a pod: scheduled, its node booted, its image pulled) has the
             # provisioner's; "kernel restored" (``timeout``) counts from when it runs, so a slow
             # pod start never eats the restore's time.
@@ -622,14 +623,17 @@ class JupyterKernelPlatform:
                     return
                 await asyncio.sleep(0.01)
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            try:
+                if remaining <= 0:
+                    raise LifecycleError("no time left", 504)
+                await self.reply(client, client.kernel_info, remaining, km, self.pid_of(km))
+            except LifecycleError:  # the resume goes on: a cell it lets through is answered anyway
                 self.host.log.warning(
                     "Kernel %s: the server's IOPub watcher has not heard it since its start; its first "
                     "cell may not count as activity",
                     kernel_id,
                 )
                 return
-            await self.reply(client, client.kernel_info, remaining, km, self.pid_of(km))
 
     def release_slice(self, kernel_id: str) -> None:
         released = self.runtime.allocator.release(kernel_id)

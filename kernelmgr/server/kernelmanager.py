@@ -106,8 +106,9 @@ class ElasticMappingKernelManager(AsyncMappingKernelManager):
             raise http_error(404, culler.tombstones[kernel_id])
         super()._check_kernel_id(kernel_id)
 
-    def ports_changed(self, kernel_id: str) -> None:
-        """The kernel was relaunched on new ports (a resume that lost a port): watch the new ones."""
+    def new_process(self, kernel_id: str) -> None:
+        """The kernel has a new process (a resume: a new pod, or new ports after a bind error):
+        the server's own IOPub watcher subscribes to it afresh."""
         self.stop_watching_activity(kernel_id)
         compat.set_ports(self, kernel_id, compat.kernels(self)[kernel_id].ports)
         self.start_watching_activity(kernel_id)
