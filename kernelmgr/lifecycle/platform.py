@@ -63,7 +63,7 @@ STARTING_PROBE_SECONDS = 5.0
 BUSY_PROBE_SECONDS = 5.0
 #: How long a resumed kernel is asked kernel_info until the server's IOPub subscription hears it.
 WATCH_PROBE_SECONDS = 5.0
-#: How long each ask waits for the subscription to hear the kernel's busy/idle (short: a resume waits it).
+#: How long each kernel_info ask waits for the IOPub watcher to hear the kernel's busy/idle.
 WATCH_HEARD_SECONDS = 0.05
 #: A relaunch with new ports is tried at most this many times (each choice is fresh: a repeat
 #: collision is a sign of something else, reported then).
@@ -224,20 +224,11 @@ class JupyterKernelPlatform:
         publish busy/idle, which the server's own IOPub watcher records.
         """
         client = shell_client(km)
-        deadline = time.monotonic() + STARTING_PROBE_SECONDS
         try:
             # Asked again while no status arrives: a kernel that has only just started may publish
             # before the server's IOPub subscription is joined (ZeroMQ drops those messages).
-            while getattr(km, "execution_state", "unknown") == "starting":
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                await self.reply(client, client.kernel_info, remaining, km, self.pid_of(km))
-                seen_by = time.monotonic() + 0.25
-                while getattr(km, "execution_state", "unknown") == "starting" and time.monotonic() < seen_by:
-                    await asyncio.sleep(0.02)
-        except LifecycleError:  # not up yet (or gone): still starting, as far as anyone can tell
-            return "starting"
+            up = lambda: getattr(km, "execution_state", "unknown") != "starting"  # noqa: E731
+            await self._ask_until(client, km, up, STARTING_PROBE_SECONDS)
         finally:
             client.stop_channels()
         return str(getattr(km, "execution_state", "unknown"))
@@ -615,25 +606,33 @@ class JupyterKernelPlatform:
         until the subscription hears one, for at most ``WATCH_PROBE_SECONDS``; past that the
         resume goes on, with a warning.
         """
-        deadline = time.monotonic() + WATCH_PROBE_SECONDS
+        heard = lambda: (self.activity.get(kernel_id).iopub_heard or 0.0) >= since  # noqa: E731
+        if not await self._ask_until(client, km, heard, WATCH_PROBE_SECONDS):
+            # The resume goes on: a cell it lets through is answered anyway.
+            self.host.log.warning(
+                "Kernel %s: the server's IOPub watcher has not heard it since its start; its first "
+                "cell may not count as activity",
+                kernel_id,
+            )
+
+    async def _ask_until(self, client: Any, km: Any, done: Callable[[], bool], seconds: float) -> bool:
+        """Ask the kernel kernel_info (it publishes busy/idle around each request) until ``done()``,
+        which the server's own IOPub watcher makes true when it hears them, for at most
+        ``seconds``; whether it came true. A kernel that does not answer ends the asking."""
+        deadline = time.monotonic() + seconds
         while True:
             heard_by = min(deadline, time.monotonic() + WATCH_HEARD_SECONDS)
             while time.monotonic() < heard_by:
-                if (self.activity.get(kernel_id).iopub_heard or 0.0) >= since:
-                    return
+                if done():
+                    return True
                 await asyncio.sleep(0.01)
             remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
             try:
-                if remaining <= 0:
-                    raise LifecycleError("no time left", 504)
                 await self.reply(client, client.kernel_info, remaining, km, self.pid_of(km))
-            except LifecycleError:  # the resume goes on: a cell it lets through is answered anyway
-                self.host.log.warning(
-                    "Kernel %s: the server's IOPub watcher has not heard it since its start; its first "
-                    "cell may not count as activity",
-                    kernel_id,
-                )
-                return
+            except LifecycleError:  # not up yet, gone, or no answer in time
+                return False
 
     def release_slice(self, kernel_id: str) -> None:
         released = self.runtime.allocator.release(kernel_id)
