@@ -28,6 +28,10 @@ ipykernel kernel, a real S3 server from ``tests/support/s3.py``):
   resume's restore report (how long before the agent the download began, its own time, what the
   restore still waited) goes to stderr.
 
+The table also gives the CPU seconds the whole machine spent on each resume and on the raw
+download (``/proc/stat``: store, server, kernel and download together): on a machine whose cores
+the raw download already keeps busy, a resume's time follows its CPU.
+
 Each timed step starts after an ``os.sync()``: the store writes to this machine's disk too, and a
 step would otherwise pay for the writeback of the gigabyte the step before it wrote. The load
 average is printed before and after (the machine is shared).
@@ -61,6 +65,7 @@ from kernelmgr.objectstore.client import Bucket
 from tests.support.s3 import S3Server, running_s3
 from tests.support.server import RunningServer, start_server, wait_for
 
+ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
 PROFILES = {"small": {"gpu_fraction": 0.25, "memory_mib": 10240}}
 INVENTORY = [{"uuid": "GPU-bench-0000", "name": "Declared benchmark GPU", "memory_mib": 40960}]
@@ -116,7 +121,8 @@ def start(
             "encryption_key_files": key_files,
         },
     }
-    env = {ID_ENV: s3.admin.access_key, KEY_ENV: s3.admin.secret_key}
+    # The server and its kernels run this tree's code, not whatever copy is installed.
+    env = {ID_ENV: s3.admin.access_key, KEY_ENV: s3.admin.secret_key, "PYTHONPATH": str(ROOT)}
     if prefetch:
         env["ELASTIC_RESTORE_PREFETCH"] = prefetch
     server = start_server(home, config, env_extra=env)
@@ -134,6 +140,16 @@ def warm_ready(server: RunningServer) -> bool:
     return False
 
 
+def busy_seconds() -> float:
+    """CPU seconds every core of this machine has spent busy since boot (``/proc/stat``): what a
+    step costs the whole machine, store and kernel included, where its time on 2 cores is bound
+    by the CPU rather than by the network."""
+    with open("/proc/stat") as handle:
+        fields = [int(v) for v in handle.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def raw_upload(bucket: Bucket, nbytes: int) -> float:
     """The same bytes through the same client: a multipart upload by presigned part URLs, completed."""
     data = memoryview(os.urandom(nbytes))
@@ -148,27 +164,32 @@ def raw_upload(bucket: Bucket, nbytes: int) -> float:
     return time.perf_counter() - start_t
 
 
-def raw_download(bucket: Bucket, nbytes: int) -> float:
+def raw_download(bucket: Bucket, nbytes: int) -> tuple[float, float]:
+    """Seconds, and the machine's CPU seconds (:func:`busy_seconds`)."""
     url = bucket.presign("GET", "raw/floor.bin", 900)
     os.sync()
     interval = sys.getswitchinterval()
     sys.setswitchinterval(SWITCH_INTERVAL)  # as the kernel's download sets it (prefetch.download)
-    start_t = time.perf_counter()
+    busy, start_t = busy_seconds(), time.perf_counter()
     buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = memoryview(buffer)[:nbytes]
     transfer.download(url, view)
     elapsed = time.perf_counter() - start_t
+    busy = busy_seconds() - busy
     sys.setswitchinterval(interval)
     view.release()
     buffer.close()
-    return elapsed
+    return elapsed, busy
 
 
 def local_checkpoints(home: Path) -> list[Path]:
     return [p for p in (home / "scratch").glob("*/*/ckpt-*")]
 
 
-def one_run(server: RunningServer, home: Path, size_mib: int, warm: bool = False) -> tuple[float, float]:
+def one_run(
+    server: RunningServer, home: Path, size_mib: int, warm: bool = False
+) -> tuple[float, float, float]:
+    """The hibernation's and the resume's seconds, and the resume's CPU seconds (the machine's)."""
     kernel_id = server.start_kernel("python3-gpu-small")
     try:
         server.execute(kernel_id, build_cells(size_mib), timeout=1800)
@@ -181,19 +202,20 @@ def one_run(server: RunningServer, home: Path, size_mib: int, warm: bool = False
         assert reply.status == 200, reply
         wait_for(lambda: not local_checkpoints(home), timeout=600, what="the local copy to be pruned")
         os.sync()
-        start_t = time.perf_counter()
+        busy, start_t = busy_seconds(), time.perf_counter()
         out = server.execute(kernel_id, "print(len(x))", timeout=1800)
         resume = time.perf_counter() - start_t
+        busy = busy_seconds() - busy
         assert out.strip() == str(size_mib * MIB // 8), out
         report = json.loads(
             (home / "scratch" / reply.body["owner"] / kernel_id / "restore-report.json").read_text()
         )
         print(
-            f"{home.name}: resume {resume:.2f} s, restore {report['seconds']} s, "
+            f"{home.name}: resume {resume:.2f} s ({busy:.2f} CPU s), restore {report['seconds']} s, "
             f"timings {report.get('timings')}, prefetch {report.get('prefetch')}",
             file=sys.stderr,
         )
-        return hibernate, resume
+        return hibernate, resume, busy
     finally:
         server.request("DELETE", f"/api/kernels/{kernel_id}")
 
@@ -243,19 +265,25 @@ def main() -> None:
                     + [f"resume, {path} (s)" for path in paths]
                     + ["raw download (s)"]
                     + [f"ratio, {path}" for path in paths]
+                    + [f"CPU, {path} (s)" for path in paths]
+                    + ["CPU, raw download (s)"]
                 )
                 for size in sizes:
                     hib: list[float] = []
                     res: dict[str, list[float]] = {path: [] for path in paths}
-                    up, down = [], []
+                    cpu: dict[str, list[float]] = {path: [] for path in paths}
+                    up, down, down_cpu = [], [], []
                     for _ in range(args.repeat):
                         for path, server in servers.items():  # alternated, run after run
-                            h, r = one_run(server, home / path, size, warm=path.startswith("warm"))
+                            h, r, c = one_run(server, home / path, size, warm=path.startswith("warm"))
                             if path == "cold":
                                 hib.append(h)
                             res[path].append(r)
+                            cpu[path].append(c)
                         up.append(raw_upload(bucket, size * MIB))
-                        down.append(raw_download(bucket, size * MIB))
+                        seconds, busy = raw_download(bucket, size * MIB)
+                        down.append(seconds)
+                        down_cpu.append(busy)
                     mh = statistics.median(hib)
                     mu, md = statistics.median(up), statistics.median(down)
                     mr = {path: statistics.median(times) for path, times in res.items()}
@@ -264,6 +292,8 @@ def main() -> None:
                         + [f"{mr[path]:.2f}" for path in paths]
                         + [f"{md:.2f}"]
                         + [f"{mr[path] / md:.2f}x" for path in paths]
+                        + [f"{statistics.median(cpu[path]):.2f}" for path in paths]
+                        + [f"{statistics.median(down_cpu):.2f}"]
                     )
             finally:
                 for server in servers.values():

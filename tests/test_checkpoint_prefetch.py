@@ -243,11 +243,31 @@ def test_the_download_runs_in_a_child_process_unless_asked_for_a_thread(
         assert (got.pid != os.getpid()) is (setting == "")
         written = tmp_path / "written" / env["ELASTIC_RESTORE_CHECKPOINT"]
         assert got.digest == Manifest.from_json((written / "manifest.json").read_bytes()).data_digest
-        copy = got.scratch / env["ELASTIC_RESTORE_CHECKPOINT"] / "data.bin"
-        assert copy.read_bytes() == (written / "data.bin").read_bytes()
+        assert got.data_file.read_bytes() == (written / "data.bin").read_bytes()
+        # In memory shared with the child, not written to the kernel's folder (Linux).
+        assert got.memory is not None
+        assert not (got.scratch / got.checkpoint_id / "data.bin").exists()
+        got.close()
     finally:
         prefetch.discard()
     assert not fetch.scratch.exists()
+
+
+def test_without_a_memory_file_the_download_goes_to_the_scratch_folder(
+    tmp_path: Path, s3: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where ``memfd_create`` is missing or refused, ``data.bin`` is a file beside its manifest."""
+    env, _ = restore_env(tmp_path, s3)
+    monkeypatch.setattr(prefetch, "memory_file", lambda: None)
+    source = prefetch.source_from_env(env)
+    assert source is not None
+    got = prefetch.download(source)
+    written = tmp_path / "written" / env["ELASTIC_RESTORE_CHECKPOINT"]
+    assert got.memory is None
+    assert got.data_file == got.scratch / got.checkpoint_id / "data.bin"
+    assert got.data_file.read_bytes() == (written / "data.bin").read_bytes()
+    got.close()
+    assert not got.scratch.exists()
 
 
 def test_a_discarded_download_stops_its_child(tmp_path: Path, s3: S3Server) -> None:

@@ -730,6 +730,18 @@ def test_ranges_digested_as_they_arrive_give_the_writers_digest() -> None:
         assert arrived.hexdigest() == whole.hexdigest()
         with pytest.raises(ValueError, match="whole chunks"):
             arrived.add(100, data[100:200])
+        # Piece by piece, as a download hands them over: each chunk's pieces in order.
+        pieces = ChunkDigests(algorithm, len(data))
+        for start in (2 * DIGEST_CHUNK, 0):
+            for offset in range(start, min(len(data), start + 2 * DIGEST_CHUNK), 1 << 20):
+                pieces.add_piece(offset, data[offset : min(len(data), offset + (1 << 20))])
+        assert pieces.hexdigest() == whole.hexdigest()
+        with pytest.raises(ValueError, match="out of order"):
+            ChunkDigests(algorithm, len(data)).add_piece(1 << 20, data[1 << 20 : 2 << 20])
+        with pytest.raises(ValueError, match="crosses the end"):
+            ChunkDigests(algorithm, len(data)).add_piece(
+                DIGEST_CHUNK - 1, data[DIGEST_CHUNK - 1 : DIGEST_CHUNK + 1]
+            )
 
 
 def test_a_checkpoint_tampered_with_in_the_bucket_is_refused_on_resume(

@@ -131,15 +131,15 @@ def test_pod_kernels_hibernate_to_the_bucket_and_resume_on_another_node(
         assert report["refused"] is None and report["checkpoint"] in seen and report["restored"], report
         # The pod's entry point started the download before ipykernel ran (kernelmgr.checkpoint.prefetch).
         assert report["prefetch"] is not None and report["prefetch"]["lead"] > 0, report
-        # The big array came from the bucket into the pod's scratch copy, mapped from there (the
-        # copy deleted), not read a second time into new memory.
+        # The big array came from the bucket into the download's memory file, mapped from there
+        # (the file let go of), not read a second time into new memory nor written to the node.
         run_both(
             server, kernel_id, reference, "import numpy as np; big = np.arange(1 << 21, dtype=np.float64)"
         )
         reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate")
         assert reply.status == 200, reply.body
         mapped = server.execute(kernel_id, MAPPED_FILE).strip()  # resumes it
-        assert "/.download-" in mapped and mapped.endswith("/data.bin (deleted)"), mapped
+        assert mapped == "/memfd:elastic-checkpoint-data (deleted)", mapped
         reply = server.request("DELETE", f"/api/kernels/{kernel_id}")
         assert reply.status == 204
         wait_for(lambda: cluster.pod_of(kernel_id) is None, 60, "the kernel pod to be deleted")

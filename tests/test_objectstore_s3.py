@@ -78,6 +78,25 @@ def test_a_multipart_upload_through_presigned_parts_is_invisible_until_completed
     )
     assert into == data and sum(got) == len(data)
 
+    # Piece by piece: aligned pieces from each range's start, the last shorter, all of it once.
+    pieces: dict[int, bytes] = {}
+    counted: list[int] = []
+
+    def sink(offset: int, piece: memoryview) -> None:
+        assert offset not in pieces and (offset % (4 * MiB)) % MiB == 0
+        pieces[offset] = bytes(piece)
+
+    transfer.download_pieces(
+        bucket.presign("GET", key, 600),
+        len(data),
+        sink,
+        part_size=4 * MiB,
+        piece_size=MiB,
+        on_progress=counted.append,
+    )
+    assert b"".join(pieces[o] for o in sorted(pieces)) == data and sum(counted) == len(data)
+    assert len(pieces) == 13 and len(pieces[max(pieces)]) == 123
+
 
 def test_an_aborted_upload_leaves_nothing(bucket: Bucket) -> None:
     key = "owner/kernel/ckpt/data.bin"

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import elastic_config
-from tests.support.gate import slow_to_load_cell
+from tests.support.gate import Gate, slow_to_load_cell
 from tests.support.server import START_SECONDS, RunningServer, launch, process_alive, start_server, wait_for
 
 pytestmark = pytest.mark.pure
@@ -416,6 +416,32 @@ def test_deleting_a_kernel_while_it_resumes_warm_frees_everything(server: Runnin
     )
     wait_for(lambda: not any(map(process_alive, pool)), timeout=30, what="the taken warm process to end")
     wait_for(lambda: ready(server) == 1, timeout=60, what="the pool to refill")
+
+
+def test_the_pool_refills_once_the_resume_that_took_its_process_is_over(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    """A new warm process spends CPU importing; the user waits for the resume that took the last
+    one. So no process starts while that resume restores (held here at a gate in its unpickling),
+    and one starts after it."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    gate = Gate(tmp_path / "gate")
+    server.execute(kernel_id, gate.restored_object() + "held = HeldAtRestore()\nx = 7")
+    hibernate(server, kernel_id)
+    wait_for(lambda: ready(server) == 1, timeout=60, what="the pool to fill")
+    pool = warm_pids(server)
+    with ThreadPoolExecutor(1) as background:
+        resuming = background.submit(server.request, "POST", f"/api/elastic/kernels/{kernel_id}/resume")
+        wait_for(gate.is_reached, timeout=120, what="the warm process to restore")
+        # The pool's one process is the kernel restoring; nothing started beside it.
+        assert warm_pids(server) == pool
+        assert metric(server, "elastic_warm_pool_processes", kernel="python3", state="starting") == 0
+        gate.open()
+        assert resuming.result(timeout=120).status == 200
+    wait_for(lambda: ready(server) == 1, timeout=60, what="the pool to refill after the resume")
+    assert len(warm_pids(server) - pool) == 1
+    assert server.execute(kernel_id, "print(x)").strip() == "7"
+    server.shutdown_kernel(kernel_id)
 
 
 def test_a_server_that_dies_leaves_no_pool_process(tmp_path: Path) -> None:

@@ -72,7 +72,6 @@ import json
 import logging
 import mmap
 import os
-import shutil
 import threading
 import time
 import weakref
@@ -347,8 +346,8 @@ class _Agent:
         self.last_stream: dict[str, Any] | None = None
         #: Where the last restore read its checkpoint (a scratch folder with an object store).
         self._restore_dir: Path | None = None
-        #: The digest of the last downloaded ``data.bin``, computed as its ranges arrived.
-        self._downloaded_digest: str | None = None
+        #: Where the last restore's ``data.bin`` was, when not in :attr:`_restore_dir` (memory).
+        self._restore_data: Path | None = None
         #: When the agent loaded (``time.monotonic()``), and, after a restore that took the
         #: download its launcher started, how long before that it started (``lead``) and its
         #: own time (``seconds``): in the restore report as ``prefetch``.
@@ -567,14 +566,14 @@ class _Agent:
         self.uploaded = json.dumps(etags)
         self.log.info("checkpoint %s uploaded: %d bytes in %d parts", checkpoint_id, size, len(etags))
 
-    def download(self) -> Path:
-        """The checkpoint to restore, read from the object store into a scratch folder laid out as
-        a kernel folder; that folder. The download the launcher started before the agent loaded
-        (:mod:`kernelmgr.checkpoint.prefetch`) when there is one for this checkpoint, else the same
-        download run here; its errors are raised here either way."""
+    def download(self) -> prefetch.Downloaded:
+        """The checkpoint to restore, read from the object store: its manifest in a scratch folder
+        laid out as a kernel folder, its ``data.bin`` beside it or in memory. The download the
+        launcher started before the agent loaded (:mod:`kernelmgr.checkpoint.prefetch`) when
+        there is one for this checkpoint, else the same download run here; its errors are raised
+        here either way."""
         config = self.config
         assert config is not None and config.restore_checkpoint and config.restore_data_url
-        self._downloaded_digest = None
         source = prefetch.RestoreSource(
             kernel_dir=config.kernel_dir,
             checkpoint_id=config.restore_checkpoint,
@@ -595,8 +594,7 @@ class _Agent:
             self.prefetched["seconds"] = round(got.seconds, 3)
             # In a child process of its own (its own GIL), or on a thread of this one.
             self.prefetched["in_child"] = got.pid != os.getpid()
-        self._downloaded_digest = got.digest
-        return got.scratch
+        return got
 
     # -- restore --------------------------------------------------------------------------
 
@@ -606,11 +604,14 @@ class _Agent:
         directory = self.config.kernel_dir
         source = directory
         downloaded = None
+        got: prefetch.Downloaded | None = None
         try:
             if self.config.restore_data_url and self.config.restore_checkpoint:
-                source = self.download()  # a CheckpointRefused or a TransferError is reported below
+                got = self.download()  # a CheckpointRefused or a TransferError is reported below
+                source = got.scratch
                 downloaded = time.perf_counter() - started
             self._restore_dir = source
+            self._restore_data = got.data_file if got is not None else None
             report = restore_checkpoint(
                 source,
                 self.shell.user_ns,
@@ -623,7 +624,8 @@ class _Agent:
                 # memory: only this kernel (and the server) can rewrite its scratch folder.
                 map_buffers=self.config.restore_mapped or source != directory,
                 data_key=self.config.data_key if source == directory else None,
-                data_digest=self._downloaded_digest if source != directory else None,
+                data_digest=got.digest if got is not None else None,
+                data_file=got.data_file if got is not None else None,
             )
             if report is None:
                 report = refused_report(
@@ -646,8 +648,8 @@ class _Agent:
         report["prefetch"] = self.prefetched
         if not report["refused"]:
             self._resume_history(report)
-        if source != directory:  # the scratch copy (mapped arrays stay valid: the mapping holds it)
-            shutil.rmtree(source, ignore_errors=True)
+        if got is not None:  # the downloaded copy (mapped arrays stay valid: their mappings hold it)
+            got.close()
         self.report = report
         if not report["refused"] and not report["not_restored"]:
             self.saved_at_cell = self.cells_run  # the namespace is exactly the committed checkpoint
@@ -688,6 +690,7 @@ class _Agent:
                 self.config.kernel_id,
                 str(report.get("checkpoint")),
                 self.config.data_key if self._restore_dir in (None, self.config.kernel_dir) else None,
+                self._restore_data,
             )
             if manifest is None:
                 return

@@ -290,14 +290,16 @@ class DataDigest:
 class ChunkDigests:
     """The :class:`DataDigest` of ``size`` bytes that arrive in ranges, in any order, each
     starting at a whole chunk (a download's parallel ranged reads): each chunk is hashed by the
-    thread its range came in on, as soon as it is there, so hashing overlaps the download
-    instead of following it. Same construction, same result as :class:`DataDigest`."""
+    thread its range came in on, as its bytes arrive, so hashing overlaps the download instead
+    of following it. Same construction, same result as :class:`DataDigest`."""
 
     def __init__(self, algorithm: str, size: int) -> None:
         _hasher(algorithm)  # unknown or not installed: fail before any byte is read
         self.algorithm = algorithm
         self.size = size
         self._chunks: dict[int, bytes] = {}
+        #: Chunks begun and not finished: their hasher and how far into the chunk it is.
+        self._open: dict[int, tuple[Any, int]] = {}
 
     def add(self, offset: int, data: memoryview) -> None:
         """``data`` is the bytes at ``offset`` (a multiple of :data:`DIGEST_CHUNK`), in whole
@@ -305,8 +307,24 @@ class ChunkDigests:
         if offset % DIGEST_CHUNK or (len(data) % DIGEST_CHUNK and offset + len(data) != self.size):
             raise ValueError(f"a range at {offset} of {len(data)} bytes is not made of whole chunks")
         for start in range(0, len(data), DIGEST_CHUNK):
-            index = (offset + start) // DIGEST_CHUNK
-            self._chunks[index] = _hash_parts(self.algorithm, [data[start : start + DIGEST_CHUNK]])
+            self.add_piece(offset + start, data[start : start + DIGEST_CHUNK])
+
+    def add_piece(self, offset: int, data: memoryview) -> None:
+        """``data`` is the next bytes of one chunk, at ``offset``: a chunk's pieces come in
+        order (one range's thread reads them), never across its end."""
+        index, within = divmod(offset, DIGEST_CHUNK)
+        if within + len(data) > DIGEST_CHUNK:
+            raise ValueError(f"a piece at {offset} of {len(data)} bytes crosses the end of its chunk")
+        hasher, expected = self._open.pop(index, (None, 0))
+        if within != expected:
+            raise ValueError(f"the piece at {offset} is out of order: chunk {index} is at {expected}")
+        if hasher is None:
+            hasher = _hasher(self.algorithm)
+        hasher.update(data)
+        if within + len(data) == DIGEST_CHUNK or offset + len(data) == self.size:
+            self._chunks[index] = bytes(hasher.digest())
+        else:
+            self._open[index] = (hasher, within + len(data))
 
     def hexdigest(self) -> str:
         top = _hasher(self.algorithm)

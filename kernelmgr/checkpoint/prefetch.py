@@ -27,7 +27,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import mmap
 import os
 import shutil
 import sys
@@ -89,31 +88,78 @@ class RestoreSource:
 
 @dataclass(frozen=True)
 class Downloaded:
-    """A verified manifest and its ``data.bin`` in ``scratch/<checkpoint id>/``, laid out as a
-    kernel folder, with the digest of ``data.bin`` computed as its ranges arrived."""
+    """A verified manifest in ``scratch/<checkpoint id>/``, laid out as a kernel folder, and its
+    ``data.bin`` (:attr:`data_file`), with the digest of ``data.bin`` computed as its ranges
+    arrived."""
 
     scratch: Path
+    checkpoint_id: str
     digest: str
     #: How long the download took, from its start (its own time, wherever it ran).
     seconds: float
     #: The process that downloaded (a child of the kernel's, or the kernel's own).
     pid: int
+    #: The memory file holding ``data.bin`` (:func:`memory_file`; this process's descriptor),
+    #: or ``None`` when it is a file in the scratch folder. :meth:`close` closes it.
+    memory: int | None = None
+
+    @property
+    def data_file(self) -> Path:
+        """Where ``data.bin`` is read from: the memory file through ``/proc``, or the file."""
+        if self.memory is not None:
+            return Path(f"/proc/self/fd/{self.memory}")
+        return self.scratch / self.checkpoint_id / DATA_FILE
+
+    def close(self) -> None:
+        """Let go of the memory file (mappings of it stay valid) and remove the scratch folder."""
+        close_memory(self.memory)
+        shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def memory_file() -> int | None:
+    """A file in memory (Linux ``memfd_create``) for a downloaded ``data.bin``; ``None`` where
+    there is none (another system, or a sandbox that refuses it): the download then goes to a
+    file in the scratch folder.
+
+    Why: the copy lives only until the restore has mapped its arrays, and a file in the kernel
+    folder costs a write-back of every byte to the node's disk (and, in a pod, counts against its
+    ephemeral storage) for a copy removed right after. Made before the download's child is
+    forked, so both processes share it; the restore maps it copy-on-write, as it mapped the file.
+    """
+    if not hasattr(os, "memfd_create") or not Path("/proc/self/fd").is_dir():
+        return None
+    try:
+        return os.memfd_create("elastic-checkpoint-data", os.MFD_CLOEXEC)
+    except OSError:
+        return None
+
+
+def close_memory(memory: int | None) -> None:
+    if memory is not None:
+        with contextlib.suppress(OSError):
+            os.close(memory)
 
 
 def download(
     source: RestoreSource,
     scratch: Path | None = None,
     verified: Callable[[Manifest], None] | None = None,
+    memory: int | None = None,
 ) -> Downloaded:
-    """Read ``source`` into a scratch folder under the kernel folder (``scratch``, else a new one);
-    removed again if anything fails. The manifest is verified before ``data.bin`` is read (its
-    size comes from the manifest); ``data.bin`` arrives by parallel ranged GETs, with progress.
-    ``verified`` is told the verified manifest (in a child process: the parent imports its
-    libraries); without it, they are imported here while the ranges arrive."""
+    """Read ``source`` into a scratch folder under the kernel folder (``scratch``, else a new one)
+    and ``data.bin`` into ``memory`` (a :func:`memory_file`; without one, a new one, else a file
+    in the scratch folder); both are let go of again if anything fails. The manifest is verified
+    before ``data.bin`` is read (its size comes from the manifest); ``data.bin`` arrives by
+    parallel ranged GETs, with progress. ``verified`` is told the verified manifest (in a child
+    process: the parent imports its libraries); without it, they are imported here while the
+    ranges arrive."""
     started = time.perf_counter()
     checkpoint_id = source.checkpoint_id
     if scratch is None:
         scratch = new_scratch(source.kernel_dir)
+    own_memory = memory is None
+    if memory is None:
+        memory = memory_file()
     try:
         text = transfer.get(source.manifest_url)
         if text is None:
@@ -143,13 +189,6 @@ def download(
         else:
             verified(manifest)
 
-        def arrived(offset: int, piece: memoryview) -> None:
-            # On the thread the range came in on, while the other ranges still arrive: the
-            # decryption and the digest overlap the download instead of following it.
-            if data_key is not None:
-                cipher.crypt_in_place(data_key, offset, piece)
-            digests.add(offset, piece)
-
         folder = scratch / checkpoint_id
         folder.mkdir(mode=0o700)
         (folder / MANIFEST_FILE).write_bytes(text)
@@ -161,29 +200,50 @@ def download(
             done += count
             progress(checkpoint_id, done, declared)
 
-        with open(folder / DATA_FILE, "w+b") as handle, quick_switches():
-            handle.truncate(declared)
-            if declared:
-                with mmap.mmap(handle.fileno(), declared) as region:
-                    view = memoryview(region)
-                    try:
-                        transfer.download(
-                            source.data_url,
-                            view,
-                            part_size=transfer.DEFAULT_PART_SIZE,  # whole digest chunks
-                            on_progress=advance,
-                            arrived=arrived,
-                        )
-                    finally:
-                        view.release()
+        with _data_target(folder, memory) as fd, quick_switches():
+            os.ftruncate(fd, declared)
+
+            def arrived(offset: int, piece: memoryview) -> None:
+                # On the thread the range came in on, while the other ranges still arrive and
+                # the piece is in the CPU's cache: decrypted, digested, written.
+                if data_key is not None:
+                    cipher.crypt_in_place(data_key, offset, piece)
+                digests.add_piece(offset, piece)
+                _write_at(fd, piece, offset)
+
+            transfer.download_pieces(
+                source.data_url,
+                declared,
+                arrived,
+                part_size=transfer.DEFAULT_PART_SIZE,  # whole digest chunks
+                on_progress=advance,
+            )
         progress(checkpoint_id, declared, declared)
         digest = digests.hexdigest()
         if prewarm is not None:
             prewarm.join()  # the caller may import next
     except BaseException:
+        if own_memory:
+            close_memory(memory)
         shutil.rmtree(scratch, ignore_errors=True)
         raise
-    return Downloaded(scratch, digest, time.perf_counter() - started, os.getpid())
+    return Downloaded(scratch, checkpoint_id, digest, time.perf_counter() - started, os.getpid(), memory)
+
+
+def _write_at(fd: int, piece: memoryview, offset: int) -> None:
+    while piece:
+        written = os.pwrite(fd, piece, offset)
+        piece, offset = piece[written:], offset + written
+
+
+@contextlib.contextmanager
+def _data_target(folder: Path, memory: int | None) -> Iterator[int]:
+    """The descriptor ``data.bin`` is written through: ``memory``'s, else a new file's (closed after)."""
+    if memory is not None:
+        yield memory
+        return
+    with open(folder / DATA_FILE, "w+b") as handle:
+        yield handle.fileno()
 
 
 @contextlib.contextmanager
@@ -244,6 +304,8 @@ class Prefetch:
         #: ``time.monotonic()`` when it started (the restore report says how long before the agent).
         self.started_at = time.monotonic()
         self.scratch = new_scratch(source.kernel_dir)
+        #: Made here, before the fork: the child writes into it, this process maps it.
+        self.memory = memory_file()
         self._result: Downloaded | None = None
         self._error: BaseException | None = None
         self._child: child.Child | None = None
@@ -260,7 +322,12 @@ class Prefetch:
         return self._child.pid if self._child is not None else None
 
     def _download_in_child(self, send: Callable[[child.Message], None]) -> child.Message:
-        got = download(self.source, self.scratch, verified=lambda m: send({"libraries": list(m.libraries)}))
+        got = download(
+            self.source,
+            self.scratch,
+            verified=lambda m: send({"libraries": list(m.libraries)}),
+            memory=self.memory,
+        )
         return {"digest": got.digest, "seconds": got.seconds, "pid": got.pid}
 
     @staticmethod
@@ -270,7 +337,7 @@ class Prefetch:
 
     def _run(self) -> None:
         try:
-            self._result = download(self.source, self.scratch)
+            self._result = download(self.source, self.scratch, memory=self.memory)
         except BaseException as exc:  # handed to the agent by join()
             self._error = exc
 
@@ -281,7 +348,12 @@ class Prefetch:
             except child.ChildFailed as exc:
                 raise _as_raised(exc) from None
             return Downloaded(
-                self.scratch, str(result["digest"]), float(result["seconds"]), int(result["pid"])
+                self.scratch,
+                self.source.checkpoint_id,
+                str(result["digest"]),
+                float(result["seconds"]),
+                int(result["pid"]),
+                self.memory,
             )
         assert self._thread is not None
         self._thread.join()
@@ -294,6 +366,7 @@ class Prefetch:
         """Stop the download and remove its scratch folder."""
         if self._child is not None:
             self._child.kill()
+        close_memory(self.memory)
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 

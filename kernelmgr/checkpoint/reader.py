@@ -350,6 +350,7 @@ def restore_checkpoint(
     map_buffers: bool = False,
     data_key: bytes | None = None,
     data_digest: str | None = None,
+    data_file: Path | None = None,
 ) -> dict[str, Any] | None:
     """Restore the committed checkpoint's variables into ``namespace``; return the report.
 
@@ -366,10 +367,13 @@ def restore_checkpoint(
     written before encryption was switched on is read as it is.
     ``data_digest``: the digest of ``data.bin`` computed while it was downloaded into this
     kernel's own scratch folder (only it can rewrite it), compared with the manifest's before
-    anything is unpickled, as a digest computed here would be.
+    anything is unpickled, as a digest computed here would be. ``data_file``: where that
+    download put ``data.bin`` when not in the checkpoint's folder (a memory file).
     """
     started = time.perf_counter()
     directory = Path(kernel_dir)
+    if data_file is not None and expected_checkpoint is None:
+        raise ValueError("a data_file is read for the checkpoint it was downloaded for: name it")
     if expected_checkpoint is None:
         manifest = load_verified_manifest(directory, key, owner, kernel_id, data_key)
         if manifest is None:
@@ -377,7 +381,9 @@ def restore_checkpoint(
     else:
         # By its id, never through ``current``: that may lag (a shared file system's cache) or
         # have been put back to an older checkpoint; the id is the one the server recorded.
-        manifest = load_verified_checkpoint(directory, key, owner, kernel_id, expected_checkpoint, data_key)
+        manifest = load_verified_checkpoint(
+            directory, key, owner, kernel_id, expected_checkpoint, data_key, data_file
+        )
         if manifest is None:
             raise CheckpointRefused(
                 f"no committed checkpoint was found in {directory}, "
@@ -389,8 +395,9 @@ def restore_checkpoint(
         checkpoint_id = manifest.checkpoint_id
         sealed = directory / checkpoint_id / file_names(True)[0]
         encrypted = data_key is not None and sealed.exists()
+        plain = data_file if data_file is not None else directory / checkpoint_id / DATA_FILE
         payload = read_payload(
-            sealed if encrypted else directory / checkpoint_id / DATA_FILE,
+            sealed if encrypted else plain,
             manifest,
             None if on_read is None else lambda done, total: on_read(checkpoint_id, done, total),
             map_buffers=map_buffers,

@@ -79,10 +79,12 @@ def _verify_dir(
     owner: str,
     kernel_id: str,
     data_key: bytes | None = None,
+    data_file: Path | None = None,
 ) -> Manifest:
     """``data_key`` (the kernel's key): a checkpoint encrypted at rest (its files' names say so)
     has its manifest decrypted with it; without it such a checkpoint is refused, not quarantined
-    (the checkpoint is not at fault)."""
+    (the checkpoint is not at fault). ``data_file``: where ``data.bin`` is instead of beside
+    its manifest (a download's memory file: named by this process, not found in the folder)."""
     try:
         with kernel_dir.subdir(checkpoint_id) as directory:
             encrypted = directory.exists(file_names(True)[1])
@@ -90,9 +92,10 @@ def _verify_dir(
             if encrypted and data_key is None:
                 raise CheckpointRefused(NO_KEY.format(id=checkpoint_id))
             text = directory.read(manifest_name, MANIFEST_CAP)
-            data_info = directory.lstat(data_name)
+            data_info = directory.lstat(data_name) if data_file is None else data_file.stat()
     except FileNotFoundError as exc:
-        missing = DATA_FILE if exc.filename and str(exc.filename).startswith(DATA_FILE) else MANIFEST_FILE
+        named = str(exc.filename or "")
+        missing = DATA_FILE if named.startswith(DATA_FILE) or named == str(data_file) else MANIFEST_FILE
         raise Untrusted(f"{missing} is missing") from None
     except ValueError as exc:  # a link, not a plain file, too large
         raise Untrusted(str(exc)) from None
@@ -160,9 +163,11 @@ def load_verified_checkpoint(
     kernel_id: str,
     checkpoint_id: str,
     data_key: bytes | None = None,
+    data_file: Path | None = None,
 ) -> Manifest | None:
     """Checkpoint ``checkpoint_id``'s manifest, verified, read by its id (never through ``current``);
-    ``None`` when that checkpoint is not there.
+    ``None`` when that checkpoint is not there. ``data_file``: where its ``data.bin`` is, when
+    not beside the manifest (a download's memory file).
 
     The id is the one the kernel reported and the server recorded: ``current`` may be stale (a
     shared file system's attribute cache) or put back to an older checkpoint, so it is not asked.
@@ -176,7 +181,7 @@ def load_verified_checkpoint(
                     raise CheckpointRefused(quarantine_reason(directory, checkpoint_id), earlier)
                 return None
             try:
-                return _verify_dir(directory, checkpoint_id, key, owner, kernel_id, data_key)
+                return _verify_dir(directory, checkpoint_id, key, owner, kernel_id, data_key, data_file)
             except Untrusted as exc:
                 raise refuse(directory, checkpoint_id, str(exc)) from None
     except FileNotFoundError:

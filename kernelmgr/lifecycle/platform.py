@@ -497,6 +497,16 @@ class JupyterKernelPlatform:
         record = self.runtime.kernels.get(kernel_id)
         if km is None or record is None:
             raise LifecycleError(f"kernel {kernel_id} is gone", 404)
+        try:
+            await self._launch(km, record, kernel_id, restore, timeout)
+        finally:
+            # A warm pool that held its refill back for this launch refills now.
+            if self.runtime.warm_pools is not None:
+                self.runtime.warm_pools.launch_settled(kernel_id)
+
+    async def _launch(
+        self, km: Any, record: ManagedKernel, kernel_id: str, restore: Committed | None, timeout: float
+    ) -> None:
         deadline = time.monotonic() + timeout
         relaunches = 0
         while True:

@@ -1,8 +1,9 @@
 """The kernel's side of the object store: bytes through presigned URLs, in parallel, no credential.
 
 A checkpoint's data goes up as the parts of a multipart upload (one presigned URL per part, sent
-by several threads at once) and comes down as ranged GETs of one presigned URL into a buffer the
-caller owns, each range read straight into its place (no second copy). Progress is reported in
+by several threads at once) and comes down as ranged GETs of one presigned URL, either into a
+buffer the caller owns, each range read straight into its place (:func:`download`), or piece by
+piece to a function of the caller's (:func:`download_pieces`: what a restore uses). Progress is reported in
 bytes so the existing "restoring N of M MiB" figures keep working.
 """
 
@@ -24,6 +25,10 @@ Progress = Callable[[int], None]
 Transform = Callable[[int, memoryview], bytes | bytearray | memoryview]
 #: ``(offset, range) -> None``: run on each range once it has arrived (e.g. decryption in place).
 Arrived = Callable[[int, memoryview], None]
+#: ``(offset, piece) -> None``: each piece of a download as it is read (its buffer is reused).
+Sink = Callable[[int, memoryview], None]
+#: The pieces :func:`download_pieces` hands over: small enough to stay in a CPU cache.
+PIECE_SIZE = 1 << 20
 
 
 class TransferError(Exception):
@@ -220,10 +225,78 @@ def download(
     timeout: float = 300.0,
     arrived: Arrived | None = None,
 ) -> None:
-    """Fill ``into`` (the object's size) from a presigned GET URL with parallel ranged reads;
-    ``arrived(offset, range)`` runs on each range once it is whole."""
-    size = len(into)
+    """Fill ``into`` (the object's size) from a presigned GET URL with parallel ranged reads,
+    each read straight into its place; ``arrived(offset, range)`` runs on each range once it is
+    whole."""
+
+    def read(resp: http.client.HTTPResponse, start: int, end: int, counted: Progress) -> None:
+        view = into[start:end]
+        _read_fully(resp, view, start, counted)
+        if arrived is not None:
+            arrived(start, view)
+
+    _ranges(url, len(into), read, part_size, workers, on_progress, timeout)
+
+
+def download_pieces(
+    url: str,
+    size: int,
+    sink: Sink,
+    part_size: int = DEFAULT_PART_SIZE,
+    workers: int = DEFAULT_WORKERS,
+    on_progress: Progress | None = None,
+    timeout: float = 300.0,
+    piece_size: int = PIECE_SIZE,
+) -> None:
+    """Read the object (``size`` bytes) behind a presigned GET URL with parallel ranged reads,
+    handing it to ``sink(offset, piece)`` piece by piece: ``piece_size`` bytes from each range's
+    start (the last shorter), in order within a range, each on its range's thread, in a buffer
+    reused for the next piece.
+
+    Why pieces and not :func:`download`'s reads into place: the sink decrypts, digests and writes
+    each piece while it is still in the CPU's cache, and writing a piece into a file (a memory
+    file included) allocates its pages in one call where a read into a mapping takes a page
+    fault per 4 KiB. Measured on the 2-core VM of docs/benchmarks.md, 1 GiB into a memory file:
+    0.61 s by pieces written with ``pwrite``, 0.69 s read into its mapping.
+    """
+
+    def read(resp: http.client.HTTPResponse, start: int, end: int, counted: Progress) -> None:
+        buffer = memoryview(bytearray(min(piece_size, end - start)))
+        for offset in range(start, end, piece_size):
+            piece = buffer[: min(piece_size, end - offset)]
+            _read_fully(resp, piece, offset, counted)
+            sink(offset, piece)
+
+    _ranges(url, size, read, part_size, workers, on_progress, timeout)
+
+
+def _read_fully(resp: http.client.HTTPResponse, view: memoryview, offset: int, counted: Progress) -> None:
+    got = 0
+    while got < len(view):
+        read = resp.readinto(view[got:])
+        if not read:
+            raise TransferError(f"GET range from {offset}: the store sent {got} of {len(view)} bytes")
+        got += read
+        counted(read)
+
+
+def _ranges(
+    url: str,
+    size: int,
+    read: Callable[[http.client.HTTPResponse, int, int, Progress], None],
+    part_size: int,
+    workers: int,
+    on_progress: Progress | None,
+    timeout: float,
+) -> None:
+    """``read(response, start, end, counted)`` for each range of ``part_size`` bytes, on
+    ``workers`` threads, each range its own ranged GET; ``counted(bytes)`` reports progress."""
     lock = threading.Lock()
+
+    def counted(count: int) -> None:
+        if on_progress is not None:
+            with lock:
+                on_progress(count)
 
     def fetch(n: int) -> None:
         start, end = n * part_size, min(size, (n + 1) * part_size)
@@ -233,18 +306,7 @@ def download(
             resp = conn.getresponse()
             if resp.status not in (200, 206):
                 raise TransferError(f"GET range {start}-{end - 1}: {resp.status} {resp.read()[:300]!r}")
-            view = into[start:end]
-            got = 0
-            while got < len(view):
-                read = resp.readinto(view[got:])
-                if not read:
-                    raise TransferError(f"GET range {start}-{end - 1}: the store sent {got} bytes")
-                got += read
-                if on_progress is not None:
-                    with lock:
-                        on_progress(read)
-            if arrived is not None:
-                arrived(start, view)
+            read(resp, start, end, counted)
         finally:
             conn.close()
 

@@ -309,7 +309,15 @@ class ElasticLocalProvisioner(LocalProvisioner):
         if self._warm_use == "start" and not settings.starts:
             return None
         cwd = str(kwargs.get("cwd") or os.getcwd())
-        process, reason = pools.take(base, self._warm_use, list(cmd), dict(kwargs.get("env") or {}), cwd)
+        # A resume's refill waits until the resume is over: the two would share the CPU.
+        process, reason = pools.take(
+            base,
+            self._warm_use,
+            list(cmd),
+            dict(kwargs.get("env") or {}),
+            cwd,
+            refill_after=self.kernel_id if self._warm_use == "resume" else None,
+        )
         if process is None:
             self.log.info(
                 "kernel %s starts cold (%s): warm pool %s: %s", self.kernel_id, self._warm_use, base, reason

@@ -86,6 +86,8 @@ class WarmPools:
         self.env = base_environment(os.environ, scrubbed)
         self.status_dir = Path(tempfile.mkdtemp(prefix="elastic-warm-"))
         self.processes: dict[str, list[WarmProcess]] = {base: [] for base in settings}
+        #: Kernels whose launch took a process and holds its pool's refill back: their pool.
+        self._held: dict[str, str] = {}
         #: Why a pool stopped refilling (a preload that fails or touches the GPU would again).
         self.broken: dict[str, tuple[str, str]] = {}
         self.hits: dict[tuple[str, str], int] = {}
@@ -119,22 +121,43 @@ class WarmPools:
     # -- taking ----------------------------------------------------------------------------
 
     def take(
-        self, base: str, use: str, argv: list[str], env: Mapping[str, str], cwd: str
+        self,
+        base: str,
+        use: str,
+        argv: list[str],
+        env: Mapping[str, str],
+        cwd: str,
+        refill_after: str | None = None,
     ) -> tuple[subprocess.Popen[bytes] | None, str]:
         """A warm process now running ``argv`` with ``env`` in ``cwd``, or ``None`` and why not.
 
         ``use`` is ``resume`` or ``start`` (a label for the counters). Refills in the background
-        (needs a running event loop) whatever the outcome.
+        (needs a running event loop); when a process was handed over for ``refill_after`` (a
+        kernel id), only once :meth:`launch_settled` says that kernel's launch is over. Why: a new
+        warm process spends a few tenths of a CPU second importing, and a resume's user waits
+        for the process just taken, which is downloading and restoring at that moment. On the
+        2-core VM of docs/benchmarks.md the refill was 0.26-0.31 of the 2.0 CPU seconds a warm
+        resume of 1 GiB took the machine.
         """
+        popen: subprocess.Popen[bytes] | None = None
         try:
             popen, reason = self._take(base, argv, env, cwd)
         finally:
-            self.schedule_fill(base)
+            if refill_after is not None and popen is not None:
+                self._held[refill_after] = base
+            else:
+                self.schedule_fill(base)
         if popen is None:
             self.misses[(base, reason)] = self.misses.get((base, reason), 0) + 1
         else:
             self.hits[(base, use)] = self.hits.get((base, use), 0) + 1
         return popen, reason
+
+    def launch_settled(self, kernel_id: str) -> None:
+        """``kernel_id``'s launch is over (it answers, or it failed): the pool it took from refills."""
+        base = self._held.pop(kernel_id, None)
+        if base is not None:
+            self.schedule_fill(base)
 
     def _take(
         self, base: str, argv: list[str], env: Mapping[str, str], cwd: str

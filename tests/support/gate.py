@@ -9,6 +9,7 @@ test creates ``release``. ``limit`` only keeps a forgotten gate from hanging a k
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 
@@ -44,6 +45,21 @@ class Gate:
         body = self._wait_source(limit).replace("\n    ", "\n        ")
         return (
             f"class {class_name}:\n    def __reduce__(self):\n    {body}        return ({class_name}, ())\n"
+        )
+
+    def restored_object(self, class_name: str = "HeldAtRestore", limit: float = 120) -> str:
+        """Source of a class whose *unpickling* waits at the gate: a resume the test controls
+        (the restoring process is a new one, so the wait runs in a shell it starts)."""
+        script = (
+            f"touch {shlex.quote(str(self.started))}; end=$(( $(date +%s) + {int(limit)} )); "
+            f"while [ ! -e {shlex.quote(str(self.release_file))} ] && [ $(date +%s) -lt $end ]; "
+            "do sleep 0.02; done"
+        )
+        return (
+            f"class {class_name}:\n"
+            "    def __reduce__(self):\n"
+            "        import subprocess\n"
+            f'        return (subprocess.run, (["sh", "-c", {script!r}],))\n'
         )
 
     def cell(self, limit: float = 120) -> str:
