@@ -334,6 +334,10 @@ def test_a_kernel_pod_without_a_claim_hibernates_through_the_object_store_and_re
             assert not list((tmp_path / "scratch").rglob("data.bin"))  # only in the bucket
             out = server.execute(kernel_id, "print(words[:10], len(words), facts['answer'])", timeout=300)
             assert out.strip() == "b'REAL-NODE-' 500000 42", (out, server.log()[-3000:])
+            # Downloaded as the container started, into a memory file (the runtime's seccomp
+            # profile allows memfd_create), nothing written to the node's disk.
+            prefetch = server.get(f"/api/elastic/kernels/{kernel_id}/report")["restore_report"]["prefetch"]
+            assert prefetch["in_child"] is True and prefetch["in_memory"] is True, prefetch
             (pod,) = core.list_namespaced_pod(NAMESPACE).items
             assert pod.spec.node_name == node.name
         finally:

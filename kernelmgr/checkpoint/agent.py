@@ -594,6 +594,8 @@ class _Agent:
             self.prefetched["seconds"] = round(got.seconds, 3)
             # In a child process of its own (its own GIL), or on a thread of this one.
             self.prefetched["in_child"] = got.pid != os.getpid()
+            # Into a memory file, or (where there is none) a file in the kernel's folder.
+            self.prefetched["in_memory"] = got.memory is not None
         return got
 
     # -- restore --------------------------------------------------------------------------
