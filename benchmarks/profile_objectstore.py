@@ -9,8 +9,9 @@ takes, in isolation and on the same bytes, against the same real S3 server
   (``transfer.upload_parts``, the path before the parts were streamed); the checkpoint written
   with its parts streamed as they are written (``transfer.PartStreamer``, no fsync: the agent's
   path now) up to the completed upload; beside the same bytes sent from memory;
-* resume: ``data.bin`` read by ranged GETs into a mapped scratch file, with each range's digest
-  computed as it arrives (``integrity.ChunkDigests``, the agent's path), beside the same bytes
+* resume: ``data.bin`` read by ranged GETs into a scratch file, each piece digested and written as
+  it arrives (``prefetch.receive``, the agent's path, here into a file rather than its memory
+  file, so the restore below can read it by name), beside the same bytes
   read into anonymous memory; then ``reader.restore_checkpoint`` from the downloaded folder
   (manifest, the digest compared, the array mapped from the copy, as the agent does);
 * encryption at rest: AES-256-CTR over the bytes part by part (``cipher.crypt_into``, what the
@@ -40,6 +41,7 @@ from benchmarks.markdown import print_header, print_row
 from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.integrity import ChunkDigests
 from kernelmgr.checkpoint.layout import DATA_FILE, MANIFEST_FILE, new_checkpoint_id
+from kernelmgr.checkpoint.prefetch import receive
 from kernelmgr.checkpoint.reader import restore_checkpoint
 from kernelmgr.checkpoint.writer import write_checkpoint
 from kernelmgr.objectstore import transfer
@@ -85,16 +87,10 @@ def download_anonymous(url: str, size: int) -> None:
 
 
 def download_file(url: str, path: Path, size: int, algorithm: str) -> str:
-    """As the agent downloads: into a mapped file, each range digested as it arrives."""
+    """As the agent downloads (``prefetch.receive``): pieces digested and written into a file."""
     digests = ChunkDigests(algorithm, size)
     with open(path, "w+b") as handle:
-        handle.truncate(size)
-        with mmap.mmap(handle.fileno(), size) as region:
-            view = memoryview(region)
-            try:
-                transfer.download(url, view, arrived=digests.add)
-            finally:
-                view.release()
+        receive(url, size, handle.fileno(), digests)
     return digests.hexdigest()
 
 

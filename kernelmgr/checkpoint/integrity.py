@@ -288,10 +288,10 @@ class DataDigest:
 
 
 class ChunkDigests:
-    """The :class:`DataDigest` of ``size`` bytes that arrive in ranges, in any order, each
-    starting at a whole chunk (a download's parallel ranged reads): each chunk is hashed by the
-    thread its range came in on, as its bytes arrive, so hashing overlaps the download instead
-    of following it. Same construction, same result as :class:`DataDigest`."""
+    """The :class:`DataDigest` of ``size`` bytes that arrive in pieces, chunks in any order, each
+    chunk's pieces in order (a download's parallel ranged reads of whole chunks): each chunk is
+    hashed by the thread its range came in on, as its pieces arrive, so hashing overlaps the
+    download instead of following it. Same construction, same result as :class:`DataDigest`."""
 
     def __init__(self, algorithm: str, size: int) -> None:
         _hasher(algorithm)  # unknown or not installed: fail before any byte is read
@@ -300,14 +300,6 @@ class ChunkDigests:
         self._chunks: dict[int, bytes] = {}
         #: Chunks begun and not finished: their hasher and how far into the chunk it is.
         self._open: dict[int, tuple[Any, int]] = {}
-
-    def add(self, offset: int, data: memoryview) -> None:
-        """``data`` is the bytes at ``offset`` (a multiple of :data:`DIGEST_CHUNK`), in whole
-        chunks but at the end of the data."""
-        if offset % DIGEST_CHUNK or (len(data) % DIGEST_CHUNK and offset + len(data) != self.size):
-            raise ValueError(f"a range at {offset} of {len(data)} bytes is not made of whole chunks")
-        for start in range(0, len(data), DIGEST_CHUNK):
-            self.add_piece(offset + start, data[start : start + DIGEST_CHUNK])
 
     def add_piece(self, offset: int, data: memoryview) -> None:
         """``data`` is the next bytes of one chunk, at ``offset``: a chunk's pieces come in

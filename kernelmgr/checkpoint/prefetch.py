@@ -201,23 +201,7 @@ def download(
             progress(checkpoint_id, done, declared)
 
         with _data_target(folder, memory) as fd, quick_switches():
-            os.ftruncate(fd, declared)
-
-            def arrived(offset: int, piece: memoryview) -> None:
-                # On the thread the range came in on, while the other ranges still arrive and
-                # the piece is in the CPU's cache: decrypted, digested, written.
-                if data_key is not None:
-                    cipher.crypt_in_place(data_key, offset, piece)
-                digests.add_piece(offset, piece)
-                _write_at(fd, piece, offset)
-
-            transfer.download_pieces(
-                source.data_url,
-                declared,
-                arrived,
-                part_size=transfer.DEFAULT_PART_SIZE,  # whole digest chunks
-                on_progress=advance,
-            )
+            receive(source.data_url, declared, fd, digests, data_key, advance)
         progress(checkpoint_id, declared, declared)
         digest = digests.hexdigest()
         if prewarm is not None:
@@ -228,6 +212,31 @@ def download(
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     return Downloaded(scratch, checkpoint_id, digest, time.perf_counter() - started, os.getpid(), memory)
+
+
+def receive(
+    url: str,
+    size: int,
+    fd: int,
+    digests: ChunkDigests,
+    data_key: bytes | None = None,
+    on_progress: transfer.Progress | None = None,
+) -> None:
+    """``data.bin`` (``size`` bytes) from ``url`` into the file ``fd``: each piece decrypted with
+    ``data_key`` (encrypted at rest), digested into ``digests`` and written on the thread its
+    range came in on, while the other ranges still arrive and the piece is in the CPU's cache."""
+    os.ftruncate(fd, size)
+
+    def arrived(offset: int, piece: memoryview) -> None:
+        if data_key is not None:
+            cipher.crypt_in_place(data_key, offset, piece)
+        digests.add_piece(offset, piece)
+        _write_at(fd, piece, offset)
+
+    # Ranges of whole digest chunks: a chunk's pieces come in order, on one thread.
+    transfer.download_pieces(
+        url, size, arrived, part_size=transfer.DEFAULT_PART_SIZE, on_progress=on_progress
+    )
 
 
 def _write_at(fd: int, piece: memoryview, offset: int) -> None:

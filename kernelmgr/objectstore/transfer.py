@@ -3,8 +3,8 @@
 A checkpoint's data goes up as the parts of a multipart upload (one presigned URL per part, sent
 by several threads at once) and comes down as ranged GETs of one presigned URL, either into a
 buffer the caller owns, each range read straight into its place (:func:`download`), or piece by
-piece to a function of the caller's (:func:`download_pieces`: what a restore uses). Progress is reported in
-bytes so the existing "restoring N of M MiB" figures keep working.
+piece to a function of the caller's (:func:`download_pieces`: what a restore uses). Progress is
+reported in bytes so the existing "restoring N of M MiB" figures keep working.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ DEFAULT_WORKERS = 4
 Progress = Callable[[int], None]
 #: ``(offset, piece) -> bytes to send``: e.g. encryption at the piece's offset.
 Transform = Callable[[int, memoryview], bytes | bytearray | memoryview]
-#: ``(offset, range) -> None``: run on each range once it has arrived (e.g. decryption in place).
-Arrived = Callable[[int, memoryview], None]
 #: ``(offset, piece) -> None``: each piece of a download as it is read (its buffer is reused).
 Sink = Callable[[int, memoryview], None]
 #: The pieces :func:`download_pieces` hands over: small enough to stay in a CPU cache.
@@ -223,17 +221,12 @@ def download(
     workers: int = DEFAULT_WORKERS,
     on_progress: Progress | None = None,
     timeout: float = 300.0,
-    arrived: Arrived | None = None,
 ) -> None:
     """Fill ``into`` (the object's size) from a presigned GET URL with parallel ranged reads,
-    each read straight into its place; ``arrived(offset, range)`` runs on each range once it is
-    whole."""
+    each read straight into its place."""
 
     def read(resp: http.client.HTTPResponse, start: int, end: int, counted: Progress) -> None:
-        view = into[start:end]
-        _read_fully(resp, view, start, counted)
-        if arrived is not None:
-            arrived(start, view)
+        _read_fully(resp, into[start:end], start, counted)
 
     _ranges(url, len(into), read, part_size, workers, on_progress, timeout)
 
