@@ -14,6 +14,7 @@
 # in it. The control plane itself is started by tests/support/kube.py, so tests and this script share one
 # implementation.
 set -euo pipefail
+shopt -s inherit_errexit  # a failure inside $(...) stops the script with its own message
 
 K8S_VERSION="${ELASTIC_K8S_VERSION:-v1.36.3}"
 # kwok v0.8.0 is built against k8s.io/* v0.36.x, so it shares the compiled client libraries with the

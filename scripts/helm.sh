@@ -6,6 +6,7 @@
 #
 # The version is pinned so the cache folder name says what is in it; ELASTIC_HELM_VERSION overrides it.
 set -euo pipefail
+shopt -s inherit_errexit  # a failure inside $(...) stops the script with its own message
 
 HELM_VERSION="${ELASTIC_HELM_VERSION:-v3.22.0}"
 CACHE_DIR="${ELASTIC_HELM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/jupyter-elastic-kernels/helm/${HELM_VERSION}}"

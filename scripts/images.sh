@@ -25,6 +25,9 @@
 #
 # Needs root and: buildah, mmdebstrap, skopeo (apt-get install -y buildah mmdebstrap skopeo).
 set -euo pipefail
+# A failure inside `$(...)` stops the script there too, with its own message (bash does not apply
+# `set -e` in command substitutions without this).
+shopt -s inherit_errexit
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE_DIR="${ELASTIC_IMAGES_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/jupyter-elastic-kernels/images}"
@@ -77,40 +80,74 @@ ensure_base() {
         echo "${ELASTIC_IMAGES_BASE}"
         return 0
     fi
-    local key image tarball
+    local key image tarball partial
     key="$(base_key "${packages}")"
     image="localhost/jupyter-elastic-kernels-base:${key}"
     tarball="${CACHE_DIR}/base-${key}.tar"
     if bud inspect --type image "${image}" >/dev/null 2>&1; then
-        echo "${image}"
-        return 0
+        if [[ -n "$(probe_python "${image}")" ]]; then
+            echo "${image}"
+            return 0
+        fi
+        log "the cached base ${image} has no working python3: removing it and making it again"
+        bud rmi --force "${image}" >/dev/null
+        rm -f "${tarball}"
     fi
     if [[ ! -s "${tarball}" ]]; then
         need mmdebstrap
         log "making the base (${SUITE}: ${packages}) with mmdebstrap"
         local started=$SECONDS
+        # The name must end in .tar: mmdebstrap picks its output format from the name, and any other
+        # ending makes a directory (with /proc mounted inside while it works).
+        partial="${CACHE_DIR}/partial-base-${key}.tar"
+        rm -f "${partial}"
         mmdebstrap --quiet --variant=minbase --include="${packages}" \
             --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/*' \
-            "${SUITE}" "${tarball}.partial" >&2
-        mv "${tarball}.partial" "${tarball}"
+            "${SUITE}" "${partial}" >&2
+        if ! tar -tf "${partial}" ./usr/bin/python3 >/dev/null 2>&1; then
+            log "mmdebstrap made ${partial}, but it is not a tarball holding ./usr/bin/python3"
+            exit 1
+        fi
+        mv "${partial}" "${tarball}"
         log "base made in $((SECONDS - started)) s: ${tarball}"
     fi
-    local container
+    # Imported under a working name and tagged only once python3 runs in it, so a broken import is
+    # never found as the cached base by the next run.
+    local container candidate="localhost/jupyter-elastic-kernels-base-unchecked:${key}"
     container="$(bud from --quiet scratch)"
     bud add --quiet "${container}" "${tarball}" / >/dev/null
     bud config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
         --env LANG=C.UTF-8 --cmd /bin/bash "${container}"
-    bud commit --quiet --rm "${container}" "${image}" >/dev/null
+    bud commit --quiet --rm "${container}" "${candidate}" >/dev/null
+    if [[ -z "$(probe_python "${candidate}")" ]]; then
+        bud rmi --force "${candidate}" >/dev/null
+        rm -f "${tarball}"
+        log "the base imported from ${tarball} does not run python3 (tarball removed; run again to remake it)"
+        exit 1
+    fi
+    bud tag "${candidate}" "${image}"
+    bud rmi "${candidate}" >/dev/null
     log "base imported as ${image}"
     echo "${image}"
 }
 
+# The Python version (x.y.z) IMAGE runs, or nothing when python3 does not run in it.
+probe_python() {
+    local container version=""
+    container="$(bud from --quiet --pull-never "$1")"
+    version="$(bud run --network none "${container}" -- python3 -c 'import platform; print(platform.python_version())' 2>/dev/null)" || version=""
+    bud rm "${container}" >/dev/null
+    echo "${version}"
+}
+
 # The Python version (x.y.z) of IMAGE, from running it (the dependencies' wheels must suit that one).
 image_python() {
-    local container version
-    container="$(bud from --quiet --pull-never "$1")"
-    version="$(bud run --network none "${container}" -- python3 -c 'import platform; print(platform.python_version())')"
-    bud rm "${container}" >/dev/null
+    local version
+    version="$(probe_python "$1")"
+    if [[ ! "${version}" =~ ^3\.[0-9]+\.[0-9]+$ ]]; then
+        log "python3 does not run in $1 (it printed '${version}'): cannot choose wheels for it"
+        exit 1
+    fi
     echo "${version}"
 }
 

@@ -14,6 +14,7 @@
 # so the shared modules it asks for are the ones JupyterLab provides: a new JupyterLab release (a newer
 # core in the environment) changes the build, and check then asks for a rebuild.
 set -euo pipefail
+shopt -s inherit_errexit  # a failure inside $(...) stops the script with its own message
 cd "$(dirname "$0")/../labextension"
 
 deps() {

@@ -14,6 +14,7 @@
 # containernetworking-plugins buildah); docs/envtest.md says which versions work together and why.
 # The node is implemented in tests/support/node.py, so tests and this script share one implementation.
 set -euo pipefail
+shopt -s inherit_errexit  # a failure inside $(...) stops the script with its own message
 
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 K8S_VERSION="${ELASTIC_K8S_VERSION:-v1.36.3}"

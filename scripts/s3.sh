@@ -15,6 +15,7 @@
 # its go.mod has replace directives, which `go install pkg@version` refuses: the module is
 # downloaded, copied and built as the main module instead.
 set -euo pipefail
+shopt -s inherit_errexit  # a failure inside $(...) stops the script with its own message
 
 VGW_VERSION="${ELASTIC_VERSITYGW_VERSION:-v1.8.0}"
 WEED_VERSION="${ELASTIC_WEED_VERSION:-v0.0.0-20261109003541-7506e5f91cd6}"
