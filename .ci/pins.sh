@@ -37,5 +37,5 @@ export PATH="$PWD/$venv/bin:$PATH" VIRTUAL_ENV="$PWD/$venv"
 # tests that need it skip here rather than fail.
 unset ELASTIC_REQUIRE_LIBRARIES
 # The pure checks that depend on the versions (private names, tornado's HTTPError), then the server tests.
-"$venv/bin/python" -m pytest -q -p no:cacheprovider tests/test_compat.py tests/test_server_errors.py
-"$venv/bin/python" -m pytest -m server -p no:cacheprovider "$@"
+"$venv/bin/python" -m pytest -n 0 -q -p no:cacheprovider tests/test_compat.py tests/test_server_errors.py
+"$venv/bin/python" -m pytest -n 0 -m server -p no:cacheprovider "$@"

@@ -16,7 +16,7 @@
 #   python3 -m compileall -q -j 8 /tmp/site kernelmgr   # that machine sets PYTHONDONTWRITEBYTECODE=1:
 #                                                       # without this every import compiles from source
 #   export PYTHONPATH=/tmp/site
-#   python3 -m pytest tests/gpu -s -p no:cacheprovider
+#   python3 -m pytest tests/gpu -s -p no:cacheprovider -o addopts=""
 #   python3 benchmarks/bench_gpu_resume.py --sizes 1,4 --repeat 2
 set -euo pipefail
 

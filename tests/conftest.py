@@ -120,5 +120,42 @@ def reference() -> Iterator[Any]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark each test with the most expensive part it needs, before ``-m`` selects (first of the hooks)."""
+    """Mark each test with the most expensive part it needs, before ``-m`` selects (first of the hooks).
+
+    Then the real node's modules go first (stable otherwise), so under pytest-xdist their one worker
+    starts on the longest share of the run while the others take the rest.
+    """
     assign(items, Path(__file__).parent)
+    items.sort(key=lambda item: worker_group(item.nodeid) != REAL_NODE_GROUP)
+
+
+# ---- pytest-xdist: the suite runs in workers (pyproject's addopts), a whole module to one worker
+
+# These modules start the machine's one real node (containerd, kubelet, the bridge and its routes) or
+# use the one image store: two at once on different workers would fight over them, so one worker takes
+# them all, one after another.
+ONE_NODE_MODULES = frozenset(
+    {"test_chart_on_real_node", "test_images", "test_real_node", "test_user_files_on_real_node"}
+)
+REAL_NODE_GROUP = "the real node"
+
+
+def worker_group(nodeid: str) -> str:
+    """The unit of work handed to one worker: the module, or the real node's group of modules."""
+    module = nodeid.split("::", 1)[0]
+    return REAL_NODE_GROUP if Path(module).stem in ONE_NODE_MODULES else module
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's ``loadscope`` with :func:`worker_group` as the scope.
+
+    (xdist's own ``loadgroup`` reads ``xdist_group`` marks from the node ids, which pytest 9 no longer
+    carries, so it put the real-node modules on three workers at once.)
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkerGroup(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return ByWorkerGroup(config, log)

@@ -31,6 +31,7 @@ from kernelmgr.checkpoint.writer import write_checkpoint
 from kernelmgr.core.manifest import Manifest
 from kernelmgr.objectstore.client import Bucket
 from tests.conftest import INVENTORY, PROFILES
+from tests.support.kernel_ready import still_running, wait_for_kernel_info
 from tests.support.s3 import S3Server, running_s3
 from tests.support.server import RunningServer, start_server, wait_for
 from tests.test_checkpoint_child import gone, wait_until
@@ -304,7 +305,7 @@ def test_the_pod_entry_point_downloads_before_ipykernel_starts(tmp_path: Path, s
     client.load_connection_file()
     client.start_channels()
     try:
-        client.wait_for_ready(timeout=120)
+        wait_for_kernel_info(client, still_running(process), 120)
         outputs: list[str] = []
 
         def hook(msg: dict[str, Any]) -> None:

@@ -328,6 +328,13 @@ def test_opening_and_typing_do_not_wake_a_hibernated_kernel(server: RunningServe
             chan.request("history_request", {"hist_access_type": "tail", "n": 10})["content"]["history"] == []
         )
         assert chan.request("comm_info_request", {})["content"]["comms"] == {}
+        # What JupyterLab's debugger asks on connect (issue 44: a page reload woke every kernel).
+        info_request = {"type": "request", "seq": 1, "command": "debugInfo", "arguments": {}}
+        debug = chan.request("debug_request", info_request, channel="control")["content"]
+        assert debug["success"] is True and debug["body"]["isStarted"] is False, debug
+        attach = {"type": "request", "seq": 2, "command": "attach", "arguments": {}}
+        refused = chan.request("debug_request", attach, channel="control")["content"]
+        assert refused["success"] is False and "run a cell" in refused["message"], refused
     # Every answer above has arrived, and the websocket handles messages in order, so a
     # wake-up started by any of them would already show as "resuming" (or a resume log line).
     model = server.get(f"/api/elastic/kernels/{kernel_id}")

@@ -31,6 +31,7 @@ require_envtest(module_level=True)
 
 from kubernetes import client, watch  # noqa: E402  (after the skip: a missing build should not cost an import)
 
+from tests.support.kernel_ready import wait_for_kernel_info  # noqa: E402
 from tests.support.node_runner import NodeRunner  # noqa: E402
 from tests.support.server import process_alive  # noqa: E402
 
@@ -476,7 +477,7 @@ def test_kernel_pod_executes_a_cell_on_its_pod_ip(core: Any, namespace: str, run
     kc.load_connection_info({**connection, "ip": pod_ip})
     kc.start_channels()
     try:
-        kc.wait_for_ready(timeout=60)
+        wait_for_kernel_info(kc, lambda: None, 120)
         printed: list[str] = []
 
         def collect(msg: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ from kernelmgr.checkpoint.verify import load_verified_manifest
 from kernelmgr.checkpoint_store import CheckpointStore
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
 from tests.support.kernel_pods import free_port_block
+from tests.support.kernel_ready import still_running, wait_for_kernel_info
 
 pytestmark = [pytest.mark.pure, pytest.mark.timeout(180)]
 
@@ -106,7 +107,7 @@ class LocalWarmPod:
         kernel = BlockingKernelClient()
         kernel.load_connection_info({**info, "ip": "127.0.0.1"})
         kernel.start_channels()
-        kernel.wait_for_ready(timeout=60)
+        wait_for_kernel_info(kernel, still_running(self.process), 120)
         return kernel
 
     def stop(self) -> None:

@@ -22,8 +22,14 @@ ANSWERED_WHILE_HIBERNATED = frozenset(
         "is_complete_request",
         "history_request",
         "comm_info_request",
+        # JupyterLab's debugger asks ``debugInfo`` of every ipykernel a notebook connects to, so a
+        # page reload would wake every hibernated kernel whose notebook is open.
+        "debug_request",
     }
 )
+
+#: ipykernel's seed for the cell file names its debugger hashes (``ipykernel.compiler``).
+IPYKERNEL_HASH_SEED = 0xC70F6907
 
 
 #: The checker process (``is_complete`` for Python source, without a kernel): reads one JSON
@@ -126,4 +132,33 @@ def local_reply(msg_type: str, content: dict[str, Any], kernel_info: dict[str, A
         return {"status": "unknown"}
     if msg_type == "history_request":
         return {"status": "ok", "history": []}
+    if msg_type == "debug_request":
+        return debug_reply(content)
     return {"status": "ok", "comms": {}}  # comm_info_request
+
+
+def debug_reply(request: dict[str, Any]) -> dict[str, Any]:
+    """A Debug Adapter Protocol response for a hibernated ipykernel.
+
+    ``debugInfo`` (what a frontend asks on connect) says the debugger is not started, which is
+    true: a hibernated kernel has no debugger, and its breakpoints went with the process. Every
+    other command is refused the protocol's way (``success: false`` and why), without waking it.
+    """
+    command = str(request.get("command", ""))
+    response: dict[str, Any] = {"type": "response", "request_seq": request.get("seq", 0), "command": command}
+    if command == "debugInfo":
+        body = {
+            "isStarted": False,
+            "hashMethod": "Murmur2",
+            "hashSeed": IPYKERNEL_HASH_SEED,
+            "tmpFilePrefix": "",
+            "tmpFileSuffix": ".py",
+            "breakpoints": [],
+            "stoppedThreads": [],
+            "richRendering": True,
+            "exceptionPaths": [],
+            "copyToGlobals": True,
+        }
+        return {**response, "success": True, "body": body}
+    message = f"the kernel is hibernated: run a cell to resume it, then {command or 'debug'} again"
+    return {**response, "success": False, "message": message, "body": {}}

@@ -116,8 +116,20 @@ class LoopbackPool:
             self._used.discard(int(ipaddress.IPv4Address(address)))
 
 
+def _worker_pool() -> LoopbackPool:
+    """This test process's addresses: 127.0.x.x alone, 127.<n+1>.x.x for pytest-xdist's worker ``gw<n>``.
+
+    Workers run at once on one machine; pods of two workers on one address would take each other's ports.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return LoopbackPool()
+    second = int(worker[2:]) + 1
+    return LoopbackPool(f"127.{second}.0.2", f"127.{second}.255.254")
+
+
 # One pool per test process, so several runners in one session never hand out the same address.
-DEFAULT_POOL = LoopbackPool()
+DEFAULT_POOL = _worker_pool()
 
 
 @dataclass
