@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import websocket
@@ -335,11 +336,34 @@ def test_opening_and_typing_do_not_wake_a_hibernated_kernel(server: RunningServe
         attach = {"type": "request", "seq": 2, "command": "attach", "arguments": {}}
         refused = chan.request("debug_request", attach, channel="control")["content"]
         assert refused["success"] is False and "run a cell" in refused["message"], refused
+        # JupyterLab's widget manager opens a comm and sends on it at once; ipykernel 7's subshells.
+        control = {"comm_id": "c1", "target_name": "jupyter.widget.control", "data": {}}
+        opened = chan.send("comm_open", control)
+        closed = [m for m in idle_iopub(chan, opened) if m["msg_type"] == "comm_close"]
+        assert [m["content"]["comm_id"] for m in closed] == ["c1"]
+        states = {"comm_id": "c1", "data": {"method": "request_states"}}
+        assert idle_iopub(chan, chan.send("comm_msg", states))
+        subshell = chan.request("create_subshell_request", {}, channel="control")["content"]
+        assert subshell["status"] == "error" and "hibernated" in subshell["evalue"], subshell
+        assert chan.request("list_subshell_request", {}, channel="control")["content"]["subshell_id"] == []
     # Every answer above has arrived, and the websocket handles messages in order, so a
     # wake-up started by any of them would already show as "resuming" (or a resume log line).
     model = server.get(f"/api/elastic/kernels/{kernel_id}")
     assert model["state"] == "hibernated" and model["slice"] is None
     assert f"Kernel {kernel_id} resumed" not in server.log()
+
+
+def idle_iopub(chan: KernelChannel, msg_id: str) -> list[dict[str, Any]]:
+    """The IOPub messages of ``msg_id`` (which has no reply) up to its idle status."""
+    deadline = time.monotonic() + 30
+    messages: list[dict[str, Any]] = []
+    while True:
+        msg = chan.recv(deadline)
+        if msg.get("parent_header", {}).get("msg_id") != msg_id or msg["channel"] != "iopub":
+            continue
+        messages.append(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return messages
 
 
 def test_busy_kernel_is_not_hibernated(server: RunningServer, tmp_path: Path) -> None:

@@ -698,3 +698,64 @@ def test_change_size_from_the_panel_and_the_running_kernels_context_menu(
         finally:
             server.request("PUT", "/lab/api/settings/jupyter-elastic-kernels:plugin", {"raw": "{}"})
             server.shutdown_all_kernels()
+
+
+def test_reloading_the_page_never_wakes_hibernated_kernels(lab: tuple[RunningServer, GpuScript]) -> None:
+    """Issue 44: a page reload resumed every hibernated kernel whose notebook was open (JupyterLab's
+    debugger asks ``debugInfo`` of each ipykernel it connects to). Two notebooks open, hibernated,
+    the page reloaded twice: both stay hibernated, and the next cell still resumes its kernel."""
+    from playwright.sync_api import expect
+
+    server, _gpu = lab
+    notebook = {
+        **CPU_NOTEBOOK,
+        "cells": [
+            *CPU_NOTEBOOK["cells"],
+            {**CPU_NOTEBOOK["cells"][0], "source": "kept = 7"},
+            {**CPU_NOTEBOOK["cells"][0], "source": "kept * 6"},
+        ],
+        # medium: a size the test policy leaves alone (only the test hibernates it).
+        "metadata": {"kernelspec": {"name": "python3-gpu-medium", "display_name": "Python 3 · GPU medium"}},
+    }
+    paths = ["asleep-1.ipynb", "asleep-2.ipynb"]
+    for path in paths:
+        (server.home / "root" / path).write_text(json.dumps(notebook))
+    with browser_page() as page:
+        try:
+            _open(page, server, paths[0])
+            page.goto(f"{server.url}/lab/tree/{paths[1]}?token={TOKEN}")  # a second tab, both open
+            kernels = [wait_for(lambda p=p: _kernel_of(server, p), 60, what=f"{p}'s kernel") for p in paths]
+            cells = page.locator(".jp-NotebookPanel:visible .jp-CodeCell")
+            for kernel_id in kernels:
+                wait_for(lambda k=kernel_id: _model(server, k)["state"] == "running", 60, what="running")
+            cells.nth(1).click()
+            page.keyboard.press("Shift+Enter")
+            wait_for(lambda: server.get(f"/api/kernels/{kernels[1]}")["execution_state"] == "idle", 60)
+            for kernel_id in kernels:
+                reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate", timeout=120)
+                assert reply.status == 200 and reply.body["state"] == "hibernated", reply
+            for reload in range(2):
+                answered = server.log().count("answered debugInfo without waking")
+                page.reload()
+                expect(page.locator(".jp-ElasticStatus")).to_contain_text("hibernated", timeout=60_000)
+                # The shown notebook's debugger has asked, and been answered (a notebook in a tab
+                # behind it connects when JupyterLab gets to it, sometimes later).
+                wait_for(
+                    lambda n=answered: server.log().count("answered debugInfo without waking") > n,
+                    60,
+                    what=f"the notebook to connect after reload {reload + 1}",
+                )
+                states = [_model(server, k)["state"] for k in kernels]
+                assert states == ["hibernated", "hibernated"], states
+            woken = [line for line in server.log().splitlines() if "woken by" in line or " resumed " in line]
+            assert not [line for line in woken if any(k in line for k in kernels)], woken
+            # A user's cell still wakes its kernel, with its variables.
+            cells = page.locator(".jp-NotebookPanel:visible .jp-CodeCell")
+            cells.nth(2).click()
+            page.keyboard.press("Shift+Enter")
+            result = cells.nth(2).locator('.jp-OutputArea-output[data-mime-type="text/plain"]')
+            expect(result).to_have_text("42", timeout=90_000)
+            assert _model(server, kernels[1])["state"] == "running"
+            assert _model(server, kernels[0])["state"] == "hibernated"
+        finally:
+            server.shutdown_all_kernels()

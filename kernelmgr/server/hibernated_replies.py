@@ -22,9 +22,20 @@ ANSWERED_WHILE_HIBERNATED = frozenset(
         "is_complete_request",
         "history_request",
         "comm_info_request",
-        # JupyterLab's debugger asks ``debugInfo`` of every ipykernel a notebook connects to, so a
-        # page reload would wake every hibernated kernel whose notebook is open.
+        # JupyterLab's debugger asks ``debugInfo`` of every ipykernel a notebook connects to, and
+        # its widget manager opens a ``jupyter.widget.control`` comm: a page reload would wake every
+        # hibernated kernel whose notebook is open.
         "debug_request",
+        "comm_open",
+        # A comm does not outlive its kernel's process (none is in a checkpoint), so a message to
+        # one finds nothing after a resume either: ipykernel drops it, and so does a hibernated kernel.
+        "comm_msg",
+        "comm_close",
+        # Subshells (protocol 5.5), which JupyterLab asks ipykernel 7 for on connect: none lives in a
+        # hibernated kernel; making one waits for a cell to resume it.
+        "create_subshell_request",
+        "list_subshell_request",
+        "delete_subshell_request",
     }
 )
 
@@ -134,6 +145,11 @@ def local_reply(msg_type: str, content: dict[str, Any], kernel_info: dict[str, A
         return {"status": "ok", "history": []}
     if msg_type == "debug_request":
         return debug_reply(content)
+    if msg_type == "list_subshell_request":
+        return {"status": "ok", "subshell_id": []}
+    if msg_type in ("create_subshell_request", "delete_subshell_request"):
+        why = "the kernel is hibernated: it has no subshells until a cell resumes it"
+        return {"status": "error", "ename": "KernelHibernated", "evalue": why, "traceback": []}
     return {"status": "ok", "comms": {}}  # comm_info_request
 
 

@@ -3,10 +3,13 @@
 While a kernel is hibernated the notebook's websocket stays open and this connection class
 stands in for the kernel:
 
-* requests a frontend sends just by opening a notebook or typing — ``kernel_info``,
-  ``complete``, ``inspect``, ``is_complete``, ``history``, ``comm_info`` — are answered here,
-  from the kernel_info saved at hibernation, so they never wake a GPU;
-* anything that needs the kernel — ``execute_request``, comm messages — is queued, in order,
+* what a frontend sends just by opening a notebook or typing — ``kernel_info``, ``complete``,
+  ``inspect``, ``is_complete``, ``history``, ``comm_info``, the debugger's ``debug_request``,
+  subshell requests, the widget manager's comms — is answered here
+  (:mod:`kernelmgr.server.hibernated_replies`), from the kernel_info saved at hibernation, so a
+  page reload never wakes a GPU; a comm opened here is closed at once (no comm outlives its
+  kernel's process, so none is waiting after a resume either);
+* anything that needs the kernel — ``execute_request`` above all — is queued, in order,
   and starts a resume; when the kernel answers again the queue is delivered exactly as it
   would have been, so the user's cell simply runs (and the agent shows what was restored);
 * while no GPU slice is free the cell shows that it is waiting, and interrupting stops the wait.
@@ -191,6 +194,8 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     _queued_bytes = 0
     _user = ""
     _checking = False
+    #: The debugger's first request while hibernated is logged; it asks a dozen times a reload.
+    _debugger_logged = False
     _overflow_told = False
     _comm_refused = False
     _waking: asyncio.Task[None] | None = None
@@ -450,8 +455,21 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
             _background.add(task)
             task.add_done_callback(_background.discard)
             return
+        if msg_type in ("comm_open", "comm_msg", "comm_close"):  # no reply to these in the protocol
+            self._status("busy", header)
+            if msg_type == "comm_open":
+                # No comm target lives in a hibernated kernel: closed at once, as ipykernel closes a
+                # comm whose target it does not know (the widget manager then asks comm_info instead).
+                closed = {"comm_id": content.get("comm_id", ""), "data": {}}
+                self._send("iopub", self.session.msg("comm_close", closed, parent=header))
+            self._status("idle", header)
+            return
         info = self.hibernator.kernel_info(self.kernel_id) if self.hibernator else {}
         reply = local_reply(msg_type, content, info)
+        if msg_type == "debug_request" and not self._debugger_logged:  # a frontend's own: stays asleep
+            self._debugger_logged = True
+            command = content.get("command")
+            self.log.info("Hibernated kernel %s answered %s without waking", self.kernel_id, command)
         self._status("busy", header)
         self._send(channel, self.session.msg(msg_type.replace("_request", "_reply"), reply, parent=header))
         self._status("idle", header)
@@ -596,6 +614,8 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         if msg_type == "execute_request":
             self._status("busy", header)
         if self._waking is None or self._waking.done():
+            if state is KernelState.HIBERNATED:  # says what woke it, for an admin's "why did it resume?"
+                self.log.info("Kernel %s woken by a %s on %s", self.kernel_id, msg_type, channel)
             self._waking = asyncio.ensure_future(self._wake(header))
 
     async def _wake(self, first: dict[str, Any]) -> None:
