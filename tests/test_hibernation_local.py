@@ -568,6 +568,35 @@ def test_hibernated_kernel_survives_a_server_restart(tmp_path: Path) -> None:
         second.stop()
 
 
+def test_a_size_change_survives_server_restarts(tmp_path: Path) -> None:
+    """Issue 44: resized to whole, hibernated at the server's stop, the kernel came back small
+    (its saved record kept the size it started with). Two restarts: it stays whole."""
+    first = start_server(tmp_path, config(tmp_path / "checkpoints"))
+    try:
+        kernel_id = first.start_kernel("python3-gpu-small")
+        first.execute(kernel_id, "kept = 41")
+        resized = first.request(
+            "POST", f"/api/elastic/kernels/{kernel_id}/resize", {"size": "whole"}, timeout=120
+        )
+        assert resized.status == 200 and resized.body["profile"] == "whole", resized
+    finally:
+        first.stop()  # hibernates it (hibernate_on_shutdown)
+    for restart in range(2):
+        again = start_server(tmp_path, config(tmp_path / "checkpoints"))
+        try:
+            model = again.get(f"/api/elastic/kernels/{kernel_id}")
+            assert (model["state"], model["profile"], model["name"]) == (
+                "hibernated",
+                "whole",
+                "python3-gpu-whole",
+            ), (restart, model)
+            assert again.execute(kernel_id, "print(kept + 1)", timeout=120).strip() == "42"
+            model = again.get(f"/api/elastic/kernels/{kernel_id}")
+            assert [d["fraction"] for d in model["slice"]["devices"]] == [1.0], model
+        finally:
+            again.stop()
+
+
 def test_server_killed_mid_hibernation_loses_nothing(tmp_path: Path) -> None:
     first = start_server(tmp_path, config(tmp_path / "checkpoints"))
     kernel_id = first.start_kernel("python3-gpu-small")

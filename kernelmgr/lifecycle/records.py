@@ -229,6 +229,10 @@ class KernelRecords(dict[str, KernelRecord]):
                 cwd=self.cwd_of(kernel_id),
             )
             self[kernel_id] = record
+        if (record.kernelspec, record.profile) != (managed.kernelspec, managed.profile):
+            # A size change: the next server must bring the kernel back at the size picked last.
+            record.kernelspec, record.profile = managed.kernelspec, managed.profile
+            record.profile_definition = None  # that size's, below
         if record.profile_definition is None and record.profile and self.definition_of is not None:
             record.profile_definition = self.definition_of(record.profile)
         record.state = managed.state.value
