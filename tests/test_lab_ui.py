@@ -638,6 +638,15 @@ def test_change_size_from_the_panel_and_the_running_kernels_context_menu(
             status = page.locator(".jp-ElasticStatus")
             expect(status).to_contain_text("GPU medium", timeout=15_000)
 
+            # 0. The status item opens "Change GPU size" (issue 44: it opened JupyterLab's kernel
+            # picker, whose choice starts a new kernel and drops the variables without a warning).
+            status.click()
+            dialog = page.locator(".jp-Dialog", has_text="Change GPU size")
+            expect(dialog.locator("select")).to_be_visible(timeout=10_000)
+            expect(page.locator(".jp-Dialog", has_text="Select Kernel")).to_have_count(0)
+            dialog.get_by_role("button", name="Cancel").click()
+            expect(dialog).to_have_count(0)
+
             # 1. The GPUs panel's "Size…": the sizes that fit these GPUs, smallest first.
             page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]').click()
             row = page.locator(f'.jp-ElasticPanel-kernel[data-kernel-id="{kernel_id}"]')

@@ -105,7 +105,7 @@ class StatusItem extends Widget {
     super();
     this.addClass('jp-ElasticStatus');
     this.node.title =
-      'GPU size, GPU use and state of this notebook\'s kernel (jupyter-elastic-kernels); click to change the kernel';
+      "GPU size, GPU use and state of this notebook's kernel (jupyter-elastic-kernels); click to change its GPU size, keeping its variables";
   }
 
   show_(text: string | null, state: string): void {
@@ -421,9 +421,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
         renderStatus();
       });
     });
+    // "Change GPU Size…" keeps the variables; JupyterLab's kernel picker would start a new kernel
+    // and shut this one down without a word.
     item.node.onclick = () => {
-      if (app.commands.hasCommand('notebook:change-kernel')) {
-        void app.commands.execute('notebook:change-kernel');
+      if (app.commands.isEnabled(COMMANDS.changeSize)) {
+        void app.commands.execute(COMMANDS.changeSize);
       }
     };
     if (statusBar) {
