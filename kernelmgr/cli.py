@@ -26,10 +26,10 @@ stderr); 130 interrupted (Ctrl-C).
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import json
 import os
-import re
 import sys
 import threading
 import time
@@ -49,6 +49,7 @@ from kernelmgr.cli_local import (
     add_local_commands,
     run_local_command,
 )
+from kernelmgr.cli_refs import FULL_ID, KernelRefError, notebooks_of, resolve
 from kernelmgr.cli_render import (
     render_gpus,
     render_kernel,
@@ -371,13 +372,28 @@ KERNEL_ACTIONS = {
 KERNEL_VIEWS: dict[str, tuple[str, Renderer, str]] = {
     "report": ("report", render_report, "what the kernel's last resume restored, recomputed and lost"),
 }
-KERNEL_ID = re.compile(r"^[\w-]+$")
+KERNEL_HELP = "the kernel: its id, its first characters (as `jupyter elastic list` shows) or its notebook"
 
 
-def _json_too(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``jupyter elastic list --json`` as well as ``jupyter elastic --json list``."""
-    command.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON")
+def _options_after(command: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The general options after the command too: ``jupyter elastic hibernate --progress ID`` as
+    well as ``jupyter elastic --progress hibernate ID`` (given here, they win)."""
+    after = argparse.SUPPRESS
+    command.add_argument("--json", action="store_true", default=after, help="print JSON")
+    command.add_argument("--url", default=after, help="server URL")
+    command.add_argument("--token", default=after, help="API token")
+    command.add_argument("--progress", action=argparse.BooleanOptionalAction, default=after, help="phases")
+    command.add_argument("--request-timeout", type=float, default=after, metavar="SECONDS", help="per answer")
     return command
+
+
+def kernel_named(target: Target, ref: str, timeout: float) -> str:
+    """The id of the kernel ``ref`` names (:mod:`kernelmgr.cli_refs`); a full id as it is."""
+    if FULL_ID.match(ref):
+        return ref
+    kernels = fetch(target, "/api/elastic/kernels", timeout=timeout) or []
+    sessions = _try_fetch(target, "/api/sessions", timeout)
+    return resolve(ref, [str(k["id"]) for k in kernels], notebooks_of(sessions))
 
 
 def build_parser() -> OneLineParser:
@@ -406,13 +422,13 @@ def build_parser() -> OneLineParser:
         metavar="{" + ",".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, *LOCAL_COMMANDS]) + "}",
     )
     for name, (_path, _render, help_text) in COMMANDS.items():
-        _json_too(sub.add_parser(name, help=help_text))
+        _options_after(sub.add_parser(name, help=help_text))
     for name, (_sub, _render, help_text) in KERNEL_VIEWS.items():
-        view = _json_too(sub.add_parser(name, help=help_text))
-        view.add_argument("kernel_id", help="the kernel's id (see `jupyter elastic list`)")
+        view = _options_after(sub.add_parser(name, help=help_text))
+        view.add_argument("kernel_id", metavar="KERNEL", help=KERNEL_HELP)
     for name, help_text in KERNEL_ACTIONS.items():
-        action = _json_too(sub.add_parser(name, help=help_text))
-        action.add_argument("kernel_id", help="the kernel's id (see `jupyter elastic list`)")
+        action = _options_after(sub.add_parser(name, help=help_text))
+        action.add_argument("kernel_id", metavar="KERNEL", help=KERNEL_HELP)
         if name == "resize":
             action.add_argument("size", help="the new GPU size (see `jupyter elastic profiles`)")
     add_local_commands(sub)
@@ -431,19 +447,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_local_command(parser, args)
     if not args.request_timeout > 0:
         parser.error(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
-    method = "GET"
-    render: Renderer
-    if args.command in KERNEL_ACTIONS:
-        if not KERNEL_ID.match(args.kernel_id):
-            parser.error(f"{args.kernel_id!r} is not a kernel id (letters, digits and '-')")
-        path, render, method = f"/api/elastic/kernels/{args.kernel_id}/{args.command}", render_kernel, "POST"
-    elif args.command in KERNEL_VIEWS:
-        if not KERNEL_ID.match(args.kernel_id):
-            parser.error(f"{args.kernel_id!r} is not a kernel id (letters, digits and '-')")
-        sub_path, render, _help = KERNEL_VIEWS[args.command]
-        path = f"/api/elastic/kernels/{args.kernel_id}/{sub_path}"
-    else:
-        path, render, _help = COMMANDS[args.command]
     try:
         target = resolve_target(args.url, args.token)
     except ValueError as err:
@@ -451,6 +454,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CliError as err:
         print(f"jupyter elastic: {err}", file=sys.stderr)
         return FAILURE
+    method = "GET"
+    render: Renderer
+    if args.command in (*KERNEL_ACTIONS, *KERNEL_VIEWS):
+        try:
+            args.kernel_id = kernel_named(target, args.kernel_id, args.request_timeout)
+        except KernelRefError as err:  # the user's to fix: one line, exit 2
+            print(f"jupyter elastic: {err}", file=sys.stderr)
+            return USAGE_ERROR
+        except CliError as err:
+            print(f"jupyter elastic: {err}", file=sys.stderr)
+            return FAILURE
+    if args.command in KERNEL_ACTIONS:
+        path, render, method = f"/api/elastic/kernels/{args.kernel_id}/{args.command}", render_kernel, "POST"
+    elif args.command in KERNEL_VIEWS:
+        sub_path, render, _help = KERNEL_VIEWS[args.command]
+        path = f"/api/elastic/kernels/{args.kernel_id}/{sub_path}"
+    else:
+        path, render, _help = COMMANDS[args.command]
     try:
         if method == "POST":
             shown = sys.stderr.isatty() if args.progress is None else args.progress
@@ -464,8 +485,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         else:
             doc = fetch(target, path, method, timeout=args.request_timeout)
-    except NotFound as err:  # an unknown kernel id: the user's to fix, like a bad argument
-        print(f"jupyter elastic: {err}", file=sys.stderr)
+            if args.command == "list" and not args.json:
+                sessions = _try_fetch(target, "/api/sessions", args.request_timeout)
+                render = functools.partial(render_kernels, notebooks=notebooks_of(sessions))
+    except NotFound:  # an unknown kernel id: the user's to fix, like a bad argument
+        known = "`jupyter elastic list` shows them"
+        print(f"jupyter elastic: no kernel {args.kernel_id}: {known}", file=sys.stderr)
         return USAGE_ERROR
     except Interrupted as err:
         print(f"jupyter elastic: {err}", file=sys.stderr)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from kernelmgr.cli_refs import SHORT_ID, shorten_path
 
 MIB = 1024 * 1024
 
@@ -129,45 +131,40 @@ def _duration(seconds: Any) -> str:
     return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
 
 
-def render_kernels(kernels: list[dict[str, Any]]) -> str:
+#: The NOTEBOOK column's width: the rest of ``list`` fits 80 columns beside it.
+NOTEBOOK_WIDTH = 22
+
+
+def render_kernels(kernels: list[dict[str, Any]], notebooks: Mapping[str, str] | None = None) -> str:
+    """``list``: one line a kernel, within 80 columns (``--json`` has every field).
+
+    The id as JupyterLab shows it (its first eight characters, which every kernel command
+    accepts), the notebook it serves, and one unit a column. An owner column only where the
+    kernels have several owners (an admin at a gateway).
+    """
+    notebooks = notebooks or {}
+    owners = len({k.get("owner") for k in kernels} - {None, ""}) > 1
     rows = []
     for k in kernels:
         activity = k.get("activity") or {}
-        devices = [d["uuid"] for d in (k.get("slice") or {}).get("devices", [])]
         utilization = activity.get("gpu_utilization")
         memory = activity.get("gpu_memory_mib")
         checkpoint = k.get("checkpoint") or {}
-        rows.append(
-            [
-                k["id"],
-                k.get("profile") or "cpu",
-                k.get("state"),
-                k.get("execution_state"),
-                _duration(activity.get("idle_seconds")),
-                "-" if utilization is None else f"{utilization:.0f}%",
-                "-" if memory is None else f"{memory} MiB",
-                _duration(activity.get("gpu_idle_seconds")),
-                ",".join(devices),
-                human_bytes(checkpoint["bytes"]) if checkpoint.get("bytes") else "-",
-                k.get("owner"),
-            ]
-        )
+        row = [
+            k["id"][:SHORT_ID],
+            shorten_path(notebooks.get(k["id"]), NOTEBOOK_WIDTH),
+            k.get("profile") or "cpu",
+            k.get("state"),
+            _duration(activity.get("idle_seconds")),
+            "-" if utilization is None else f"{utilization:.0f}%",
+            "-" if memory is None else human_mib(memory),
+            human_bytes(checkpoint["bytes"]) if checkpoint.get("bytes") else "-",
+        ]
+        rows.append([*row, k.get("owner")] if owners else row)
     if not rows:
         return "no kernels"
-    headers = [
-        "KERNEL",
-        "SIZE",
-        "STATE",
-        "EXECUTION",
-        "IDLE",
-        "GPU",
-        "GPU MEM",
-        "GPU IDLE",
-        "GPUS",
-        "CHECKPOINT",
-        "OWNER",
-    ]
-    return table(headers, rows)
+    headers = ["KERNEL", "NOTEBOOK", "SIZE", "STATE", "IDLE", "GPU", "GPU MEM", "CHECKPOINT"]
+    return table([*headers, "OWNER"] if owners else headers, rows)
 
 
 def render_kernel(kernel: dict[str, Any]) -> str:

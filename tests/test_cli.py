@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kernelmgr.cli import _outcome
+from kernelmgr.cli_refs import KernelRefError, resolve, shorten_path
 from kernelmgr.cli_render import human_bytes, human_mib, render_kernel, render_kernels, render_progress
 from tests.conftest import CONFIG
 from tests.support.server import TOKEN, RunningServer, start_server
@@ -54,9 +55,8 @@ def test_list_shows_a_running_kernel(plain_server: RunningServer) -> None:
     try:
         result = cli(plain_server, "--url", plain_server.url, "--token", TOKEN, "list")
         assert result.returncode == 0, result.stderr
-        row = next(line for line in result.stdout.splitlines() if line.startswith(kernel_id))
-        assert row.split()[1:3] == ["small", "running"]
-        assert "GPU-test-0000" in row
+        row = next(line for line in result.stdout.splitlines() if line.startswith(kernel_id[:8]))
+        assert row.split()[1:4] == ["-", "small", "running"]  # no notebook: a kernel of /api/kernels
     finally:
         plain_server.shutdown_kernel(kernel_id)
     assert cli(plain_server, "list").stdout.strip() == "no kernels"
@@ -113,9 +113,9 @@ def test_hibernate_and_resume_from_the_cli(plain_server: RunningServer) -> None:
         line = result.stdout.strip()
         assert line.startswith(f"kernel {kernel_id} is hibernated: ") and "not saved: gen" in line
         listing = cli(plain_server, "list").stdout.splitlines()
-        assert listing[0].split()[:5] == ["KERNEL", "SIZE", "STATE", "EXECUTION", "IDLE"]
-        row = next(r for r in listing if r.startswith(kernel_id))
-        assert row.split()[1:4] == ["small", "hibernated", "hibernated"]
+        assert listing[0].split()[:5] == ["KERNEL", "NOTEBOOK", "SIZE", "STATE", "IDLE"]
+        row = next(r for r in listing if r.startswith(kernel_id[:8]))
+        assert row.split()[1:4] == ["-", "small", "hibernated"]
         as_json = json.loads(cli(plain_server, "--json", "list").stdout)
         assert as_json[0]["state"] == "hibernated"
         resumed = cli(plain_server, "resume", kernel_id)
@@ -130,12 +130,11 @@ def test_hibernate_errors_are_one_line(plain_server: RunningServer) -> None:
         missing = cli(plain_server, action, "no-such-kernel")
         assert missing.returncode == 2, (action, missing.stderr)
         assert missing.stderr.strip().splitlines() == [
-            f"jupyter elastic: HTTP 404 from {plain_server.url}/api/elastic/kernels/no-such-kernel"
-            f"{'/report' if action == 'report' else ''}: no kernel with id 'no-such-kernel'; "
-            "list kernels at /api/elastic/kernels"
+            "jupyter elastic: no kernel is 'no-such-kernel': "
+            "`jupyter elastic list` shows their ids and notebooks"
         ]
     bad = cli(plain_server, "resume", "../etc")
-    assert bad.returncode == 2 and "is not a kernel id" in bad.stderr
+    assert bad.returncode == 2 and "no kernel is '../etc'" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
@@ -287,7 +286,7 @@ def test_tiny_checkpoints_and_memory_read_as_bytes_not_exponents() -> None:
     }
     assert render_kernel(kernel) == "kernel k1 is hibernated: 1 variable(s) saved (80 B), not saved: none"
     row = render_kernels([kernel]).splitlines()[1]
-    assert " 80 B " in row and "e-0" not in row
+    assert row.split()[-2:] == ["80", "B"] and "e-0" not in row
     assert human_mib(10240) == "10 GiB" and human_mib(512) == "512 MiB"
 
 
@@ -497,3 +496,70 @@ def test_resize_from_the_cli(plain_server: RunningServer) -> None:
         assert usage.returncode == 2 and "size" in usage.stderr
     finally:
         plain_server.shutdown_kernel(kernel_id)
+
+
+def test_a_kernel_by_its_short_id_or_notebook_with_options_after_the_command(
+    plain_server: RunningServer,
+) -> None:
+    """Issue 44: ``hibernate --progress ID`` was refused, the short id JupyterLab shows was refused
+    (the hint named a REST path), and ``list`` was 136 columns of full ids with no notebook."""
+    session = plain_server.request(
+        "POST",
+        "/api/sessions",
+        {"path": "course/week-49/train.ipynb", "type": "notebook", "kernel": {"name": "python3-gpu-small"}},
+    )
+    assert session.status == 201, session
+    kernel_id = session.body["kernel"]["id"]
+    other = plain_server.start_kernel("python3-gpu-small")
+    try:
+        plain_server.execute(kernel_id, "kept = 6")
+        listing = cli(plain_server, "list")
+        assert listing.returncode == 0, listing.stderr
+        assert max(len(line) for line in listing.stdout.splitlines()) <= 80, listing.stdout
+        row = next(line for line in listing.stdout.splitlines() if line.startswith(kernel_id[:8] + " "))
+        assert row.split()[1:4] == ["...week-49/train.ipynb", "small", "running"], row
+
+        hibernated = cli(plain_server, "hibernate", "--no-progress", kernel_id[:8])
+        assert hibernated.returncode == 0, hibernated.stderr
+        assert hibernated.stdout.startswith(f"kernel {kernel_id} is hibernated: 1 variable(s) saved")
+        resumed = cli(plain_server, "resume", "train.ipynb", "--request-timeout", "60")
+        assert resumed.returncode == 0, resumed.stderr
+        assert resumed.stdout.startswith(f"kernel {kernel_id} is running")
+        report = cli(plain_server, "report", "course/week-49/train.ipynb", "--json")
+        assert report.returncode == 0 and "kept" in report.stdout, report
+        assert plain_server.execute(kernel_id, "print(kept * 7)").strip() == "42"
+
+        for ref, says in [
+            (kernel_id[:3], "too short: give at least 4 characters"),
+            ("nothing.ipynb", "no kernel is 'nothing.ipynb': `jupyter elastic list` shows"),
+            ("0000000-not-a-kernel", "no kernel is '0000000-not-a-kernel'"),
+        ]:
+            refused = cli(plain_server, "hibernate", ref)
+            assert refused.returncode == 2, (ref, refused)
+            lines = refused.stderr.strip().splitlines()
+            assert len(lines) == 1 and says in lines[0] and "/api/" not in lines[0], (ref, lines)
+        missing = cli(plain_server, "resume", "00000000-0000-4000-8000-000000000000")
+        assert missing.returncode == 2 and "`jupyter elastic list` shows them" in missing.stderr, missing
+    finally:
+        plain_server.shutdown_kernel(other)
+        plain_server.request("DELETE", f"/api/sessions/{session.body['id']}")
+
+
+def test_kernel_references_name_one_kernel_or_say_why() -> None:
+    ids = ["0a1b2c3d-0000-4000-8000-000000000001", "0a1b2c3d-9999-4000-8000-000000000002", "ffee0011-0-0"]
+    notebooks = {ids[0]: "a/train.ipynb", ids[1]: "b/train.ipynb", ids[2]: "solo.ipynb"}
+    assert resolve(ids[1], ids, notebooks) == ids[1]
+    assert resolve("ffee", ids, notebooks) == ids[2]
+    assert resolve("solo.ipynb", ids, notebooks) == ids[2]
+    assert resolve("a/train.ipynb", ids, notebooks) == ids[0]
+    assert resolve("0a1b2c3d-9", ids, notebooks) == ids[1]
+    for ref, says in [
+        ("0a1b2c3d", "names 2 kernels: 0a1b2c3d (a/train.ipynb), 0a1b2c3d (b/train.ipynb)"),
+        ("train.ipynb", "names 2 kernels"),
+        ("ff", "too short"),
+        ("beef", "no kernel is 'beef'"),
+    ]:
+        with pytest.raises(KernelRefError, match=re.escape(says)):
+            resolve(ref, ids, notebooks)
+    assert shorten_path("course/week-49/train.ipynb", 22) == "...week-49/train.ipynb"
+    assert shorten_path(None, 22) == "-" and shorten_path("a.ipynb", 22) == "a.ipynb"
