@@ -38,7 +38,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TextIO
+from typing import Any, NoReturn
 
 from jupyter_core.paths import jupyter_runtime_dir
 
@@ -51,6 +51,7 @@ from kernelmgr.cli_local import (
 )
 from kernelmgr.cli_refs import FULL_ID, KernelRefError, notebooks_of, resolve
 from kernelmgr.cli_render import (
+    Progress,
     render_gpus,
     render_kernel,
     render_kernels,
@@ -212,32 +213,6 @@ def _outcome(action: str, model: dict[str, Any], before: dict[str, Any] | None) 
 
 class Interrupted(CliError):
     """Ctrl-C during hibernate/resume: exit code 130, after telling the server what it means."""
-
-
-class Progress:
-    """Where the action stands, on stderr: rewritten in place on a terminal, else one line a change."""
-
-    def __init__(self, enabled: bool, stream: TextIO | None = None) -> None:
-        self.enabled = enabled
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.last = ""
-
-    def show(self, kernel_id: str, text: str, elapsed: float) -> None:
-        if not self.enabled:
-            return
-        line = f"jupyter elastic: kernel {kernel_id} {text}"
-        if self.tty:
-            self.stream.write(f"\r\x1b[K{line} ({elapsed:.0f}s)")
-            self.stream.flush()
-        elif line != self.last:
-            print(line, file=self.stream, flush=True)
-        self.last = line
-
-    def done(self) -> None:
-        if self.enabled and self.tty and self.last:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
 
 
 def cancel_on_interrupt(target: Target, action: str, kernel_id: str, timeout: float) -> Interrupted:

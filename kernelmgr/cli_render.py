@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 from kernelmgr.cli_refs import SHORT_ID, shorten_path
 
@@ -250,3 +252,34 @@ def render_progress(action: str, model: dict[str, Any] | None) -> str:
             return f"resuming: restoring the variables, {done} of {total} read"
         return "resuming: starting the kernel"
     return f"{action}: the kernel is {state}"
+
+
+class Progress:
+    """Where the action stands, on stderr: rewritten in place on a terminal, within its width (a
+    longer line wraps, and ``\r`` then rewrites only its last row), else one line a change."""
+
+    def __init__(self, enabled: bool, stream: TextIO | None = None) -> None:
+        self.enabled = enabled
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.last = ""
+
+    def show(self, kernel_id: str, text: str, elapsed: float) -> None:
+        if not self.enabled:
+            return
+        line = f"jupyter elastic: kernel {kernel_id[:SHORT_ID]} {text}"
+        if self.tty:
+            shown = f"{line} ({elapsed:.0f}s)"
+            width = shutil.get_terminal_size().columns - 1
+            if len(shown) > width:
+                shown = shown[: max(width - 3, 0)] + "..."
+            self.stream.write(f"\r\x1b[K{shown}")
+            self.stream.flush()
+        elif line != self.last:
+            print(line, file=self.stream, flush=True)
+        self.last = line
+
+    def done(self) -> None:
+        if self.enabled and self.tty and self.last:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import threading
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -429,6 +431,14 @@ def test_progress_rewrites_one_line_on_a_terminal_and_prints_changes_elsewhere()
     quiet = io.StringIO()
     Progress(False, quiet).show("k", "x", 0)
     assert quiet.getvalue() == ""
+    # An 80-column terminal: the line is cut to fit (a wrapped line leaves a row behind each \r).
+    narrow = Terminal()
+    long_phase = "resuming: restoring the checkpoint, 1.2 GiB of 10 GiB read back, 3 variables of 41 restored"
+    with mock.patch("shutil.get_terminal_size", return_value=os.terminal_size((80, 24))):
+        Progress(True, narrow).show("0a1b2c3d-0000-4000-8000-000000000001", long_phase, 3)
+    written = narrow.getvalue().removeprefix("\r\x1b[K")
+    assert len(written) == 79 and written.startswith("jupyter elastic: kernel 0a1b2c3d resuming")
+    assert written.endswith("..."), written
 
 
 EXAMPLE_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "local" / "jupyter_server_config.py"
