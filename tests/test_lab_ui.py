@@ -115,10 +115,9 @@ NOTEBOOK = {
 }
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, GpuScript]]:
+def _start_lab(home: Path) -> tuple[RunningServer, GpuScript]:
+    """``jupyter lab`` with this checkout's extension, the test GPUs (NVML double) and sizes."""
     assert _require_browser() is not None
-    home = tmp_path_factory.mktemp("lab-ui")
     gpu = GpuScript(home / "gpu.json")
     config = elastic_config(
         home / "checkpoints",
@@ -139,6 +138,16 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServe
     _no_news_prompt(env)
     try:
         wait_for(lambda: _status(server) == 200, timeout=90, what="jupyter lab to answer")
+    except BaseException:
+        server.stop()
+        raise
+    return server, gpu
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, GpuScript]]:
+    server, gpu = _start_lab(tmp_path_factory.mktemp("lab-ui"))
+    try:
         yield server, gpu
     finally:
         server.shutdown_all_kernels()
@@ -768,3 +777,35 @@ def test_reloading_the_page_never_wakes_hibernated_kernels(lab: tuple[RunningSer
             assert _model(server, kernels[0])["state"] == "hibernated"
         finally:
             server.shutdown_all_kernels()
+
+
+def test_a_stopped_server_shows_as_unreachable_with_its_actions_off(tmp_path: Path) -> None:
+    """Issue 44: with the server stopped, the status item and the panel kept the last state as if
+    it were now, with Resume and Hibernate enabled. Now both say "server unreachable"."""
+    from playwright.sync_api import expect
+
+    (tmp_path / "home").mkdir()
+    server, _gpu = _start_lab(tmp_path / "home")
+    notebook = {**CPU_NOTEBOOK, "metadata": {"kernelspec": {"name": "python3-gpu-medium"}}}
+    (server.home / "root" / "away.ipynb").write_text(json.dumps(notebook))
+    stopped = False
+    with browser_page() as page:
+        try:
+            _open(page, server, "away.ipynb")
+            status = page.locator(".jp-ElasticStatus")
+            expect(status).to_contain_text("GPU medium", timeout=15_000)
+            page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]').click()
+            action = page.locator(".jp-ElasticPanel-kernel .jp-ElasticPanel-action").first
+            expect(action).to_be_enabled(timeout=10_000)
+            server.stop()  # hibernates the kernel and exits: nothing answers now
+            stopped = True
+            expect(status).to_have_text("server unreachable", timeout=30_000)
+            expect(page.locator(".jp-ElasticPanel-unreachable")).to_contain_text("Server unreachable")
+            buttons = page.locator(".jp-ElasticPanel-kernel button")
+            assert buttons.count() >= 1
+            for index in range(buttons.count()):
+                expect(buttons.nth(index)).to_be_disabled()
+        finally:
+            if not stopped:
+                server.shutdown_all_kernels()
+                server.stop()

@@ -36,6 +36,8 @@ import {
 } from './model';
 
 const settings = ServerConnection.makeSettings();
+/** The status item and toolbar while the server does not answer: the last state is not shown as now. */
+const UNREACHABLE = 'server unreachable';
 
 /** fetch() under the server's base URL with Jupyter's auth (token, XSRF). */
 export const serverFetch: Fetcher = async (path, init) => {
@@ -231,13 +233,15 @@ const plugin: JupyterFrontEndPlugin<void> = {
       const current = tracker.currentWidget;
       const id = currentKernelId();
       const kernel = id ? poller.kernels.get(id) : undefined;
-      const text = statusText(kernel, undefined, current?.sessionContext.kernelDisplayStatus, statusOptions);
-      item.show_(text, kernel?.state ?? '');
+      const shown = statusText(kernel, undefined, current?.sessionContext.kernelDisplayStatus, statusOptions);
+      const text = shown && !poller.reachable ? UNREACHABLE : shown;
+      item.show_(text, text === UNREACHABLE ? 'unreachable' : (kernel?.state ?? ''));
       hideStockKernelStatus(item.node, text ? (current?.sessionContext.kernelDisplayName ?? null) : null);
       for (const [panel, badge] of badges) {
         const kid = panel.sessionContext.session?.kernel?.id;
         const k = kid ? poller.kernels.get(kid) : undefined;
-        badge.show_(toolbarText(k), k?.state ?? '');
+        const badgeText = toolbarText(k);
+        badge.show_(badgeText && !poller.reachable ? UNREACHABLE : badgeText, k?.state ?? '');
         panel.node.dataset.elasticState = k?.profile ? k.state : '';
       }
     };
@@ -292,8 +296,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
     // right-clicked in the running-kernels panel (its context menu).
     const elasticKernel = (args: { kernelId?: unknown }): ElasticKernel | undefined => {
       const id = targetKernelId(app, args, currentKernelId);
-      const kernel = id ? poller.kernels.get(id) : undefined;
-      return kernel?.profile ? kernel : undefined;
+      const kernel = id && poller.reachable ? poller.kernels.get(id) : undefined;
+      return kernel?.profile ? kernel : undefined; // nothing to act on while the server is away
     };
     const act = async (kernel: ElasticKernel | undefined, action: 'hibernate' | 'resume'): Promise<void> => {
       if (!kernel) {

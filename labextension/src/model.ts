@@ -318,6 +318,10 @@ export type Fetcher = (
 export class KernelPoller {
   kernels = new Map<string, ElasticKernel>();
   available: boolean | null = null;
+  /** False while the server does not answer (stopped, restarting, a proxy's 5xx): what is shown
+   * is then from `lastAnswer` (ms since the epoch), and nothing may be acted on. */
+  reachable = true;
+  lastAnswer: number | null = null;
   private timer: ReturnType<typeof setTimeout> | null = null;
   private listeners: ((poller: KernelPoller, previous: Map<string, ElasticKernel>) => void)[] = [];
 
@@ -346,7 +350,12 @@ export class KernelPoller {
     try {
       reply = await this.fetcher('api/elastic/kernels');
     } catch {
-      return; // the server is restarting: keep what we showed, try again later
+      this.unreachable(); // stopped or restarting: keep what we showed, say so, try again later
+      return;
+    }
+    if (reply.status >= 500) {
+      this.unreachable();
+      return;
     }
     if (reply.status === 404) {
       this.available = false;
@@ -362,7 +371,16 @@ export class KernelPoller {
     const previous = this.kernels;
     this.kernels = new Map(list.map(kernel => [kernel.id, kernel]));
     this.available = true;
+    this.reachable = true;
+    this.lastAnswer = Date.now();
     this.emit(previous);
+  }
+
+  private unreachable(): void {
+    if (this.reachable && this.available) {
+      this.reachable = false;
+      this.emit(this.kernels);
+    }
   }
 
   /** Poll now (after an action, or a cell sent to a hibernated kernel), then on schedule. */

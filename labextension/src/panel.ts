@@ -118,7 +118,7 @@ export class GpusPanel extends Widget {
    * went or changed state.
    */
   update_(): void {
-    if (!this.isVisible) {
+    if (!this.isVisible || !this.poller.reachable) {
       this.render();
       return;
     }
@@ -146,6 +146,13 @@ export class GpusPanel extends Widget {
     const heading = document.createElement('h3');
     heading.textContent = 'My GPU kernels';
     node.appendChild(heading);
+    if (!this.poller.reachable) {
+      const away = document.createElement('p');
+      away.className = 'jp-ElasticPanel-unreachable';
+      const since = this.poller.lastAnswer ? new Date(this.poller.lastAnswer).toLocaleTimeString() : '?';
+      away.textContent = `Server unreachable: what follows is as it was at ${since}; actions come back when it answers.`;
+      node.appendChild(away);
+    }
     const mine = [...this.poller.kernels.values()].filter(k => k.profile);
     if (!mine.length) {
       const empty = document.createElement('p');
@@ -255,6 +262,7 @@ export class GpusPanel extends Widget {
       button.textContent = '…';
       button.disabled = true;
     }
+    button.disabled ||= !this.poller.reachable;
     const actions = document.createElement('div');
     actions.className = 'jp-ElasticPanel-actions';
     actions.appendChild(button);
@@ -264,6 +272,7 @@ export class GpusPanel extends Widget {
       resize.textContent = 'Size…';
       resize.title = 'Change GPU size: hibernate, then resume at another size (variables kept)';
       resize.onclick = () => this.changeSize?.(kernel.id);
+      resize.disabled = !this.poller.reachable;
       actions.appendChild(resize);
     }
     row.append(text, actions);

@@ -196,6 +196,27 @@ describe('KernelPoller', () => {
     poller.stop();
     vi.useRealTimers();
   });
+  it('says the server is unreachable when it stops answering, and keeps polling until it does', async () => {
+    const answers: (() => Promise<{ status: number; json: () => Promise<unknown> }>)[] = [
+      async () => ({ status: 200, json: async () => [kernel()] }),
+      async () => {
+        throw new TypeError('Failed to fetch');
+      },
+      async () => ({ status: 502, json: async () => ({}) }),
+      async () => ({ status: 200, json: async () => [kernel()] })
+    ];
+    const poller = new KernelPoller(() => answers.shift()!());
+    const seen: boolean[] = [];
+    poller.onUpdate(p => seen.push(p.reachable));
+    await poller.poll();
+    await poller.poll();
+    expect(poller.reachable).toBe(false);
+    expect(poller.kernels.get('k1')?.state).toBe('running'); // the last state, kept (and said to be old)
+    await poller.poll();
+    expect(poller.available).toBe(true); // not "no server part": it polls on
+    await poller.poll();
+    expect(seen).toEqual([true, false, true]);
+  });
   it('polls faster only while a kernel resumes or hibernates', async () => {
     const poller = new KernelPoller(async () => ({ status: 200, json: async () => [] }), 3000, 1000);
     expect(poller.nextDelay()).toBe(3000);
