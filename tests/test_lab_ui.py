@@ -371,6 +371,8 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     report = page.locator(".Toastify__toast", has_text="Kernel resumed")
     expect(report).to_be_visible(timeout=90_000)
     expect(report).to_contain_text("variable(s) restored; not restored: sock.")
+    # Something was lost: a warning that stays until read (a full restore closes by itself).
+    expect(report).to_have_class(re.compile(r"\bToastify__toast--warning\b"))
     shots("jupyterlab-restore-report")
     # The full report, readable: what was not restored and why.
     report.get_by_role("button", name="Details").click()

@@ -24,6 +24,7 @@ import {
   KernelPoller,
   launcherCss,
   Profile,
+  reportSeverity,
   reportSummary,
   reportText,
   RestoreReport,
@@ -229,6 +230,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     };
 
     const badges = new Map<NotebookPanel, ToolbarState>();
+    const resumeNotices = new Map<string, string>();
     const renderStatus = (): void => {
       const current = tracker.currentWidget;
       const id = currentKernelId();
@@ -275,8 +277,14 @@ const plugin: JupyterFrontEndPlugin<void> = {
               const body = (await reply.json()) as { restore_report: unknown };
               const where = notebookOf(id);
               const report = body.restore_report as RestoreReport | null;
-              Notification.info(`${where ? where + ': ' : ''}${reportSummary(report)}`, {
-                autoClose: false,
+              const severity = reportSeverity(report);
+              // One notification a kernel: this resume's replaces the last one's.
+              const last = resumeNotices.get(id);
+              if (last) {
+                Notification.dismiss(last);
+              }
+              const nid = Notification.emit(`${where ? where + ': ' : ''}${reportSummary(report)}`, severity, {
+                autoClose: severity === 'success' ? 6000 : false,
                 actions: [
                   {
                     label: 'Details',
@@ -285,6 +293,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
                   }
                 ]
               });
+              resumeNotices.set(id, nid);
             }
           });
         }

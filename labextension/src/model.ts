@@ -273,7 +273,7 @@ export function reportSummary(report: RestoreReport | null | undefined): string 
     return 'Kernel resumed.';
   }
   if (report.refused) {
-    return 'Kernel resumed empty: its checkpoint was not loaded.';
+    return 'Kernel resumed empty: none of its variables came back (its checkpoint could not be loaded). Run your cells again to rebuild them.';
   }
   const missing = (report.not_restored ?? []).map(item => item.name);
   const recomputed = (report.recomputed ?? []).length;
@@ -285,6 +285,15 @@ export function reportSummary(report: RestoreReport | null | undefined): string 
     text += `; not restored: ${missing.join(', ')}`;
   }
   return text + '.';
+}
+
+/** How a resume's notification looks: a good one closes by itself; one that lost variables is a
+ * warning, and one that lost them all an error, both staying until the user has read them. */
+export function reportSeverity(report: RestoreReport | null | undefined): 'success' | 'warning' | 'error' {
+  if (report?.refused) {
+    return 'error';
+  }
+  return (report?.not_restored ?? []).length ? 'warning' : 'success';
 }
 
 /** Which transitions of one kernel the extension reacts to, between two polls. */

@@ -7,6 +7,7 @@ import {
   formatGpuHours,
   kernelLabel,
   KernelPoller,
+  reportSeverity,
   launcherCss,
   Profile,
   shortLabel,
@@ -227,12 +228,23 @@ describe('KernelPoller', () => {
   });
 });
 
+describe('reportSeverity', () => {
+  it('a full restore closes by itself; a partial one warns; an empty one is an error', () => {
+    expect(reportSeverity({ restored: ['a'], not_restored: [] })).toBe('success');
+    expect(reportSeverity(null)).toBe('success');
+    expect(reportSeverity({ restored: ['a'], not_restored: [{ name: 'sock' }] })).toBe('warning');
+    expect(reportSeverity({ refused: 'digest mismatch', restored: [] })).toBe('error');
+  });
+});
+
 describe('reportSummary', () => {
   it('fits one line and names what is missing', () => {
     expect(
       reportSummary({ restored: ['a', 'b'], recomputed: [{ name: 'g' }], not_restored: [{ name: 'sock', reason: 'x' }] })
     ).toBe('Kernel resumed: 2 variable(s) restored, 1 recomputed; not restored: sock.');
-    expect(reportSummary({ refused: 'bad digest' })).toBe('Kernel resumed empty: its checkpoint was not loaded.');
+    expect(reportSummary({ refused: 'bad digest' })).toBe(
+      'Kernel resumed empty: none of its variables came back (its checkpoint could not be loaded). Run your cells again to rebuild them.'
+    );
   });
 });
 
