@@ -179,7 +179,8 @@ def render_kernel(kernel: dict[str, Any]) -> str:
         size = human_bytes(checkpoint.get("bytes", 0))
         line += f": {saved} variable(s) saved ({size}), not saved: {not_saved}"
     elif kernel.get("slice"):
-        line += " on " + ", ".join(d["uuid"] for d in kernel["slice"]["devices"])
+        size = f"GPU size {kernel['profile']}, " if kernel.get("profile") else ""
+        line += f" ({size}on " + ", ".join(d["uuid"] for d in kernel["slice"]["devices"]) + ")"
     return line
 
 

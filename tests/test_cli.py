@@ -122,7 +122,7 @@ def test_hibernate_and_resume_from_the_cli(plain_server: RunningServer) -> None:
         assert as_json[0]["state"] == "hibernated"
         resumed = cli(plain_server, "resume", kernel_id)
         assert resumed.returncode == 0, resumed.stderr
-        assert resumed.stdout.strip() == f"kernel {kernel_id} is running on GPU-test-0000"
+        assert resumed.stdout.strip() == f"kernel {kernel_id} is running (GPU size small, on GPU-test-0000)"
     finally:
         plain_server.shutdown_kernel(kernel_id)
 
@@ -320,7 +320,7 @@ def test_hibernate_shows_its_progress_and_human_sizes(plain_server: RunningServe
         result = cli(plain_server, "--progress", "hibernate", kernel_id)
         assert result.returncode == 0, result.stderr
         assert any(
-            text.startswith(f"jupyter elastic: kernel {kernel_id} hibernating: writing the checkpoint")
+            text.startswith(f"jupyter elastic: kernel {kernel_id[:8]} hibernating: writing the checkpoint")
             for text in result.stderr.splitlines()
         ), result.stderr
         line = result.stdout.strip()
@@ -332,10 +332,10 @@ def test_hibernate_shows_its_progress_and_human_sizes(plain_server: RunningServe
         assert resumed.returncode == 0, resumed.stderr
         # Unpickling takes 3 s: the poll sees the kernel started and reading its checkpoint.
         assert any(
-            text.startswith(f"jupyter elastic: kernel {kernel_id} resuming: ")
+            text.startswith(f"jupyter elastic: kernel {kernel_id[:8]} resuming: ")
             for text in resumed.stderr.splitlines()
         ), resumed.stderr
-        assert resumed.stdout.strip() == f"kernel {kernel_id} is running on GPU-test-0000"
+        assert resumed.stdout.strip() == f"kernel {kernel_id} is running (GPU size small, on GPU-test-0000)"
     finally:
         plain_server.shutdown_kernel(kernel_id)
 
@@ -382,7 +382,7 @@ def test_ctrl_c_on_a_waiting_resume_cancels_the_wait_on_the_server(plain_server:
             "GPU slice; it stays hibernated"
         ), lines
         assert (
-            f"jupyter elastic: kernel {kernel_id} resuming: waiting for a free GPU slice (small), "
+            f"jupyter elastic: kernel {kernel_id[:8]} resuming: waiting for a free GPU slice (small), "
             "number 1 of 1 in the queue; " in "\n".join(lines)
         ), lines
         model = plain_server.get(f"/api/elastic/kernels/{kernel_id}")
@@ -493,6 +493,9 @@ def test_resize_from_the_cli(plain_server: RunningServer) -> None:
         assert result.returncode == 0, result.stderr
         model = json.loads(result.stdout)
         assert (model["profile"], model["state"]) == ("whole", "running")
+        back = cli(plain_server, "resize", kernel_id[:8], "small")  # what it says: the new size
+        assert back.returncode == 0, back.stderr
+        assert back.stdout.strip().startswith(f"kernel {kernel_id} is running (GPU size small, on GPU-test-")
         assert plain_server.execute(kernel_id, "print(kept)").strip() == "5"
         refused = cli(plain_server, "resize", kernel_id, "tiny")
         assert refused.returncode == 1
