@@ -71,8 +71,8 @@ def test_the_report_outlives_the_notebook_and_the_server(tmp_path: Path) -> None
         missing = cli(second, "report", "no-such-kernel")
         assert missing.returncode == 2
         assert missing.stderr.strip().splitlines() == [
-            f"jupyter elastic: HTTP 404 from {second.url}/api/elastic/kernels/no-such-kernel/report: "
-            "no kernel with id 'no-such-kernel'; list kernels at /api/elastic/kernels"
+            "jupyter elastic: no kernel is 'no-such-kernel': "
+            "`jupyter elastic list` shows their ids and notebooks"
         ]
         bad = cli(second, "report", "../x")
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
