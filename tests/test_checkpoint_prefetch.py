@@ -32,6 +32,7 @@ from kernelmgr.core.manifest import Manifest
 from kernelmgr.objectstore.client import Bucket
 from tests.conftest import INVENTORY, PROFILES
 from tests.support.kernel_ready import still_running, wait_for_kernel_info
+from tests.support.ports import free_port_block
 from tests.support.s3 import S3Server, running_s3
 from tests.support.server import RunningServer, start_server, wait_for
 from tests.test_checkpoint_child import gone, wait_until
@@ -295,7 +296,12 @@ def test_the_pod_entry_point_downloads_before_ipykernel_starts(tmp_path: Path, s
     agent's environment with presigned URLs), as a process here: no node needed for this part."""
     env, key_file = restore_env(tmp_path, s3)
     connection = tmp_path / "connection.json"
-    write_connection_file(str(connection), ip="127.0.0.1")
+    # Ports under the ephemeral range: the kernel binds them only after its download, and the
+    # client below reconnects to them meanwhile (tests/support/ports.py says what went wrong).
+    first = free_port_block(5)
+    names = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+    ports = dict(zip(names, range(first, first + 5), strict=True))
+    write_connection_file(str(connection), ip="127.0.0.1", **ports)
     folder = tmp_path / "kernel"
     env = {**os.environ, **env, "PYTHONPATH": str(REPO), "POD_IP": "127.0.0.1"}
     command = [sys.executable, "-m", "kernelmgr.kube.pod_kernel", "-f", str(connection)]

@@ -29,8 +29,8 @@ from kernelmgr.checkpoint.layout import read_current
 from kernelmgr.checkpoint.verify import load_verified_manifest
 from kernelmgr.checkpoint_store import CheckpointStore
 from kernelmgr.kube.warm_client import WarmPodClient, WarmPodError
-from tests.support.kernel_pods import free_port_block
 from tests.support.kernel_ready import still_running, wait_for_kernel_info
+from tests.support.ports import free_port_block
 
 pytestmark = [pytest.mark.pure, pytest.mark.timeout(180)]
 

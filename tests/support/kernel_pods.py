@@ -7,11 +7,8 @@ generated kernelspecs will.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import random
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +20,7 @@ from kernelmgr.config import ElasticKernels, ElasticRuntime
 from kernelmgr.kube.cluster import KubeCluster
 from kernelmgr.provisioners import kubernetes as kprov
 from tests.support.kube import ControlPlane
+from tests.support.ports import free_port_block
 
 ON_RUNNER = {"elastic.test/node-runner": "true"}
 PROFILES = {"one": {"gpu_fraction": 1}, "two": {"gpu_fraction": 2}}
@@ -30,23 +28,6 @@ INVENTORY = [
     {"uuid": "GPU-k8s-0000", "name": "Test A100", "memory_mib": 40960},
     {"uuid": "GPU-k8s-0001", "name": "Test A100", "memory_mib": 40960},
 ]
-
-
-def free_port_block(size: int = 5) -> int:
-    """The first of ``size`` consecutive ports free on every address (ipykernel in a pod binds 0.0.0.0,
-    since the connection file's ip wins over ``--ip``), so kernels of concurrent test runs on one
-    machine do not collide on the provisioner's fixed default ports."""
-    for _ in range(100):
-        first = random.randrange(20000, 30000, size)
-        try:
-            with contextlib.ExitStack() as stack:
-                for port in range(first, first + size):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("0.0.0.0", port))
-        except OSError:
-            continue
-        return first
-    raise RuntimeError("no free block of ports")
 
 
 class Holder(Configurable):

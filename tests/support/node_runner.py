@@ -83,6 +83,15 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
 
 
+def _log_tail(path: Path, lines: int = 80, limit: int = 4096) -> str:
+    """The end of a container's log, as a kubelet puts it in a failed container's termination message."""
+    try:
+        text = path.read_bytes()[-limit:].decode(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
 def _rfc3339(t: dt.datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -922,6 +931,8 @@ class NodeRunner:
             if code < 0:
                 terminated["exitCode"] = 128 - code
                 terminated["signal"] = -code
+            if code != 0:  # a kubelet's terminationMessagePolicy FallbackToLogsOnError: the log's tail
+                terminated["message"] = _log_tail(running.log_path)
             if policy == "Always" or (policy == "OnFailure" and code != 0):
                 with running.lock:
                     if running.stopping:

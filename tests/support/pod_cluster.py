@@ -9,7 +9,6 @@ the server also uses as its ``checkpoint_root``, as a server pod mounting the sa
 from __future__ import annotations
 
 import os
-import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ from kubernetes import client
 from kernelmgr.kube.labels import DEFAULT_INSTANCE, KERNEL, PROJECT_SELECTOR, component_of, kernel_id_of
 from tests.support.kube import ControlPlane, wait_for
 from tests.support.node_runner import NodeRunner
+from tests.support.ports import free_port_block
 
 CLAIM = "checkpoints"
 ON_RUNNER = {"elastic.test/node-runner": "true"}
@@ -34,8 +34,8 @@ class PodCluster:
     checkpoints: Path
     namespace: str
     #: Pods get their own loopback IPs, but other test processes on this machine hand out the same
-    #: ones: kernel ports of this cluster's own.
-    first_port: int = field(default_factory=lambda: random.randrange(20000, 60000, 10))
+    #: ones: kernel ports of this cluster's own, below the ephemeral range (tests/support/ports.py).
+    first_port: int = field(default_factory=lambda: free_port_block(10))
 
     def pods(self, component: str = "kernel") -> list[Any]:
         """The server's pods of ``component`` (either label generation, see kernelmgr/kube/labels.py)."""
