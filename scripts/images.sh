@@ -72,6 +72,18 @@ base_key() {
     printf '%s\n' "${SUITE}" "$1" "minbase" | sha256sum | cut -c1-16
 }
 
+# A half-made base from an interrupted or failed mmdebstrap: a file, or a directory with the mounts a
+# directory build leaves inside it (/proc, /sys, /dev), unmounted before it is removed.
+discard_partial() {
+    local partial="$1" mount
+    if [[ -d "${partial}" ]]; then
+        while read -r mount; do
+            umount -l "${mount}" || { log "could not unmount ${mount} (left by mmdebstrap): unmount it by hand"; exit 1; }
+        done < <(awk -v top="${partial}/" 'index($2, top) == 1 { print $2 }' /proc/self/mounts | sort -r)
+    fi
+    rm -rf "${partial}"
+}
+
 # The base image from Debian packages: the tarball is cached (about 2 minutes to make), and imported into
 # the storage once. PACKAGES (default: BASE_PACKAGES) makes another base, named and cached by its key.
 ensure_base() {
@@ -100,12 +112,13 @@ ensure_base() {
         # The name must end in .tar: mmdebstrap picks its output format from the name, and any other
         # ending makes a directory (with /proc mounted inside while it works).
         partial="${CACHE_DIR}/partial-base-${key}.tar"
-        rm -f "${partial}"
+        discard_partial "${partial}"
         mmdebstrap --quiet --variant=minbase --include="${packages}" \
             --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/*' \
             "${SUITE}" "${partial}" >&2
         if ! tar -tf "${partial}" ./usr/bin/python3 >/dev/null 2>&1; then
-            log "mmdebstrap made ${partial}, but it is not a tarball holding ./usr/bin/python3"
+            log "mmdebstrap made ${partial}, but it is not a tarball holding ./usr/bin/python3 (removed)"
+            discard_partial "${partial}"
             exit 1
         fi
         mv "${partial}" "${tarball}"
