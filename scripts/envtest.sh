@@ -27,10 +27,11 @@ REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 log() { echo "envtest: $*" >&2; }
 
+# Every binary is there and runs (a half-written or foreign one is not trusted: it is built again).
 all_built() {
     local b
     for b in "${BINARIES[@]}"; do
-        [[ -x "${BIN_DIR}/${b}" ]] || return 1
+        [[ -x "${BIN_DIR}/${b}" ]] && "${BIN_DIR}/${b}" --version >/dev/null 2>&1 || return 1
     done
 }
 
@@ -120,6 +121,7 @@ build() {
     mv "${out}/server" "${out}/etcd"
     local b
     for b in "${BINARIES[@]}"; do
+        "${out}/${b}" --version >/dev/null  # each runs, or the build stops here
         mv "${out}/${b}" "${BIN_DIR}/${b}"
     done
     {

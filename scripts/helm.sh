@@ -14,8 +14,11 @@ BIN="${CACHE_DIR}/bin/helm"
 
 log() { echo "helm.sh: $*" >&2; }
 
+# The cached binary is there and runs (one that does not is built again).
+built() { [[ -x "${BIN}" ]] && "${BIN}" version --short >/dev/null 2>&1; }
+
 build() {
-    if [[ -x "${BIN}" ]]; then
+    if built; then
         log "already built: ${BIN}"
         return 0
     fi
@@ -24,7 +27,7 @@ build() {
     # Several checkouts share the cache: one build at a time, the others wait and reuse it.
     exec 9>"${CACHE_DIR}/.build.lock"
     flock 9
-    if [[ -x "${BIN}" ]]; then
+    if built; then
         log "built meanwhile by another process: ${BIN}"
         return 0
     fi
@@ -32,6 +35,7 @@ build() {
     # `go install pkg@version` builds with helm's own go.mod (its pinned k8s.io/* versions), outside any module.
     (cd "${CACHE_DIR}" && GOFLAGS= CGO_ENABLED=0 GOBIN="${CACHE_DIR}/bin.tmp" \
         go install "helm.sh/helm/v3/cmd/helm@${HELM_VERSION}")
+    "${CACHE_DIR}/bin.tmp/helm" version --short >/dev/null  # it runs, or the build stops here
     mv "${CACHE_DIR}/bin.tmp/helm" "${BIN}"
     rmdir "${CACHE_DIR}/bin.tmp"
     log "built helm ${HELM_VERSION} in $((SECONDS - started))s: ${BIN}"

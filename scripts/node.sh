@@ -34,7 +34,8 @@ python_bin() {
 }
 
 build_kubelet() {
-    [[ -x "${BIN_DIR}/kubelet" ]] && return 0
+    # Built and running (a half-written or broken one is built again).
+    [[ -x "${BIN_DIR}/kubelet" ]] && "${BIN_DIR}/kubelet" --version >/dev/null 2>&1 && return 0
     # The control plane's build writes the Go module that pins k8s.io/kubernetes and its staging modules;
     # the kubelet builds from a copy of it, so both share the compiled packages in Go's build cache.
     ELASTIC_K8S_VERSION="${K8S_VERSION}" bash "${REPO_ROOT}/scripts/envtest.sh" build
@@ -54,6 +55,7 @@ build_kubelet() {
     log "building kubelet ${K8S_VERSION} in ${mod_dir}"
     (cd "${mod_dir}" && GOFLAGS=-mod=mod CGO_ENABLED=0 go build -trimpath -ldflags="${ldflags}" \
         -o "${mod_dir}/kubelet" k8s.io/kubernetes/cmd/kubelet)
+    "${mod_dir}/kubelet" --version >/dev/null  # it runs, or the build stops here
     mv "${mod_dir}/kubelet" "${BIN_DIR}/kubelet"
     log "kubelet built in $((SECONDS - started)) s"
 }

@@ -51,8 +51,11 @@ build_seaweedfs() {
     mv "${BIN}.tmp" "${BIN}"
 }
 
+# The cached binary is there and runs (one that does not is built again).
+built() { [[ -x "${BIN}" ]] && "${BIN}" --version >/dev/null 2>&1; }
+
 build() {
-    if [[ -x "${BIN}" ]]; then
+    if built; then
         log "already built: ${BIN}"
         return 0
     fi
@@ -60,7 +63,7 @@ build() {
     mkdir -p "${CACHE_DIR}/bin"
     exec 9>"${CACHE_DIR}/.build.lock"
     flock 9
-    if [[ -x "${BIN}" ]]; then
+    if built; then
         log "built meanwhile by another process: ${BIN}"
         return 0
     fi
