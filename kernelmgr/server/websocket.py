@@ -71,7 +71,7 @@ from jupyter_server.services.kernels.connection.base import (
 )
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 from tornado import web
-from traitlets import Integer
+from traitlets import Integer, default
 
 from kernelmgr.cli_render import human_mib, queue_place
 from kernelmgr.core.controller import LifecycleError
@@ -79,6 +79,7 @@ from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.server import execution_state
 from kernelmgr.server.hibernated_replies import ANSWERED_WHILE_HIBERNATED, CHECK_TIMEOUT, checker, local_reply
+from kernelmgr.server.memory_budget import cgroup_memory_limit, held_bytes_per_user, held_bytes_total
 from kernelmgr.server.ownership import SETTINGS_KEY
 
 V1 = "v1.kernel.websocket.jupyter.org"
@@ -150,10 +151,10 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         apart by their login (one user on a single-user server).""",
     )
     max_queued_bytes_per_user = Integer(
-        128 * 1024 * 1024,
         config=True,
         help="""Bytes of messages all of one user's connections hold for kernels that are
-        hibernating, hibernated or resuming; a message that would go over is refused.""",
+        hibernating, hibernated or resuming; a message that would go over is refused. Default:
+        128 MiB, and at most half of ``max_queued_bytes_total``.""",
     )
     max_queued_messages_total = Integer(
         40000,
@@ -161,11 +162,21 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         help="Messages the whole server holds for kernels that are not running (all users).",
     )
     max_queued_bytes_total = Integer(
-        1024 * 1024 * 1024,
         config=True,
         help="""Bytes of messages the whole server holds for kernels that are not running (all
-        users); a message that would go over is refused with an error saying why.""",
+        users); a message that would go over is refused with an error saying why. Default: a
+        quarter of the server's cgroup memory limit (a pod's), at most 1 GiB, so no mix of users
+        can get the server killed for running out of memory.""",
     )
+
+    @default("max_queued_bytes_total")
+    def _default_bytes_total(self) -> int:
+        return held_bytes_total(cgroup_memory_limit())
+
+    @default("max_queued_bytes_per_user")
+    def _default_bytes_per_user(self) -> int:
+        return held_bytes_per_user(self.max_queued_bytes_total)
+
     max_connections_per_user = Integer(
         128,
         config=True,
