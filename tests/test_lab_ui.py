@@ -483,6 +483,11 @@ def test_a_kernel_without_a_gpu_size_shows_nothing(
             server.shutdown_all_kernels()
 
 
+def short_label(display_name: str) -> str:
+    """The card's label: the display name without its memory in parentheses (the icon shows it)."""
+    return re.sub(r"\s*\([^)]*\)\s*$", "", display_name) or display_name
+
+
 def test_launcher_cards_are_ordered_by_size_with_icons_and_short_labels(
     lab: tuple[RunningServer, GpuScript], tmp_path: Path
 ) -> None:
@@ -525,6 +530,24 @@ def test_launcher_cards_are_ordered_by_size_with_icons_and_short_labels(
         time.sleep(0.8)
         folder.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(folder / "jupyterlab-launcher.png"))
+
+        # Both GPUs taken: the whole card says a new kernel of it would wait (issue 44: the
+        # launcher looked the same when nothing fit); the others still fit a slice... or not.
+        taken = [server.start_kernel("python3-gpu-whole") for _ in INVENTORY]
+        try:
+            title = specs["python3-gpu-whole"]["spec"]["display_name"]
+            whole = page.locator(f'.jp-LauncherCard[title="{title}"] .jp-LauncherCard-label p').first
+
+            def label_of_whole() -> str:
+                return str(whole.evaluate("p => getComputedStyle(p, '::after').content"))
+
+            wait_for(lambda: "waits for a slice" in label_of_whole(), 30, what="the whole card to say so")
+            label = label_of_whole()
+            assert label == f'"{short_label(title)}\\a all taken: waits for a slice"', label
+        finally:
+            for kernel_id in taken:
+                server.shutdown_kernel(kernel_id)
+        wait_for(lambda: "waits" not in label_of_whole(), 30, what="the whole card to fit again")
 
 
 def test_kernel_menu_and_palette_hibernate_resume_and_show_the_report(

@@ -129,6 +129,7 @@ async function styleLauncher(app: JupyterFrontEnd): Promise<void> {
   }
   const { profiles } = (await reply.json()) as { profiles: Profile[] };
   const specs = app.serviceManager.kernelspecs;
+  await specs.ready;
   const render = (): void => {
     const known = specs.specs?.kernelspecs ?? {};
     let style = document.getElementById('jupyter-elastic-kernels-launcher');
@@ -139,10 +140,13 @@ async function styleLauncher(app: JupyterFrontEnd): Promise<void> {
     }
     style.textContent = launcherCss(profiles, name => known[name]?.display_name);
   };
-  await specs.ready;
   render();
-  specs.specsChanged.connect(render);
+  if (!launcherStyled) {
+    launcherStyled = true;
+    specs.specsChanged.connect(() => void styleLauncher(app));
+  }
 }
+let launcherStyled = false;
 
 /** The commands' ids (Kernel menu: schema/plugin.json; the command palette). */
 const COMMANDS = {
@@ -455,6 +459,15 @@ const plugin: JupyterFrontEndPlugin<void> = {
         return; // no /api/elastic here: nothing appears
       }
       void styleLauncher(app);
+      // Which sizes fit now changes as kernels take and free slices: the cards follow.
+      let slices = '';
+      poller.onUpdate(p => {
+        const now = [...p.kernels.values()].map(k => `${k.id}:${k.state}:${k.profile}`).join(',');
+        if (now !== slices) {
+          slices = now;
+          void styleLauncher(app);
+        }
+      });
       panel = new GpusPanel(poller, serverFetch, notebookOf, kernelId =>
         void app.commands.execute(COMMANDS.changeSize, { kernelId })
       );

@@ -435,6 +435,18 @@ export interface Profile {
   gpu_fraction: number;
   memory_mib: number | null;
   kernelspecs?: string[];
+  /** A slice of this size is free now (else a new kernel of it waits its turn in the queue). */
+  fits_now?: boolean;
+  /** Some GPU here is big enough for it at all. */
+  fits_ever?: boolean;
+}
+
+/** What a launcher card says under its name when its size would not start at once. */
+export function fitNote(profile: Profile): string {
+  if (profile.fits_ever === false) {
+    return 'never fits these GPUs';
+  }
+  return profile.fits_now === false ? 'all taken: waits for a slice' : '';
 }
 
 /** A launcher icon for a GPU size: the share of the GPU as a filled pie, the memory under it. */
@@ -492,11 +504,13 @@ export function launcherCss(profiles: Profile[], displayNameOf: (spec: string) =
         continue;
       }
       const card = `.jp-LauncherCard[title=${cssString(title)}]`;
+      const note = fitNote(profile);
+      const label = note ? `${shortLabel(title)}\n${note}` : shortLabel(title);
       rules.push(
-        `${card} { order: ${index + 1}; }`,
+        `${card} { order: ${index + 1};${note ? ' opacity: 0.6;' : ''} }`,
         `${card} .jp-LauncherCard-icon img { content: ${icon}; }`,
         `${card} .jp-LauncherCard-label p { font-size: 0; }`,
-        `${card} .jp-LauncherCard-label p::after { content: ${cssString(shortLabel(title))}; display: block; font-size: var(--jp-ui-font-size1); line-height: 1.2; }`
+        `${card} .jp-LauncherCard-label p::after { content: ${cssString(label)}; display: block; white-space: pre-line; font-size: var(--jp-ui-font-size1); line-height: 1.2; }`
       );
     }
   });

@@ -267,9 +267,24 @@ describe('launcherCss', () => {
     expect(css).not.toContain('gone');
   });
   it('gives each size its icon and a short label', () => {
-    expect(css).toContain('content: "Python 3 · GPU small"; display: block;');
+    expect(css).toContain('content: "Python 3 · GPU small"; display: block; white-space: pre-line;');
     expect(shortLabel('Python 3 · GPU whole')).toBe('Python 3 · GPU whole');
     expect(css.match(/content: url\("data:image\/svg\+xml,/g)?.length).toBe(3);
+  });
+  it('says under a card when its size would wait, or never fits', () => {
+    const full = launcherCss(
+      [
+        { ...profiles[0], fits_now: false, fits_ever: true },
+        { ...profiles[1], fits_now: true, fits_ever: true },
+        { ...profiles[2], fits_now: false, fits_ever: false }
+      ],
+      spec => names[spec]
+    );
+    expect(full).toContain('content: "Python 3 · GPU whole\\a all taken: waits for a slice";');
+    expect(full).toContain('.jp-LauncherCard[title="Python 3 · GPU whole"] { order: 3; opacity: 0.6; }');
+    expect(full).toContain('\\a never fits these GPUs";');
+    expect(full).toContain('.jp-LauncherCard[title="Python 3 · GPU small (10 GiB)"] { order: 1; }');
+    expect(css).not.toContain('waits');
   });
   it('draws the share as a pie and the memory under it', () => {
     expect(sizeIconSvg(1, 40960)).toContain('<circle cx="26" cy="22" r="17" fill="#f57c00"/>');
