@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -351,6 +352,28 @@ def test_opening_and_typing_do_not_wake_a_hibernated_kernel(server: RunningServe
     model = server.get(f"/api/elastic/kernels/{kernel_id}")
     assert model["state"] == "hibernated" and model["slice"] is None
     assert f"Kernel {kernel_id} resumed" not in server.log()
+
+
+def test_the_debugger_asking_during_a_hibernation_does_not_undo_it(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    """JupyterLab's debugger asks debugInfo on its own; asked while the kernel was being hibernated,
+    the request was held, and woke the kernel the moment it was asleep (seen in the browser)."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    gate = Gate(tmp_path / "gate")
+    server.execute(kernel_id, gate.pickled_object() + "slow = Gated()")
+    with server.channel(kernel_id) as chan, ThreadPoolExecutor(1) as background:
+        hibernating = background.submit(hibernate, server, kernel_id)
+        wait_for(gate.is_reached, what="the checkpoint to be under way")
+        assert server.get(f"/api/elastic/kernels/{kernel_id}")["state"] == "hibernating"
+        info_request = {"type": "request", "seq": 1, "command": "debugInfo", "arguments": {}}
+        debug = chan.request("debug_request", info_request, channel="control")["content"]
+        assert debug["success"] is True and debug["body"]["isStarted"] is False, debug
+        gate.open()
+        assert hibernating.result(timeout=120).status == 200
+    model = server.get(f"/api/elastic/kernels/{kernel_id}")
+    assert model["state"] == "hibernated" and model["slice"] is None, model
+    assert f"Kernel {kernel_id} (hibernating) woken" not in server.log()
 
 
 def idle_iopub(chan: KernelChannel, msg_id: str) -> list[dict[str, Any]]:

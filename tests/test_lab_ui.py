@@ -21,6 +21,7 @@ import re
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -351,6 +352,8 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     note = cells.nth(1).locator(".jp-OutputArea-output", has_text="Waiting for a GPU slice")
     expect(note).to_contain_text("number 1 of 1 in the queue", timeout=10_000)
     expect(note).to_have_count(1)
+    # The panel offers to stop waiting (issue 44: the only way was an interrupt).
+    expect(row.get_by_role("button", name="Cancel")).to_be_enabled(timeout=10_000)
     # The admin view follows: both GPUs wholly held by the two whole-GPU kernels.
     for index in (0, 1):
         expect(page.locator(".jp-ElasticPanel-device").nth(index)).to_contain_text("100% allocated")
@@ -834,3 +837,40 @@ def test_a_stopped_server_shows_as_unreachable_with_its_actions_off(tmp_path: Pa
             if not stopped:
                 server.shutdown_all_kernels()
                 server.stop()
+
+
+def test_the_panel_cancels_a_resume_waiting_for_a_slice(lab: tuple[RunningServer, GpuScript]) -> None:
+    """Both GPUs taken, a resume waits in the queue; the GPUs panel's Cancel ends the wait: the kernel
+    stays hibernated with its checkpoint, and takes no slice when one frees up later."""
+    from playwright.sync_api import expect
+
+    server, _gpu = lab
+    notebook = {**CPU_NOTEBOOK, "metadata": {"kernelspec": {"name": "python3-gpu-medium"}}}
+    (server.home / "root" / "queued.ipynb").write_text(json.dumps(notebook))
+    with browser_page() as page:
+        try:
+            _open(page, server, "queued.ipynb")
+            kernel_id = _kernel_of(server, "queued.ipynb")
+            assert kernel_id is not None
+            reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate", timeout=120)
+            assert reply.status == 200, reply
+            holders = [server.start_kernel("python3-gpu-whole") for _ in INVENTORY]
+            with ThreadPoolExecutor(1) as background:
+                waiting = background.submit(
+                    server.request, "POST", f"/api/elastic/kernels/{kernel_id}/resume", None, TOKEN, 120
+                )
+                page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]').click()
+                row = page.locator(f'.jp-ElasticPanel-kernel[data-kernel-id="{kernel_id}"]')
+                cancel = row.get_by_role("button", name="Cancel")
+                expect(cancel).to_be_enabled(timeout=30_000)
+                cancel.click()
+                answer = waiting.result(timeout=60)
+            assert answer.status >= 400 and answer.body["message"], answer  # said, never a 5xx crash
+            assert answer.status < 500, answer
+            expect(row.get_by_role("button", name="Resume")).to_be_visible(timeout=15_000)
+            server.shutdown_kernel(holders.pop())  # a GPU frees up: the cancelled resume takes none of it
+            server.start_kernel("python3-gpu-whole")  # ... so a whole-GPU kernel still fits there
+            model = _model(server, kernel_id)
+            assert (model["state"], model["slice"]) == ("hibernated", None), model
+        finally:
+            server.shutdown_all_kernels()

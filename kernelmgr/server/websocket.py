@@ -608,7 +608,10 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         msg_type = header.get("msg_type", "")
         hibernator = self.hibernator
         state = hibernator.state_of(self.kernel_id) if hibernator else None
-        if state is KernelState.HIBERNATED and not queue and msg_type in ANSWERED_WHILE_HIBERNATED:
+        asleep = state in (KernelState.HIBERNATED, KernelState.HIBERNATING)
+        if asleep and not queue and msg_type in ANSWERED_WHILE_HIBERNATED:
+            # Also while it is being hibernated: held, the debugger's debugInfo (sent on its own
+            # when a notebook connects) would wake the kernel as soon as it was asleep.
             self._answer(channel, header, content)
             return
         if msg_type == "interrupt_request":
@@ -625,8 +628,9 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         if msg_type == "execute_request":
             self._status("busy", header)
         if self._waking is None or self._waking.done():
-            if state is KernelState.HIBERNATED:  # says what woke it, for an admin's "why did it resume?"
-                self.log.info("Kernel %s woken by a %s on %s", self.kernel_id, msg_type, channel)
+            if state is not None:  # what woke it, for an admin's "why did it resume?"
+                what = (self.kernel_id, state.value, msg_type, channel)
+                self.log.info("Kernel %s (%s) woken by a %s on %s", *what)
             self._waking = asyncio.ensure_future(self._wake(header))
 
     async def _wake(self, first: dict[str, Any]) -> None:

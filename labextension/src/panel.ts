@@ -100,11 +100,11 @@ export class GpusPanel extends Widget {
     this.render();
   }
 
-  private async act(kernel: ElasticKernel, action: 'hibernate' | 'resume'): Promise<void> {
+  private async act(kernel: ElasticKernel, action: 'hibernate' | 'resume' | 'cancel'): Promise<void> {
     const reply = await this.fetcher(`api/elastic/kernels/${kernel.id}/${action}`, { method: 'POST' });
     if (reply.status !== 200) {
       const body = (await reply.json()) as { message?: string };
-      Notification.error(`Could not ${action}: ${body.message ?? reply.status}`);
+      Notification.error(`Could not ${action === 'cancel' ? 'stop waiting' : action}: ${body.message ?? reply.status}`);
     }
     await this.poller.refresh();
     if (this.isVisible) {
@@ -258,6 +258,11 @@ export class GpusPanel extends Widget {
     } else if (kernel.state === 'hibernated') {
       button.textContent = 'Resume';
       button.onclick = () => void this.act(kernel, 'resume');
+    } else if (kernel.state === 'resuming' && kernel.resume?.phase === 'waiting_for_slice') {
+      // The wait is the user's to give up: the kernel stays hibernated, no slice taken later.
+      button.textContent = 'Cancel';
+      button.title = 'Stop waiting for a GPU slice: the kernel stays hibernated (its variables kept)';
+      button.onclick = () => void this.act(kernel, 'cancel');
     } else {
       button.textContent = '…';
       button.disabled = true;
