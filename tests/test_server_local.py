@@ -92,6 +92,11 @@ def test_small_kernel_sees_its_slice_and_frees_it_on_shutdown(server: RunningSer
         "import os; print(os.environ['CUDA_VISIBLE_DEVICES'], os.environ['ELASTIC_GPU_MEMORY_MIB'])",
     )
     assert out.split() == ["GPU-test-0000", "10240"]
+    # ipykernel's banner (stdout) goes to the kernel's own file, never the server's terminal.
+    banner = "To connect another client to this kernel"
+    assert banner not in server.log()
+    runtime = Path(server.env["JUPYTER_RUNTIME_DIR"])
+    assert banner in (runtime / f"kernel-{kernel_id}.stderr").read_text()
 
     model = server.get(f"/api/elastic/kernels/{kernel_id}")
     assert model["profile"] == "small" and model["state"] == "running"

@@ -276,16 +276,19 @@ class ElasticLocalProvisioner(LocalProvisioner):
         return info
 
     async def _launch_cold(self, cmd: list[str], kwargs: dict[str, Any]) -> KernelConnectionInfo:
-        """jupyter_client's launch, with the kernel's stderr in :attr:`stderr_file` (a file, not a
-        pipe: the kernel must be able to outlive the server and keep writing). A resume from an
-        object store starts through :mod:`kernelmgr.checkpoint.launch`: its download begins before
-        ipykernel's imports."""
+        """jupyter_client's launch, with the kernel's stderr (and stdout: ipykernel's banner on
+        every start and resume, a library's own prints) in :attr:`stderr_file`, not the server's
+        terminal (a file, not a pipe: the kernel must be able to outlive the server and keep
+        writing). A resume from an object store starts through :mod:`kernelmgr.checkpoint.launch`:
+        its download begins before ipykernel's imports."""
         cmd = wrap_for_prefetch(cmd, kwargs.get("env") or {})
         if "stderr" in kwargs:
             return await super().launch_kernel(cmd, **kwargs)
         # 0600: the kernel's errors are its owner's (the child writes through the inherited descriptor).
         descriptor = os.open(self.stderr_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with open(descriptor, "wb") as stderr:
+            if "stdout" not in kwargs:
+                kwargs = {**kwargs, "stdout": stderr}
             return await super().launch_kernel(cmd, stderr=stderr, **kwargs)
 
     def _launch_warm(self, cmd: list[str], kwargs: dict[str, Any]) -> KernelConnectionInfo | None:
