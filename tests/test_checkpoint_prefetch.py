@@ -9,8 +9,10 @@ restored from began before the agent loaded (``lead``: how long before); each te
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -291,6 +293,17 @@ def test_a_discarded_download_stops_its_child(tmp_path: Path, s3: S3Server) -> N
     assert not fetch.scratch.exists()
 
 
+def dump_stacks(process: subprocess.Popen[bytes]) -> None:
+    """Every thread's stack of ``process`` and of its children (the download), via faulthandler."""
+    children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+    pids = [int(p) for p in children.read_text().split()] if children.exists() else []
+    for pid in [*pids, process.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGABRT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=10)
+
+
 def test_the_pod_entry_point_downloads_before_ipykernel_starts(tmp_path: Path, s3: S3Server) -> None:
     """``python -m kernelmgr.kube.pod_kernel`` as a kernel pod runs it (its connection file, the
     agent's environment with presigned URLs), as a process here: no node needed for this part."""
@@ -303,7 +316,16 @@ def test_the_pod_entry_point_downloads_before_ipykernel_starts(tmp_path: Path, s
     ports = dict(zip(names, range(first, first + 5), strict=True))
     write_connection_file(str(connection), ip="127.0.0.1", **ports)
     folder = tmp_path / "kernel"
-    env = {**os.environ, **env, "PYTHONPATH": str(REPO), "POD_IP": "127.0.0.1"}
+    env = {
+        **os.environ,
+        **env,
+        "PYTHONPATH": str(REPO),
+        "POD_IP": "127.0.0.1",
+        # Its own IPython folder (history database), as a pod has, not one other tests' kernels share;
+        # and every thread's stack on SIGABRT, which the wait below sends if the kernel never answers.
+        "IPYTHONDIR": str(tmp_path / "ipython"),
+        "PYTHONFAULTHANDLER": "1",
+    }
     command = [sys.executable, "-m", "kernelmgr.kube.pod_kernel", "-f", str(connection)]
     command.append("--IPKernelApp.extra_extensions=kernelmgr.checkpoint.agent")
     process = subprocess.Popen(command, env=env, cwd=tmp_path)
@@ -311,7 +333,11 @@ def test_the_pod_entry_point_downloads_before_ipykernel_starts(tmp_path: Path, s
     client.load_connection_file()
     client.start_channels()
     try:
-        wait_for_kernel_info(client, still_running(process), 120)
+        try:
+            wait_for_kernel_info(client, still_running(process), 120)
+        except AssertionError:
+            dump_stacks(process)  # where it hangs, in this test's captured stderr
+            raise
         outputs: list[str] = []
 
         def hook(msg: dict[str, Any]) -> None:

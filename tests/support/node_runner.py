@@ -629,6 +629,10 @@ class NodeRunner:
         paths = sorted((m for m in mounts if m != "/"), key=len, reverse=True)
         if not paths:
             return value
+        if os.path.isabs(value) and value.rstrip("/") not in mounts and os.path.exists(value):
+            # A file of this machine (a test's interpreter in a checkout under /tmp), not the pod's:
+            # what a pod makes under its mounts does not exist before it runs.
+            return value
         # Not inside another path either: a /tmp mount leaves /var/tmp alone.
         pattern = (
             r"(?<![A-Za-z0-9_.\-/])(" + "|".join(re.escape(m) for m in paths) + r")(?=/|$|[^A-Za-z0-9_.\-])"
