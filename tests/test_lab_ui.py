@@ -463,6 +463,19 @@ CPU_NOTEBOOK = {
 }
 
 
+#: 1 + 1, then a variable and a cell that reads it, on the medium size (which the test policy
+#: leaves alone: only the test hibernates or resizes it).
+KEPT_NOTEBOOK = {
+    **CPU_NOTEBOOK,
+    "cells": [
+        *CPU_NOTEBOOK["cells"],
+        {**CPU_NOTEBOOK["cells"][0], "source": "kept = 7"},
+        {**CPU_NOTEBOOK["cells"][0], "source": "kept * 6"},
+    ],
+    "metadata": {"kernelspec": {"name": "python3-gpu-medium", "display_name": "Python 3 · GPU medium"}},
+}
+
+
 def test_a_kernel_without_a_gpu_size_shows_nothing(
     lab: tuple[RunningServer, GpuScript], tmp_path: Path
 ) -> None:
@@ -652,17 +665,7 @@ def test_change_size_from_the_panel_and_the_running_kernels_context_menu(
     from playwright.sync_api import expect
 
     server, _gpu = lab
-    notebook = {
-        **CPU_NOTEBOOK,
-        "cells": [
-            *CPU_NOTEBOOK["cells"],
-            {**CPU_NOTEBOOK["cells"][0], "source": "kept = 7"},
-            {**CPU_NOTEBOOK["cells"][0], "source": "kept * 6"},
-        ],
-        # medium and whole: sizes the test policy leaves alone while the test clicks.
-        "metadata": {"kernelspec": {"name": "python3-gpu-medium", "display_name": "Python 3 · GPU medium"}},
-    }
-    (server.home / "root" / "resize.ipynb").write_text(json.dumps(notebook))
+    (server.home / "root" / "resize.ipynb").write_text(json.dumps(KEPT_NOTEBOOK))
     folder = Path(os.environ.get("ELASTIC_UI_SCREENSHOTS") or tmp_path / "screenshots")
     with browser_page() as page:
         try:
@@ -753,19 +756,9 @@ def test_reloading_the_page_never_wakes_hibernated_kernels(lab: tuple[RunningSer
     from playwright.sync_api import expect
 
     server, _gpu = lab
-    notebook = {
-        **CPU_NOTEBOOK,
-        "cells": [
-            *CPU_NOTEBOOK["cells"],
-            {**CPU_NOTEBOOK["cells"][0], "source": "kept = 7"},
-            {**CPU_NOTEBOOK["cells"][0], "source": "kept * 6"},
-        ],
-        # medium: a size the test policy leaves alone (only the test hibernates it).
-        "metadata": {"kernelspec": {"name": "python3-gpu-medium", "display_name": "Python 3 · GPU medium"}},
-    }
     paths = ["asleep-1.ipynb", "asleep-2.ipynb"]
     for path in paths:
-        (server.home / "root" / path).write_text(json.dumps(notebook))
+        (server.home / "root" / path).write_text(json.dumps(KEPT_NOTEBOOK))
     with browser_page() as page:
         try:
             _open(page, server, paths[0])
