@@ -867,3 +867,28 @@ def test_the_panel_cancels_a_resume_waiting_for_a_slice(lab: tuple[RunningServer
             assert (model["state"], model["slice"]) == ("hibernated", None), model
         finally:
             server.shutdown_all_kernels()
+
+
+def test_a_policy_hibernation_says_so(lab: tuple[RunningServer, GpuScript]) -> None:
+    """Issue 44: the idle policy hibernated a kernel without a word in JupyterLab (the warning went,
+    nothing said what happened or how to come back)."""
+    from playwright.sync_api import expect
+
+    server, _gpu = lab
+    notebook = {**CPU_NOTEBOOK, "metadata": {"kernelspec": {"name": "python3-gpu-small"}}}
+    (server.home / "root" / "culled.ipynb").write_text(json.dumps(notebook))
+    with browser_page() as page:
+        try:
+            _open(page, server, "culled.ipynb")
+            kernel_id = _kernel_of(server, "culled.ipynb")
+            assert kernel_id is not None
+            # The test policy: a small kernel idle for 14 s is warned, then hibernated.
+            told = page.locator(".Toastify__toast", has_text="was idle, so it was hibernated")
+            expect(told).to_be_visible(timeout=90_000)
+            expect(told).to_contain_text("culled.ipynb")
+            expect(told).to_contain_text("Run a cell to bring it back.")
+            model = _model(server, kernel_id)
+            assert (model["state"], model["state_reason"]) == ("hibernated", "policy"), model
+            expect(page.locator(".Toastify__toast", has_text="will be hibernated in")).to_have_count(0)
+        finally:
+            server.shutdown_all_kernels()

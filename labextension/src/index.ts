@@ -24,6 +24,7 @@ import {
   KernelPoller,
   launcherCss,
   Profile,
+  culledText,
   reportSeverity,
   reportSummary,
   reportText,
@@ -234,7 +235,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
     };
 
     const badges = new Map<NotebookPanel, ToolbarState>();
-    const resumeNotices = new Map<string, string>();
+    /** One notification a kernel (hibernated by the policy, resumed): the next replaces it. */
+    const kernelNotices = new Map<string, string>();
     const renderStatus = (): void => {
       const current = tracker.currentWidget;
       const id = currentKernelId();
@@ -275,6 +277,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
           notified.delete(id);
           stopCountdown(id);
         }
+        if (change.culled && after?.profile) {
+          const last = kernelNotices.get(id);
+          if (last) {
+            Notification.dismiss(last);
+          }
+          kernelNotices.set(id, Notification.info(culledText(notebookOf(id)), { autoClose: false }));
+        }
         if (change.resumed && after?.profile) {
           void serverFetch(`api/elastic/kernels/${id}/report`).then(async reply => {
             if (reply.status === 200) {
@@ -283,7 +292,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
               const report = body.restore_report as RestoreReport | null;
               const severity = reportSeverity(report);
               // One notification a kernel: this resume's replaces the last one's.
-              const last = resumeNotices.get(id);
+              const last = kernelNotices.get(id);
               if (last) {
                 Notification.dismiss(last);
               }
@@ -297,7 +306,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
                   }
                 ]
               });
-              resumeNotices.set(id, nid);
+              kernelNotices.set(id, nid);
             }
           });
         }

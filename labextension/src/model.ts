@@ -50,6 +50,8 @@ export interface ElasticKernel {
   hibernate?: { written_mib?: number; expected_mib?: number } | null;
   last_error?: string;
   checkpoint?: { bytes?: number } | null;
+  /** Why it is in its state: "policy" for the admin's idle culling, "api", "resize", ... */
+  state_reason?: string;
 }
 
 export interface RestoreReport {
@@ -301,6 +303,8 @@ export interface Changes {
   warned: boolean;
   warningCleared: boolean;
   resumed: boolean;
+  /** Hibernated by the idle policy (not by the user, an admin or a resize). */
+  culled: boolean;
 }
 
 export function changes(before: ElasticKernel | undefined, after: ElasticKernel | undefined): Changes {
@@ -310,8 +314,14 @@ export function changes(before: ElasticKernel | undefined, after: ElasticKernel 
   return {
     warned: has && !had,
     warningCleared: had && !has,
-    resumed: wasAsleep && after?.state === 'running'
+    resumed: wasAsleep && after?.state === 'running',
+    culled: !!before && before.state !== 'hibernated' && after?.state === 'hibernated' && after.state_reason === 'policy'
   };
+}
+
+/** What the notebook's user is told when the idle policy hibernated its kernel. */
+export function culledText(where: string | undefined): string {
+  return `${where ? where + ': ' : ''}the kernel was idle, so it was hibernated to free its GPU; its variables are saved. Run a cell to bring it back.`;
 }
 
 export type Fetcher = (

@@ -7,6 +7,7 @@ import {
   formatGpuHours,
   kernelLabel,
   KernelPoller,
+  culledText,
   reportSeverity,
   launcherCss,
   Profile,
@@ -133,11 +134,21 @@ describe('warnings', () => {
   });
   it('detects a new warning, a cancelled one, and a resume', () => {
     const warned = kernel({ activity: { gpu_utilization: 0, gpu_memory_mib: 0, warning: { message: 'x', hibernate_at: 1 } } });
-    expect(changes(kernel(), warned)).toEqual({ warned: true, warningCleared: false, resumed: false });
-    expect(changes(warned, kernel())).toEqual({ warned: false, warningCleared: true, resumed: false });
-    expect(changes(warned, warned)).toEqual({ warned: false, warningCleared: false, resumed: false });
+    expect(changes(kernel(), warned)).toEqual({ warned: true, warningCleared: false, resumed: false, culled: false });
+    expect(changes(warned, kernel())).toEqual({ warned: false, warningCleared: true, resumed: false, culled: false });
+    expect(changes(warned, warned)).toEqual({ warned: false, warningCleared: false, resumed: false, culled: false });
     expect(changes(kernel({ state: 'resuming' }), kernel()).resumed).toBe(true);
     expect(changes(kernel(), kernel()).resumed).toBe(false);
+  });
+  it('tells a policy hibernation from one the user asked for', () => {
+    const asleep = (reason: string) => kernel({ state: 'hibernated', state_reason: reason });
+    expect(changes(kernel({ state: 'hibernating' }), asleep('policy')).culled).toBe(true);
+    expect(changes(kernel(), asleep('policy')).culled).toBe(true);
+    expect(changes(kernel({ state: 'hibernating' }), asleep('api')).culled).toBe(false);
+    expect(changes(asleep('policy'), asleep('policy')).culled).toBe(false);
+    expect(culledText('a.ipynb')).toBe(
+      'a.ipynb: the kernel was idle, so it was hibernated to free its GPU; its variables are saved. Run a cell to bring it back.'
+    );
   });
 });
 
