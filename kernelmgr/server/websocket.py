@@ -608,10 +608,13 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         msg_type = header.get("msg_type", "")
         hibernator = self.hibernator
         state = hibernator.state_of(self.kernel_id) if hibernator else None
-        asleep = state in (KernelState.HIBERNATED, KernelState.HIBERNATING)
+        # Also the requests that come while it is being hibernated: held, the debugger's debugInfo
+        # (sent on its own when a notebook connects) woke the kernel as soon as it was asleep.
+        # Comm messages then wait: if the hibernation fails, the kernel and its comms live on.
+        asleep = state is KernelState.HIBERNATED or (
+            state is KernelState.HIBERNATING and msg_type.endswith("_request")
+        )
         if asleep and not queue and msg_type in ANSWERED_WHILE_HIBERNATED:
-            # Also while it is being hibernated: held, the debugger's debugInfo (sent on its own
-            # when a notebook connects) would wake the kernel as soon as it was asleep.
             self._answer(channel, header, content)
             return
         if msg_type == "interrupt_request":
