@@ -34,6 +34,7 @@ from kernelmgr.core.manifest import Manifest
 from kernelmgr.objectstore.client import Bucket
 from tests.conftest import INVENTORY, PROFILES
 from tests.support.kernel_ready import still_running, wait_for_kernel_info
+from tests.support.libraries import require
 from tests.support.ports import free_port_block
 from tests.support.s3 import S3Server, running_s3
 from tests.support.server import RunningServer, start_server, wait_for
@@ -306,7 +307,13 @@ def dump_stacks(process: subprocess.Popen[bytes]) -> None:
 
 def test_the_pod_entry_point_downloads_before_ipykernel_starts(tmp_path: Path, s3: S3Server) -> None:
     """``python -m kernelmgr.kube.pod_kernel`` as a kernel pod runs it (its connection file, the
-    agent's environment with presigned URLs), as a process here: no node needed for this part."""
+    agent's environment with presigned URLs), as a process here: no node needed for this part.
+
+    The checkpoint names pandas and torch as a data scientist's does (imported here before it is
+    written): the kernel imports them while it starts, and an import of torch on the download's
+    reader thread beside ipykernel's startup once left the kernel unable to answer at all."""
+    require("pandas")
+    require("torch")
     env, key_file = restore_env(tmp_path, s3)
     connection = tmp_path / "connection.json"
     # Ports under the ephemeral range: the kernel binds them only after its download, and the
