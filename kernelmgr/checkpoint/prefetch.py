@@ -319,10 +319,8 @@ class Prefetch:
         self._error: BaseException | None = None
         self._child: child.Child | None = None
         self._thread: threading.Thread | None = None
-        #: The libraries the checkpoint was saved with, as the child reports them once verified.
-        self._libraries: list[str] = []
         if in_child and child.can_fork():
-            self._child = child.Child(self._download_in_child, self._note_libraries)
+            self._child = child.Child(self._download_in_child, self._import_libraries)
         else:
             self._thread = threading.Thread(target=self._run, name="checkpoint-prefetch", daemon=True)
             self._thread.start()
@@ -341,12 +339,10 @@ class Prefetch:
         )
         return {"digest": got.digest, "seconds": got.seconds, "pid": got.pid}
 
-    def _note_libraries(self, message: child.Message) -> None:
-        # Imported by join(), on the agent's thread, not here on the child's reader thread: an
-        # import of torch there, while ipykernel was starting on the main thread, left the
-        # kernel's IOPub flush waiting for ever (its first kernel_info never answered; CI's
-        # stack dumps of tests/test_checkpoint_prefetch.py).
-        self._libraries = list(message.get("libraries", []))
+    @staticmethod
+    def _import_libraries(message: child.Message) -> None:
+        # Here (on the child's reader thread), not in the child: the kernel is this process.
+        import_saved(list(message.get("libraries", [])), LIBRARIES)
 
     def _run(self) -> None:
         try:
@@ -360,7 +356,6 @@ class Prefetch:
                 result = self._child.result()
             except child.ChildFailed as exc:
                 raise _as_raised(exc) from None
-            import_saved(self._libraries, LIBRARIES)  # only imported: unpickling comes after
             return Downloaded(
                 self.scratch,
                 self.source.checkpoint_id,
