@@ -54,7 +54,7 @@ def test_the_caps_fit_the_limit() -> None:
 def test_the_websocket_caps_take_these_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernelmgr.server import websocket
 
-    monkeypatch.setattr(websocket, "cgroup_memory_limit", lambda: 512 * MiB)
+    monkeypatch.setattr(websocket, "server_held_bytes_total", lambda: held_bytes_total(512 * MiB))
     cls = websocket.ElasticWebsocketConnection
     connection = cls.__new__(cls)  # the traits alone (traitlets sets them up in __new__)
     assert connection.max_queued_bytes_total == 128 * MiB

@@ -9,6 +9,7 @@ memory limit, where it has one, and never above :data:`MAX_HELD_BYTES`.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 #: The cap without a memory limit (a server on a workstation), and the most any default allows.
@@ -49,3 +50,11 @@ def held_bytes_total(limit: int | None) -> int:
 def held_bytes_per_user(total: int) -> int:
     """One user's default cap: no single user may take more than half the server's."""
     return min(MAX_HELD_BYTES_PER_USER, total // 2)
+
+
+@functools.cache
+def server_held_bytes_total() -> int:
+    """:func:`held_bytes_total` for this process's own limit, read once: every kernel websocket
+    asks for it as it opens, on the event loop, and the limit is the process's, not the
+    connection's."""
+    return held_bytes_total(cgroup_memory_limit())

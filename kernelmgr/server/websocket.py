@@ -79,7 +79,7 @@ from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.server import execution_state
 from kernelmgr.server.hibernated_replies import ANSWERED_WHILE_HIBERNATED, CHECK_TIMEOUT, checker, local_reply
-from kernelmgr.server.memory_budget import cgroup_memory_limit, held_bytes_per_user, held_bytes_total
+from kernelmgr.server.memory_budget import held_bytes_per_user, server_held_bytes_total
 from kernelmgr.server.ownership import SETTINGS_KEY
 
 V1 = "v1.kernel.websocket.jupyter.org"
@@ -171,7 +171,7 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
 
     @default("max_queued_bytes_total")
     def _default_bytes_total(self) -> int:
-        return held_bytes_total(cgroup_memory_limit())
+        return server_held_bytes_total()
 
     @default("max_queued_bytes_per_user")
     def _default_bytes_per_user(self) -> int:
