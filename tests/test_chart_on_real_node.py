@@ -15,7 +15,11 @@ module (installs are slow); through the gateway's REST API and websockets, as a 
 - the kernel pod evicted (Eviction API) during a cell: the cell finishes, its output arrives, the
   kernel checkpoints at SIGTERM and resumes with what the cell made;
 - the gateway pod deleted while kernels run: the new gateway pod adopts them in their pods (the busy one
-  and the idle one), same kernel ids, same processes.
+  and the idle one), same kernel ids, same processes; the notebook reconnecting with its session while
+  the cell runs gets the cell's output and reply;
+- a cell that runs its pod out of memory is answered at once with the cause and the limit;
+- ``helm uninstall`` with the hook's admin token hibernates every running kernel (the hook's pod in a
+  container on the node reads its token).
 
 The values override only what an admin must set (images) and what this test cluster forces, each with
 its reason beside it. Needs root, the node and the images (as ``tests/test_real_node.py``): skipped
@@ -98,8 +102,8 @@ class Gateway:
         except OSError:
             return False
 
-    def channel(self, kernel_id: str, timeout: float = 300) -> KernelChannel:
-        return KernelChannel(self.url, kernel_id, timeout)
+    def channel(self, kernel_id: str, timeout: float = 300, session: str | None = None) -> KernelChannel:
+        return KernelChannel(self.url, kernel_id, timeout, session=session)
 
     def execute(self, kernel_id: str, code: str, timeout: float = 300) -> str:
         with self.channel(kernel_id, timeout) as chan:
@@ -565,8 +569,9 @@ def test_the_gateway_pod_deleted_while_kernels_run_is_replaced_and_keeps_them(ch
     gate = ClaimGate(chart.storage)
     with gateway.channel(busy) as tab:
         assert tab.execute("import os; y = 'busy'; print(y)").stdout.strip() == "busy"
-        tab.send(
-            "execute_request", {"code": gate.cell("made = 'while the gateway changed'"), "silent": False}
+        cell = tab.send(
+            "execute_request",
+            {"code": gate.cell("made = 'while the gateway changed'; print(made)"), "silent": False},
         )
         gate.wait_running()
     busy_pod = chart.kernel_pod(busy).metadata.uid
@@ -592,7 +597,14 @@ def test_the_gateway_pod_deleted_while_kernels_run_is_replaced_and_keeps_them(ch
     assert chart.kernel_pod(busy).metadata.uid == busy_pod  # adopted, not restarted
     assert gateway.model(idle)["state"] == "running", chart.log()  # adopted too, not hibernated
     assert chart.kernel_pod(idle).metadata.uid == idle_pod
-    gate.open()
+    # The notebook reconnects with its session while the cell still runs: the handshake does not
+    # wait for the cell, and the cell's output, reply and idle status reach it.
+    with gateway.channel(busy, session=tab.session) as back:
+        gate.open()
+        reply, iopub = back.collect(cell, timeout=300)
+    assert reply["content"]["status"] == "ok", reply
+    printed = "".join(m["content"]["text"] for m in iopub if m["msg_type"] == "stream")
+    assert printed == "while the gateway changed\n", (iopub, chart.log())
     said = gateway.execute(busy, "print(y, made)")
     assert said.strip() == "busy while the gateway changed", said
     assert gateway.execute(idle, "print(x)").strip() == "idle"
@@ -600,3 +612,57 @@ def test_the_gateway_pod_deleted_while_kernels_run_is_replaced_and_keeps_them(ch
         status, _ = gateway.request("DELETE", f"/api/kernels/{kernel_id}", timeout=300)
         assert status == 204
         wait_for(lambda k=kernel_id: not chart.kernel_pods(k), 120, "the kernel pod to be deleted")
+
+
+def test_a_cell_that_runs_its_kernel_pod_out_of_memory_is_answered_with_the_cause(chart: Chart) -> None:
+    """A cell that takes more memory than its pod's limit (a CPU kernel's default, 4Gi): the
+    container is OOM-killed by the node, and the cell is answered at once as a kernel answers
+    (an error reply, idle) saying so, with the limit, and what happens next; it no longer stays
+    "running" in the notebook with nothing arriving, nor quotes the kernel's last log line."""
+    gateway = chart.gateway()
+    kernel_id = chart.start_kernel(gateway, "python3-cpu")
+    with gateway.channel(kernel_id) as tab:
+        assert tab.execute("x = 1; print(x)").stdout == "1\n"
+        result = tab.execute("hog = b'x' * (6 * 2**30)", timeout=300)
+        assert result.reply["content"].get("ename") == "KernelDied", (result, chart.log())
+        assert "The kernel died while this cell ran: it ran out of memory: its pod's limit is 4Gi" in (
+            result.error
+        ), result.error
+        assert "started again, empty" in result.error, result.error
+        assert result.statuses[-1] == "idle"
+        # It is: the restarted kernel, in a new pod, answers the next cell without the variable.
+        wait_for(lambda: gateway.model(kernel_id)["state"] == "running", 300, "the kernel to restart")
+        assert tab.execute("print('x' in dir())", timeout=300).stdout == "False\n"
+    status, _ = gateway.request("DELETE", f"/api/kernels/{kernel_id}", timeout=300)
+    assert status == 204
+
+
+def test_helm_uninstall_with_the_hooks_admin_token_hibernates_every_running_kernel(chart: Chart) -> None:
+    """``helm uninstall`` with the hook's admin token (here the gateway's static token, the chart's
+    default with ``gateway.auth: token``): the hook's pod, in a container on the node as uid 1000,
+    reads its token's file and hibernates each running kernel, so their variables stay on the claim.
+    The chart made that file root's (mode 0400, no fsGroup): the hook stopped every kernel instead.
+    Last in the module: it uninstalls the release (the fixture's own uninstall then finds none)."""
+    gateway = chart.gateway()
+    kernels = [chart.start_kernel(gateway) for _ in range(2)]
+    for n, kernel_id in enumerate(kernels):
+        assert gateway.execute(kernel_id, f"kept = {n}; print(kept)").strip() == str(n)
+    # The hook needs what this cluster forces on the gateway too: the API server's address, the node,
+    # and the gateway at its pod IP (no cluster DNS here for the Service's name).
+    chart.values["uninstallHook"] = {
+        "enabled": True,
+        "gatewayUrl": gateway.url,
+        **ON_THE_NODE,
+        "extraEnv": chart.values["gateway"]["extraEnv"],
+    }
+    chart.upgrade()
+    chart.helm("uninstall", RELEASE, "--wait", timeout=600)
+    (hook,) = chart.core.list_namespaced_pod(
+        chart.namespace, label_selector="app.kubernetes.io/component=uninstall-hook"
+    ).items
+    said = str(chart.core.read_namespaced_pod_log(hook.metadata.name, chart.namespace))
+    assert "Permission denied" not in said and "variables are lost" not in said, said
+    for kernel_id in kernels:
+        assert f"hibernated kernel {kernel_id}" in said, said
+        assert chart.kernel_pods(kernel_id) == []
+        assert any(chart.storage.rglob(f"{kernel_id}/ckpt-*")), sorted(chart.storage.rglob("*"))

@@ -759,3 +759,25 @@ def test_the_cell_that_wakes_the_kernel_shows_the_resume_and_then_only_its_outpu
     assert cleared < output, kinds
     for hog in hogs:
         server.shutdown_kernel(hog)
+
+
+def test_a_kernel_that_dies_during_a_cell_answers_it_with_the_cause(server: RunningServer) -> None:
+    """A kernel process killed while its cell runs (it kills itself with SIGKILL, as the
+    out-of-memory killer would): the cell is answered at once as a kernel answers it (error
+    output, an error reply, idle) with the cause and what happens next, instead of staying
+    "running" while the restarter starts the kernel again; the restarted kernel runs the next."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id, timeout=120) as chan:
+        assert chan.execute("x = 1; print(x)").stdout == "1\n"
+        result = chan.execute("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", timeout=120)
+        assert result.reply["content"]["status"] == "error", result.reply
+        assert result.reply["content"]["ename"] == "KernelDied"
+        assert "The kernel died while this cell ran: its process was killed by SIGKILL" in result.error
+        assert "started again, empty" in result.error, result.error
+        assert result.statuses[-1] == "idle"
+        wait_for(
+            lambda: server.get(f"/api/kernels/{kernel_id}")["execution_state"] == "idle",
+            timeout=120,
+            what="the restarted kernel",
+        )
+        assert chan.execute("print('x' in dir())", timeout=120).stdout == "False\n"

@@ -32,7 +32,7 @@ from kubernetes import client  # noqa: E402
 from tests.support.node_runner import NodeRunner  # noqa: E402
 from tests.support.oracle import SETUP, Reference, check_same, cycle_cell, run_both  # noqa: E402
 from tests.support.pod_cluster import CLAIM, PodCluster, pod_cluster  # noqa: E402
-from tests.support.server import START_SECONDS, RunningServer, start_server  # noqa: E402
+from tests.support.server import START_SECONDS, KernelChannel, RunningServer, start_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 pytest.importorskip("numpy")
@@ -397,6 +397,100 @@ def test_a_stopped_server_leaves_its_kernel_pods_running_and_the_next_adopts_the
             assert cluster.pod_of(kernel_id).metadata.uid == pods[kernel_id]
         for kernel_id in kernels:
             second.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pods() == [], 60, "every kernel pod to be deleted")
+    finally:
+        second.stop()
+
+
+def test_a_notebook_reconnecting_to_the_next_gateway_during_a_cell_gets_the_cells_output_and_reply(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    """A gateway replaced while a cell runs (an upgrade): the notebook's reconnect, with its session,
+    opens at once though the kernel is busy and no kernel_info is cached in the new gateway, and
+    what the cell prints after it, its reply and its idle status reach the notebook.
+
+    jupyter_server's handshake asked kernel_info on shell, answered only after the cell, so the
+    reconnect waited for the whole cell; its give-up time is set out of the way here, so that on
+    that code the handshake times out with the gate still closed."""
+    config = cluster.config()
+    del config["ElasticKernels"]["hibernate_on_shutdown"]  # the default of pod mode: pods left running
+    config["MappingKernelManager"] = {"kernel_info_timeout": 3600}
+    gate = Gate(tmp_path / "gate", "cell")
+    first = start_server(tmp_path, config)
+    kernel_id = first.start_kernel(SIZE)
+    tab = first.channel(kernel_id, timeout=120)
+    cell = "print('before', flush=True)\n" + gate.cell(limit=600) + "made = 42\nprint('after', made)\n"
+    msg_id = tab.send("execute_request", {"code": cell, "silent": False, "store_history": True})
+    wait_for(gate.is_reached, 120, "the cell to reach its gate")
+    first.stop()  # SIGTERM, as Kubernetes stops a gateway pod in an upgrade
+    tab.close()
+    second = start_server(tmp_path, config)
+    try:
+        wait_for(lambda: model(second, kernel_id)["state"] == "running", 120, "the pod to be adopted")
+        with KernelChannel(second.url, kernel_id, timeout=120, session=tab.session) as back:
+            # The handshake is over with the cell still at its gate.
+            assert not gate.release_file.exists()
+            gate.open()
+            reply, iopub = back.collect(msg_id, timeout=120)
+            assert reply["content"]["status"] == "ok", reply
+            said = "".join(m["content"]["text"] for m in iopub if m["msg_type"] == "stream")
+            assert said == "after 42\n", (said, second.log()[-3000:])
+            assert back.execute("print(made)").stdout == "42\n"
+        second.shutdown_kernel(kernel_id)
+        wait_for(lambda: cluster.pods() == [], 60, "every kernel pod to be deleted")
+    finally:
+        second.stop()
+
+
+def test_what_a_cell_sent_while_no_gateway_was_there_reaches_the_notebook_that_reconnects(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    """The gateway stops while a cell runs; the cell prints and finishes before the next gateway is
+    up, so its output, its reply and its idle status go to no one. The kernel kept them for the
+    notebook's session (:mod:`kernelmgr.checkpoint.outbox`): the notebook reconnecting to the next
+    gateway gets them, in order, once; its next cell runs as usual."""
+    config = cluster.config()
+    del config["ElasticKernels"]["hibernate_on_shutdown"]  # the default of pod mode: pods left running
+    gate = Gate(tmp_path / "gate", "gap")
+    done = tmp_path / "gate" / "cell.done"
+    first = start_server(tmp_path, config)
+    kernel_id = first.start_kernel(SIZE)
+    tab = first.channel(kernel_id, timeout=120)
+    assert tab.execute("n = 1; print(n)").stdout == "1\n"
+    cell = (
+        "print('before', flush=True)\n"
+        + gate.cell(limit=600)
+        + "for i in range(3):\n    print('in the gap', i, flush=True)\n"
+        + f"open({str(done)!r}, 'w').close()\n"
+    )
+    msg_id = tab.send("execute_request", {"code": cell, "silent": False, "store_history": True})
+    wait_for(gate.is_reached, 120, "the cell to reach its gate")
+    first.stop()  # SIGTERM, as Kubernetes stops a gateway pod
+    tab.close()
+    gate.open()  # the cell goes on with no gateway anywhere
+    wait_for(done.exists, 120, "the cell to finish with no gateway")
+    second = start_server(tmp_path, config)
+    try:
+        wait_for(lambda: model(second, kernel_id)["state"] == "running", 120, "the pod to be adopted")
+        with KernelChannel(second.url, kernel_id, timeout=120, session=tab.session) as back:
+            reply, iopub = back.collect(msg_id, timeout=120)
+            assert reply["content"]["status"] == "ok", reply
+            said = "".join(m["content"]["text"] for m in iopub if m["msg_type"] == "stream")
+            assert said == "in the gap 0\nin the gap 1\nin the gap 2\n", (said, second.log()[-3000:])
+            assert [m["content"]["execution_state"] for m in iopub if m["msg_type"] == "status"] == ["idle"]
+            assert back.execute("n += 1; print(n)").stdout == "2\n"
+        # Once: a second reconnect of the same notebook gets nothing of that cell again.
+        with KernelChannel(second.url, kernel_id, timeout=120, session=tab.session) as again:
+            next_id = again.send("execute_request", {"code": "print('next')", "silent": False})
+            parents: list[str] = []
+            deadline = time.monotonic() + 120
+            while parents[-2:] != [next_id, "idle"]:
+                msg = again.recv(deadline)
+                parents.append(msg["parent_header"].get("msg_id"))
+                if msg["msg_type"] == "status" and parents[-1] == next_id:
+                    parents.append(msg["content"]["execution_state"])
+            assert msg_id not in parents, parents
+        second.shutdown_kernel(kernel_id)
         wait_for(lambda: cluster.pods() == [], 60, "every kernel pod to be deleted")
     finally:
         second.stop()

@@ -81,7 +81,7 @@ from pathlib import Path
 from typing import Any
 
 import kernelmgr.objectstore.transfer as transfer
-from kernelmgr.checkpoint import cipher, prefetch
+from kernelmgr.checkpoint import cipher, outbox, prefetch
 from kernelmgr.checkpoint.cells import MAX_CELLS, CellRecord, plan_recompute, record_cell
 from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_keys
@@ -908,6 +908,7 @@ def load_ipython_extension(ipython: Any) -> None:
     _AGENT.config_error = config_error
     # The server checks the agent's version and checkpoint format in kernel_info (issue 27).
     advertise(getattr(ipython, "kernel", None))
+    _keep_undelivered(getattr(ipython, "kernel", None))
     if config is not None:
         _keep_config(ipython, config)
     if config is None:
@@ -926,6 +927,19 @@ def load_ipython_extension(ipython: Any) -> None:
         _AGENT.watch_server(server_pid)
     if os.environ.get(ENV_CHECKPOINT_ON_SIGTERM, "") == "1":
         _AGENT.guard_termination()
+
+
+#: The kernel's undelivered messages (:mod:`kernelmgr.checkpoint.outbox`): installed once a process.
+_OUTBOX: outbox.Outbox | None = None
+
+
+def _keep_undelivered(kernel: Any) -> None:
+    global _OUTBOX
+    if _OUTBOX is None and kernel is not None:
+        try:
+            _OUTBOX = outbox.install(kernel)
+        except Exception:  # never a reason for the kernel not to start
+            _fallback_log.exception("undelivered messages are not kept")
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -235,6 +235,11 @@ class LossReports(Protocol):
         newest checkpoint was written at SIGTERM): ``True`` if the server takes it over
         (hibernated from its last checkpoint), ``False`` if it has none."""
 
+    def died(self, kernel_id: str, why: str) -> None:
+        """The kernel's process or pod ended on its own and is not taken over (a crash, an
+        out-of-memory kill): the cell it was running is answered now, with ``why``, instead of
+        staying "running" in the notebook while jupyter_server's restarter starts it again."""
+
 
 def restore_timeout(base: float, checkpoint_bytes: int) -> float:
     """How long a resume may take: a start plus reading the checkpoint at a slow disk's rate."""

@@ -45,11 +45,13 @@ def _terminated(name: str, terminated: Any) -> str:
     said = f"container {name} exited with code {terminated.exit_code}"
     if terminated.reason and terminated.reason not in ("Error", "Completed"):
         said += f" ({terminated.reason})"  # OOMKilled, ContainerCannotRun, StartError ...
+    tail = _last_output(terminated)
+    return said + (f"; its last output:\n{tail}\n" if tail else "")
+
+
+def _last_output(terminated: Any) -> str:
     message = (terminated.message or "").strip()
-    if message:
-        tail = "\n".join(message.splitlines()[-MESSAGE_TAIL_LINES:])[-MESSAGE_TAIL_CHARS:]
-        said += f"; its last output:\n{tail}\n"
-    return said
+    return "\n".join(message.splitlines()[-MESSAGE_TAIL_LINES:])[-MESSAGE_TAIL_CHARS:]
 
 
 def running(pod: Any) -> bool:
@@ -118,7 +120,33 @@ def loss(pod: Any) -> str:
         return f"its pod was {status.reason.lower()}: {status.message or ''}".rstrip(": ")
     if pod.metadata.deletion_timestamp is not None:
         return f"its pod was deleted on node {pod.spec.node_name}"
-    return f"its pod ended on node {pod.spec.node_name}: {pod_failure(pod)}"
+    return f"{ended_in_words(pod)} (pod {pod.metadata.name} on node {pod.spec.node_name})"
+
+
+def ended_in_words(pod: Any) -> str:
+    """Why the kernel's container ended, cause first: out of memory with the limit, a signal, an
+    exit code (then its last output, which for a crash may hold the traceback)."""
+    for container in (pod.status.container_statuses if pod.status else None) or []:
+        terminated = container.state.terminated if container.state else None
+        if terminated is None:
+            continue
+        if terminated.reason == "OOMKilled":
+            limit = _memory_limit(pod, container.name)
+            said = f"it ran out of memory: its pod's limit is {limit}" if limit else "it ran out of memory"
+            return said + " (ask for a larger size, or keep less in memory)"
+        code = int(terminated.exit_code)
+        if code > 128:
+            return f"its process was killed by signal {code - 128}"
+        tail = _last_output(terminated)
+        return f"its process exited with code {code}" + (f"; its last output:\n{tail}" if tail else "")
+    return f"its pod ended: {pod_failure(pod)}"
+
+
+def _memory_limit(pod: Any, container_name: str) -> str:
+    for container in pod.spec.containers or []:
+        if container.name == container_name and container.resources is not None:
+            return str((container.resources.limits or {}).get("memory") or "")
+    return ""
 
 
 def exit_code(pod: Any) -> int:

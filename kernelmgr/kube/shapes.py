@@ -38,9 +38,19 @@ def _metadata(raw: Raw) -> Raw:
 
 
 def kernel_pod(raw: Raw) -> Raw:
-    """A kernel pod: metadata and status whole, of its spec only the node it runs on."""
+    """A kernel pod: metadata and status whole, of its spec only the node it runs on and each
+    container's memory limit (what a kernel killed for running out of memory is told)."""
     spec = raw.get("spec") or {}
-    return {**raw, "metadata": _metadata(raw), "spec": {"containers": [], "nodeName": spec.get("nodeName")}}
+    containers = [
+        {"name": c.get("name", ""), "resources": {"limits": {"memory": memory}}}
+        for c in spec.get("containers") or ()
+        if (memory := ((c.get("resources") or {}).get("limits") or {}).get("memory"))
+    ]
+    return {
+        **raw,
+        "metadata": _metadata(raw),
+        "spec": {"containers": containers, "nodeName": spec.get("nodeName")},
+    }
 
 
 def gpu_pod(raw: Raw) -> Raw:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kernelmgr.core.controller import LifecycleController, LifecycleError
@@ -57,6 +58,23 @@ def lost_note(why: str, committed: Committed, stop_began: float | None = None) -
     )
 
 
+def died_note(why: str, restored: bool, committed: Committed | None = None) -> str:
+    """What the cell that was running when its kernel died is told: the cause, then what happens
+    next (``restored``: the next cell brings it back from its last checkpoint, ``committed`` if
+    known; else it starts again empty)."""
+    if not restored:
+        then = "It is started again, empty: its variables are lost. Run your cells again."
+    else:
+        when = "last checkpoint"
+        if committed is not None:
+            when = "checkpoint of " + time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(committed.created))
+        then = (
+            f"Your next cell brings it back with its variables from its {when}; what ran after "
+            "that (this cell too) is not in it. Run this cell again."
+        )
+    return f"The kernel died while this cell ran: {why}. {then}"
+
+
 class KernelLoss:
     """Takes over the kernels that vanished; one per server, beside the hibernator."""
 
@@ -78,6 +96,21 @@ class KernelLoss:
         self.events = events
         #: The server's background tasks (drained at exit): each takeover runs as one.
         self.tasks = tasks
+        #: Called with (kernel id, text) when a running kernel dies: the websocket layer answers
+        #: the cells the kernel was running with the text (why, and what happens next).
+        self.on_died: list[Callable[[str, str], Any]] = []
+
+    def _tell_died(self, kernel_id: str, text: str) -> None:
+        for hook in self.on_died:
+            try:
+                hook(kernel_id, text)
+            except Exception:  # telling must not stop a takeover
+                self.host.log.exception("on_died hook failed for kernel %s", kernel_id)
+
+    def died(self, kernel_id: str, why: str) -> None:
+        """A provisioner saw the kernel end on its own, not taken over: restarted empty."""
+        self.host.log.warning("Kernel %s died: %s", kernel_id, why)
+        self._tell_died(kernel_id, died_note(why, restored=False))
 
     def stopping(self, kernel_id: str) -> None:
         """A provisioner saw Kubernetes begin stopping a running kernel's pod (see
@@ -119,6 +152,7 @@ class KernelLoss:
             # kernel hibernated, it still reads as running, and a message sent to the process that
             # is gone would never be answered. The resume the message starts waits for the takeover.
             record.stopping = asyncio.get_running_loop().create_future()
+        self._tell_died(kernel_id, died_note(why, True, record.committed))
         task = asyncio.ensure_future(self.lost(kernel_id, why, stop_began))
         task.add_done_callback(lambda _task: self.stopped(kernel_id))
         self.tasks.add(task)  # a strong reference until done (drained at exit like the prunes)

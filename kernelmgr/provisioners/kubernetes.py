@@ -115,6 +115,8 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         #: (The kernel's facts, a restart asked for, a stop seen and a loss taken over, are on its
         #: record: ``restarting``, ``stop_began``, ``taken_over``.)
         self._stopping = False
+        #: The pod whose death the notebooks were told of (its uid): told once, not at each poll.
+        self._death_told: str | None = "-"
         #: The plan this launch took from the record (``claim_slice``): read by the pod, cold or warm.
         self._plan = FRESH_START
         #: The warm pod this launch took (:mod:`kernelmgr.kube.warm_pods`), until it serves.
@@ -570,6 +572,7 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
         if record is None or not record.restarting:
             if await self._taken_over_as_lost(pod):
                 return None
+            self._tell_died(pod)  # first: releasing the slice makes the kernel read as dead
             release_slice(self.runtime, self.kernel_id, "kernel pod ended", self.log)
         code = exit_code(pod)
         if code != 0 and not self._stopping and pod is not None and pod.metadata.uid != self._failure_logged:
@@ -577,6 +580,20 @@ class ElasticKubernetesProvisioner(KernelProvisionerBase, KubeSettings):  # type
             self._failure_logged = pod.metadata.uid
             self.log.warning("Kernel %s's pod %s ended: %s", self.kernel_id, self._pod_name, pod_failure(pod))
         return code
+
+    def _tell_died(self, pod: Any) -> None:
+        """A running kernel's pod ended on its own and is not taken over: the cell it ran is
+        answered now, with the cause (once per pod; the restarter starts it again, empty)."""
+        record = self.runtime.kernels.get(self.kernel_id)
+        uid = pod.metadata.uid if pod is not None else None
+        if self._stopping or record is None or record.state is not KernelState.RUNNING:
+            return
+        if uid == self._death_told:
+            return
+        self._death_told = uid
+        losses = find_loss_reports(self.parent)
+        if losses is not None:
+            losses.died(self.kernel_id, loss(pod))
 
     async def _taken_over_as_lost(self, pod: Any) -> bool:
         """The pod of a running kernel vanished unasked: offer the kernel to the server.

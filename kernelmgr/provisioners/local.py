@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,21 @@ def agent_environment(
     return env
 
 
+def exit_in_words(status: int) -> str:
+    """Why a kernel process ended, for its user: the signal (with what sends SIGKILL unasked) or
+    the exit code."""
+    if status >= 0:
+        return f"its process exited with code {status}"
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:
+        name = f"signal {-status}"
+    said = f"its process was killed by {name}"
+    if -status == signal.SIGKILL:
+        said += " (what the out-of-memory killer does when memory runs out)"
+    return said
+
+
 class ElasticLocalProvisioner(LocalProvisioner):
     """Local kernel process + GPU slice bookkeeping."""
 
@@ -126,6 +142,9 @@ class ElasticLocalProvisioner(LocalProvisioner):
     _warm_use = "start"
     #: The OS account the kernel runs as (a multi-user gateway), ``None``: the server's own.
     _account: KernelAccount | None = None
+    #: The process a shutdown was asked of, and the one whose death notebooks were told of (pids).
+    _asked_to_end: int | None = None
+    _death_told: int | None = None
 
     @property
     def runtime(self) -> ElasticRuntime:
@@ -351,8 +370,21 @@ class ElasticLocalProvisioner(LocalProvisioner):
             if status == EXIT_AFTER_SIGTERM and self._taken_over_as_lost():
                 return None
             # The process is gone without a shutdown: a crash or an external kill -9.
+            self._tell_died(status)  # first: releasing the slice makes the kernel read as dead
             self._release(f"kernel process exited with status {status}")
         return status
+
+    def _tell_died(self, status: int) -> None:
+        """A running kernel's process ended unasked: the cell it ran is answered now, with the
+        cause (once per process; the restarter starts it again, empty)."""
+        record = self.runtime.kernels.get(self.kernel_id)
+        asked = self._asked_to_end == self.pid or self._death_told == self.pid
+        if asked or record is None or record.state is not KernelState.RUNNING:
+            return
+        self._death_told = self.pid
+        losses = find_loss_reports(self.parent)
+        if losses is not None:
+            losses.died(self.kernel_id, exit_in_words(status))
 
     def _taken_over_as_lost(self) -> bool:
         """The kernel was sent SIGTERM (not by us: we ask with ``shutdown_request``) and exited
@@ -375,6 +407,7 @@ class ElasticLocalProvisioner(LocalProvisioner):
         return True
 
     async def shutdown_requested(self, restart: bool = False) -> None:
+        self._asked_to_end = self.pid
         self.runtime.states.restart_requested(self.kernel_id, restart)
         await super().shutdown_requested(restart=restart)
 

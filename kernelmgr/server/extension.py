@@ -179,6 +179,7 @@ class ElasticKernelsExtension(ExtensionApp):
             sample_interval=runtime.gpu_sample_interval,
         )
         km.hibernator.on_resumed.append(ElasticWebsocketConnection.attach_all)
+        km.hibernator.loss.on_died.append(ElasticWebsocketConnection.answer_running_cells)
         if live is not None:
             # The sizes first: the policy and the quotas are validated against the new ones.
             live.appliers.append(self._live_profiles(runtime))

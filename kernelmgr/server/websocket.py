@@ -64,6 +64,7 @@ import json
 import socket
 from typing import Any, ClassVar
 
+import zmq
 from jupyter_client.jsonutil import json_default
 from jupyter_server.services.kernels.connection.base import (
     deserialize_msg_from_ws_v1,
@@ -73,11 +74,12 @@ from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebso
 from tornado import web
 from traitlets import Integer, default
 
+from kernelmgr.checkpoint.outbox import CLIENT_TOPIC, DELIM
 from kernelmgr.cli_render import human_mib, queue_place
 from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.lifecycle import KernelState
 from kernelmgr.lifecycle.service import Hibernator
-from kernelmgr.server import execution_state
+from kernelmgr.server import execution_state, undelivered
 from kernelmgr.server.hibernated_replies import ANSWERED_WHILE_HIBERNATED, CHECK_TIMEOUT, checker, local_reply
 from kernelmgr.server.memory_budget import held_bytes_per_user, server_held_bytes_total
 from kernelmgr.server.ownership import SETTINGS_KEY
@@ -94,6 +96,11 @@ _WAITING_FOR = {
 
 #: Strong references to answers being computed (a task nobody holds may be collected).
 _background: set[asyncio.Future[None]] = set()
+
+
+#: Cells one connection remembers as sent and not answered (a kernel that dies answers them). A reply
+#: missed (the kernel restarted by the user) would otherwise leave its cell here for ever.
+MAX_UNANSWERED = 1000
 
 
 #: Seconds between two updates of a resume's progress in the cell (the first after as long).
@@ -211,6 +218,10 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     _comm_refused = False
     _waking: asyncio.Task[None] | None = None
     _last_execute: dict[str, Any] | None = None
+    #: While a new connection delivers what the kernel kept for it: the kernel's messages since.
+    _holding: list[tuple[Any, list[Any]]] | None = None
+    #: Cells sent to the kernel and not answered yet, by msg_id: what a kernel that dies answers.
+    _unanswered: dict[str, dict[str, Any]]
 
     @classmethod
     def notify_kernel(cls, kernel_id: str, text: str) -> int:
@@ -243,6 +254,31 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
                     continue
         return cancelled
 
+    @classmethod
+    def answer_running_cells(cls, kernel_id: str, text: str) -> int:
+        """The kernel died: each cell it was running (sent, not answered) gets its error now,
+        as a kernel's own (error output, an error reply, idle), saying ``text``. Returns how many."""
+        answered = 0
+        for connection in list(cls._open_sockets):
+            if isinstance(connection, ElasticWebsocketConnection) and connection.kernel_id == kernel_id:
+                try:
+                    answered += connection._answer_unanswered(text)
+                except Exception:  # a closing socket must not stop the others
+                    continue
+        return answered
+
+    def _answer_unanswered(self, text: str) -> int:
+        cells = list(self._running_cells().values())
+        self._running_cells().clear()
+        for header in cells:
+            self._error_reply("shell", header, "KernelDied", text)
+        return len(cells)
+
+    def _running_cells(self) -> dict[str, dict[str, Any]]:
+        if not hasattr(self, "_unanswered"):
+            self._unanswered = {}
+        return self._unanswered
+
     def notice(self, text: str) -> None:
         """A message from the server, shown under the cell this notebook ran last.
 
@@ -271,6 +307,9 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     def create_stream(self) -> None:
         super().create_stream()
         self._attached_to = self._kernel_address()
+        # Marks this subscription as a notebook's (no message has the topic): while none is
+        # subscribed, the kernel keeps what its cells send (:mod:`kernelmgr.checkpoint.outbox`).
+        self.channels["iopub"].socket.setsockopt(zmq.SUBSCRIBE, CLIENT_TOPIC)
 
     def _stale(self) -> bool:
         """The channels point where the kernel no longer is: a kernel pod resumed elsewhere (new IP).
@@ -335,6 +374,55 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
             header = self._parse(incoming_msg)[1]
             if header.get("msg_type") == "execute_request":
                 self._last_execute = header
+                running = self._running_cells()
+                if len(running) >= MAX_UNANSWERED:  # answered cells whose reply this one missed
+                    running.pop(next(iter(running)))
+                running[str(header.get("msg_id"))] = header
+
+    async def _deliver_undelivered(self, connected: asyncio.Future[None]) -> None:
+        """Once subscribed: what the kernel sent for this notebook while none was connected (a
+        gateway replaced while a cell ran), in order, then what it sends from now on."""
+        try:
+            await connected
+            kept = await undelivered.fetch(self.kernel_manager, self.session.key, self.session.session)
+            if kept is None:
+                self.log.info("Kernel %s kept no undelivered messages (it did not answer)", self.kernel_id)
+            else:
+                messages, dropped = kept
+                for item in messages:
+                    kept_msg = dict(item.get("msg") or {})
+                    header = kept_msg.get("header") or {}
+                    kept_msg.update(msg_id=header.get("msg_id"), msg_type=header.get("msg_type"), buffers=[])
+                    self._send(str(item.get("channel", "iopub")), kept_msg)
+                if messages:
+                    self.log.info(
+                        "Kernel %s: %d undelivered message(s) delivered", self.kernel_id, len(messages)
+                    )
+                if dropped:
+                    self.notice(
+                        f"{dropped} message(s) this kernel sent while no notebook was connected to it "
+                        "(the gateway changed) could not be kept: some output of the cells that ran "
+                        "meanwhile is lost."
+                    )
+        finally:
+            held, self._holding = self._holding or [], None
+            for stream, frames in held:
+                self.handle_outgoing_message(stream, frames)
+
+    def handle_outgoing_message(self, stream: Any, outgoing_msg: list[Any]) -> None:
+        if self._holding is not None:
+            self._holding.append((stream, outgoing_msg))
+            return
+        channel = getattr(stream, "channel", None)
+        running = getattr(self, "_unanswered", None)
+        if running and channel == "shell":
+            # A shell reply: its parent's msg_id (a few bytes of JSON) ends that cell's wait.
+            with contextlib.suppress(ValueError, IndexError, TypeError):
+                parent = json.loads(bytes(outgoing_msg[outgoing_msg.index(DELIM) + 3]))
+                running.pop(str(parent.get("msg_id")), None)
+        elif channel == "iopub" and undelivered.caused_by_fetch(outgoing_msg):
+            return  # the busy/idle of a connection's own request: not the notebook's kernel status
+        super().handle_outgoing_message(stream, outgoing_msg)
 
     def _status(self, state: str, parent: dict[str, Any]) -> None:
         self._send("iopub", self.session.msg("status", {"execution_state": state}, parent=parent))
@@ -558,7 +646,12 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         # Called from the handler's ``open()``: the handshake is done and the stream detached.
         self._no_delay()
         if not self._asleep():
-            return super().connect()
+            self._holding = []  # what the kernel sends now waits behind what it kept for this notebook
+            connected = super().connect()
+            if connected is None:
+                self._holding = None
+                return None
+            return asyncio.ensure_future(self._deliver_undelivered(connected))
         # No process to talk to: streams are created when the kernel is back.
         self.multi_kernel_manager.notify_connect(self.kernel_id)
         ZMQChannelsWebsocketConnection._open_sockets.add(self)
@@ -734,7 +827,7 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
             if not attached:
                 self.multi_kernel_manager.add_restart_callback(self.kernel_id, self.on_kernel_restarted)
                 self.multi_kernel_manager.add_restart_callback(self.kernel_id, self.on_restart_failed, "dead")
-            await self._nudge_resumed()
+            await self.nudge()
             for stream in self.channels.values():
                 stream.on_recv_stream(self.handle_outgoing_message)
         except Exception as exc:
@@ -744,25 +837,37 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
             )
             return
         for raw in self._take_queue():
+            self._note_execute(raw)
             super().handle_incoming_message(raw)
 
-    def _nudge_resumed(self) -> asyncio.Future[None]:
+    def nudge(self) -> asyncio.Future[None]:
         """jupyter_server's nudge, which also runs for a kernel the server calls busy.
 
-        The nudge is what proves that this connection's IOPub subscription reaches the new
-        process (ZMQ drops what a kernel publishes before a subscriber is connected). Stock
-        jupyter_server skips it for a busy kernel, and right after a resume the kernel often
-        reads busy: the server's own wake-up request (the cell number) has been answered, but
-        its idle status is still on the way. Skipping then lost the first cell's output and
-        idle status now and then (a fast warm resume made it likely). The nudge asks on the
-        control channel too, which a busy ipykernel answers at once, so it is safe to run.
+        The nudge is what proves that this connection's IOPub subscription reaches the process
+        (ZMQ drops what a kernel publishes before a subscriber is connected). Stock jupyter_server
+        skips it for a busy kernel, and a busy kernel is exactly what a notebook reconnects to
+        after a gateway change (an upgrade, a lost pod) with its cell running: what the cell
+        printed next went to no one. Right after a resume the kernel often reads busy too (the
+        server's own wake-up request has been answered, its idle status is on the way). The nudge
+        asks on the control channel as well, which a busy ipykernel answers at once.
         """
         km = self.kernel_manager
-        state = getattr(km, "execution_state", None)
-        if state != "busy":
-            return self.nudge()
+        if getattr(km, "execution_state", None) != "busy":
+            return super().nudge()
         with execution_state.reading_idle(km):  # only for the check at the top of nudge(): no await
-            return self.nudge()
+            return super().nudge()
+
+    def request_kernel_info(self) -> Any:
+        """The handshake's kernel_info, asked on the control channel.
+
+        jupyter_server asks on shell, which a busy kernel answers only after its running cell: a
+        notebook reconnecting to a gateway that has just adopted the kernel (no kernel_info cached
+        yet) waited for the whole cell, an hour for an hour's training, and its output went to
+        no one meanwhile. ipykernel answers kernel_info on control at once, busy or not.
+        """
+        if self.kernel_info_channel is None and not hasattr(self.kernel_manager, "_kernel_info_future"):
+            self.kernel_info_channel = self.multi_kernel_manager.connect_control(self.kernel_id)
+        return super().request_kernel_info()
 
     def _fail_queue(self, reason: str) -> None:
         """Tell every queued execution why it will not run, so no cell hangs."""

@@ -66,10 +66,17 @@ class KernelChannel:
     """
 
     def __init__(
-        self, url: str, kernel_id: str, timeout: float = 60, v1: bool = False, token: str = TOKEN
+        self,
+        url: str,
+        kernel_id: str,
+        timeout: float = 60,
+        v1: bool = False,
+        token: str = TOKEN,
+        session: str | None = None,
     ) -> None:
         ws_url = url.replace("http://", "ws://") + f"/api/kernels/{kernel_id}/channels"
-        self.session = uuid.uuid4().hex
+        # A notebook reconnecting (a reload keeps no session; a dropped websocket does) passes its own.
+        self.session = session or uuid.uuid4().hex
         self.timeout = timeout
         self.v1 = v1
         self.conn = websocket.create_connection(
