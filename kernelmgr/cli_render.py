@@ -93,11 +93,14 @@ def render_profiles(doc: dict[str, Any]) -> str:
 
 def render_gpus(doc: dict[str, Any]) -> str:
     def holders(slices: list[dict[str, Any]], others: dict[str, Any] | None) -> str:
+        """Which kernels hold slices (short ids, as JupyterLab shows them, with their size)."""
         warm = sum(1 for s in slices if s.get("warm"))
-        kernels = str(len(slices) - warm)
+        held = [f"{str(s['kernel_id'])[:8]} ({s.get('profile') or '-'})" for s in slices if not s.get("warm")]
         if others and others.get("slices"):  # a gateway user: other users' slices, counted only
-            kernels += f" (+{others['slices']} of other users)"
-        return f"{kernels} (+{warm} warm)" if warm else kernels
+            held.append(f"+{others['slices']} of other users")
+        if warm:
+            held.append(f"+{warm} warm")
+        return ", ".join(held) or "-"
 
     rows = [
         [
@@ -105,14 +108,14 @@ def render_gpus(doc: dict[str, Any]) -> str:
             d["uuid"],
             d["name"],
             human_mib(d["memory_mib"]),
-            _fraction(d["used_fraction"]) if d["used_fraction"] else "0%",
+            f"{d['used_fraction']:.0%}",  # one unit: a whole GPU held reads 100%, not "1 GPU"
             human_mib(d["free_memory_mib"]),
             holders(d["slices"], d.get("other_users")),
         ]
         for d in doc.get("devices", [])
     ]
     head = f"{doc.get('message', '')} (placement: {doc.get('strategy', '-')})"
-    out = head + "\n" + table(["#", "UUID", "NAME", "MEMORY", "USED", "FREE MEMORY", "KERNELS"], rows)
+    out = head + "\n" + table(["#", "UUID", "NAME", "MEMORY", "USED", "FREE MEMORY", "HELD BY"], rows)
     pools = doc.get("warm_pods") or {}
     if pools:
         each = ", ".join(

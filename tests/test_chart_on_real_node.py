@@ -17,6 +17,8 @@ module (installs are slow); through the gateway's REST API and websockets, as a 
 - the gateway pod deleted while kernels run: the new gateway pod adopts them in their pods (the busy one
   and the idle one), same kernel ids, same processes; the notebook reconnecting with its session while
   the cell runs gets the cell's output and reply;
+- a cell spanning ``helm upgrade`` (a new gateway pod) that prints and ends while no gateway is
+  there: the notebook reconnecting with its session gets its output and reply;
 - a cell that runs its pod out of memory is answered at once with the cause and the limit;
 - ``helm uninstall`` with the hook's admin token hibernates every running kernel (the hook's pod in a
   container on the node reads its token).
@@ -612,6 +614,56 @@ def test_the_gateway_pod_deleted_while_kernels_run_is_replaced_and_keeps_them(ch
         status, _ = gateway.request("DELETE", f"/api/kernels/{kernel_id}", timeout=300)
         assert status == 204
         wait_for(lambda k=kernel_id: not chart.kernel_pods(k), 120, "the kernel pod to be deleted")
+
+
+def test_a_cell_spanning_helm_upgrade_reaches_the_notebook_that_reconnects(chart: Chart) -> None:
+    """``helm upgrade`` that replaces the gateway pod while a cell runs: the cell prints and ends
+    after the old gateway has gone and before the notebook is back; the notebook reconnecting to
+    the new gateway with its session gets that output and the cell's reply (the kernel kept them),
+    and the kernel keeps its pod."""
+    gateway = chart.gateway()
+    old = chart.pod
+    kernel_id = chart.start_kernel(gateway)
+    pod = chart.kernel_pod(kernel_id).metadata.uid
+    gate = ClaimGate(chart.storage)
+    ended = f"open('{CLAIM_IN_KERNEL}/ended-{gate.token}', 'w').close()"
+    with gateway.channel(kernel_id) as tab:
+        assert tab.execute("z = 'kept'; print(z)").stdout == "kept\n"
+        cell = tab.send(
+            "execute_request", {"code": gate.cell(f"print('after the upgrade', z)\n{ended}"), "silent": False}
+        )
+        gate.wait_running()
+    # A change that needs a new gateway pod (its environment).
+    chart.values["gateway"]["extraEnv"] = [
+        *chart.values["gateway"]["extraEnv"],
+        {"name": "ELASTIC_TEST_UPGRADE", "value": uuid.uuid4().hex},
+    ]
+    chart.upgrade()
+    wait_for(
+        lambda: (
+            old.metadata.uid
+            not in {
+                p.metadata.uid
+                for p in chart.core.list_namespaced_pod(
+                    chart.namespace, label_selector="app.kubernetes.io/component=gateway"
+                ).items
+            }
+        ),
+        600,
+        "the old gateway pod to be gone",
+    )
+    gate.open()
+    wait_for(lambda: next(chart.storage.rglob(f"ended-{gate.token}"), None), 300, "the cell to end")
+    gateway = chart.gateway(not_uid=old.metadata.uid)
+    wait_for(lambda: gateway.model(kernel_id)["state"] == "running", 300, "the kernel to be adopted")
+    with gateway.channel(kernel_id, session=tab.session) as back:
+        reply, iopub = back.collect(cell, timeout=300)
+    assert reply["content"]["status"] == "ok", reply
+    printed = "".join(m["content"]["text"] for m in iopub if m["msg_type"] == "stream")
+    assert printed == "after the upgrade kept\n", (iopub, chart.log())
+    assert chart.kernel_pod(kernel_id).metadata.uid == pod
+    status, _ = gateway.request("DELETE", f"/api/kernels/{kernel_id}", timeout=300)
+    assert status == 204
 
 
 def test_a_cell_that_runs_its_kernel_pod_out_of_memory_is_answered_with_the_cause(chart: Chart) -> None:

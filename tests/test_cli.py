@@ -248,7 +248,8 @@ def test_gpus_view_counts_warm_pod_slices_apart() -> None:
         "warm_pods": {"whole": {"ready": 1, "starting": 0}},
     }
     out = render_gpus(doc)
-    assert "1 (+1 warm)" in out
+    assert "k1 (-), +1 warm" in out
+    assert "100%" in out and "1 GPU" not in out  # one unit in USED
     assert (
         "Warm pods (each holds a slice, given up to any kernel that needs it): whole: 1 ready, 0 starting"
         in out

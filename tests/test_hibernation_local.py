@@ -775,6 +775,10 @@ def test_a_kernel_that_dies_during_a_cell_answers_it_with_the_cause(server: Runn
         assert "The kernel died while this cell ran: its process was killed by SIGKILL" in result.error
         assert "started again, empty" in result.error, result.error
         assert result.statuses[-1] == "idle"
+        # Then the restarter's own news (its "restarting" status), and the new process answers.
+        deadline = time.monotonic() + 120
+        while chan.recv(deadline)["content"].get("execution_state") != "restarting":
+            pass
         wait_for(
             lambda: server.get(f"/api/kernels/{kernel_id}")["execution_state"] == "idle",
             timeout=120,

@@ -2,7 +2,7 @@
 
 The end-to-end case (a gateway replaced while a cell runs) is in ``tests/test_kube_server.py``;
 here the rules: kept only while no notebook's subscription is there, per session, in order, handed
-over once, bounded (the oldest dropped and counted), binary messages counted and not kept.
+over once, bounded (the oldest dropped, their cells named), binary messages not kept (their cells named).
 """
 
 from __future__ import annotations
@@ -51,19 +51,19 @@ def test_kept_only_while_no_notebook_is_subscribed_per_session_in_order_once() -
     box.keep_frames(frames("a", "two"))
     box.subscription(b"\x01" + CLIENT_TOPIC)
     box.keep_frames(frames("a", "live again"))
-    kept, dropped = box.take("a")
-    assert texts(kept) == ["one", "execute_reply", "two"] and dropped == 0
+    kept, lost = box.take("a")
+    assert texts(kept) == ["one", "execute_reply", "two"] and lost == []
     assert [item["channel"] for item in kept] == ["iopub", "shell", "iopub"]
-    assert box.take("a") == ([], 0)
+    assert box.take("a") == ([], [])
     assert texts(box.take("b")[0]) == ["other notebook"]
 
 
-def test_bounded_the_oldest_go_and_are_counted_binary_messages_are_counted() -> None:
+def test_bounded_the_oldest_go_and_binary_messages_are_not_kept_their_cells_named() -> None:
     one = sum(len(f) for f in frames("a", "x" * 100))
     box = Outbox(max_bytes=3 * one)
     for n in range(5):
         box.keep_frames(frames("a", f"{n}" * 100))
     box.keep_frames(frames("a", "with a buffer", buffers=1))
-    kept, dropped = box.take("a")
+    kept, lost = box.take("a")
     assert texts(kept) == ["2" * 100, "3" * 100, "4" * 100]
-    assert dropped == 3
+    assert lost == [{"msg_id": "cell", "msg_type": "execute_request", "session": "a"}]

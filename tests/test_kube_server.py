@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from kernelmgr.server import undelivered
 from tests.support.gate import Gate
 from tests.support.kube import ControlPlane, require_envtest, wait_for
 
@@ -461,6 +462,7 @@ def test_what_a_cell_sent_while_no_gateway_was_there_reaches_the_notebook_that_r
         "print('before', flush=True)\n"
         + gate.cell(limit=600)
         + "for i in range(3):\n    print('in the gap', i, flush=True)\n"
+        + "print('x' * (17 * 2**20), flush=True)\n"  # more than the kernel keeps: told, not kept
         + f"open({str(done)!r}, 'w').close()\n"
     )
     msg_id = tab.send("execute_request", {"code": cell, "silent": False, "store_history": True})
@@ -475,8 +477,11 @@ def test_what_a_cell_sent_while_no_gateway_was_there_reaches_the_notebook_that_r
         with KernelChannel(second.url, kernel_id, timeout=120, session=tab.session) as back:
             reply, iopub = back.collect(msg_id, timeout=120)
             assert reply["content"]["status"] == "ok", reply
-            said = "".join(m["content"]["text"] for m in iopub if m["msg_type"] == "stream")
-            assert said == "in the gap 0\nin the gap 1\nin the gap 2\n", (said, second.log()[-3000:])
+            streams = [m["content"] for m in iopub if m["msg_type"] == "stream"]
+            said = "".join(c["text"] for c in streams if c["name"] == "stdout")
+            assert said == "in the gap 0\nin the gap 1\nin the gap 2\n", (said[:300], second.log()[-3000:])
+            told = "".join(c["text"] for c in streams if c["name"] == "stderr")
+            assert told == undelivered.LOST_NOTE + "\n", told
             assert [m["content"]["execution_state"] for m in iopub if m["msg_type"] == "status"] == ["idle"]
             assert back.execute("n += 1; print(n)").stdout == "2\n"
         # Once: a second reconnect of the same notebook gets nothing of that cell again.

@@ -8,9 +8,9 @@ DEALER that is gone. The gateway's notebook connections subscribe their IOPub so
 notebook to connect and the last one to go (the gateway's own watchers do not subscribe to it).
 While none is connected, the IOPub thread keeps each message of an execute request, and the
 agent each ``execute_reply``, per notebook session, at most :data:`MAX_BYTES` in all (beyond
-that the oldest go, counted). A notebook that connects again asks for its session's messages
+that the oldest go, and their cells are named). A notebook that connects again asks for its session's messages
 on the control channel (:data:`REQUEST`), which a busy kernel answers at once; they are handed
-over once. Messages with binary buffers (widgets) are counted, not kept.
+over once. Messages with binary buffers (widgets) are not kept either (their cells are named).
 
 Not covered: a gateway whose node vanished without closing its connections (the XPUB socket
 sees no unsubscription until TCP gives up), and a reply sent in the moment between a notebook's
@@ -47,7 +47,8 @@ class Outbox:
         self._attached = False
         self._kept: deque[tuple[str, dict[str, Any], int]] = deque()  # (session, {channel, msg}, size)
         self._bytes = 0
-        self._dropped: dict[str, int] = {}
+        #: Per session, the cells (their execute requests' headers, by msg_id) whose messages were not kept.
+        self._dropped: dict[str, dict[str, dict[str, Any]]] = {}
 
     @property
     def attached(self) -> bool:
@@ -87,23 +88,28 @@ class Outbox:
     def _keep(self, session: str, channel: str, msg: dict[str, Any], size: int, binary: bool) -> None:
         with self._lock:
             if binary or size > self.max_bytes:
-                self._dropped[session] = self._dropped.get(session, 0) + 1
+                self._lost(session, msg)
                 return
             self._kept.append((session, {"channel": channel, "msg": msg}, size))
             self._bytes += size
             while self._bytes > self.max_bytes:
-                gone, _, gone_size = self._kept.popleft()
+                gone, entry, gone_size = self._kept.popleft()
                 self._bytes -= gone_size
-                self._dropped[gone] = self._dropped.get(gone, 0) + 1
+                self._lost(gone, entry["msg"])
 
-    def take(self, session: str) -> tuple[list[dict[str, Any]], int]:
-        """The messages kept for ``session``, in order, and how many of its were not kept; once."""
+    def _lost(self, session: str, msg: dict[str, Any]) -> None:
+        parent = msg.get("parent_header") or {}
+        self._dropped.setdefault(session, {})[str(parent.get("msg_id"))] = parent
+
+    def take(self, session: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The messages kept for ``session``, in order, and the execute requests (headers) of the
+        cells some of whose messages were not kept; once."""
         with self._lock:
             mine = [entry for s, entry, _ in self._kept if s == session]
             rest = deque(item for item in self._kept if item[0] != session)
             self._bytes = sum(size for _, _, size in rest)
             self._kept = rest
-            return mine, self._dropped.pop(session, 0)
+            return mine, list(self._dropped.pop(session, {}).values())
 
 
 def install(kernel: Any, outbox: Outbox | None = None) -> Outbox | None:
@@ -154,8 +160,8 @@ def install(kernel: Any, outbox: Outbox | None = None) -> Outbox | None:
 
     def request(stream: Any, ident: Any, parent: dict[str, Any]) -> None:
         asked = str((parent.get("content") or {}).get("session", ""))
-        messages, dropped = box.take(asked)
-        session_send(stream, REPLY, {"messages": messages, "dropped": dropped}, parent, ident)
+        messages, lost = box.take(asked)
+        session_send(stream, REPLY, {"messages": messages, "lost": lost}, parent, ident)
 
     handlers[REQUEST] = request
     return box

@@ -18,11 +18,18 @@ from kernelmgr.checkpoint.outbox import DELIM, REPLY, REQUEST
 
 #: Seconds a connection waits for the answer (a kernel of an older version never answers).
 FETCH_TIMEOUT = 3.0
+#: What a cell is told when some of its output could not be kept.
+LOST_NOTE = (
+    "Some output of this cell is lost: the kernel sent it while no notebook was connected (the "
+    "gateway changed), and it was more than the kernel keeps (or binary, as a widget's)."
+)
 
 
-async def fetch(km: Any, key: bytes, session_id: str) -> tuple[list[dict[str, Any]], int] | None:
-    """The messages the kernel of ``km`` kept for ``session_id``, in order, and how many it could
-    not keep; ``None`` if it did not answer in time."""
+async def fetch(
+    km: Any, key: bytes, session_id: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """The messages the kernel of ``km`` kept for ``session_id``, in order, and the execute requests
+    (headers) of the cells it could not keep everything of; ``None`` if it did not answer in time."""
     asking = Session(key=key)
     control = km.connect_control()
     got: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
@@ -44,7 +51,7 @@ async def fetch(km: Any, key: bytes, session_id: str) -> tuple[list[dict[str, An
     if msg.get("msg_type") != REPLY:
         return None
     content = msg.get("content") or {}
-    return list(content.get("messages") or []), int(content.get("dropped") or 0)
+    return list(content.get("messages") or []), list(content.get("lost") or [])
 
 
 _REQUEST_BYTES = REQUEST.encode()

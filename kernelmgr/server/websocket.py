@@ -388,26 +388,32 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
             if kept is None:
                 self.log.info("Kernel %s kept no undelivered messages (it did not answer)", self.kernel_id)
             else:
-                messages, dropped = kept
-                for item in messages:
-                    kept_msg = dict(item.get("msg") or {})
-                    header = kept_msg.get("header") or {}
-                    kept_msg.update(msg_id=header.get("msg_id"), msg_type=header.get("msg_type"), buffers=[])
-                    self._send(str(item.get("channel", "iopub")), kept_msg)
-                if messages:
-                    self.log.info(
-                        "Kernel %s: %d undelivered message(s) delivered", self.kernel_id, len(messages)
-                    )
-                if dropped:
-                    self.notice(
-                        f"{dropped} message(s) this kernel sent while no notebook was connected to it "
-                        "(the gateway changed) could not be kept: some output of the cells that ran "
-                        "meanwhile is lost."
-                    )
+                messages, lost = kept
+                self._deliver_kept(messages, {str(p.get("msg_id")): p for p in lost})
         finally:
             held, self._holding = self._holding or [], None
             for stream, frames in held:
                 self.handle_outgoing_message(stream, frames)
+
+    def _deliver_kept(self, messages: list[dict[str, Any]], lost: dict[str, dict[str, Any]]) -> None:
+        """Send what the kernel kept, in order; a cell some of whose output could not be kept is
+        told so under its output, before its idle status (where a notebook still shows it)."""
+        for item in messages:
+            msg = dict(item.get("msg") or {})
+            header = msg.get("header") or {}
+            parent_id = str((msg.get("parent_header") or {}).get("msg_id"))
+            if header.get("msg_type") == "status" and parent_id in lost:
+                self._tell_lost(lost.pop(parent_id))
+            msg.update(msg_id=header.get("msg_id"), msg_type=header.get("msg_type"), buffers=[])
+            self._send(str(item.get("channel", "iopub")), msg)
+        for parent in lost.values():
+            self._tell_lost(parent)
+        if messages:
+            self.log.info("Kernel %s: %d undelivered message(s) delivered", self.kernel_id, len(messages))
+
+    def _tell_lost(self, parent: dict[str, Any]) -> None:
+        stderr = {"name": "stderr", "text": undelivered.LOST_NOTE + "\n"}
+        self._send("iopub", self.session.msg("stream", stderr, parent=parent))
 
     def handle_outgoing_message(self, stream: Any, outgoing_msg: list[Any]) -> None:
         if self._holding is not None:
