@@ -45,6 +45,8 @@ PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
     (_CHANNELS, "ZMQChannelsWebsocketConnection", "_open_sockets"),
     (_CHANNELS, "ZMQChannelsWebsocketConnection", "_register_session"),
     (_CHANNELS, "ZMQChannelsWebsocketConnection", "_close_future"),
+    # set on the kernel's manager by the connection's request_kernel_info (server/websocket.py)
+    (_CHANNELS, "ZMQChannelsWebsocketConnection", "_kernel_info_future"),
     ("jupyter_server.extension.application", "ExtensionApp", "_link_jupyter_server_extension"),
     # the gateway (gateway/)
     ("jupyter_server.gateway.managers", "GatewayMappingKernelManager", "_kernels"),

@@ -49,6 +49,8 @@ class Outbox:
         self._bytes = 0
         #: Per session, the cells (their execute requests' headers, by msg_id) whose messages were not kept.
         self._dropped: dict[str, dict[str, dict[str, Any]]] = {}
+        #: The kernel session's own send, before :func:`install` wrapped it.
+        self.session_send: Any = None
 
     @property
     def attached(self) -> bool:
@@ -116,21 +118,31 @@ def install(kernel: Any, outbox: Outbox | None = None) -> Outbox | None:
     """Keep ``kernel``'s (an ipykernel ``Kernel``) undelivered messages and answer :data:`REQUEST`.
 
     Hooks ipykernel's IOPub thread (its subscription listener and the send it runs every message
-    through) and the session's send for replies; ``None`` where this ipykernel has no XPUB
-    listener (then nothing is kept and the request goes unanswered: the gateway gives up on it).
+    through) and the session's send for replies. Where this ipykernel has no XPUB listener (before
+    7) nothing is kept (``None``), and the request is still answered, with nothing, so that a
+    connecting notebook does not wait for it.
     """
+    handlers = getattr(kernel, "control_handlers", None)
+    if not isinstance(handlers, dict):
+        return None
+    box = _hook(kernel, outbox or Outbox())
+    session_send = kernel.session.send if box is None else box.session_send
+
+    def request(stream: Any, ident: Any, parent: dict[str, Any]) -> None:
+        asked = str((parent.get("content") or {}).get("session", ""))
+        messages, lost = box.take(asked) if box is not None else ([], [])
+        session_send(stream, REPLY, {"messages": messages, "lost": lost}, parent, ident)
+
+    handlers[REQUEST] = request
+    return box
+
+
+def _hook(kernel: Any, box: Outbox) -> Outbox | None:
     thread: Any = getattr(kernel, "iopub_thread", None)
     stream = getattr(thread, "_xpub_stream", None)
-    handlers = getattr(kernel, "control_handlers", None)
-    if (
-        thread is None
-        or stream is None
-        or not isinstance(handlers, dict)
-        or not hasattr(thread, "_really_send")
-    ):
+    if thread is None or stream is None or not hasattr(thread, "_really_send"):
         log.info("undelivered messages are not kept: this ipykernel has no IOPub subscription events")
         return None
-    box = outbox or Outbox()
     listener = thread._handle_subscription
 
     def on_subscription(frames: list[Any]) -> None:
@@ -148,7 +160,7 @@ def install(kernel: Any, outbox: Outbox | None = None) -> Outbox | None:
 
     thread._really_send = send_kept
     session = kernel.session
-    session_send = session.send
+    box.session_send = session_send = session.send
 
     def send(stream: Any, msg_or_type: Any, *args: Any, **kwargs: Any) -> Any:
         msg = session_send(stream, msg_or_type, *args, **kwargs)
@@ -157,11 +169,4 @@ def install(kernel: Any, outbox: Outbox | None = None) -> Outbox | None:
         return msg
 
     session.send = send
-
-    def request(stream: Any, ident: Any, parent: dict[str, Any]) -> None:
-        asked = str((parent.get("content") or {}).get("session", ""))
-        messages, lost = box.take(asked)
-        session_send(stream, REPLY, {"messages": messages, "lost": lost}, parent, ident)
-
-    handlers[REQUEST] = request
     return box
