@@ -172,6 +172,17 @@ class Chart:
     def log(self) -> str:
         return gateway_log(self.core, self.namespace, self.pod)
 
+    def wait_gone(self, old: Any) -> None:
+        """Until the gateway pod ``old`` (replaced: deleted, or an upgrade) is gone from the API."""
+
+        def gone() -> bool:
+            pods = self.core.list_namespaced_pod(
+                self.namespace, label_selector="app.kubernetes.io/component=gateway"
+            ).items
+            return old.metadata.uid not in {p.metadata.uid for p in pods}
+
+        wait_for(gone, 600, "the old gateway pod to be gone")
+
     def start_kernel(self, gateway: Gateway, name: str = "") -> str:
         """A kernel of kernelspec ``name`` (empty: the GPU size)."""
         specs = gateway.request("GET", "/api/kernelspecs")[1]["kernelspecs"]
@@ -579,19 +590,7 @@ def test_the_gateway_pod_deleted_while_kernels_run_is_replaced_and_keeps_them(ch
     busy_pod = chart.kernel_pod(busy).metadata.uid
     idle_pod = chart.kernel_pod(idle).metadata.uid
     chart.core.delete_namespaced_pod(old.metadata.name, chart.namespace)
-    wait_for(
-        lambda: (
-            old.metadata.uid
-            not in {
-                p.metadata.uid
-                for p in chart.core.list_namespaced_pod(
-                    chart.namespace, label_selector="app.kubernetes.io/component=gateway"
-                ).items
-            }
-        ),
-        600,
-        "the old gateway pod to be gone",
-    )
+    chart.wait_gone(old)
     gateway = chart.gateway(not_uid=old.metadata.uid)
     kernels = {k["id"]: k for k in gateway.request("GET", "/api/kernels")[1]}
     assert {idle, busy} <= set(kernels), (kernels, chart.log())
@@ -639,19 +638,7 @@ def test_a_cell_spanning_helm_upgrade_reaches_the_notebook_that_reconnects(chart
         {"name": "ELASTIC_TEST_UPGRADE", "value": uuid.uuid4().hex},
     ]
     chart.upgrade()
-    wait_for(
-        lambda: (
-            old.metadata.uid
-            not in {
-                p.metadata.uid
-                for p in chart.core.list_namespaced_pod(
-                    chart.namespace, label_selector="app.kubernetes.io/component=gateway"
-                ).items
-            }
-        ),
-        600,
-        "the old gateway pod to be gone",
-    )
+    chart.wait_gone(old)
     gate.open()
     wait_for(lambda: next(chart.storage.rglob(f"ended-{gate.token}"), None), 300, "the cell to end")
     gateway = chart.gateway(not_uid=old.metadata.uid)
