@@ -43,7 +43,6 @@ from jupyter_client import BlockingKernelClient
 from kubernetes import client, watch
 
 from benchmarks.markdown import print_header, print_row
-from tests.support.forward import Forwarder
 from tests.support.kube import ControlPlane, free_port, wait_for
 from tests.support.node import Node, require_node
 from tests.test_chart_on_real_node import CLAIM_IN_KERNEL, Chart, Gateway, installed_chart
@@ -173,16 +172,9 @@ def main() -> None:
         try:
             with Node(node_dir, plane.admin_kubeconfig, paths=paths, registry=registry) as node:
                 kernel, gateway_image = images_script("push", registry).split()
-                port = int(plane.server.rsplit(":", 1)[1])
-                forwarder = Forwarder((node.gateway_ip, port), ("127.0.0.1", port)).start()
                 images = {"kernel": kernel, "gateway": gateway_image}
-                try:
-                    with installed_chart(
-                        api, node, images, (node.gateway_ip, port), plane, Path(tmp)
-                    ) as chart:
-                        measure(chart, sizes, args.repeat)
-                finally:
-                    forwarder.stop()
+                with installed_chart(api, node, images, plane, Path(tmp)) as chart:
+                    measure(chart, sizes, args.repeat)
         finally:
             images_script("registry-stop", str(registry_dir))
             shutil.rmtree(node_dir, ignore_errors=True)

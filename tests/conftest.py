@@ -135,7 +135,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # use the one image store: two at once on different workers would fight over them, so one worker takes
 # them all, one after another.
 ONE_NODE_MODULES = frozenset(
-    {"test_chart_on_real_node", "test_images", "test_real_node", "test_user_files_on_real_node"}
+    {
+        "test_chart_on_real_node",
+        "test_cluster_network",
+        "test_hub_images",
+        "test_images",
+        "test_real_node",
+        "test_user_files_on_real_node",
+    }
 )
 REAL_NODE_GROUP = "the real node"
 

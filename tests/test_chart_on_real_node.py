@@ -54,10 +54,10 @@ require_envtest(module_level=True)
 
 from kubernetes import client  # noqa: E402
 
-from tests.support.forward import Forwarder  # noqa: E402
 from tests.support.node import LABEL, TAINT, Node  # noqa: E402
 from tests.support.oracle import PLAIN_SETUP, Reference, check_same, cycle_cell, run_both  # noqa: E402
 from tests.support.server import TOKEN, ExecResult, KernelChannel  # noqa: E402
+from tests.test_cluster_network import PROBE, Namespace, probe  # noqa: E402
 from tests.test_helm_chart import CHART, helm  # noqa: E402
 from tests.test_images import images_script  # noqa: E402
 from tests.test_real_node import node, registry  # noqa: E402, F401
@@ -77,10 +77,10 @@ UNPICKLABLE = "import os, threading; g = iter(range(10)); next(g); lock = thread
 
 
 class Gateway:
-    """The gateway pod's REST API at its pod IP (reachable from the host over the node's bridge)."""
+    """The gateway's REST API at ``url`` (its Service's ClusterIP: kube-proxy routes it from the host)."""
 
-    def __init__(self, ip: str) -> None:
-        self.url = f"http://{ip}:8888"
+    def __init__(self, url: str) -> None:
+        self.url = url
 
     def request(self, method: str, path: str, body: Any = None, timeout: float = 60) -> tuple[int, Any]:
         data = None if body is None else json.dumps(body).encode()
@@ -165,9 +165,17 @@ class Chart:
     def gateway(self, not_uid: str | None = None) -> Gateway:
         """The current gateway pod's API, once it answers (a new pod when ``not_uid`` names the old)."""
         self.pod = gateway_pod(self.core, self.namespace, not_uid)
-        gateway = Gateway(self.pod.status.pod_ip)
+        gateway = Gateway(self.service_url(dns=False))
         wait_for(gateway.answers, 300, "the gateway to answer")
         return gateway
+
+    def service_url(self, dns: bool = True) -> str:
+        """The gateway Service's URL: by its DNS name (as pods reach it) or its ClusterIP (this host)."""
+        (service,) = self.core.list_namespaced_service(
+            self.namespace, label_selector="app.kubernetes.io/component=gateway"
+        ).items
+        host = f"{service.metadata.name}.{self.namespace}.svc" if dns else service.spec.cluster_ip
+        return f"http://{host}:{service.spec.ports[0].port}"
 
     def log(self) -> str:
         return gateway_log(self.core, self.namespace, self.pod)
@@ -255,27 +263,15 @@ def pushed(registry: str) -> dict[str, str]:  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-def api_forward(node: Node, kube_plane: ControlPlane) -> Iterator[tuple[str, int]]:  # noqa: F811
-    """The API server as pods reach it: the node's bridge address, the API server's port."""
-    port = int(kube_plane.server.rsplit(":", 1)[1])
-    forwarder = Forwarder((node.gateway_ip, port), ("127.0.0.1", port)).start()
-    yield node.gateway_ip, port
-    forwarder.stop()
-
-
-@pytest.fixture(scope="module")
 def chart(
     node: Node,  # noqa: F811
     kube_api: Any,
     pushed: dict[str, str],
-    api_forward: tuple[str, int],
     kube_plane: ControlPlane,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Chart]:
     """The chart installed once for the module, with its defaults and what this cluster forces."""
-    with installed_chart(
-        kube_api, node, pushed, api_forward, kube_plane, tmp_path_factory.mktemp("chart")
-    ) as c:
+    with installed_chart(kube_api, node, pushed, kube_plane, tmp_path_factory.mktemp("chart")) as c:
         yield c
 
 
@@ -284,7 +280,6 @@ def installed_chart(
     kube_api: Any,
     node: Node,  # noqa: F811
     pushed: dict[str, str],
-    api_forward: tuple[str, int],
     kube_plane: ControlPlane,
     tmp: Path,
 ) -> Iterator[Chart]:
@@ -312,7 +307,6 @@ def installed_chart(
     # The node has no GPU: it advertises two (what a device plugin would do) so GPU sizes are placed.
     core.patch_node_status(node.name, {"status": {"capacity": {"nvidia.com/gpu": "2"}}})
     repository, _, tag = pushed["gateway"].rpartition(":")
-    api_host, api_port = api_forward
     values: dict[str, Any] = {
         # What every admin sets: where the images are.
         "image": {"repository": repository, "tag": tag},
@@ -320,20 +314,13 @@ def installed_chart(
         # Forced here: the real node is tainted so that only the pods that ask run there, and it has
         # 2 cores: two GPU kernels beside the gateway fit only with a smaller CPU request.
         "kernels": {**ON_THE_NODE, "resources": {"requests": {"cpu": "250m"}}},
-        # Forced here: the uninstall hook (tested in tests/test_helm_chart.py) would need the same
-        # API address as the gateway; this fixture's uninstall only cleans up.
+        # This fixture's uninstall only cleans up (the hook is the module's last test).
         "uninstallHook": {"enabled": False},
         "gateway": {
             # Forced here: no JupyterHub in this cluster, so one static token (a Secret).
             "auth": "token",
             "tokenSecret": "gateway-token",
             **ON_THE_NODE,
-            # Forced here: no kube-proxy routes the kubernetes Service's ClusterIP; the API server is
-            # at the node's bridge address (tests/support/forward.py), which its certificate names.
-            "extraEnv": [
-                {"name": "KUBERNETES_SERVICE_HOST", "value": api_host},
-                {"name": "KUBERNETES_SERVICE_PORT", "value": str(api_port)},
-            ],
         },
     }
     kubeconfig = ["--kubeconfig", str(kube_plane.admin_kubeconfig)]
@@ -424,15 +411,12 @@ def test_chart_defaults_on_the_real_node_start_hibernate_resume_and_upgrade(char
     assert gateway.execute(kernel_id, "print(x)").strip() == "42"
     for k in kernels[1:]:
         assert gateway.request("DELETE", f"/api/kernels/{k}", timeout=300)[0] == 204
-    # helm test: its pod (the gateway's image, on the node) asks the gateway. Forced here: no cluster
-    # DNS resolves the Service's name, so the test pod is given the gateway pod's address.
-    chart.values["tests"] = {"gatewayUrl": gateway.url}
-    chart.upgrade()
+    # helm test: its pod (the gateway's image, on the node) asks the gateway at its Service's DNS name.
     tested = chart.helm("test", RELEASE, "--timeout", "600s", check=False, timeout=660)
     hook = f"{RELEASE}-test-gateway"
     said = core.read_namespaced_pod_log(hook, namespace)
     assert tested.returncode == 0, (tested.stdout, tested.stderr, said)
-    assert f"the gateway answers at {gateway.url}/api version" in said, said
+    assert f"the gateway answers at {chart.service_url()}/api version" in said, said
     assert core.read_namespaced_pod(hook, namespace).spec.node_name == chart.node.name
     # The kernel image, where kernels run, checked against the running gateway's version.
     checked = core.read_namespaced_pod(f"{RELEASE}-test-kernel-image", namespace)
@@ -634,7 +618,7 @@ def test_a_cell_spanning_helm_upgrade_reaches_the_notebook_that_reconnects(chart
         gate.wait_running()
     # A change that needs a new gateway pod (its environment).
     chart.values["gateway"]["extraEnv"] = [
-        *chart.values["gateway"]["extraEnv"],
+        *chart.values["gateway"].get("extraEnv", []),
         {"name": "ELASTIC_TEST_UPGRADE", "value": uuid.uuid4().hex},
     ]
     chart.upgrade()
@@ -651,6 +635,42 @@ def test_a_cell_spanning_helm_upgrade_reaches_the_notebook_that_reconnects(chart
     assert chart.kernel_pod(kernel_id).metadata.uid == pod
     status, _ = gateway.request("DELETE", f"/api/kernels/{kernel_id}", timeout=300)
     assert status == 204
+
+
+def test_the_charts_network_policies_hold_for_kernel_pods(chart: Chart) -> None:
+    """The chart's NetworkPolicies, enforced on the node (kube-router's firewall): a kernel reaches
+    cluster DNS and the gateway, not the API server (private addresses are not in its defaults); a
+    kernel's ports take the gateway's connections (its cells run) and no other pod's, while that other
+    pod does reach the gateway (the probe itself works)."""
+    gateway = chart.gateway()
+    kernel_id = chart.start_kernel(gateway, "python3-cpu")
+    service = chart.service_url().removeprefix("http://")
+    targets = ["dns:kubernetes.default.svc", "tcp:kubernetes.default.svc:443", f"tcp:{service}"]
+    cell = (
+        f"import os; os.environ['PROBES'] = {' '.join(targets)!r}; os.environ['UNTIL_REACHED'] = '0'\n{PROBE}"
+    )
+
+    def from_the_kernel() -> dict[str, str]:
+        return dict(json.loads(gateway.execute(kernel_id, cell).strip().splitlines()[-1]))
+
+    # A new pod's address reaches the firewall's sets a moment after it starts: wait for the cut.
+    said = wait_for(
+        lambda: (found := from_the_kernel())[targets[1]].startswith("failed") and found,
+        120,
+        "the kernel's egress to the API server to be cut",
+    )
+    assert said[targets[0]] == "address 10.96.0.1", said
+    assert said[targets[2]] == "connected", said
+
+    kernel_pod = chart.kernel_pod(kernel_id)
+    ports = [p.container_port for p in kernel_pod.spec.containers[0].ports]
+    stranger = [f"tcp:{kernel_pod.status.pod_ip}:{port}" for port in ports]
+    other = Namespace(chart.core, chart.namespace)
+    seen = probe(other, chart.images["kernel"], [f"tcp:{service}", *stranger], expect=False)
+    assert seen.pop(f"tcp:{service}") == "connected", seen
+    assert len(seen) == 5 and all(v.startswith("failed") for v in seen.values()), seen
+    assert gateway.execute(kernel_id, "print(6 * 7)").strip() == "42"
+    assert gateway.request("DELETE", f"/api/kernels/{kernel_id}", timeout=300)[0] == 204
 
 
 def test_a_cell_that_runs_its_kernel_pod_out_of_memory_is_answered_with_the_cause(chart: Chart) -> None:
@@ -686,14 +706,8 @@ def test_helm_uninstall_with_the_hooks_admin_token_hibernates_every_running_kern
     kernels = [chart.start_kernel(gateway) for _ in range(2)]
     for n, kernel_id in enumerate(kernels):
         assert gateway.execute(kernel_id, f"kept = {n}; print(kept)").strip() == str(n)
-    # The hook needs what this cluster forces on the gateway too: the API server's address, the node,
-    # and the gateway at its pod IP (no cluster DNS here for the Service's name).
-    chart.values["uninstallHook"] = {
-        "enabled": True,
-        "gatewayUrl": gateway.url,
-        **ON_THE_NODE,
-        "extraEnv": chart.values["gateway"]["extraEnv"],
-    }
+    # The hook reaches the gateway at its Service's DNS name (the default); forced here: the node.
+    chart.values["uninstallHook"] = {"enabled": True, **ON_THE_NODE}
     chart.upgrade()
     chart.helm("uninstall", RELEASE, "--wait", timeout=600)
     (hook,) = chart.core.list_namespaced_pod(

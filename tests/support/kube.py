@@ -43,6 +43,9 @@ BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler
 KWOK_ANNOTATION = "kwok.x-k8s.io/node"
 KWOK_ANNOTATION_VALUE = "fake"
 SERVICE_CLUSTER_IP_RANGE = "10.96.0.0/16"
+#: The real node's bridge address (tests/support/node.py): the host as its pods see it, where they
+#: reach this API server through the ``kubernetes`` Service (tests/support/cluster_network.py).
+POD_NETWORK_HOST = "10.88.0.1"
 KWOK_POD_CIDR = "10.244.0.0/16"
 GPU = "nvidia.com/gpu"
 HAMI_GPUMEM = "nvidia.com/gpumem"
@@ -481,9 +484,9 @@ class ControlPlane:
         pki.issue(
             "serving", "kube-apiserver",
             server_names=["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"],
-            # 10.88.0.1: the real node's bridge (tests/support/node.py), where its pods reach this API
-            # server through tests/support/forward.py (with in-cluster configuration and TLS checks).
-            server_ips=["127.0.0.1", "10.96.0.1", "10.88.0.1"],
+            # The kubernetes Service's ClusterIP and the real node's bridge address behind it, where
+            # pods reach this API server (in-cluster configuration, TLS checked).
+            server_ips=["127.0.0.1", "10.96.0.1", POD_NETWORK_HOST],
         )  # fmt: skip
         pki.service_account_keys()
         for name, cn, orgs in (
@@ -521,7 +524,9 @@ class ControlPlane:
             args = [
                 f"--etcd-servers=http://127.0.0.1:{self.ports['etcd']}",
                 "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                # The kubernetes Service's endpoint: the real node's bridge address, forwarded to this
+                # API server's port there while a real node runs (tests/support/cluster_network.py).
+                f"--advertise-address={POD_NETWORK_HOST}",
                 f"--secure-port={self.ports['kube-apiserver']}",
                 f"--tls-cert-file={pki / 'serving.crt'}",
                 f"--tls-private-key-file={pki / 'serving.key'}",
@@ -531,8 +536,6 @@ class ControlPlane:
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-cluster-ip-range={SERVICE_CLUSTER_IP_RANGE}",
-                # The "kubernetes" Service's endpoints may not be loopback; nothing here needs them.
-                "--endpoint-reconciler-type=none",
                 "--allow-privileged=true",
                 # A real kubelet (tests/support/node.py) registers its node name as its Hostname, which no
                 # DNS resolves here: `kubectl logs` and exec reach it at its InternalIP.

@@ -5,10 +5,12 @@ for real: images from containerd's store (imported archives, or a local registry
 namespaces and cgroups from runc, a veth on a dedicated bridge with an address from a dedicated subnet
 (host-local IPAM), reachable from the host. Everything it changes on the machine is:
 
-* the bridge ``ekcni0`` with ``10.88.0.1/16`` (no iptables rules: no masquerade, no port maps; the
-  host forwards nothing, pods talk to the host's own addresses only);
-* processes (containerd, its shims, the kubelet) and mounts under its state folder, all removed by
-  :meth:`Node.stop` (the bridge too, when it made it).
+* the bridge ``ekcni0`` with ``10.88.0.1/16``, forwarding on it alone (a ClusterIP's packets come
+  back out the bridge to the pod behind it; nothing is masqueraded out of this machine);
+* the cluster network's iptables rules and ipsets (:mod:`tests.support.cluster_network`: kube-proxy,
+  CoreDNS, kube-router's NetworkPolicy firewall), removed by their own cleanup commands;
+* processes (containerd, its shims, the kubelet, the network's) and mounts under its state folder, all
+  removed by :meth:`Node.stop` (the bridge too, when it made it).
 
 The node carries the taint :data:`TAINT` and the label :data:`LABEL`, so only pods that ask for it run
 there: the other tests' pods stay on kwok nodes. ``scripts/node.sh`` builds the kubelet and the pause
@@ -27,20 +29,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.support.cluster_network import CLUSTER_DOMAIN, DNS_SERVICE_IP, ClusterNetwork
 from tests.support.containerd import Containerd, require_node_tools, unmount_under
 from tests.support.kube import free_port, kill_with_parent, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 NODE_SCRIPT = REPO / "scripts" / "node.sh"
 BRIDGE = "ekcni0"
-SUBNET = "10.88.0.0/16"
+SUBNET = "10.88.0.0/16"  # its first address is POD_NETWORK_HOST, which the API server advertises
 #: The pods that may run on the real node tolerate this taint (and select this label).
 TAINT = {"key": "jupyter-elastic-kernels/real-node", "value": "true", "effect": "NoSchedule"}
 LABEL = ("jupyter-elastic-kernels/real-node", "true")
 PAUSE_IMAGE = "localhost/jupyter-elastic-kernels-pause:1"
-TOOLS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "ip", "buildah")
+TOOLS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "ip", "buildah", "ipset", "iptables")
 HOW = (
-    "apt-get install -y containerd runc containernetworking-plugins buildah, as root, then "
+    "apt-get install -y containerd runc ipset containernetworking-plugins buildah, as root, then "
     "scripts/node.sh build"
 )
 
@@ -94,6 +97,7 @@ class Node:
     paths: dict[str, Path] = field(default_factory=node_paths)
     containerd: Containerd | None = field(default=None, init=False)
     kubelet: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    network: ClusterNetwork | None = field(default=None, init=False)
     made_bridge: bool = field(default=False, init=False)
 
     @property
@@ -118,6 +122,9 @@ class Node:
         if addr not in shown:
             subprocess.run(["ip", "addr", "add", addr, "dev", self.bridge], check=True)
         subprocess.run(["ip", "link", "set", self.bridge, "up"], check=True)
+        # Forwarding for what comes in on the bridge only: a pod's packet to a ClusterIP is routed
+        # (kube-proxy's DNAT) back out to the pod behind it. The rest of the machine keeps its setting.
+        Path(f"/proc/sys/net/ipv4/conf/{self.bridge}/forwarding").write_text("1")
 
     def _cni_config(self) -> Path:
         conf_dir = self.directory / "cni" / "net.d"
@@ -136,6 +143,9 @@ class Node:
                     # bridge has its address already (``_ensure_bridge``), and the pods route via it.
                     "isGateway": False,
                     "ipMasq": False,
+                    # A pod reaching its own Service comes back through its own port (kube-proxy
+                    # masquerades it), as on every Kubernetes bridge network.
+                    "hairpinMode": True,
                     "ipam": {
                         "type": "host-local",
                         "ranges": [
@@ -210,6 +220,9 @@ class Node:
             "volumePluginDir": str(self.directory / "volume-plugins"),
             "serializeImagePulls": False,
             "resolvConf": "/etc/resolv.conf",
+            # Pods resolve through the cluster's DNS (tests/support/cluster_network.py).
+            "clusterDNS": [DNS_SERVICE_IP],
+            "clusterDomain": CLUSTER_DOMAIN,
         }
         path = d / "config.json"
         path.write_text(json.dumps(config, indent=1))
@@ -247,6 +260,15 @@ class Node:
             )
             log.close()
             wait_for(self._ready, timeout, f"node {self.name} to be Ready")
+            network = ClusterNetwork(
+                self.directory / "network",
+                self.kubeconfig,
+                self.name,
+                self.gateway_ip,
+                self.subnet,
+                self.paths,
+            )
+            self.network = network.start()
         except BaseException:
             self.stop()
             raise
@@ -273,6 +295,9 @@ class Node:
         return self.containerd.import_image(archive, namespace="k8s.io")
 
     def stop(self) -> None:
+        if self.network is not None:
+            self.network.stop()
+            self.network = None
         if self.kubelet is not None and self.kubelet.poll() is None:
             self.kubelet.terminate()
             try:
