@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The kernel and gateway images, built from this checkout with buildah (no daemon, no registry needed).
+# The kernel and gateway images (and the JupyterHub images of the test cluster), built from this
+# checkout with buildah (no daemon, no registry needed).
 #
 #   scripts/images.sh build              build both images (tags: the package version from pyproject.toml)
 #                                        into this script's own containers-storage under the cache; reuses
@@ -16,6 +17,13 @@
 #   scripts/images.sh export-torch [DIR] the kernel image with PyTorch (Debian's CPU build, python3-torch)
 #                                        as an OCI archive DIR/kernel-torch-VERSION.tar: the tests' PyTorch
 #                                        environment (a DataLoader with workers in a real kernel pod)
+#   scripts/images.sh export-hub [DIR]   build the three images of a z2jh-style JupyterHub (the Hub with
+#                                        KubeSpawner, configurable-http-proxy, the single-user server with
+#                                        this package's gateway-aware managers), then write OCI archives
+#                                        DIR/{hub,proxy,singleuser}-VERSION.tar; prints the three paths on
+#                                        one line, in that order
+#   scripts/images.sh push-hub REGISTRY  build those three, then push them to REGISTRY (plain HTTP)
+#   scripts/images.sh names-hub          print those three image names with their tags
 #
 # The base image is made from Debian packages (mmdebstrap), as no registry may be reachable; set
 # ELASTIC_IMAGES_BASE to an image already in the storage (or a docker.io name, with a registry) to build
@@ -40,6 +48,18 @@ BASE_PACKAGES="python3,python3-venv,ca-certificates,tini,passwd"
 # links: OpenCV, FFmpeg, Qt...): a 1.4 GB tarball made in 2 to 3.5 minutes here. PyPI's Linux torch is
 # the CUDA build, which imports only with its nvidia-* wheels: 3 GB to download, 6 GB installed.
 TORCH_PACKAGES="${BASE_PACKAGES},python3-torch"
+# The proxy's base adds Debian's Node.js (18 in bookworm) for configurable-http-proxy.
+PROXY_PACKAGES="${BASE_PACKAGES},nodejs"
+# The JupyterHub images' versions, pinned here and only here (the Containerfiles take them as build
+# arguments). The Hub and the single-user servers run the same JupyterHub: jupyterhub-singleuser
+# speaks the Hub's API and OAuth. pycurl because z2jh's jupyterhub_config.py switches tornado to its
+# curl client (the Hub's many proxy API calls), jupyterhub-idle-culler for its `cull` service.
+# JupyterLab as in the environment that built the committed labextension (scripts/labextension.sh).
+# configurable-http-proxy stays on 4.x: 5.x needs Node.js 20, and bookworm has 18.
+JUPYTERHUB_VERSION="6.1.1"
+HUB_PACKAGES="jupyterhub==${JUPYTERHUB_VERSION} jupyterhub-kubespawner==7.1.0 jupyterhub-idle-culler==2.0.0 pycurl==7.49.0"
+SINGLEUSER_PACKAGES="jupyterhub==${JUPYTERHUB_VERSION} jupyterlab==4.6.6"
+CHP_VERSION="4.6.3"
 PYTHON="${ELASTIC_IMAGES_PYTHON:-python3}"  # runs pip on this machine
 NAME_PREFIX="${ELASTIC_IMAGES_PREFIX:-localhost/}"
 
@@ -52,6 +72,9 @@ version() {
 kernel_name() { echo "${NAME_PREFIX}jupyter-elastic-kernels-kernel:$(version)"; }
 torch_kernel_name() { echo "${NAME_PREFIX}jupyter-elastic-kernels-kernel-torch:$(version)"; }
 gateway_name() { echo "${NAME_PREFIX}jupyter-elastic-kernels:$(version)"; }
+hub_name() { echo "${NAME_PREFIX}jupyter-elastic-kernels-hub:$(version)"; }
+proxy_name() { echo "${NAME_PREFIX}jupyter-elastic-kernels-proxy:$(version)"; }
+singleuser_name() { echo "${NAME_PREFIX}jupyter-elastic-kernels-singleuser:$(version)"; }
 
 bud() {
     buildah --root "${STORAGE_ROOT}" --runroot "${STORAGE_RUNROOT}" --storage-driver overlay "$@"
@@ -176,36 +199,37 @@ platform_flags() {
         "${arch}" "${arch}" "${arch}"
 }
 
-# The context of both builds: the wheels (this checkout's, plus its dependencies'), kept between builds
-# with their times unchanged when their content is, so buildah reuses the layers made from them. The
-# dependencies are resolved for the base's own Python (binary wheels only: a build without network
-# cannot compile), and cached, keyed by the dependency list and that version.
-stage_context() {
-    local context="$1" python_version="$2"
-    local deps_key deps_dir
-    deps_key="$({
-        sed -n '/^dependencies = \[/,/^\]/p' "${REPO_ROOT}/pyproject.toml"
-        sed -n '/^kubernetes = \[/p; /^gateway = \[/p' "${REPO_ROOT}/pyproject.toml"  # the gateway image's extras
-        echo "${python_version} $(uname -m)"
-    } | sha256sum | cut -c1-16)"
-    deps_dir="${CACHE_DIR}/wheels/deps-${deps_key}"
+# This checkout's wheel, alone in the cache's wheels/project (hatchling's wheels are reproducible: the
+# same checkout gives the same bytes).
+project_wheel() {
     local project_dir="${CACHE_DIR}/wheels/project"
     rm -rf "${project_dir}"
-    mkdir -p "${project_dir}" "${context}/wheels"
-    # (hatchling's wheels are reproducible: the same checkout gives the same bytes)
+    mkdir -p "${project_dir}"
     "${PYTHON}" -m pip wheel --quiet --disable-pip-version-check --no-deps -w "${project_dir}" "${REPO_ROOT}" >&2
-    if [[ ! -f "${deps_dir}/.complete" ]]; then
-        log "downloading the dependencies' wheels for Python ${python_version} into ${deps_dir}"
-        rm -rf "${deps_dir}"
-        mkdir -p "${deps_dir}"
-        local abi="cp$(echo "${python_version}" | cut -d. -f1,2 | tr -d .)"
-        "${PYTHON}" -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
-            --python-version "${python_version}" --implementation cp --abi "${abi}" --abi abi3 --abi none \
-            $(platform_flags) -d "${deps_dir}" \
-            "jupyter-elastic-kernels[gateway,kubernetes] @ file://$(ls "${project_dir}"/*.whl)" >&2
-        rm -f "${deps_dir}"/jupyter_elastic_kernels-*.whl
-        touch "${deps_dir}/.complete"
-    fi
+}
+
+# DIR: the binary wheels of REQUIREMENTS... for the base's Python VERSION (a build without network
+# cannot compile), without this package's own; downloaded once (.complete marks a finished download).
+download_wheels() {
+    local deps_dir="$1" python_version="$2"
+    shift 2
+    [[ -f "${deps_dir}/.complete" ]] && return 0
+    log "downloading the dependencies' wheels for Python ${python_version} into ${deps_dir}"
+    rm -rf "${deps_dir}"
+    mkdir -p "${deps_dir}"
+    local abi="cp$(echo "${python_version}" | cut -d. -f1,2 | tr -d .)"
+    "${PYTHON}" -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
+        --python-version "${python_version}" --implementation cp --abi "${abi}" --abi abi3 --abi none \
+        $(platform_flags) -d "${deps_dir}" "$@" >&2
+    rm -f "${deps_dir}"/jupyter_elastic_kernels-*.whl
+    touch "${deps_dir}/.complete"
+}
+
+# CONTEXT/wheels made to hold exactly the wheels of DEPS_DIR and this checkout's: a file is copied only
+# when its content changed, its time kept, so buildah reuses the layers made from the others.
+sync_wheels() {
+    local context="$1" deps_dir="$2" project_dir="${CACHE_DIR}/wheels/project"
+    mkdir -p "${context}/wheels"
     local wanted=("${deps_dir}"/*.whl "${project_dir}"/*.whl) source target name
     for target in "${context}/wheels"/*.whl; do
         [[ -e "${target}" ]] || continue
@@ -218,16 +242,88 @@ stage_context() {
     done
 }
 
-# WHICH (images/WHICH/Containerfile) as NAME from BASE; STAMP names its key file (default: WHICH).
+# The context of the kernel and gateway builds: the wheels (this checkout's, plus its dependencies'),
+# the dependencies resolved for the base's own Python and cached, keyed by the dependency list and that
+# version.
+stage_context() {
+    local context="$1" python_version="$2"
+    local deps_key deps_dir
+    deps_key="$({
+        sed -n '/^dependencies = \[/,/^\]/p' "${REPO_ROOT}/pyproject.toml"
+        sed -n '/^kubernetes = \[/p; /^gateway = \[/p' "${REPO_ROOT}/pyproject.toml"  # the gateway image's extras
+        echo "${python_version} $(uname -m)"
+    } | sha256sum | cut -c1-16)"
+    deps_dir="${CACHE_DIR}/wheels/deps-${deps_key}"
+    project_wheel
+    download_wheels "${deps_dir}" "${python_version}" \
+        "jupyter-elastic-kernels[gateway,kubernetes] @ file://$(ls "${CACHE_DIR}/wheels/project"/*.whl)"
+    sync_wheels "${context}" "${deps_dir}"
+}
+
+# The context of the hub and single-user builds: one set of wheels resolved for both at once (the
+# pinned JupyterHub packages, JupyterLab, this package with every extra either image installs), so
+# the two agree on every shared dependency. Its own folder: the kernel and gateway images' wheels and
+# layers stay as they are.
+stage_hub_context() {
+    local context="$1" python_version="$2"
+    local deps_key deps_dir
+    deps_key="$({
+        sed -n '/^dependencies = \[/,/^\]/p' "${REPO_ROOT}/pyproject.toml"
+        sed -n '/^kubernetes = \[/p; /^gateway = \[/p; /^lab = \[/p' "${REPO_ROOT}/pyproject.toml"
+        echo "${HUB_PACKAGES} ${SINGLEUSER_PACKAGES}"
+        echo "${python_version} $(uname -m)"
+    } | sha256sum | cut -c1-16)"
+    deps_dir="${CACHE_DIR}/wheels/hub-deps-${deps_key}"
+    project_wheel
+    # (word splitting of the two lists is wanted: one requirement a word)
+    # shellcheck disable=SC2086
+    download_wheels "${deps_dir}" "${python_version}" ${HUB_PACKAGES} ${SINGLEUSER_PACKAGES} \
+        "jupyter-elastic-kernels[gateway,kubernetes,lab] @ file://$(ls "${CACHE_DIR}/wheels/project"/*.whl)"
+    sync_wheels "${context}" "${deps_dir}"
+}
+
+# The proxy's context: configurable-http-proxy from npm (pure JavaScript: installed here, run by the
+# base's Node.js), in CONTEXT/chp; installed again only when CHP_VERSION changes, so its files keep
+# their times and buildah reuses its layer.
+stage_proxy_context() {
+    local context="$1" staging
+    if [[ "$(cat "${context}/chp.version" 2>/dev/null)" == "${CHP_VERSION}" && -d "${context}/chp" ]]; then
+        return 0
+    fi
+    need npm
+    log "installing configurable-http-proxy ${CHP_VERSION} from npm into ${context}/chp"
+    rm -rf "${context}/chp" "${context}/chp.version" "${context}/partial-chp"
+    staging="${context}/partial-chp"
+    mkdir -p "${staging}"
+    # --ignore-scripts: no install script runs on this machine (it has none to run).
+    npm install --silent --no-audit --no-fund --omit=dev --ignore-scripts --prefix "${staging}" \
+        "configurable-http-proxy@${CHP_VERSION}" >&2
+    mv "${staging}" "${context}/chp"
+    echo "${CHP_VERSION}" >"${context}/chp.version"
+}
+
+# What a context holds, for a build's key: its wheels, and the proxy's node_modules.
+context_digest() {
+    if [[ -d "$1/wheels" ]]; then (cd "$1" && sha256sum wheels/*.whl); fi
+    if [[ -d "$1/chp" ]]; then (cd "$1" && find chp -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum); fi
+}
+
+# WHICH (images/WHICH/Containerfile) as NAME from BASE; STAMP names its key file (default: WHICH),
+# CONTEXT the build's context (default: the kernel and gateway images'); further arguments go to the
+# build as they are (--build-arg NAME=VALUE).
 build_one() {
-    local which="$1" name="$2" base="$3" started=$SECONDS key stamp
+    local which="$1" name="$2" base="$3" started=$SECONDS key stamp context
     stamp="${CACHE_DIR}/built-${4:-${which}}.key"
-    # What is in the image: its recipe, the wheels, the base. Unchanged and still there: nothing to do
-    # (buildah would reuse every layer too, but hashing the venv for its cache takes a while).
+    context="${5:-${CACHE_DIR}/context}"
+    local extra=("${@:6}")
+    # What is in the image: its recipe, the context, the base, the build arguments. Unchanged and still
+    # there: nothing to do (buildah would reuse every layer too, but hashing the venv for its cache
+    # takes a while).
     key="$({
         cat "${REPO_ROOT}/images/${which}/Containerfile"
-        (cd "${CACHE_DIR}/context" && sha256sum wheels/*.whl)
+        context_digest "${context}"
         bud inspect --type image --format '{{.FromImageID}}' "${base}"
+        if ((${#extra[@]})); then printf '%s\n' "${extra[@]}"; fi
     } | sha256sum | cut -c1-32)"
     if [[ "$(cat "${stamp}" 2>/dev/null)" == "${key}" ]] && bud inspect --type image "${name}" >/dev/null 2>&1; then
         log "${name} is up to date"
@@ -235,8 +331,8 @@ build_one() {
     fi
     bud bud --quiet --layers --pull-never --network none \
         --build-arg "BASE_IMAGE=${base}" --build-arg "VERSION=$(version)" \
-        --build-arg "PIP_OPTIONS=--no-index --find-links /tmp/wheels" \
-        -t "${name}" -f "${REPO_ROOT}/images/${which}/Containerfile" "${CACHE_DIR}/context" >/dev/null
+        --build-arg "PIP_OPTIONS=--no-index --find-links /tmp/wheels" "${extra[@]}" \
+        -t "${name}" -f "${REPO_ROOT}/images/${which}/Containerfile" "${context}" >/dev/null
     echo "${key}" >"${stamp}"
     log "built ${name} in $((SECONDS - started)) s"
 }
@@ -280,6 +376,29 @@ build_torch() {
     build_one kernel "$(torch_kernel_name)" "${base}" kernel-torch
     prune_storage
     log "the PyTorch kernel image ready in $((SECONDS - started)) s: $(torch_kernel_name)"
+}
+
+# The three images of a z2jh-style JupyterHub. The hub and the single-user image are built on the
+# kernel and gateway images' base (its layer is shared, on a node too), never on ELASTIC_IMAGES_BASE
+# (a CUDA base is no use to them); the proxy on a base with Node.js.
+build_hub() {
+    need buildah
+    mkdir -p "${CACHE_DIR}"
+    exec 8>"${CACHE_DIR}/.build.lock"
+    flock 8
+    local started=$SECONDS base proxy_base python_version
+    base="$(ensure_base "${BASE_PACKAGES}")"
+    python_version="$(image_python "${base}")"
+    stage_hub_context "${CACHE_DIR}/hub-context" "${python_version}"
+    build_one hub "$(hub_name)" "${base}" hub "${CACHE_DIR}/hub-context" \
+        --build-arg "PACKAGES=${HUB_PACKAGES}"
+    build_one singleuser "$(singleuser_name)" "${base}" singleuser "${CACHE_DIR}/hub-context" \
+        --build-arg "PACKAGES=${SINGLEUSER_PACKAGES}"
+    proxy_base="$(ensure_base "${PROXY_PACKAGES}")"
+    stage_proxy_context "${CACHE_DIR}/proxy-context"
+    build_one proxy "$(proxy_name)" "${proxy_base}" proxy "${CACHE_DIR}/proxy-context"
+    prune_storage
+    log "the JupyterHub images ready in $((SECONDS - started)) s: $(hub_name) $(proxy_name) $(singleuser_name)"
 }
 
 # An OCI archive of IMAGE at PATH, rewritten only when the image changed (its id is kept beside it).
@@ -369,6 +488,28 @@ case "${cmd}" in
         mkdir -p "${dir}"
         export_one "$(torch_kernel_name)" "${dir}/kernel-torch-$(version).tar"
         ;;
+    export-hub)
+        build_hub
+        dir="${2:-${CACHE_DIR}/archives}"
+        mkdir -p "${dir}"
+        hub="$(export_one "$(hub_name)" "${dir}/hub-$(version).tar")"
+        proxy="$(export_one "$(proxy_name)" "${dir}/proxy-$(version).tar")"
+        singleuser="$(export_one "$(singleuser_name)" "${dir}/singleuser-$(version).tar")"
+        echo "${hub} ${proxy} ${singleuser}"
+        ;;
+    push-hub)
+        [[ -n "${2:-}" ]] || { log "usage: scripts/images.sh push-hub REGISTRY"; exit 2; }
+        build_hub
+        for image in "$(hub_name)" "$(proxy_name)" "$(singleuser_name)"; do
+            bud push --quiet --tls-verify=false "${image}" "docker://${2}/${image#"${NAME_PREFIX}"}" >/dev/null
+            echo "${2}/${image#"${NAME_PREFIX}"}"
+        done
+        ;;
+    names-hub)
+        hub_name
+        proxy_name
+        singleuser_name
+        ;;
     registry-start)
         [[ -n "${2:-}" ]] || { log "usage: scripts/images.sh registry-start DIR [PORT]"; exit 2; }
         registry_start "$2" "${3:-5000}"
@@ -382,7 +523,7 @@ case "${cmd}" in
         gateway_name
         ;;
     *)
-        sed -n '2,24p' "$0" >&2
+        sed -n '2,32p' "$0" >&2
         exit 2
         ;;
 esac

@@ -139,6 +139,7 @@ ONE_NODE_MODULES = frozenset(
         "test_chart_on_real_node",
         "test_cluster_network",
         "test_hub_images",
+        "test_hub_on_real_node",
         "test_images",
         "test_real_node",
         "test_user_files_on_real_node",

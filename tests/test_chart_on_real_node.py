@@ -282,10 +282,16 @@ def installed_chart(
     pushed: dict[str, str],
     kube_plane: ControlPlane,
     tmp: Path,
+    *,
+    namespace: str = "",
+    hub_api_url: str = "",
 ) -> Iterator[Chart]:
-    """Install the chart on the real node (also for benchmarks/bench_real_node.py); uninstall after."""
+    """Install the chart on the real node (also for benchmarks/bench_real_node.py); uninstall after.
+
+    With ``hub_api_url`` the gateway is a JupyterHub service (the chart's default auth) whose token
+    is the Secret ``gateway-token``; otherwise that Secret holds its one static token."""
     core = client.CoreV1Api(kube_api)
-    namespace = f"chart-{uuid.uuid4().hex[:6]}"
+    namespace = namespace or f"chart-{uuid.uuid4().hex[:6]}"
     claim = f"{RELEASE}-checkpoints"
     # The claim's storage: a folder on the node (uid 1000, group 100: the gateway's and kernels' user).
     storage = Path(f"/tmp/ekc-{os.getpid()}")
@@ -316,13 +322,13 @@ def installed_chart(
         "kernels": {**ON_THE_NODE, "resources": {"requests": {"cpu": "250m"}}},
         # This fixture's uninstall only cleans up (the hook is the module's last test).
         "uninstallHook": {"enabled": False},
-        "gateway": {
-            # Forced here: no JupyterHub in this cluster, so one static token (a Secret).
-            "auth": "token",
-            "tokenSecret": "gateway-token",
-            **ON_THE_NODE,
-        },
+        "gateway": {**ON_THE_NODE},
     }
+    if hub_api_url:
+        values["jupyterhub"] = {"apiUrl": hub_api_url, "apiTokenSecret": "gateway-token"}
+    else:
+        # Forced here: no JupyterHub in this test's cluster, so one static token (a Secret).
+        values["gateway"].update({"auth": "token", "tokenSecret": "gateway-token"})
     kubeconfig = ["--kubeconfig", str(kube_plane.admin_kubeconfig)]
     values_file = tmp / "values.yaml"
     values_file.write_text(yaml.safe_dump(values))

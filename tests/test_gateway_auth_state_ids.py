@@ -127,7 +127,7 @@ def running_hub(tmp: Path) -> Iterator[tuple[Hub, str, str, Path]]:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    made = Hub(f"http://127.0.0.1:{hub_port}", "", state, proc, log_path)
+    made = Hub(f"http://127.0.0.1:{hub_port}", PASSWORD, "", state, proc, log_path)
 
     def up() -> bool:
         if proc.poll() is not None:

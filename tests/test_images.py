@@ -177,7 +177,8 @@ def test_a_cell_runs_in_a_real_ipykernel_in_the_kernel_container(
         proc.wait(timeout=60)
 
 
-def test_the_archives_carry_the_version_and_project_labels(archives: dict[str, Path], tmp_path: Path) -> None:
+def check_project_labels(archives: dict[str, Path]) -> None:
+    """Each OCI archive says the package version, the project's URL and licence (also for the Hub's)."""
     for which, archive in archives.items():
         done = subprocess.run(
             ["skopeo", "inspect", "--config", f"oci-archive:{archive}"],
@@ -191,3 +192,7 @@ def test_the_archives_carry_the_version_and_project_labels(archives: dict[str, P
         # Where a registry's page (and `skopeo inspect`) sends someone who found the image.
         assert labels["org.opencontainers.image.source"] == CANONICAL, which
         assert labels["org.opencontainers.image.licenses"] == "BSD-3-Clause", which
+
+
+def test_the_archives_carry_the_version_and_project_labels(archives: dict[str, Path], tmp_path: Path) -> None:
+    check_project_labels(archives)

@@ -109,20 +109,25 @@ def require_proxy() -> str:
 
 
 @dataclass
-class Hub:
+class HubClient:
+    """What a person (or a script) does with a Hub at ``url``: log in, get a token, start a server."""
+
     url: str
-    gateway_prefix: str
-    state: Path
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    gateway_port: int = 0
+    password: str = PASSWORD
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
+        """What the Hub wrote, for failure messages."""
+        return ""
 
-    def api(self, method: str, path: str, token: str, **kwargs: Any) -> requests.Response:
+    def api(
+        self, method: str, path: str, token: str, timeout: float = 60, **kwargs: Any
+    ) -> requests.Response:
         return requests.request(
-            method, f"{self.url}{path}", headers={"Authorization": f"token {token}"}, timeout=60, **kwargs
+            method,
+            f"{self.url}{path}",
+            headers={"Authorization": f"token {token}"},
+            timeout=timeout,
+            **kwargs,
         )
 
     def login_token(self, user: str) -> str:
@@ -132,7 +137,7 @@ class Hub:
         xsrf = session.cookies.get("_xsrf") or re.search(r'name="_xsrf" value="([^"]+)"', page.text).group(1)
         done = session.post(
             f"{self.url}/hub/login?next=",
-            data={"username": user, "password": PASSWORD, "_xsrf": xsrf},
+            data={"username": user, "password": self.password, "_xsrf": xsrf},
             timeout=30,
             allow_redirects=False,
         )
@@ -151,8 +156,10 @@ class Hub:
         assert made.status_code == 201, made.text
         return str(made.json()["token"])
 
-    def start_server(self, user: str, token: str, timeout: float = 90) -> None:
-        started = self.api("POST", f"/hub/api/users/{user}/server", token)
+    def start_server(
+        self, user: str, token: str, timeout: float = 90, options: dict[str, Any] | None = None
+    ) -> None:
+        started = self.api("POST", f"/hub/api/users/{user}/server", token, json=options)
         assert started.status_code in (201, 202, 400), started.text  # 400: already running
         self._wait_server(user, token, ready=True, timeout=timeout)
 
@@ -174,6 +181,20 @@ class Hub:
         raise AssertionError(
             f"{user}'s server did not become {'ready' if ready else 'stopped'}:\n{self.log()[-4000:]}"
         )
+
+
+@dataclass
+class Hub(HubClient):
+    """A Hub started here as a process (:func:`running_hub`)."""
+
+    gateway_prefix: str = ""
+    state: Path = Path()
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path = Path()
+    gateway_port: int = 0
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
 
 
 #: JupyterHub 5 gives a managed service a fixed ~10 s to answer, then exits ("Cannot connect to
@@ -263,7 +284,7 @@ def _launch(
             start_new_session=True,
         )
     url = f"http://127.0.0.1:{hub_port}"
-    return Hub(url, "/services/elastic-gateway", state, proc, log_path, gateway_port)
+    return Hub(url, PASSWORD, "/services/elastic-gateway", state, proc, log_path, gateway_port)
 
 
 def _wait_up(hub: Hub) -> bool:
