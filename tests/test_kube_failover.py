@@ -160,13 +160,17 @@ def test_the_registry_lives_in_the_api_and_a_gateway_rebuilds_from_it(
         sleeping = first.start_kernel(SIZE)
         assert first.execute(sleeping, "z = 'saved'; print(z)").strip() == "saved"
         hibernate(first, cluster, sleeping)
+        # The state's move is written first, the committed checkpoint's id just after it: wait for
+        # both (the API's copy is written behind, off the event loop).
         wait_for(
-            lambda: records(cluster).get(sleeping, {}).get("state") == "hibernated",
+            lambda: (
+                (record := records(cluster).get(sleeping, {})).get("state") == "hibernated"
+                and record.get("checkpoint_id")
+            ),
             30,
-            "the record in the API",
+            "the record in the API, with its checkpoint",
         )
         assert records(cluster)[running]["state"] == "running"
-        assert records(cluster)[sleeping]["checkpoint_id"]
         # Nothing on the shared claim but checkpoints: no registry file, no sessions database.
         on_claim = [p.name for p in cluster.checkpoints.rglob("*") if p.is_file()]
         assert not [n for n in on_claim if n.startswith("kernels-") or n.endswith(".db")], on_claim
