@@ -152,8 +152,16 @@ class KernelLoss:
             # kernel hibernated, it still reads as running, and a message sent to the process that
             # is gone would never be answered. The resume the message starts waits for the takeover.
             record.stopping = asyncio.get_running_loop().create_future()
-        self._tell_died(kernel_id, died_note(why, True, record.committed))
         task = asyncio.ensure_future(self.lost(kernel_id, why, stop_began))
+        if stop_began is None:
+            self._tell_died(kernel_id, died_note(why, True, record.committed))
+        else:
+            # Stopped with SIGTERM, the kernel answered its running cell before its checkpoint and
+            # exit, and that reply may still be on its way when the end is seen (a loaded node):
+            # the cells left unanswered are told once the takeover is over, not before the reply.
+            task.add_done_callback(
+                lambda _task: self._tell_died(kernel_id, died_note(why, True, record.committed))
+            )
         task.add_done_callback(lambda _task: self.stopped(kernel_id))
         self.tasks.add(task)  # a strong reference until done (drained at exit like the prunes)
         task.add_done_callback(self.tasks.discard)
