@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from kernelmgr.kube.pod_settings import strategic_merge
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_VALUES = REPO / "examples" / "jupyterhub" / "z2jh" / "values.yaml"
 #: The example's values name the gateway's Service in this namespace.
@@ -107,17 +109,6 @@ def example_values() -> dict[str, Any]:
     return dict(yaml.safe_load(EXAMPLE_VALUES.read_text()))
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in over.items():
-        merged[key] = (
-            _merge(merged[key], value)
-            if isinstance(value, dict) and isinstance(merged.get(key), dict)
-            else value
-        )
-    return merged
-
-
 def manifests(
     values: dict[str, Any], images: dict[str, str], placement: dict[str, Any], gateway_token: str
 ) -> list[dict[str, Any]]:
@@ -127,7 +118,7 @@ def manifests(
     ``tolerations`` for every pod (the real node); ``gateway_token``: the gateway's Hub service token.
     """
     name, tag = images["singleuser"].rsplit(":", 1)
-    values = _merge(
+    values = strategic_merge(
         values,
         {
             "singleuser": {
