@@ -39,8 +39,12 @@ EXTENSION = "kernelmgr.checkpoint.agent"
 class Recorder:
     """The guard's surroundings, recorded: what it scheduled, checkpointed, flushed, exited with."""
 
-    def __init__(self, *, busy: bool = False, shutdown: bool = False, fail: bool = False) -> None:
+    def __init__(
+        self, *, busy: bool = False, shutdown: bool = False, fail: bool = False, replying: bool = False
+    ) -> None:
         self.busy = busy
+        #: Whether the cell that finishes is an execute request, its reply sent after it.
+        self.replying = replying
         self.shutdown = shutdown
         self.fail = fail
         self.scheduled: list[Callable[[], None]] = []
@@ -60,6 +64,7 @@ class Recorder:
             before_exit=lambda: self.events.append("flush"),
             exit_process=lambda code: self.events.append(f"exit {code}"),
             end_now=lambda: self.events.append("default end"),
+            reply_follows=lambda: self.replying,
         )
 
     def run_scheduled(self) -> None:
@@ -87,6 +92,30 @@ def test_a_running_cell_finishes_before_the_checkpoint() -> None:
     assert recorder.events == ["checkpoint", "flush", "exit 143"]
     guard.cell_finished()
     assert recorder.scheduled == []  # handled once
+
+
+def test_the_checkpoint_waits_for_the_finished_cells_reply_to_be_sent() -> None:
+    """ipykernel sends a cell's ``execute_reply`` a loop turn after the cell's last hook: an exit
+    in between leaves the notebook waiting for a reply that never comes."""
+    recorder = Recorder(busy=True, replying=True)
+    guard = recorder.guard()
+    guard.on_sigterm()
+    recorder.busy = False
+    guard.cell_finished()
+    recorder.run_scheduled()
+    assert recorder.events == [] and recorder.scheduled == []  # the reply is not sent yet
+    guard.reply_sent()
+    recorder.run_scheduled()
+    assert recorder.events == ["checkpoint", "flush", "exit 143"]
+    # A SIGTERM that comes between the cell's end and its reply waits for the reply too.
+    late = Recorder(replying=True)
+    guard = late.guard()
+    guard.cell_finished()
+    guard.on_sigterm()
+    assert late.events == [] and late.scheduled == []
+    guard.reply_sent()
+    late.run_scheduled()
+    assert late.events == ["checkpoint", "flush", "exit 143"]
 
 
 def test_after_a_shutdown_request_sigterm_ends_the_kernel_without_a_checkpoint() -> None:
@@ -246,17 +275,13 @@ def test_without_the_guard_sigterm_loses_what_changed(
     assert store.summary(OWNER, KERNEL) is None
 
 
-@pytest.mark.xfail(
-    reason="open bug, seen once in CI under load: the SIGTERM guard's checkpoint and exit, scheduled "
-    "on the loop from post_run_cell, can run before ipykernel has sent the cell's execute_reply, "
-    "so the reply is never sent. docs/status.md",
-    strict=False,
-)
 def test_sigterm_during_an_awaiting_cell_waits_for_it_and_its_reply(
     store: CheckpointStore, start_kernel: Callable[[bool], tuple[Any, Any]]
 ) -> None:
     km, kc = start_kernel(True)
     run(kc, "x = 1")
+    # The guard knows a reply follows a cell (the kernel's session is watched).
+    run(kc, "from kernelmgr.checkpoint import agent\nassert agent._GUARD.reply_follows()")
     # A cell that awaits leaves the loop running: the SIGTERM callback comes during the cell.
     msg_id = kc.execute("import asyncio\nprint('in the cell', flush=True)\nawait asyncio.sleep(2)\ny = 2")
     wait_for_output(kc, "in the cell")

@@ -818,7 +818,13 @@ class _Agent:
         if _GUARD is not None or self.config is None:
             return
         from kernelmgr.checkpoint.quick_exit import finish_saved_exit
-        from kernelmgr.checkpoint.termination import TerminationGuard, install, kernel_loop, watch_shutdown
+        from kernelmgr.checkpoint.termination import (
+            TerminationGuard,
+            install,
+            kernel_loop,
+            watch_replies,
+            watch_shutdown,
+        )
 
         loop = kernel_loop(self.shell)
         if loop is None:
@@ -844,6 +850,7 @@ class _Agent:
             shutdown_requested=watch_shutdown(self.shell),
             schedule=loop.add_callback,
             before_exit=before_exit,
+            reply_follows=watch_replies(self.shell, _reply_sent),
             log=self.log,
         )
         try:
@@ -853,6 +860,11 @@ class _Agent:
             return
         _GUARD = guard
         self.log.info("SIGTERM checkpoints what changed, then exits")
+
+
+def _reply_sent() -> None:
+    if _GUARD is not None:
+        _GUARD.reply_sent()  # a SIGTERM that came during the cell is handled now
 
 
 _AGENT: _Agent | None = None

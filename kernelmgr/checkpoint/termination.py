@@ -7,7 +7,9 @@ ipykernel leaves SIGTERM to the operating system's default, which ends the proce
 every variable since the last checkpoint was lost, and so were the bytes still buffered in the
 files the notebook left open. With this guard the kernel
 
-1. lets a running cell finish (a namespace cannot be checkpointed half-way through a cell);
+1. lets a running cell finish (a namespace cannot be checkpointed half-way through a cell) and
+   its ``execute_reply`` go out (ipykernel sends it a loop turn after the cell's last hook: an
+   exit in between would leave the notebook waiting for a reply that never comes);
 2. writes and commits a checkpoint if a cell ran since the last committed one;
 3. flushes the open files (and runs IPython's exit work when the namespace is saved);
 4. exits, with status 143 (:data:`EXIT_AFTER_SIGTERM`) when the checkpoint committed (or none
@@ -69,6 +71,7 @@ class TerminationGuard:
         before_exit: Callable[[], object] | None = None,
         exit_process: Callable[[int], None] = os._exit,
         end_now: Callable[[], None] | None = None,
+        reply_follows: Callable[[], bool] = lambda: False,
         log: logging.Logger = _log,
     ) -> None:
         self.checkpoint = checkpoint
@@ -80,9 +83,13 @@ class TerminationGuard:
         self.exit_process = exit_process
         #: The default SIGTERM: the process ends at once, as without the guard.
         self.end_now = end_now or _default_sigterm
+        #: Whether the cell that just finished is an execute request whose reply is still to be
+        #: sent (and :meth:`reply_sent` will be called once it is).
+        self.reply_follows = reply_follows
         self.log = log
         self.signalled = False
         self._waiting_for_cell = False
+        self._reply_pending = False
 
     def on_signal(self, signum: int, frame: Any) -> None:
         """The Python-level handler: runs on the main thread at its next bytecode, a running cell
@@ -99,7 +106,19 @@ class TerminationGuard:
         self._when_idle()
 
     def cell_finished(self) -> None:
-        """Called after every cell: a SIGTERM that came during it is handled now."""
+        """Called after every cell: a SIGTERM that came during it is handled now, or once the
+        cell's reply is sent when one follows."""
+        if self.reply_follows():
+            self._reply_pending = True
+            return
+        self._go_on_if_waiting()
+
+    def reply_sent(self) -> None:
+        """Called once an ``execute_reply`` has been sent."""
+        self._reply_pending = False
+        self._go_on_if_waiting()
+
+    def _go_on_if_waiting(self) -> None:
         if self._waiting_for_cell:
             self._waiting_for_cell = False
             self.schedule(self._when_idle)
@@ -109,8 +128,9 @@ class TerminationGuard:
             self.log.info("SIGTERM after a shutdown request: ending now, no checkpoint")
             self.end_now()
             return
-        if self.is_busy():  # an async cell awaiting: the loop runs, the cell is not done
-            self.log.warning("SIGTERM: checkpointing once the running cell has finished")
+        # An async cell awaiting: the loop runs, the cell is not done; or done, its reply not sent.
+        if self.is_busy() or self._reply_pending:
+            self.log.warning("SIGTERM: checkpointing once the running cell has finished and answered")
             self._waiting_for_cell = True
             return
         self.log.warning("SIGTERM: checkpointing before exit")
@@ -150,6 +170,38 @@ def install(guard: TerminationGuard, loop: Any) -> Callable[[], None]:
     return lambda: asyncio_loop.remove_signal_handler(signal.SIGTERM)
 
 
+def watch_replies(shell: Any, on_reply: Callable[[], None]) -> Callable[[], bool]:
+    """Call ``on_reply`` after ``shell``'s kernel sends an ``execute_reply``; return whether the
+    message the kernel is handling now is an execute request (so a reply will follow).
+
+    Where the kernel has no session to wrap, the answer is always no: the guard then goes on at
+    the cell's end, as it did before replies were watched.
+    """
+    kernel = getattr(shell, "kernel", None)
+    session: Any = getattr(kernel, "session", None)
+    send = getattr(session, "send", None)
+    get_parent = getattr(kernel, "get_parent", None)
+    if send is None or get_parent is None:
+        return lambda: False
+
+    def send_and_tell(stream: Any, msg_or_type: Any, *args: Any, **kwargs: Any) -> Any:
+        msg = send(stream, msg_or_type, *args, **kwargs)
+        if isinstance(msg, dict) and msg.get("msg_type") == "execute_reply":
+            on_reply()
+        return msg
+
+    session.send = send_and_tell
+
+    def in_execute_request() -> bool:
+        try:
+            parent = get_parent("shell") or {}
+        except Exception:
+            return False
+        return bool((parent.get("header") or {}).get("msg_type") == "execute_request")
+
+    return in_execute_request
+
+
 def watch_shutdown(shell: Any) -> Callable[[], bool]:
     """Whether the server asked ``shell``'s kernel to shut down (or restart) since now.
 
@@ -179,5 +231,6 @@ __all__ = [
     "TerminationGuard",
     "install",
     "kernel_loop",
+    "watch_replies",
     "watch_shutdown",
 ]
