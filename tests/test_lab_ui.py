@@ -589,6 +589,8 @@ def test_kernel_menu_and_palette_hibernate_resume_and_show_the_report(
             page.keyboard.press("Shift+Enter")
             status = page.locator(".jp-ElasticStatus")
             expect(status).to_contain_text("GPU medium", timeout=15_000)
+            kernel_name = page.locator(".jp-NotebookPanel-toolbar .jp-KernelName")
+            expect(kernel_name).to_contain_text("GPU medium")
 
             # The Kernel menu: resume and the report are there; only hibernate applies to a running kernel.
             page.get_by_role("menuitem", name="Kernel", exact=True).click()
@@ -677,6 +679,8 @@ def test_change_size_from_the_panel_and_the_running_kernels_context_menu(
             page.keyboard.press("Shift+Enter")
             status = page.locator(".jp-ElasticStatus")
             expect(status).to_contain_text("GPU medium", timeout=15_000)
+            kernel_name = page.locator(".jp-NotebookPanel-toolbar .jp-KernelName")
+            expect(kernel_name).to_contain_text("GPU medium")
 
             # 0. The status item opens "Change GPU size" (issue 44: it opened JupyterLab's kernel
             # picker, whose choice starts a new kernel and drops the variables without a warning).
@@ -700,6 +704,12 @@ def test_change_size_from_the_panel_and_the_running_kernels_context_menu(
             shots("jupyterlab-change-size")
             dialog.get_by_role("button", name="Change size").click()
             expect(status).to_have_text(re.compile(r"^GPU whole · .*idle$"), timeout=90_000)
+            # One size on screen: the toolbar's kernel name follows (issue 44: it kept the old
+            # size's until a reload), and the notification says the new size.
+            expect(kernel_name).to_contain_text("GPU whole", timeout=15_000)
+            expect(page.locator(".Toastify__toast", has_text="Kernel resized to GPU whole")).to_have_count(
+                1, timeout=15_000
+            )
             model = _model(server, kernel_id)
             assert (model["profile"], model["state"], model["name"]) == (
                 "whole",

@@ -26,6 +26,7 @@ import {
   Profile,
   culledText,
   reportSeverity,
+  renamedKernel,
   reportSummary,
   reportText,
   RestoreReport,
@@ -254,7 +255,58 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
     };
 
+    /** A notebook whose kernel changed size gets a connection with the new kernelspec's name (same
+     * kernel id, so JupyterLab would otherwise keep naming the old size in its toolbar). */
+    const followKernelNames = (): void => {
+      tracker.forEach(nb => {
+        const session = nb.sessionContext.session;
+        const kernel = session?.kernel;
+        const name = kernel ? renamedKernel(kernel.name, poller.kernels.get(kernel.id)) : '';
+        // `update` is the session connection's own (JupyterLab's session manager calls it), not
+        // on its interface: dropping the kernel, then setting it again, makes a new connection.
+        const connection = session as unknown as { update?: (model: unknown) => void } | null;
+        if (!session || !kernel || !name || typeof connection?.update !== 'function') {
+          return;
+        }
+        const model = session.model;
+        connection.update({ ...model, kernel: null });
+        connection.update({ ...model, kernel: { ...kernel.model, name } });
+      });
+    };
+    /** The size each kernel last ran at, to tell a resize's resume from any other. */
+    const ranAt = new Map<string, string>();
+    /** Kernels this page is resizing: their resume is announced when the request answers. */
+    const resizing = new Set<string>();
+    /** The resume's notification, with its restore report: one a kernel (it replaces the last). */
+    const announceResume = (id: string, resizedTo?: string): void => {
+      void serverFetch(`api/elastic/kernels/${id}/report`).then(async reply => {
+        if (reply.status !== 200) {
+          return;
+        }
+        const body = (await reply.json()) as { restore_report: unknown };
+        const where = notebookOf(id);
+        const report = body.restore_report as RestoreReport | null;
+        const severity = reportSeverity(report);
+        const last = kernelNotices.get(id);
+        if (last) {
+          Notification.dismiss(last);
+        }
+        const nid = Notification.emit(`${where ? where + ': ' : ''}${reportSummary(report, resizedTo)}`, severity, {
+          autoClose: severity === 'success' ? 6000 : false,
+          actions: [
+            {
+              label: 'Details',
+              caption: 'What was restored, and what was not and why',
+              callback: () => void showReport(where, report)
+            }
+          ]
+        });
+        kernelNotices.set(id, nid);
+      });
+    };
+
     poller.onUpdate((p, previous) => {
+      followKernelNames();
       renderStatus();
       for (const command of Object.values(COMMANDS)) {
         app.commands.notifyCommandChanged(command); // enabled or not follows the kernel's state
@@ -284,31 +336,14 @@ const plugin: JupyterFrontEndPlugin<void> = {
           }
           kernelNotices.set(id, Notification.info(culledText(notebookOf(id)), { autoClose: false }));
         }
-        if (change.resumed && after?.profile) {
-          void serverFetch(`api/elastic/kernels/${id}/report`).then(async reply => {
-            if (reply.status === 200) {
-              const body = (await reply.json()) as { restore_report: unknown };
-              const where = notebookOf(id);
-              const report = body.restore_report as RestoreReport | null;
-              const severity = reportSeverity(report);
-              // One notification a kernel: this resume's replaces the last one's.
-              const last = kernelNotices.get(id);
-              if (last) {
-                Notification.dismiss(last);
-              }
-              const nid = Notification.emit(`${where ? where + ': ' : ''}${reportSummary(report)}`, severity, {
-                autoClose: severity === 'success' ? 6000 : false,
-                actions: [
-                  {
-                    label: 'Details',
-                    caption: 'What was restored, and what was not and why',
-                    callback: () => void showReport(where, report)
-                  }
-                ]
-              });
-              kernelNotices.set(id, nid);
-            }
-          });
+        const sizeBefore = ranAt.get(id);
+        if (after?.state === 'running' && after.profile) {
+          ranAt.set(id, after.profile);
+        } else if (!after) {
+          ranAt.delete(id);
+        }
+        if (change.resumed && after?.profile && !resizing.has(id)) {
+          announceResume(id, sizeBefore && sizeBefore !== after.profile ? after.profile : undefined);
         }
       }
       panel?.update_();
@@ -357,17 +392,24 @@ const plugin: JupyterFrontEndPlugin<void> = {
       if (!picked.button.accept || !size) {
         return;
       }
-      const request = serverFetch(`api/elastic/kernels/${kernel.id}/resize`, {
-        method: 'POST',
-        body: JSON.stringify({ size })
-      });
-      void poller.refresh(); // hibernating, then resuming: the status and the panel follow
-      const reply = await request;
-      if (reply.status !== 200) {
-        const body = (await reply.json()) as { message?: string };
-        await showErrorMessage(`Could not change the GPU size to ${size}`, body.message ?? `HTTP ${reply.status}`);
+      resizing.add(kernel.id);
+      try {
+        const request = serverFetch(`api/elastic/kernels/${kernel.id}/resize`, {
+          method: 'POST',
+          body: JSON.stringify({ size })
+        });
+        void poller.refresh(); // hibernating, then resuming: the status and the panel follow
+        const reply = await request;
+        if (reply.status === 200) {
+          announceResume(kernel.id, size);
+        } else {
+          const body = (await reply.json()) as { message?: string };
+          await showErrorMessage(`Could not change the GPU size to ${size}`, body.message ?? `HTTP ${reply.status}`);
+        }
+        await poller.refresh();
+      } finally {
+        resizing.delete(kernel.id);
       }
-      await poller.refresh();
     };
     app.commands.addCommand(COMMANDS.hibernate, {
       label: 'Hibernate Kernel (Save Variables, Free the GPU)',

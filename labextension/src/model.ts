@@ -270,16 +270,17 @@ export function reportText(report: RestoreReport | null | undefined): string {
 }
 
 /** One line for the notification (JupyterLab cuts longer ones); the full text is a click away. */
-export function reportSummary(report: RestoreReport | null | undefined): string {
+export function reportSummary(report: RestoreReport | null | undefined, resizedTo?: string): string {
+  const done = resizedTo ? `Kernel resized to GPU ${resizedTo}` : 'Kernel resumed';
   if (!report) {
-    return 'Kernel resumed.';
+    return done + '.';
   }
   if (report.refused) {
-    return 'Kernel resumed empty: none of its variables came back (its checkpoint could not be loaded). Run your cells again to rebuild them.';
+    return `${done}, empty: none of its variables came back (its checkpoint could not be loaded). Run your cells again to rebuild them.`;
   }
   const missing = (report.not_restored ?? []).map(item => item.name);
   const recomputed = (report.recomputed ?? []).length;
-  let text = `Kernel resumed: ${(report.restored ?? []).length} variable(s) restored`;
+  let text = `${done}: ${(report.restored ?? []).length} variable(s) restored`;
   if (recomputed) {
     text += `, ${recomputed} recomputed`;
   }
@@ -538,4 +539,17 @@ export function sizeChoices(profiles: (Profile & { fits_now?: boolean; fits_ever
       const when = p.fits_now === false ? ' · waits for a free slice' : '';
       return { name: p.name, label: `${p.name} (${share}${memory})${when}` };
     });
+}
+
+/**
+ * The kernelspec name a notebook's connection to `kernel` should carry when it is not
+ * `connectionName`, else ''. A size change keeps the kernel's id and gives it the new size's
+ * kernelspec; JupyterLab's connection keeps the name it was opened with (and its toolbar the old
+ * size). Only once the kernel has settled (running or hibernated), never half-way through a change.
+ */
+export function renamedKernel(connectionName: string, kernel: ElasticKernel | undefined): string {
+  if (!kernel?.profile || !kernel.name || kernel.name === connectionName) {
+    return '';
+  }
+  return ['running', 'hibernated'].includes(kernel.state) ? kernel.name : '';
 }

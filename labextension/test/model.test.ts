@@ -13,6 +13,7 @@ import {
   Profile,
   shortLabel,
   sizeIconSvg,
+  renamedKernel,
   reportSummary,
   reportText,
   resumeText,
@@ -254,8 +255,27 @@ describe('reportSummary', () => {
       reportSummary({ restored: ['a', 'b'], recomputed: [{ name: 'g' }], not_restored: [{ name: 'sock', reason: 'x' }] })
     ).toBe('Kernel resumed: 2 variable(s) restored, 1 recomputed; not restored: sock.');
     expect(reportSummary({ refused: 'bad digest' })).toBe(
-      'Kernel resumed empty: none of its variables came back (its checkpoint could not be loaded). Run your cells again to rebuild them.'
+      'Kernel resumed, empty: none of its variables came back (its checkpoint could not be loaded). Run your cells again to rebuild them.'
     );
+  });
+  it('says the new size after a resize', () => {
+    expect(reportSummary({ restored: ['a', 'b', 'c'] }, 'whole')).toBe('Kernel resized to GPU whole: 3 variable(s) restored.');
+    expect(reportSummary(null, 'medium')).toBe('Kernel resized to GPU medium.');
+  });
+});
+
+describe('renamedKernel', () => {
+  it("names the new size's kernelspec once the kernel has settled", () => {
+    const resized = kernel({ name: 'python3-gpu-whole', profile: 'whole' });
+    expect(renamedKernel('python3-gpu-small', resized)).toBe('python3-gpu-whole');
+    expect(renamedKernel('python3-gpu-small', { ...resized, state: 'hibernated' })).toBe('python3-gpu-whole');
+  });
+  it('leaves the connection alone when nothing changed, mid-change, or without a size', () => {
+    expect(renamedKernel('python3-gpu-small', kernel())).toBe('');
+    const midway = kernel({ name: 'python3-gpu-whole', profile: 'whole', state: 'resuming' });
+    expect(renamedKernel('python3-gpu-small', midway)).toBe('');
+    expect(renamedKernel('python3', kernel({ name: 'python3', profile: null }))).toBe('');
+    expect(renamedKernel('python3-gpu-small', undefined)).toBe('');
   });
 });
 
