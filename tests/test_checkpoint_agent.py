@@ -519,3 +519,24 @@ def test_an_upload_the_store_refuses_reports_its_own_error(
     unreachable = [f"http://127.0.0.1:9/part-{n}" for n in (1, 2, 3)]  # the discard port: refused
     with pytest.raises(CheckpointFailed, match="could not be uploaded: ConnectionRefusedError"):
         agent._AGENT.upload({"checkpoint": "c1", "urls": unreachable, "part_size": 2**20})
+
+
+def test_the_restore_report_is_marked_as_the_platforms_note() -> None:
+    """The server leaves marked displays out of a front end that shows them itself (JupyterLab's
+    extension, as a notification); nothing else is taken for one."""
+    from jupyter_client.session import Session
+
+    from kernelmgr.checkpoint import notes
+
+    session = Session(key=b"k")
+
+    def frames(msg_type: str, content: dict) -> list[bytes]:
+        return session.serialize(session.msg(msg_type, content), ident=[b"topic"])
+
+    marked = {"data": {"text/plain": "Kernel resumed"}, "metadata": notes.metadata("restore_report")}
+    assert notes.is_note(frames("display_data", marked))
+    assert not notes.is_note(
+        frames("display_data", {"data": {"text/plain": notes.METADATA_KEY}, "metadata": {}})
+    )
+    assert not notes.is_note(frames("stream", {"name": "stdout", "text": json.dumps(marked)}))
+    assert not notes.is_note([b"no delimiter"])

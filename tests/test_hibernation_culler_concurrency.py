@@ -270,7 +270,7 @@ def build_culler(
         hibernator.activity.get(kernel_id).last_execution_end = now - seconds
     broadcasts: list[tuple[str, str]] = []
 
-    def broadcast(kernel_id: str, text: str) -> int:
+    def broadcast(kernel_id: str, text: str, *, idle_warning: bool = False) -> int:
         broadcasts.append((kernel_id, text))
         return 1
 

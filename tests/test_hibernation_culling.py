@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import websocket
 
+from kernelmgr.checkpoint import notes
 from tests.conftest import INVENTORY, PROFILES
 from tests.support.disk import small_disk
 from tests.support.gate import Gate
@@ -337,3 +338,30 @@ def test_a_kernel_nobody_connected_to_is_hibernated_after_the_start_grace(tmp_pa
         assert running.get("/api/elastic/policy")["start_grace"] == 4
     finally:
         running.stop()
+
+
+def test_a_front_end_that_shows_the_notes_itself_gets_none_in_its_notebook(server: RunningServer) -> None:
+    """JupyterLab's extension shows idle warnings and the restore report as notifications and
+    says so on its connection: the server leaves both out of that notebook's cell output, which
+    would be saved into the user's .ipynb. A connection that did not say so still gets them."""
+    kernel_id = server.start_kernel("python3-gpu-small")
+    with server.channel(kernel_id) as plain, server.channel(kernel_id) as lab:
+        lab.send(notes.SHOWN_BY_FRONTEND, {}, channel="control")  # no reply comes
+        lab.execute("kept = 'yes'")
+        assert "variables are saved first" in wait_for_warning(plain)
+        # The warning went to both connections at once; a request sent after it, and its reply,
+        # come after anything written to ``lab`` before it.
+        asked = lab.send("kernel_info_request", {})
+        seen: list[dict] = []
+        while not (
+            seen
+            and seen[-1].get("parent_header", {}).get("msg_id") == asked
+            and seen[-1]["channel"] == "shell"
+        ):
+            seen.append(lab.recv(time.monotonic() + 30))
+        assert not [m for m in seen if m["msg_type"] == "stream"], seen
+        wait_for(lambda: state(server, kernel_id) == "hibernated", timeout=20, what="policy hibernation")
+        result = lab.execute("print(kept)", timeout=120)
+        assert result.stdout.strip() == "yes"
+        assert not [d for d in result.displays if d.startswith("Kernel resumed")], result.displays
+    assert server.get(f"/api/elastic/kernels/{kernel_id}/report")["restore_report"]["restored"]

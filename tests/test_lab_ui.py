@@ -268,6 +268,8 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     toast = page.locator(".Toastify__toast", has_text="will be hibernated in")
     expect(toast).to_be_visible(timeout=20_000)
     expect(toast).to_contain_text("demo.ipynb: idle kernel (GPU small)")
+    # One warning: the notification, not also a red block under a cell (saved with the notebook).
+    expect(page.locator(".jp-Notebook .jp-OutputArea-output", has_text="will be hibernated")).to_have_count(0)
     assert _model(server, kernel_id)["activity"]["warning"] is not None
     # The time left counts down in the open notification (a local timer, no extra request).
     shown = _seconds_left(toast.inner_text())
@@ -374,6 +376,8 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     report = page.locator(".Toastify__toast", has_text="Kernel resumed")
     expect(report).to_be_visible(timeout=90_000)
     expect(report).to_contain_text("variable(s) restored; not restored: sock.")
+    # The report is the notification's: not also an output of the cell, saved with the notebook.
+    expect(cells.nth(1)).not_to_contain_text("Kernel resumed")
     # Something was lost: a warning that stays until read (a full restore closes by itself).
     expect(report).to_have_class(re.compile(r"\bToastify__toast--warning\b"))
     shots("jupyterlab-restore-report")

@@ -81,7 +81,7 @@ from pathlib import Path
 from typing import Any
 
 import kernelmgr.objectstore.transfer as transfer
-from kernelmgr.checkpoint import cipher, outbox, prefetch
+from kernelmgr.checkpoint import cipher, notes, outbox, prefetch
 from kernelmgr.checkpoint.cells import MAX_CELLS, CellRecord, plan_recompute, record_cell
 from kernelmgr.checkpoint.errors import CheckpointFailed, CheckpointRefused
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, read_keys
@@ -764,7 +764,10 @@ class _Agent:
         plain, markdown = format_report(self.report)
         try:
             # This shell's publisher (ipykernel's sends display_data to the running cell).
-            self.shell.display_pub.publish(data={"text/plain": plain, "text/markdown": markdown}, metadata={})
+            self.shell.display_pub.publish(
+                data={"text/plain": plain, "text/markdown": markdown},
+                metadata=notes.metadata("restore_report"),
+            )
         except Exception:
             self.log.exception("could not display the restore report")
 

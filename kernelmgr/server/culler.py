@@ -36,7 +36,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tornado import ioloop
 
@@ -74,7 +74,10 @@ TOMBSTONE_TTL = 7 * 24 * 3600.0
 MAX_CONCURRENT_REMOVALS = 4
 
 
-Broadcast = Callable[[str, str], int]
+class Broadcast(Protocol):
+    """Shows a text in every open notebook of a kernel; returns how many were reached."""
+
+    def __call__(self, kernel_id: str, text: str, *, idle_warning: bool = False) -> int: ...
 
 
 class Tombstones(MutableMapping[str, str]):
@@ -339,7 +342,7 @@ class Culler:
             state.deadline = decision.deadline
             idle, signals = idle_seconds(self.snapshot(record, now), now)
             state.warning = warning_text(decision.deadline or now, now, idle, signals, state.pressure)
-            reached = self.broadcast(kernel_id, state.warning)
+            reached = self.broadcast(kernel_id, state.warning, idle_warning=True)
             metrics.WARNINGS.labels("idle", size).inc()
             self.hibernator.events.emit("warn", kernel_id, state.warning, reason="policy", size=size)
             self.mkm.log.info("Warned kernel %s (%d notebook(s)): %s", kernel_id, reached, decision.reason)

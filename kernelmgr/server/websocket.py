@@ -72,8 +72,9 @@ from jupyter_server.services.kernels.connection.base import (
 )
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 from tornado import web
-from traitlets import Integer, default
+from traitlets import Enum, Integer, default
 
+from kernelmgr.checkpoint import notes
 from kernelmgr.checkpoint.outbox import CLIENT_TOPIC, DELIM
 from kernelmgr.cli_render import human_mib, queue_place
 from kernelmgr.core.controller import LifecycleError
@@ -201,6 +202,15 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         help="""Largest code an is_complete_request for a hibernated kernel is compiled for (in a
         separate process); larger code is answered 'unknown' without compiling.""",
     )
+    notes_in_notebook = Enum(
+        ["auto", "always"],
+        "auto",
+        config=True,
+        help="""Where the platform's notes (idle warnings, the restore report after a resume) go.
+        'auto': into the notebook (as cell output, which is saved with it) only for front ends that
+        do not show them themselves; JupyterLab with this project's extension shows them as
+        notifications and gets none in the notebook. 'always': into every notebook too.""",
+    )
 
     #: Held by every connection, per user and in all: ``[messages, bytes]``.
     _held_by_user: ClassVar[dict[str, list[int]]] = {}
@@ -216,6 +226,8 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     _debugger_logged = False
     _overflow_told = False
     _comm_refused = False
+    #: The front end said it shows the platform's notes itself (:mod:`kernelmgr.checkpoint.notes`).
+    _notes_shown_by_frontend = False
     _waking: asyncio.Task[None] | None = None
     _last_execute: dict[str, Any] | None = None
     #: While a new connection delivers what the kernel kept for it: the kernel's messages since.
@@ -224,13 +236,15 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     _unanswered: dict[str, dict[str, Any]]
 
     @classmethod
-    def notify_kernel(cls, kernel_id: str, text: str) -> int:
-        """Show ``text`` in every open notebook of ``kernel_id``; returns how many were reached."""
+    def notify_kernel(cls, kernel_id: str, text: str, *, idle_warning: bool = False) -> int:
+        """Show ``text`` in every open notebook of ``kernel_id``; returns how many were reached
+        (an ``idle_warning`` reaches a front end that shows those itself without a cell output)."""
         reached = 0
         for connection in list(cls._open_sockets):
             if isinstance(connection, ElasticWebsocketConnection) and connection.kernel_id == kernel_id:
                 try:
-                    connection.notice(text)
+                    if not (idle_warning and connection._notes_elsewhere()):
+                        connection.notice(text)
                     reached += 1
                 except Exception:  # a closing socket must not stop the others
                     continue
@@ -278,6 +292,11 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         if not hasattr(self, "_unanswered"):
             self._unanswered = {}
         return self._unanswered
+
+    def _notes_elsewhere(self) -> bool:
+        """Whether this notebook's front end shows the platform's notes itself, and they are left
+        out of its cells' output (``notes_in_notebook``)."""
+        return self._notes_shown_by_frontend and self.notes_in_notebook == "auto"
 
     def notice(self, text: str) -> None:
         """A message from the server, shown under the cell this notebook ran last.
@@ -428,6 +447,8 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
                 running.pop(str(parent.get("msg_id")), None)
         elif channel == "iopub" and undelivered.caused_by_fetch(outgoing_msg):
             return  # the busy/idle of a connection's own request: not the notebook's kernel status
+        elif channel == "iopub" and self._notes_elsewhere() and notes.is_note(outgoing_msg):
+            return  # shown as a notification by this front end, not saved into the notebook
         super().handle_outgoing_message(stream, outgoing_msg)
 
     def _status(self, state: str, parent: dict[str, Any]) -> None:
@@ -541,6 +562,23 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
                 parent=header,
             ),
         )
+
+    def _notes_request(self, raw: Any) -> bool:
+        """Whether ``raw`` is the front end's :data:`notes.SHOWN_BY_FRONTEND` (parsed only when its
+        name is in it: every other message costs a substring search)."""
+        name = notes.SHOWN_BY_FRONTEND
+        if isinstance(raw, bytes):
+            raw_name: str | bytes = name.encode()
+        elif isinstance(raw, str):
+            raw_name = name
+        else:
+            return False
+        if raw_name not in raw:
+            return False
+        try:
+            return self._parse(raw)[1].get("msg_type") == name
+        except Exception:  # not a message: jupyter_server's own handling says what is wrong with it
+            return False
 
     def _stale_stdin(self, msg_type: str, state: KernelState | None) -> None:
         """A stdin reply for a kernel that cannot be waiting for input: say so, do not forward it."""
@@ -679,6 +717,9 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     # -- messages --------------------------------------------------------------------------
 
     def handle_incoming_message(self, incoming_msg: Any) -> None:
+        if self._notes_request(incoming_msg):
+            self._notes_shown_by_frontend = True
+            return
         runtime = getattr(self.multi_kernel_manager, "elastic_runtime", None)
         leader = runtime.leader if runtime is not None else None
         if leader is not None and not leader.holds():

@@ -10,7 +10,7 @@ import { JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application'
 import { Dialog, ICommandPalette, InputDialog, Notification, showDialog, showErrorMessage } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
-import { ServerConnection } from '@jupyterlab/services';
+import { KernelMessage, ServerConnection } from '@jupyterlab/services';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
 import { Signal } from '@lumino/signaling';
@@ -41,6 +41,10 @@ import {
 const settings = ServerConnection.makeSettings();
 /** The status item and toolbar while the server does not answer: the last state is not shown as now. */
 const UNREACHABLE = 'server unreachable';
+/** Sent on each kernel connection: this page shows the platform's notes (idle warnings, the
+ * restore report) as notifications, so the server leaves them out of the notebook, which would save
+ * them with the user's work (kernelmgr/checkpoint/notes.py). */
+const NOTES_SHOWN_REQUEST = 'elastic_notes_shown_request';
 
 /** fetch() under the server's base URL with Jupyter's auth (token, XSRF). */
 export const serverFetch: Fetcher = async (path, init) => {
@@ -468,7 +472,25 @@ const plugin: JupyterFrontEndPlugin<void> = {
     tracker.currentChanged.connect(renderStatus);
     // A cell sent to a hibernated kernel starts its resume: look now rather than at the next poll
     // (only then: a running kernel's busy/idle changes cost nothing).
+    const tellNotesShownHere = (notebook: NotebookPanel): void => {
+      const kernel = notebook.sessionContext.session?.kernel;
+      if (!kernel || kernel.connectionStatus !== 'connected' || !poller.available) {
+        return; // a server without the server part would pass it on to the kernel
+      }
+      // A message type of this project's, not in the protocol's list of types.
+      const create = KernelMessage.createMessage as (options: unknown) => KernelMessage.IControlMessage;
+      const msg = create({ msgType: NOTES_SHOWN_REQUEST, channel: 'control', session: kernel.clientId, content: {} });
+      kernel.sendControlMessage(msg, false, true).dispose(); // no reply comes
+    };
     tracker.widgetAdded.connect((_, notebook) => {
+      // Each connection (a new kernel, a reconnect to another gateway) is told, once the server is known.
+      notebook.sessionContext.connectionStatusChanged.connect((_, status) => {
+        if (status === 'connected') {
+          void (poller.available === null ? poller.refresh() : Promise.resolve()).then(() =>
+            tellNotesShownHere(notebook)
+          );
+        }
+      });
       notebook.sessionContext.statusChanged.connect(() => {
         const id = notebook.sessionContext.session?.kernel?.id;
         const kernel = id ? poller.kernels.get(id) : undefined;
