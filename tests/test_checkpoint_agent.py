@@ -25,6 +25,7 @@ from traitlets.config import Config
 from kernelmgr.checkpoint import agent
 from kernelmgr.checkpoint.agent import CHECKPOINT_CODE, AgentConfig, format_report, human_bytes
 from kernelmgr.checkpoint.errors import CheckpointFailed
+from kernelmgr.checkpoint.first_cell import RestoreIncomplete
 from kernelmgr.checkpoint.keys import ENV_KEY_FILE, key_file_path, private_key_dir, write_key_file
 from kernelmgr.checkpoint.layout import read_current
 from kernelmgr.checkpoint_store import CheckpointStore
@@ -185,7 +186,11 @@ def test_a_refused_checkpoint_starts_the_kernel_empty_and_says_why(
 
     resumed = new_shell(monkeypatch, agent_env(store, restore=True))
     assert user_variables(resumed) == set()
-    run(resumed, "y = 1")
+    # The first cell is not run on the empty kernel: it says so, and running it again runs it.
+    first = resumed.run_cell("y = 1", store_history=True)
+    assert isinstance(first.error_before_exec, RestoreIncomplete) and "y" not in resumed.user_ns
+    assert "Your variables could not be restored" in str(first.error_before_exec)
+    assert run(resumed, "y = 1; y") == 1
     [report] = displayed(resumed)
     kept = store.kernel_dir(OWNER, KERNEL) / "quarantine" / summary["id"]
     text = report["text/plain"]
@@ -234,7 +239,7 @@ def test_an_unconfigured_kernel_refuses_to_checkpoint(monkeypatch: pytest.Monkey
 def test_nothing_to_restore_is_reported(store: CheckpointStore, monkeypatch: pytest.MonkeyPatch) -> None:
     expected = "ckpt-20240101T000000000000-00000000"
     resumed = new_shell(monkeypatch, agent_env(store, restore=True, expected=expected))
-    run(resumed, "1")
+    assert isinstance(resumed.run_cell("1", store_history=True).error_before_exec, RestoreIncomplete)
     [report] = displayed(resumed)
     assert "no committed checkpoint was found" in report["text/plain"] and expected in report["text/plain"]
 
@@ -308,7 +313,7 @@ def test_a_missing_key_file_on_resume_says_why_in_the_first_cell(
     env = agent_env(store, restore=True, expected="ckpt-20240101T000000000000-00000000")
     Path(env[ENV_KEY_FILE]).unlink()
     resumed = new_shell(monkeypatch, env)
-    run(resumed, "1")
+    assert isinstance(resumed.run_cell("1", store_history=True).error_before_exec, RestoreIncomplete)
     [report] = displayed(resumed)
     assert report["text/plain"].startswith("Kernel resumed without its variables")
     assert "key file" in report["text/plain"] and "does not exist" in report["text/plain"]
@@ -540,3 +545,41 @@ def test_the_restore_report_is_marked_as_the_platforms_note() -> None:
     )
     assert not notes.is_note(frames("stream", {"name": "stdout", "text": json.dumps(marked)}))
     assert not notes.is_note([b"no delimiter"])
+
+
+def test_a_variable_that_fails_to_load_holds_the_first_cell_back(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A variable the checkpoint held and the restore could not load: the first cell is not run
+    (it says which); one that could never be saved (a socket) does not count."""
+    import importlib
+
+    (tmp_path / "gone_module.py").write_text("class Thing:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    shell = new_shell(monkeypatch, agent_env(store, restore=False))
+    run(shell, "import socket, gone_module\nthing = gone_module.Thing()\nkept = 41\nsock = socket.socket()")
+    agent.checkpoint()
+    (tmp_path / "gone_module.py").unlink()  # the library is gone when the kernel comes back
+    sys.modules.pop("gone_module", None)
+    importlib.invalidate_caches()
+
+    resumed = new_shell(monkeypatch, agent_env(store, restore=True))
+    first = resumed.run_cell("kept + 1", store_history=True)
+    assert isinstance(first.error_before_exec, RestoreIncomplete)
+    text = str(first.error_before_exec)
+    assert text.startswith("Not all of your variables could be restored: ") and "thing" in text, text
+    assert "sock" not in text and "kept" not in text
+    assert run(resumed, "kept + 1") == 42  # run again: it runs
+    resumed.user_ns["sock"] = None
+    shell.user_ns["sock"].close()
+
+
+def test_a_restore_that_lost_only_what_was_never_saved_runs_the_first_cell(
+    store: CheckpointStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shell = new_shell(monkeypatch, agent_env(store, restore=False))
+    run(shell, "import socket\nkept = 41\nsock = socket.socket()")
+    agent.checkpoint()
+    shell.user_ns["sock"].close()
+    resumed = new_shell(monkeypatch, agent_env(store, restore=True))
+    assert run(resumed, "kept + 1") == 42

@@ -181,7 +181,7 @@ def test_a_tampered_manifest_is_refused_before_anything_is_downloaded(
     manifest = json.loads(bucket.get(key) or b"")
     manifest["totals"]["bytes"] = 1 << 40  # a terabyte to download, were it trusted
     bucket.put(key, json.dumps(manifest).encode())
-    server.execute(kernel_id, "x = 1", timeout=120)  # wakes it
+    server.wake_to_a_refused_restore(kernel_id)
     folder = kernel_dir(server, owner, kernel_id)
     report = report_of(folder)
     assert "in the object store" in (report["refused"] or ""), report
@@ -197,7 +197,7 @@ def test_a_checkpoint_gone_from_the_bucket_gives_a_refused_report(
 ) -> None:
     kernel_id, owner, committed, bucket = hibernated(server, s3)
     bucket.delete(f"{owner}/{kernel_id}/{committed}/data.bin")
-    server.execute(kernel_id, "x = 1", timeout=120)  # wakes it
+    server.wake_to_a_refused_restore(kernel_id)
     folder = kernel_dir(server, owner, kernel_id)
     report = report_of(folder)
     assert "the checkpoint was not restored" not in (report["refused"] or "")

@@ -756,7 +756,7 @@ def test_a_checkpoint_tampered_with_in_the_bucket_is_refused_on_resume(
         data = bytearray(bucket.get(key) or b"")
         data[len(data) // 2] ^= 0xFF  # one byte in the middle of the array, same size
         bucket.put(key, bytes(data))
-        server.execute(kernel_id, "x = 1", timeout=120)  # wakes it
+        server.wake_to_a_refused_restore(kernel_id)
         report = json.loads((tmp_path / "scratch" / owner / kernel_id / REPORT).read_text())
         assert "does not match the manifest's digest" in (report["refused"] or ""), report
         assert report["restored"] == [], report

@@ -545,9 +545,13 @@ def test_tampered_checkpoint_is_refused_and_kept_aside(server: RunningServer) ->
     raw[len(raw) // 2] ^= 0xFF
     data.write_bytes(bytes(raw))
     with server.channel(kernel_id) as chan:
+        first = chan.execute("print('secret' in globals())", timeout=120)
+        # Not run on the empty kernel until the user runs it again (kernelmgr/checkpoint/first_cell.py).
+        assert first.error.startswith("RestoreIncomplete: Your variables could not be restored"), first
+        assert first.stdout == "" and first.reply["content"]["status"] == "error"
         result = chan.execute("print('secret' in globals())", timeout=120)
     assert result.stdout.strip() == "False"
-    report = "\n".join(result.displays)
+    report = "\n".join(first.displays)
     assert "without its variables" in report and "does not match" in report and "quarantine" in report
     assert list((kernel_dir / "quarantine").iterdir()), "the bad checkpoint is kept aside, not deleted"
 

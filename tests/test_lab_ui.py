@@ -551,8 +551,10 @@ def test_launcher_cards_are_ordered_by_size_with_icons_and_short_labels(
         folder.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(folder / "jupyterlab-launcher.png"))
 
-        # Both GPUs taken: the whole card says a new kernel of it would wait (issue 44: the
-        # launcher looked the same when nothing fit); the others still fit a slice... or not.
+        # Both GPUs taken: the whole card says a new kernel of it would not start now (issue 44:
+        # the launcher looked the same when nothing fit); here starts are not queued
+        # (ElasticKernels.start_queue_wait = 0), so it does not say it would wait.
+        assert server.get("/api/elastic/profiles")["start_queue_wait"] == 0
         taken = [server.start_kernel("python3-gpu-whole") for _ in INVENTORY]
         try:
             title = specs["python3-gpu-whole"]["spec"]["display_name"]
@@ -561,13 +563,41 @@ def test_launcher_cards_are_ordered_by_size_with_icons_and_short_labels(
             def label_of_whole() -> str:
                 return str(whole.evaluate("p => getComputedStyle(p, '::after').content"))
 
-            wait_for(lambda: "waits for a slice" in label_of_whole(), 30, what="the whole card to say so")
+            wait_for(lambda: "all taken" in label_of_whole(), 30, what="the whole card to say so")
             label = label_of_whole()
-            assert label == f'"{short_label(title)}\\a all taken: waits for a slice"', label
+            assert label == f'"{short_label(title)}\\a all taken now"', label
+
+            # JupyterLab's kernel picker, which it opens after a refused start (issue 44: with the
+            # refused size preselected, a loop): the sizes that would not start say so, and the
+            # largest size of the same kernel that fits now is preselected.
+            server.shutdown_kernel(taken.pop())
+            taken.append(server.start_kernel("python3-gpu-medium"))  # the whole size still fits nowhere
+            full = {
+                **CPU_NOTEBOOK,
+                "metadata": {"kernelspec": {"name": "python3-gpu-whole", "display_name": title}},
+            }
+            (server.home / "root" / "full.ipynb").write_text(json.dumps(full))
+            page.goto(f"{server.url}/lab/tree/full.ipynb?reset&token={TOKEN}")
+            error = page.locator(".jp-Dialog", has_text="Error Starting Kernel")
+            expect(error).to_contain_text("does not fit right now", timeout=60_000)
+            error.get_by_role("button", name="Ok").click()
+            select = page.locator(".jp-Dialog", has_text="Select Kernel").locator("select")
+            expect(select.locator("option", has_text=f"{title} — all taken now")).to_have_count(
+                1, timeout=15_000
+            )
+            medium = specs["python3-gpu-medium"]["spec"]["display_name"]
+            expect(select.locator("option:checked")).to_have_text(medium)
+            huge = [p for p in server.get("/api/elastic/profiles")["profiles"] if not p["fits_ever"]]
+            for profile in huge:
+                never = specs[profile["kernelspecs"][0]]["spec"]["display_name"]
+                expect(select.locator("option", has_text=f"{never} — never fits these GPUs")).to_have_count(1)
+            page.screenshot(path=str(folder / "jupyterlab-kernel-picker.png"))
+            page.keyboard.press("Escape")
         finally:
             for kernel_id in taken:
                 server.shutdown_kernel(kernel_id)
-        wait_for(lambda: "waits" not in label_of_whole(), 30, what="the whole card to fit again")
+        page.goto(f"{server.url}/lab?reset&token={TOKEN}")
+        wait_for(lambda: "all taken" not in label_of_whole(), 60, what="the whole card to fit again")
 
 
 def test_kernel_menu_and_palette_hibernate_resume_and_show_the_report(
@@ -621,6 +651,50 @@ def test_kernel_menu_and_palette_hibernate_resume_and_show_the_report(
             expect(dialog).to_contain_text("Restored: kept.")
             shots("jupyterlab-restore-report-command")
             dialog.get_by_role("button", name="Close").click()
+        finally:
+            server.shutdown_all_kernels()
+
+
+def test_a_resume_that_lost_the_variables_does_not_run_the_cell_until_asked_again(
+    lab: tuple[RunningServer, GpuScript],
+) -> None:
+    """Issue 44: a kernel whose checkpoint could not be loaded resumed empty and ran the cell at
+    once (a NameError), under the same blue notification as a good resume."""
+    from playwright.sync_api import expect
+
+    server, _gpu = lab
+    (server.home / "root" / "lost.ipynb").write_text(json.dumps(KEPT_NOTEBOOK))
+    with browser_page() as page:
+        try:
+            cells = _open(page, server, "lost.ipynb")
+            kernel_id = _kernel_of(server, "lost.ipynb")
+            assert kernel_id is not None
+            cells.nth(1).click()
+            page.keyboard.press("Shift+Enter")  # kept = 7
+            status = page.locator(".jp-ElasticStatus")
+            expect(status).to_contain_text("GPU medium", timeout=15_000)
+            assert server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate").status == 200
+            expect(status).to_have_text("GPU medium · hibernated", timeout=60_000)
+            # The checkpoint's data damaged while it slept: the restore refuses all of it.
+            [data] = (server.home / "checkpoints").rglob(f"{kernel_id}/ckpt-*/data.bin")
+            damaged = bytearray(data.read_bytes())
+            damaged[-1] ^= 1
+            data.write_bytes(damaged)
+
+            cells.nth(2).click()
+            page.keyboard.press("Shift+Enter")  # kept * 6: wakes the kernel
+            output = cells.nth(2).locator(".jp-OutputArea-output")
+            expect(output).to_contain_text(
+                "RestoreIncomplete: Your variables could not be restored", timeout=90_000
+            )
+            expect(output).not_to_contain_text("NameError")  # the cell did not run
+            toast = page.locator(".Toastify__toast", has_text="Kernel resumed, empty")
+            expect(toast).to_be_visible(timeout=15_000)
+            expect(toast).to_have_class(re.compile(r"\bToastify__toast--error\b"))
+            # Run again: the user's word; it runs on the kernel as it is.
+            cells.nth(2).click()
+            page.keyboard.press("Shift+Enter")
+            expect(output).to_contain_text("NameError: name 'kept' is not defined", timeout=30_000)
         finally:
             server.shutdown_all_kernels()
 
@@ -870,10 +944,26 @@ def test_the_panel_cancels_a_resume_waiting_for_a_slice(lab: tuple[RunningServer
                 row = page.locator(f'.jp-ElasticPanel-kernel[data-kernel-id="{kernel_id}"]')
                 cancel = row.get_by_role("button", name="Cancel")
                 expect(cancel).to_be_enabled(timeout=30_000)
+                # A notification says so too, with the place in the queue and its own Cancel.
+                toast = page.locator(".Toastify__toast", has_text="waiting for a free GPU slice (medium)")
+                expect(toast).to_contain_text("queued.ipynb: ", timeout=15_000)
+                expect(toast).to_contain_text("1 of 1 in the queue")
+                expect(toast.get_by_role("button", name="Cancel")).to_be_visible()
                 cancel.click()
                 answer = waiting.result(timeout=60)
             assert answer.status >= 400 and answer.body["message"], answer  # said, never a 5xx crash
             assert answer.status < 500, answer
+            expect(row.get_by_role("button", name="Resume")).to_be_visible(timeout=15_000)
+            expect(toast).to_have_count(0, timeout=15_000)  # the wait is over: its notification goes
+            # The notification's Cancel does the same.
+            with ThreadPoolExecutor(1) as background:
+                waiting = background.submit(
+                    server.request, "POST", f"/api/elastic/kernels/{kernel_id}/resume", None, TOKEN, 120
+                )
+                expect(toast.get_by_role("button", name="Cancel")).to_be_visible(timeout=30_000)
+                toast.get_by_role("button", name="Cancel").click()
+                answer = waiting.result(timeout=60)
+            assert 400 <= answer.status < 500 and answer.body["message"], answer
             expect(row.get_by_role("button", name="Resume")).to_be_visible(timeout=15_000)
             server.shutdown_kernel(holders.pop())  # a GPU frees up: the cancelled resume takes none of it
             server.start_kernel("python3-gpu-whole")  # ... so a whole-GPU kernel still fits there

@@ -78,7 +78,7 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kernelmgr.objectstore.transfer as transfer
 from kernelmgr.checkpoint import cipher, notes, outbox, prefetch
@@ -100,6 +100,9 @@ from kernelmgr.checkpoint.prefetch import (
 from kernelmgr.checkpoint.progress import CHECKPOINT_PROGRESS, ProgressFile
 from kernelmgr.checkpoint.quick_exit import flush, open_files
 from kernelmgr.checkpoint.quick_exit import install as install_quick_exit
+
+if TYPE_CHECKING:
+    from kernelmgr.checkpoint.first_cell import FirstCellGuard
 from kernelmgr.checkpoint.reader import refused_report, restore_checkpoint
 from kernelmgr.checkpoint.recompute import DEFAULT_LIMIT, replay
 from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
@@ -325,6 +328,7 @@ class _Agent:
         #: Why ``config`` is ``None`` although the server configured this kernel (for the errors).
         self.config_error: str | None = None
         self._hook_registered = False
+        self._first_cell: FirstCellGuard | None = None
         self.busy = False  # a cell is running (the watchdog waits for it to finish)
         # One checkpoint at a time: the server's (a silent execute on the main thread) and the
         # watchdog's (its own thread, when the server died mid-checkpoint) must never write
@@ -672,6 +676,7 @@ class _Agent:
         )
         self.shell.events.register("pre_run_cell", self.show_report)
         self._hook_registered = True
+        self._guard_first_cell()
         return report
 
     def _resume_history(self, report: dict[str, Any]) -> None:
@@ -753,6 +758,15 @@ class _Agent:
         self.report = refused_report(CheckpointRefused(reason))
         self.shell.events.register("pre_run_cell", self.show_report)
         self._hook_registered = True
+        self._guard_first_cell()
+
+    def _guard_first_cell(self) -> None:
+        """The first user cell is not run when the restore lost what the checkpoint held
+        (:mod:`kernelmgr.checkpoint.first_cell`); running it again runs it."""
+        from kernelmgr.checkpoint.first_cell import guard_first_cell  # IPython's: only in a kernel
+
+        if self.report is not None:
+            self._first_cell = guard_first_cell(self.shell, self.report)
 
     def show_report(self, info: Any = None) -> None:
         """``pre_run_cell`` hook: show the report in the first user cell, then unregister."""
@@ -779,6 +793,8 @@ class _Agent:
 
     def unload(self) -> None:
         self.unregister()
+        if self._first_cell is not None:
+            self._first_cell.remove()
         atexit.unregister(self._exit_hook)
         for event, hook in (
             ("pre_run_cell", self._cell_started),

@@ -155,6 +155,8 @@ def profiles_model(runtime: ElasticRuntime, kernelspecs: dict[str, str]) -> dict
     return {
         "gpus_available": runtime.gpus_available,
         "message": _gpu_message(runtime),
+        # Seconds a new kernel of a size that does not fit now waits for a slice; 0: refused at once.
+        "start_queue_wait": runtime.start_queue_wait,
         "profiles": profiles,
     }
 

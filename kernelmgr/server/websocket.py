@@ -719,6 +719,7 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     def handle_incoming_message(self, incoming_msg: Any) -> None:
         if self._notes_request(incoming_msg):
             self._notes_shown_by_frontend = True
+            self.log.debug("Kernel %s: this notebook's front end shows the platform's notes", self.kernel_id)
             return
         runtime = getattr(self.multi_kernel_manager, "elastic_runtime", None)
         leader = runtime.leader if runtime is not None else None

@@ -23,6 +23,7 @@ import {
   Fetcher,
   KernelPoller,
   launcherCss,
+  pickerChoice,
   Profile,
   culledText,
   reportSeverity,
@@ -35,6 +36,7 @@ import {
   StatusOptions,
   statusText,
   toolbarText,
+  waitingText,
   warningText
 } from './model';
 
@@ -133,7 +135,7 @@ async function styleLauncher(app: JupyterFrontEnd): Promise<void> {
   if (reply.status !== 200) {
     return;
   }
-  const { profiles } = (await reply.json()) as { profiles: Profile[] };
+  const { profiles, start_queue_wait } = (await reply.json()) as { profiles: Profile[]; start_queue_wait?: number };
   const specs = app.serviceManager.kernelspecs;
   await specs.ready;
   const render = (): void => {
@@ -144,7 +146,7 @@ async function styleLauncher(app: JupyterFrontEnd): Promise<void> {
       style.id = 'jupyter-elastic-kernels-launcher';
       document.head.appendChild(style);
     }
-    style.textContent = launcherCss(profiles, name => known[name]?.display_name);
+    style.textContent = launcherCss(profiles, name => known[name]?.display_name, (start_queue_wait ?? 0) > 0);
   };
   render();
   if (!launcherStyled) {
@@ -153,6 +155,58 @@ async function styleLauncher(app: JupyterFrontEnd): Promise<void> {
   }
 }
 let launcherStyled = false;
+
+/**
+ * JupyterLab's "Select Kernel" dialog (also opened after a start was refused) says which GPU sizes
+ * would not start at once, and does not preselect again a size that was just refused (see
+ * pickerChoice). The dialog offers no hook: its options are found as it opens, by their values
+ * (`{"name": <kernelspec>}`), and annotated with what the server says now.
+ */
+function annotateKernelPickers(): void {
+  const annotate = async (select: HTMLSelectElement): Promise<void> => {
+    const bySpec = new Map<string, HTMLOptionElement>();
+    for (const option of Array.from(select.options)) {
+      try {
+        const choice = JSON.parse(option.value) as { name?: unknown; id?: unknown } | null;
+        if (choice && typeof choice.name === 'string' && !choice.id) {
+          bySpec.set(choice.name, option);
+        }
+      } catch {
+        // not a kernelspec's option
+      }
+    }
+    if (!bySpec.size) {
+      return;
+    }
+    const reply = await serverFetch('api/elastic/profiles');
+    if (reply.status !== 200) {
+      return;
+    }
+    const { profiles, start_queue_wait } = (await reply.json()) as { profiles: Profile[]; start_queue_wait?: number };
+    const selected = [...bySpec].find(([, option]) => option.selected)?.[0] ?? null;
+    const { notes, select: instead } = pickerChoice([...bySpec.keys()], selected, profiles, (start_queue_wait ?? 0) > 0);
+    for (const [spec, note] of Object.entries(notes)) {
+      const option = bySpec.get(spec);
+      if (option && !option.dataset.elasticNote) {
+        option.dataset.elasticNote = note;
+        option.text = `${option.text} — ${note}`;
+      }
+    }
+    const replacement = instead ? bySpec.get(instead) : undefined;
+    if (replacement) {
+      replacement.selected = true;
+    }
+  };
+  new MutationObserver(records => {
+    for (const record of records) {
+      for (const node of Array.from(record.addedNodes)) {
+        if (node instanceof HTMLElement && node.classList.contains('jp-Dialog')) {
+          node.querySelectorAll('select').forEach(select => void annotate(select));
+        }
+      }
+    }
+  }).observe(document.body, { childList: true });
+}
 
 /** The commands' ids (Kernel menu: schema/plugin.json; the command palette). */
 const COMMANDS = {
@@ -277,6 +331,38 @@ const plugin: JupyterFrontEndPlugin<void> = {
         connection.update({ ...model, kernel: { ...kernel.model, name } });
       });
     };
+    /** While a resume of one of this page's kernels waits for a slice: a notification with its
+     * place in the queue and Cancel (as the GPUs panel has), gone when the wait ends. */
+    const waitNotices = new Map<string, string>();
+    const showWaiting = (id: string, kernel: ElasticKernel | undefined): void => {
+      const text = waitingText(kernel, notebookOf(id));
+      const shown = waitNotices.get(id);
+      if (!text || !notebookOf(id)) {
+        if (shown) {
+          Notification.dismiss(shown);
+          waitNotices.delete(id);
+        }
+        return;
+      }
+      const actions = [
+        {
+          label: 'Cancel',
+          caption: 'Stop waiting: the kernel stays hibernated, with its variables',
+          callback: () => void cancelWait(id)
+        }
+      ];
+      if (!shown || !Notification.update({ id: shown, message: text, actions })) {
+        waitNotices.set(id, Notification.info(text, { autoClose: false, actions }));
+      }
+    };
+    const cancelWait = async (id: string): Promise<void> => {
+      const reply = await serverFetch(`api/elastic/kernels/${id}/cancel`, { method: 'POST' });
+      if (reply.status !== 200) {
+        const body = (await reply.json()) as { message?: string };
+        Notification.error(`Could not stop waiting: ${body.message ?? reply.status}`);
+      }
+      await poller.refresh();
+    };
     /** The size each kernel last ran at, to tell a resize's resume from any other. */
     const ranAt = new Map<string, string>();
     /** Kernels this page is resizing: their resume is announced when the request answers. */
@@ -340,6 +426,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
           }
           kernelNotices.set(id, Notification.info(culledText(notebookOf(id)), { autoClose: false }));
         }
+        showWaiting(id, after);
         const sizeBefore = ranAt.get(id);
         if (after?.state === 'running' && after.profile) {
           ranAt.set(id, after.profile);
@@ -482,15 +569,22 @@ const plugin: JupyterFrontEndPlugin<void> = {
       const msg = create({ msgType: NOTES_SHOWN_REQUEST, channel: 'control', session: kernel.clientId, content: {} });
       kernel.sendControlMessage(msg, false, true).dispose(); // no reply comes
     };
-    tracker.widgetAdded.connect((_, notebook) => {
-      // Each connection (a new kernel, a reconnect to another gateway) is told, once the server is known.
+    const watchNotebook = (notebook: NotebookPanel): void => {
+      // Each connection (a new kernel, a reconnect to another gateway) is told, once the server is
+      // known; also the one already open when the notebook joins the tracker. Told twice (a new
+      // kernel that then connects) does no harm: the server only notes it.
+      const tell = (): void =>
+        void (poller.available === null ? poller.refresh() : Promise.resolve()).then(() =>
+          tellNotesShownHere(notebook)
+        );
       notebook.sessionContext.connectionStatusChanged.connect((_, status) => {
         if (status === 'connected') {
-          void (poller.available === null ? poller.refresh() : Promise.resolve()).then(() =>
-            tellNotesShownHere(notebook)
-          );
+          tell();
         }
       });
+      // A kernel connection can come in connected already (no status change is seen then).
+      notebook.sessionContext.kernelChanged.connect(tell);
+      tell();
       notebook.sessionContext.statusChanged.connect(() => {
         const id = notebook.sessionContext.session?.kernel?.id;
         const kernel = id ? poller.kernels.get(id) : undefined;
@@ -510,7 +604,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
         }
         renderStatus();
       });
-    });
+    };
+    // Also the notebooks opened before this plugin activated (a page load restores them early).
+    tracker.forEach(watchNotebook);
+    tracker.widgetAdded.connect((_, notebook) => watchNotebook(notebook));
     // "Change GPU Size…" keeps the variables; JupyterLab's kernel picker would start a new kernel
     // and shut this one down without a word.
     item.node.onclick = () => {
@@ -532,6 +629,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         return; // no /api/elastic here: nothing appears
       }
       void styleLauncher(app);
+      annotateKernelPickers();
       // Which sizes fit now changes as kernels take and free slices: the cards follow.
       let slices = '';
       poller.onUpdate(p => {

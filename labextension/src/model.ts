@@ -452,12 +452,63 @@ export interface Profile {
   fits_ever?: boolean;
 }
 
-/** What a launcher card says under its name when its size would not start at once. */
-export function fitNote(profile: Profile): string {
+/** What a launcher card (or the kernel picker) says of a size that would not start at once:
+ * `startsWait` when the server lets a new kernel wait for a slice (`start_queue_wait`), else such
+ * a start is refused. */
+export function fitNote(profile: Profile, startsWait = false): string {
   if (profile.fits_ever === false) {
     return 'never fits these GPUs';
   }
-  return profile.fits_now === false ? 'all taken: waits for a slice' : '';
+  if (profile.fits_now !== false) {
+    return '';
+  }
+  return startsWait ? 'all taken: waits for a slice' : 'all taken now';
+}
+
+/**
+ * JupyterLab's "Select Kernel" dialog, which it also opens after a start was refused: a note for
+ * each GPU-size kernelspec that would not start at once, and, when the one preselected does not
+ * fit now and would be refused again, the kernelspec to preselect instead: of the same kernel's
+ * sizes that fit now, the largest not larger than it (`null`: leave the choice alone).
+ */
+export function pickerChoice(
+  specs: string[],
+  selected: string | null,
+  profiles: Profile[],
+  startsWait: boolean
+): { notes: Record<string, string>; select: string | null } {
+  const profileOf = new Map<string, Profile>();
+  for (const profile of profiles) {
+    for (const spec of profile.kernelspecs ?? []) {
+      profileOf.set(spec, profile);
+    }
+  }
+  const notes: Record<string, string> = {};
+  for (const spec of specs) {
+    const profile = profileOf.get(spec);
+    const note = profile ? fitNote(profile, startsWait) : '';
+    if (note) {
+      notes[spec] = note;
+    }
+  }
+  const current = selected ? profileOf.get(selected) : undefined;
+  if (!selected || !current || current.fits_now !== false || startsWait) {
+    return { notes, select: null };
+  }
+  // "python3-gpu-whole" and "python3-gpu-small" are one kernel's sizes; "ir-gpu-small" is not.
+  const base = (spec: string, profile: Profile): string =>
+    spec.endsWith(profile.name) ? spec.slice(0, spec.length - profile.name.length) : spec;
+  const fitting = specs
+    .filter(spec => {
+      const profile = profileOf.get(spec);
+      return (
+        profile?.fits_now === true &&
+        profile.gpu_fraction <= current.gpu_fraction &&
+        base(spec, profile) === base(selected, current)
+      );
+    })
+    .sort((a, b) => (profileOf.get(b)?.gpu_fraction ?? 0) - (profileOf.get(a)?.gpu_fraction ?? 0));
+  return { notes, select: fitting[0] ?? null };
 }
 
 /** A launcher icon for a GPU size: the share of the GPU as a filled pie, the memory under it. */
@@ -502,7 +553,11 @@ function cssString(text: string): string {
  * launcher sorts by name and draws the kernel's own logo, and offers no other hook. The cards
  * keep their full name as their title (tooltip) and the icon's alt text.
  */
-export function launcherCss(profiles: Profile[], displayNameOf: (spec: string) => string | undefined): string {
+export function launcherCss(
+  profiles: Profile[],
+  displayNameOf: (spec: string) => string | undefined,
+  startsWait = false
+): string {
   const sized = [...profiles].sort(
     (a, b) => a.gpu_fraction - b.gpu_fraction || (a.memory_mib ?? 0) - (b.memory_mib ?? 0) || a.name.localeCompare(b.name)
   );
@@ -515,7 +570,7 @@ export function launcherCss(profiles: Profile[], displayNameOf: (spec: string) =
         continue;
       }
       const card = `.jp-LauncherCard[title=${cssString(title)}]`;
-      const note = fitNote(profile);
+      const note = fitNote(profile, startsWait);
       const label = note ? `${shortLabel(title)}\n${note}` : shortLabel(title);
       rules.push(
         `${card} { order: ${index + 1};${note ? ' opacity: 0.6;' : ''} }`,
@@ -552,4 +607,13 @@ export function renamedKernel(connectionName: string, kernel: ElasticKernel | un
     return '';
   }
   return ['running', 'hibernated'].includes(kernel.state) ? kernel.name : '';
+}
+
+/** The notification while a kernel's resume waits for a GPU slice ('' when it does not wait). */
+export function waitingText(kernel: ElasticKernel | undefined, where: string | undefined): string {
+  if (kernel?.resume?.phase !== 'waiting_for_slice') {
+    return '';
+  }
+  const size = kernel.profile ? ` (${kernel.profile})` : '';
+  return `${where ? where + ': ' : ''}waiting for a free GPU slice${size} to resume the kernel${queuePlace(kernel.resume)}. Cancel keeps it hibernated, with its variables.`;
 }

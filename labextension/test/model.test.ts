@@ -10,6 +10,7 @@ import {
   culledText,
   reportSeverity,
   launcherCss,
+  pickerChoice,
   Profile,
   shortLabel,
   sizeIconSvg,
@@ -20,6 +21,7 @@ import {
   secondsLeft,
   statusText,
   toolbarText,
+  waitingText,
   warningText
 } from '../src/model';
 
@@ -309,9 +311,13 @@ describe('launcherCss', () => {
         { ...profiles[1], fits_now: true, fits_ever: true },
         { ...profiles[2], fits_now: false, fits_ever: false }
       ],
-      spec => names[spec]
+      spec => names[spec],
+      true
     );
     expect(full).toContain('content: "Python 3 · GPU whole\\a all taken: waits for a slice";');
+    // Without a start queue, a start of a full size is refused: the card does not say it would wait.
+    const refused = launcherCss([{ ...profiles[0], fits_now: false, fits_ever: true }], spec => names[spec]);
+    expect(refused).toContain('content: "Python 3 · GPU whole\\a all taken now";');
     expect(full).toContain('.jp-LauncherCard[title="Python 3 · GPU whole"] { order: 3; opacity: 0.6; }');
     expect(full).toContain('\\a never fits these GPUs";');
     expect(full).toContain('.jp-LauncherCard[title="Python 3 · GPU small (10 GiB)"] { order: 1; }');
@@ -323,5 +329,39 @@ describe('launcherCss', () => {
     expect(sizeIconSvg(0.25, 10240)).toContain('A17 17 0 0 1 43.00 22.00 Z');
     expect(sizeIconSvg(0.75, null)).toContain(' 0 1 1 ');
     expect(sizeIconSvg(0.75, null)).not.toContain('<text');
+  });
+});
+
+describe('pickerChoice', () => {
+  const profiles: Profile[] = [
+    { name: 'small', display_name: 'GPU small', gpu_fraction: 0.25, memory_mib: 10240, kernelspecs: ['python3-gpu-small', 'ir-gpu-small'], fits_now: true },
+    { name: 'medium', display_name: 'GPU medium', gpu_fraction: 0.5, memory_mib: 20480, kernelspecs: ['python3-gpu-medium'], fits_now: true },
+    { name: 'whole', display_name: 'GPU whole', gpu_fraction: 1, memory_mib: null, kernelspecs: ['python3-gpu-whole'], fits_now: false },
+    { name: 'huge', display_name: 'GPU huge', gpu_fraction: 4, memory_mib: null, kernelspecs: ['python3-gpu-huge'], fits_now: false, fits_ever: false }
+  ];
+  const specs = ['python3', 'python3-gpu-small', 'ir-gpu-small', 'python3-gpu-medium', 'python3-gpu-whole', 'python3-gpu-huge'];
+  it('notes the sizes that would not start, and preselects the largest of the same kernel that fits', () => {
+    const choice = pickerChoice(specs, 'python3-gpu-whole', profiles, false);
+    expect(choice.notes).toEqual({ 'python3-gpu-whole': 'all taken now', 'python3-gpu-huge': 'never fits these GPUs' });
+    expect(choice.select).toBe('python3-gpu-medium');
+  });
+  it('leaves the choice alone when it fits, when starts wait in the queue, or without a size', () => {
+    expect(pickerChoice(specs, 'python3-gpu-small', profiles, false).select).toBeNull();
+    const queued = pickerChoice(specs, 'python3-gpu-whole', profiles, true);
+    expect(queued.select).toBeNull();
+    expect(queued.notes['python3-gpu-whole']).toBe('all taken: waits for a slice');
+    expect(pickerChoice(specs, 'python3', profiles, false).select).toBeNull();
+    expect(pickerChoice(specs, null, profiles, false).select).toBeNull();
+  });
+});
+
+describe('waitingText', () => {
+  it('says where the wait stands, only while it waits for a slice', () => {
+    const waiting = kernel({ state: 'resuming', resume: { phase: 'waiting_for_slice', position: 2, waiting: 3, estimate_s: 30 } });
+    expect(waitingText(waiting, 'a.ipynb')).toBe(
+      'a.ipynb: waiting for a free GPU slice (small) to resume the kernel (2 of 3 in the queue, about 30 s). Cancel keeps it hibernated, with its variables.'
+    );
+    expect(waitingText(kernel({ state: 'resuming', resume: { phase: 'restoring' } }), 'a.ipynb')).toBe('');
+    expect(waitingText(kernel(), undefined)).toBe('');
   });
 });

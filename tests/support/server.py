@@ -263,6 +263,13 @@ class RunningServer:
             raise AssertionError(f"kernel error: {result.error}")
         return result.stdout
 
+    def wake_to_a_refused_restore(self, kernel_id: str, timeout: float = 120) -> None:
+        """Run a cell on a hibernated kernel whose checkpoint its restore will refuse: the cell wakes
+        the kernel and is not run itself (``kernelmgr/checkpoint/first_cell.py``)."""
+        with self.channel(kernel_id, timeout=timeout) as chan:
+            result = chan.execute("pass", timeout=timeout)
+        assert result.error.startswith("RestoreIncomplete: Your variables could not be restored"), result
+
     def channel(self, kernel_id: str, timeout: float = 60, v1: bool = False) -> KernelChannel:
         """An open websocket to the kernel, as a notebook holds one."""
         return KernelChannel(self.url, kernel_id, timeout, v1=v1)
