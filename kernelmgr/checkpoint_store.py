@@ -45,6 +45,7 @@ from kernelmgr.checkpoint.layout import (
     CURRENT,
     DATA_FILE,
     MANIFEST_FILE,
+    QUARANTINE,
     RESTORE_REPORT,
     file_names,
     read_current,
@@ -128,7 +129,7 @@ class CheckpointStore:
         # Summaries by (owner, kernel id), valid while ``current`` is the same file:
         # ``/api/elastic/kernels`` must not read and verify every manifest per request; one
         # ``stat`` tells whether a new checkpoint was committed since (commits replace it).
-        self._summaries: dict[tuple[str, str], tuple[tuple[int, int, int], dict[str, Any] | None]] = {}
+        self._summaries: dict[tuple[str, str], tuple[tuple[int, ...], dict[str, Any] | None]] = {}
 
     def kernel_dir(self, owner: str, kernel_id: str) -> Path:
         """The kernel directory's path, for a kernel's agent (not created). Raises ``ValueError`` for
@@ -489,10 +490,15 @@ class CheckpointStore:
             return
 
 
-def _signature(directory: SafeDir) -> tuple[int, int, int] | None:
-    """What changes when a commit replaces ``current``; ``None`` when nothing is committed."""
+def _signature(directory: SafeDir) -> tuple[int, ...] | None:
+    """What changes when a commit replaces ``current``, or a restore quarantines the checkpoint it
+    names (``current`` stays; the quarantine folder changes); ``None`` when nothing is committed."""
     try:
         info = directory.lstat(CURRENT)
     except FileNotFoundError:
         return None
-    return (info.st_ino, info.st_mtime_ns, info.st_size)
+    try:
+        kept = directory.lstat(QUARANTINE).st_mtime_ns
+    except FileNotFoundError:
+        kept = 0
+    return (info.st_ino, info.st_mtime_ns, info.st_size, kept)

@@ -691,6 +691,13 @@ def test_a_resume_that_lost_the_variables_does_not_run_the_cell_until_asked_agai
             toast = page.locator(".Toastify__toast", has_text="Kernel resumed, empty")
             expect(toast).to_be_visible(timeout=15_000)
             expect(toast).to_have_class(re.compile(r"\bToastify__toast--error\b"))
+            # The panel does not show the refused checkpoint as the kernel's (it is kept aside).
+            page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]').click()
+            info = page.locator(
+                f'.jp-ElasticPanel-kernel[data-kernel-id="{kernel_id}"] .jp-ElasticPanel-kernelInfo'
+            )
+            expect(info).to_contain_text("medium · ", timeout=10_000)
+            expect(info).not_to_contain_text("checkpoint", timeout=10_000)
             # Run again: the user's word; it runs on the kernel as it is.
             cells.nth(2).click()
             page.keyboard.press("Shift+Enter")
