@@ -491,14 +491,10 @@ class CheckpointStore:
 
 
 def _signature(directory: SafeDir) -> tuple[int, ...] | None:
-    """What changes when a commit replaces ``current``, or a restore quarantines the checkpoint it
-    names (``current`` stays; the quarantine folder changes); ``None`` when nothing is committed."""
+    """What changes when a commit replaces ``current`` or a restore quarantines what it names."""
     try:
         info = directory.lstat(CURRENT)
+        kept = directory.lstat(QUARANTINE).st_mtime_ns if directory.exists(QUARANTINE) else 0
     except FileNotFoundError:
         return None
-    try:
-        kept = directory.lstat(QUARANTINE).st_mtime_ns
-    except FileNotFoundError:
-        kept = 0
     return (info.st_ino, info.st_mtime_ns, info.st_size, kept)

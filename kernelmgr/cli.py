@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 
 from jupyter_core.paths import jupyter_runtime_dir
 
+from kernelmgr import cli_colour
 from kernelmgr.cli_local import (
     FAILURE,
     LOCAL_COMMANDS,
@@ -410,6 +411,12 @@ def build_parser() -> OneLineParser:
     return parser
 
 
+def say_error(text: str) -> None:
+    """One line on stderr, in red on a terminal (:mod:`kernelmgr.cli_colour`)."""
+    painted = cli_colour.paint(text, cli_colour.ERROR_CODE) if cli_colour.wanted(sys.stderr) else text
+    print(painted, file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -427,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as err:
         parser.error(str(err))
     except CliError as err:
-        print(f"jupyter elastic: {err}", file=sys.stderr)
+        say_error(f"jupyter elastic: {err}")
         return FAILURE
     method = "GET"
     render: Renderer
@@ -435,10 +442,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             args.kernel_id = kernel_named(target, args.kernel_id, args.request_timeout)
         except KernelRefError as err:  # the user's to fix: one line, exit 2
-            print(f"jupyter elastic: {err}", file=sys.stderr)
+            say_error(f"jupyter elastic: {err}")
             return USAGE_ERROR
         except CliError as err:
-            print(f"jupyter elastic: {err}", file=sys.stderr)
+            say_error(f"jupyter elastic: {err}")
             return FAILURE
     if args.command in KERNEL_ACTIONS:
         path, render, method = f"/api/elastic/kernels/{args.kernel_id}/{args.command}", render_kernel, "POST"
@@ -462,19 +469,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             doc = fetch(target, path, method, timeout=args.request_timeout)
             if args.command == "list" and not args.json:
                 sessions = _try_fetch(target, "/api/sessions", args.request_timeout)
-                render = functools.partial(render_kernels, notebooks=notebooks_of(sessions))
+                render = functools.partial(
+                    render_kernels, notebooks=notebooks_of(sessions), colour=cli_colour.wanted(sys.stdout)
+                )
     except NotFound:  # an unknown kernel id: the user's to fix, like a bad argument
         known = "`jupyter elastic list` shows them"
-        print(f"jupyter elastic: no kernel {args.kernel_id}: {known}", file=sys.stderr)
+        say_error(f"jupyter elastic: no kernel {args.kernel_id}: {known}")
         return USAGE_ERROR
     except Interrupted as err:
-        print(f"jupyter elastic: {err}", file=sys.stderr)
+        say_error(f"jupyter elastic: {err}")
         return INTERRUPTED
     except CliError as err:
-        print(f"jupyter elastic: {err}", file=sys.stderr)
+        say_error(f"jupyter elastic: {err}")
         return FAILURE
     except KeyboardInterrupt:
-        print("jupyter elastic: interrupted", file=sys.stderr)
+        say_error("jupyter elastic: interrupted")
         return INTERRUPTED
     print(json.dumps(doc, indent=2) if args.json else render(doc))
     return 0

@@ -4,20 +4,35 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
+from kernelmgr import cli_colour
 from kernelmgr.cli_refs import SHORT_ID, shorten_path
 
 MIB = 1024 * 1024
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Left-aligned columns, two spaces apart; ``-`` for missing values."""
+def table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    paint: Mapping[int, Callable[[str], str]] | None = None,
+) -> str:
+    """Left-aligned columns, two spaces apart; ``-`` for missing values. ``paint`` colours the
+    cells of some columns (by index); widths are those of the plain text."""
     cells = [[("-" if value in (None, "") else str(value)) for value in row] for row in rows]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    painters = paint or {}
+
+    def cell(index: int, text: str, width: int) -> str:
+        painter = painters.get(index)
+        return painter(text) + " " * (width - len(text)) if painter else text.ljust(width)
+
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    lines += [
+        "  ".join(cell(i, c, w) for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+        for row in cells
+    ]
     return "\n".join(lines)
 
 
@@ -140,7 +155,9 @@ def _duration(seconds: Any) -> str:
 NOTEBOOK_WIDTH = 22
 
 
-def render_kernels(kernels: list[dict[str, Any]], notebooks: Mapping[str, str] | None = None) -> str:
+def render_kernels(
+    kernels: list[dict[str, Any]], notebooks: Mapping[str, str] | None = None, colour: bool = False
+) -> str:
     """``list``: one line a kernel, within 80 columns (``--json`` has every field).
 
     The id as JupyterLab shows it (its first eight characters, which every kernel command
@@ -169,7 +186,8 @@ def render_kernels(kernels: list[dict[str, Any]], notebooks: Mapping[str, str] |
     if not rows:
         return "no kernels"
     headers = ["KERNEL", "NOTEBOOK", "SIZE", "STATE", "IDLE", "GPU", "GPU MEM", "CHECKPOINT"]
-    return table([*headers, "OWNER"] if owners else headers, rows)
+    paint = {headers.index("STATE"): cli_colour.state} if colour else None
+    return table([*headers, "OWNER"] if owners else headers, rows, paint)
 
 
 def render_kernel(kernel: dict[str, Any]) -> str:

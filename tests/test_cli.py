@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -14,6 +15,7 @@ from unittest import mock
 
 import pytest
 
+from kernelmgr import cli_colour
 from kernelmgr.cli import _outcome
 from kernelmgr.cli_refs import KernelRefError, resolve, shorten_path
 from kernelmgr.cli_render import human_bytes, human_mib, render_kernel, render_kernels, render_progress
@@ -62,6 +64,72 @@ def test_list_shows_a_running_kernel(plain_server: RunningServer) -> None:
     finally:
         plain_server.shutdown_kernel(kernel_id)
     assert cli(plain_server, "list").stdout.strip() == "no kernels"
+
+
+def on_a_terminal(server: RunningServer, *args: str, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Run the CLI with stdout and stderr on a pseudo-terminal, as a user's shell does: its exit
+    code and everything it wrote there."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            ["jupyter", "elastic", *args],
+            stdout=follower,
+            stderr=follower,
+            env={**server.env, "TERM": "xterm", **(env or {})},
+        )
+        os.close(follower)
+        chunks: list[bytes] = []
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal closes when the process has exited
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return proc.wait(timeout=60), b"".join(chunks).decode()
+    finally:
+        os.close(leader)
+
+
+def test_states_and_errors_are_coloured_on_a_terminal_only(plain_server: RunningServer) -> None:
+    """Issue 44: colours on a TTY; a pipe (and NO_COLOR) gets the same text without them."""
+    kernel_id = plain_server.start_kernel("python3-gpu-small")
+    try:
+        code, shown = on_a_terminal(plain_server, "list")
+        assert code == 0, shown
+        assert "\x1b[32mrunning\x1b[0m" in shown, repr(shown)
+        piped = cli(plain_server, "list")
+        assert "\x1b[" not in piped.stdout and "running" in piped.stdout
+        assert "\x1b[" not in on_a_terminal(plain_server, "list", env={"NO_COLOR": "1"})[1]
+        code, shown = on_a_terminal(plain_server, "hibernate", "0000ffff")
+        assert code == 2 and shown.startswith("\x1b[31mjupyter elastic: "), repr(shown)
+    finally:
+        plain_server.shutdown_kernel(kernel_id)
+
+
+def test_a_coloured_table_has_the_plain_tables_widths() -> None:
+    kernels = [
+        {"id": "a" * 36, "profile": "small", "state": "running", "activity": {}},
+        {
+            "id": "b" * 36,
+            "profile": "whole",
+            "state": "hibernated",
+            "activity": {},
+            "checkpoint": {"bytes": 2048},
+        },
+    ]
+    plain = render_kernels(kernels)
+    coloured = render_kernels(kernels, colour=True)
+    assert coloured != plain and re.sub(r"\x1b\[[0-9;]*m", "", coloured) == plain
+    assert not cli_colour.wanted(io.StringIO())  # not a terminal
+    tty = io.StringIO()
+    tty.isatty = lambda: True  # type: ignore[method-assign]
+    assert cli_colour.wanted(tty, {"TERM": "xterm"})
+    assert not cli_colour.wanted(tty, {"TERM": "xterm", "NO_COLOR": "1"})
+    assert not cli_colour.wanted(tty, {"TERM": "dumb"})
 
 
 @pytest.mark.parametrize(
