@@ -296,7 +296,10 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     # 3. Hibernate from the GPUs panel; the status says so.
     tab = page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]')
     expect(tab.locator("svg")).to_have_count(1)  # an icon, not the vertical word "GPUs"
-    tab.click()
+    # Also in the View menu (issue 44: only the 16-px icon led to it), and the command palette.
+    page.get_by_role("menuitem", name="View", exact=True).click()
+    page.get_by_role("menuitem", name="GPUs Panel").click()
+    expect(page.locator(".jp-ElasticPanel")).to_be_visible(timeout=10_000)
     row = page.locator(f'.jp-ElasticPanel-kernel[data-kernel-id="{kernel_id}"]')
     # Named by its notebook (the sessions API), with its size and state.
     expect(row.locator(".jp-ElasticPanel-kernelName")).to_have_text("demo.ipynb", timeout=10_000)
@@ -304,7 +307,9 @@ def _scenario(server: RunningServer, gpu: GpuScript, page: Any, shots: Shots) ->
     expect(page.locator(".jp-ElasticPanel")).to_contain_text("All GPUs (admin)", timeout=10_000)
     devices = page.locator(".jp-ElasticPanel-device")
     gpus = server.get("/api/elastic/gpus")["devices"]
-    expect(devices.first).to_contain_text(f"{gpus[0]['name']} · 25% allocated")
+    # Numbered, so that two GPUs of one model are told apart (issue 44).
+    expect(devices.first).to_contain_text(f"GPU {gpus[0]['index']} · {gpus[0]['name']} · 25% allocated")
+    assert gpus[0]["name"] == gpus[1]["name"] and gpus[0]["index"] != gpus[1]["index"]
     expect(devices.first.locator(".jp-ElasticPanel-sliceList")).to_have_text("small (demo.ipynb)")
     # The slice drawn as its part of the GPU: the API's fraction of the bar.
     segment = devices.first.locator('.jp-ElasticPanel-slice[data-profile="small"]')

@@ -213,7 +213,8 @@ const COMMANDS = {
   hibernate: 'elastic-kernels:hibernate',
   resume: 'elastic-kernels:resume',
   report: 'elastic-kernels:show-report',
-  changeSize: 'elastic-kernels:change-size'
+  changeSize: 'elastic-kernels:change-size',
+  showGpus: 'elastic-kernels:show-gpus'
 };
 
 /** What a command acts on: `args.kernelId`, the kernel right-clicked in the running-kernels
@@ -520,6 +521,16 @@ const plugin: JupyterFrontEndPlugin<void> = {
       isEnabled: args => ['running', 'hibernated'].includes(elasticKernel(args)?.state ?? ''),
       execute: args => changeSize(elasticKernel(args))
     });
+    app.commands.addCommand(COMMANDS.showGpus, {
+      label: 'GPUs Panel',
+      caption: 'Your kernels with their GPU sizes and states, and every GPU with its slices and use',
+      isEnabled: () => panel !== null,
+      execute: () => {
+        if (panel) {
+          app.shell.activateById(panel.id);
+        }
+      }
+    });
     app.commands.addCommand(COMMANDS.report, {
       label: 'Show Restore Report',
       caption: "What the kernel's last resume restored, recomputed and could not restore, and why",
@@ -643,6 +654,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
         void app.commands.execute(COMMANDS.changeSize, { kernelId })
       );
       app.shell.add(panel, 'left', { rank: 700 });
+      app.commands.notifyCommandChanged(COMMANDS.showGpus);
       poller.start();
     });
   }

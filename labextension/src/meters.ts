@@ -62,6 +62,9 @@ export function sparklineSvg(values: (number | null)[], max: number, slots: numb
 export interface DeviceModel {
   uuid: string;
   name: string;
+  /** Its index on its machine (what nvidia-smi shows), and the node it is on (Kubernetes). */
+  index?: number;
+  node?: string;
   memory_mib?: number;
   used_fraction?: number;
   slices?: { kernel_id: string; profile?: string; fraction?: number; memory_mib?: number; warm?: boolean }[];
@@ -108,4 +111,13 @@ export function releasedText(totalHours: number, gpusNow: number | null | undefi
         : ' · none released now';
   }
   return text;
+}
+
+/** A GPU as the panel names it: "GPU 1 · NVIDIA H100 80GB HBM3" (with its node on Kubernetes), so
+ * that identical models are told apart. */
+export function deviceLabel(device: DeviceModel): string {
+  const where = device.node ? ` on ${device.node}` : '';
+  return device.index === undefined || device.index === null
+    ? `${device.name}${where}`
+    : `GPU ${device.index}${where} · ${device.name}`;
 }

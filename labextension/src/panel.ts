@@ -10,7 +10,7 @@ import { Notification } from '@jupyterlab/apputils';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
-import { DeviceModel as Device, History, memoryMeter, Meter, releasedText, sparklineSvg, utilizationMeter } from './meters';
+import { DeviceModel as Device, deviceLabel, History, memoryMeter, Meter, releasedText, sparklineSvg, utilizationMeter } from './meters';
 import {
   ElasticKernel,
   formatGpuHours,
@@ -292,7 +292,7 @@ export class GpusPanel extends Widget {
     const used = Math.round((device.used_fraction ?? 0) * 100);
     const title = document.createElement('div');
     title.className = 'jp-ElasticPanel-deviceName';
-    title.textContent = `${device.name} · ${used}% allocated`;
+    title.textContent = `${deviceLabel(device)} · ${used}% allocated`;
     title.title = device.uuid;
     const bar = document.createElement('div');
     bar.className = 'jp-ElasticPanel-bar';

@@ -1,6 +1,6 @@
 import { describe, expect, it } from 'vitest';
 
-import { History, memoryMeter, releasedText, sparklinePath, sparklineSvg, utilizationMeter } from '../src/meters';
+import { deviceLabel, History, memoryMeter, releasedText, sparklinePath, sparklineSvg, utilizationMeter } from '../src/meters';
 
 describe('History', () => {
   it('keeps the last samples per key, oldest first', () => {
@@ -50,5 +50,13 @@ describe('releasedText', () => {
       'GPU time released by hibernation: 12 GPU-minutes · 0.25 GPU released now (+15 GPU-minutes per hour)'
     );
     expect(releasedText(3.44, null)).toBe('GPU time released by hibernation: 3.4 GPU-hours');
+  });
+});
+
+describe('deviceLabel', () => {
+  it('numbers GPUs so that identical models are told apart, with their node on Kubernetes', () => {
+    expect(deviceLabel({ uuid: 'u0', name: 'NVIDIA H100', index: 0 })).toBe('GPU 0 · NVIDIA H100');
+    expect(deviceLabel({ uuid: 'u1', name: 'NVIDIA H100', index: 1, node: 'gpu-a' })).toBe('GPU 1 on gpu-a · NVIDIA H100');
+    expect(deviceLabel({ uuid: 'u2', name: 'NVIDIA H100' })).toBe('NVIDIA H100');
   });
 });
