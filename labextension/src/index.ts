@@ -47,6 +47,9 @@ const UNREACHABLE = 'server unreachable';
  * restore report) as notifications, so the server leaves them out of the notebook, which would save
  * them with the user's work (kernelmgr/checkpoint/notes.py). */
 const NOTES_SHOWN_REQUEST = 'elastic_notes_shown_request';
+/** A policy hibernation's notification closes by itself (it asks nothing); it stays in the
+ * notification centre, and the status item says "hibernated" meanwhile. */
+const CULLED_NOTICE_MS = 15000;
 
 /** fetch() under the server's base URL with Jupyter's auth (token, XSRF). */
 export const serverFetch: Fetcher = async (path, init) => {
@@ -425,7 +428,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
           if (last) {
             Notification.dismiss(last);
           }
-          kernelNotices.set(id, Notification.info(culledText(notebookOf(id)), { autoClose: false }));
+          kernelNotices.set(id, Notification.info(culledText(notebookOf(id)), { autoClose: CULLED_NOTICE_MS }));
         }
         showWaiting(id, after);
         const sizeBefore = ranAt.get(id);
