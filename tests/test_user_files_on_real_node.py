@@ -336,6 +336,14 @@ def run_the_notebook(
             "print(x + 1, list(csv.reader(open('data.csv')))[1], mymodule.VALUE, tinypkg.ANSWER,\n"
             "      tinypkg.__file__.startswith(os.path.expanduser('~/.local/')))\n"
         )
+        # ``block``, a shared-memory handle whose segment the cell unlinked, cannot be loaded back:
+        # the first cell says so and is not run (kernelmgr/checkpoint/first_cell.py); run again, it runs.
+        with server.channel(kernel_id, timeout=300) as chan:
+            first = chan.execute(again, timeout=300)
+        assert first.error.startswith("RestoreIncomplete: Not all of your variables could be restored: "), (
+            first
+        )
+        assert "block did not come back" in first.error and first.stdout == "", first
         assert server.execute(kernel_id, again, timeout=300).strip() == "42 ['1', '2'] 42 42 True"
         assert kernel_pod(core, kernel_id).metadata.uid != pod.metadata.uid  # a new pod
         server.shutdown_kernel(kernel_id)
