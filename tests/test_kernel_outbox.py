@@ -67,3 +67,18 @@ def test_bounded_the_oldest_go_and_binary_messages_are_not_kept_their_cells_name
     kept, lost = box.take("a")
     assert texts(kept) == ["2" * 100, "3" * 100, "4" * 100]
     assert lost == [{"msg_id": "cell", "msg_type": "execute_request", "session": "a"}]
+
+
+def test_a_message_kept_and_delivered_live_is_known_by_its_id() -> None:
+    """The server delivers a kept message once: one also received live (sent in the instant
+    before the kernel saw the notebook subscribe) is recognised by its header's msg_id."""
+    from jupyter_client.session import Session
+
+    from kernelmgr.server.undelivered import msg_id_of
+
+    session = Session(key=b"k")
+    msg = session.msg("stream", {"name": "stdout", "text": "after 42\n"})
+    frames = session.serialize(msg, ident=[b"stream.stdout"])
+    assert msg_id_of(frames) == msg["header"]["msg_id"]
+    assert msg_id_of([b"no delimiter"]) is None
+    assert msg_id_of([DELIM, b"sig", b"not json"]) is None

@@ -10,6 +10,7 @@ request is not read as the notebook's.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from jupyter_client.session import Session
@@ -64,3 +65,19 @@ def caused_by_fetch(frames: list[Any]) -> bool:
         return _REQUEST_BYTES in bytes(frames[frames.index(DELIM) + 3])
     except (ValueError, IndexError, TypeError):
         return False
+
+
+def msg_id_of(frames: list[Any]) -> str | None:
+    """The ``msg_id`` of a message's header (ZMQ frames), ``None`` when it has none to read.
+
+    Parsed only for the few messages that arrive while kept ones are delivered: one sent in the
+    instant between a notebook's subscription and the kernel seeing it is both kept and
+    delivered live, and must reach the notebook once.
+    """
+    try:
+        at = next(i for i, frame in enumerate(frames) if bytes(frame) == DELIM)
+        header = json.loads(bytes(frames[at + 2]))
+    except (StopIteration, IndexError, TypeError, ValueError):
+        return None
+    msg_id = header.get("msg_id") if isinstance(header, dict) else None
+    return str(msg_id) if msg_id is not None else None

@@ -401,6 +401,7 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
     async def _deliver_undelivered(self, connected: asyncio.Future[None]) -> None:
         """Once subscribed: what the kernel sent for this notebook while none was connected (a
         gateway replaced while a cell ran), in order, then what it sends from now on."""
+        delivered: set[str] = set()
         try:
             await connected
             kept = await undelivered.fetch(self.kernel_manager, self.session.key, self.session.session)
@@ -408,18 +409,24 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
                 self.log.info("Kernel %s kept no undelivered messages (it did not answer)", self.kernel_id)
             else:
                 messages, lost = kept
-                self._deliver_kept(messages, {str(p.get("msg_id")): p for p in lost})
+                delivered = self._deliver_kept(messages, {str(p.get("msg_id")): p for p in lost})
         finally:
             held, self._holding = self._holding or [], None
             for stream, frames in held:
-                self.handle_outgoing_message(stream, frames)
+                # Kept in the instant before the kernel saw this notebook subscribe, yet delivered
+                # live too: once is enough.
+                if not (delivered and undelivered.msg_id_of(frames) in delivered):
+                    self.handle_outgoing_message(stream, frames)
 
-    def _deliver_kept(self, messages: list[dict[str, Any]], lost: dict[str, dict[str, Any]]) -> None:
+    def _deliver_kept(self, messages: list[dict[str, Any]], lost: dict[str, dict[str, Any]]) -> set[str]:
         """Send what the kernel kept, in order; a cell some of whose output could not be kept is
-        told so under its output, before its idle status (where a notebook still shows it)."""
+        told so under its output, before its idle status (where a notebook still shows it).
+        Returns the ids of the messages sent."""
+        sent: set[str] = set()
         for item in messages:
             msg = dict(item.get("msg") or {})
             header = msg.get("header") or {}
+            sent.add(str(header.get("msg_id")))
             parent_id = str((msg.get("parent_header") or {}).get("msg_id"))
             if header.get("msg_type") == "status" and parent_id in lost:
                 self._tell_lost(lost.pop(parent_id))
@@ -429,6 +436,7 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
             self._tell_lost(parent)
         if messages:
             self.log.info("Kernel %s: %d undelivered message(s) delivered", self.kernel_id, len(messages))
+        return sent
 
     def _tell_lost(self, parent: dict[str, Any]) -> None:
         stderr = {"name": "stderr", "text": undelivered.LOST_NOTE + "\n"}
