@@ -78,6 +78,10 @@ class GatewayAccess(KernelAccess):
         name = self._user(handler)
         return name is not None and self.is_admin(name)
 
+    def owner_of_request(self, handler: Any, server_owner: str) -> str | None:
+        """``KernelAccess.owner_of_request``: the Hub user (kernels are owned by Hub names here)."""
+        return self._user(handler)
+
     def forget(self, kernel_id: str) -> None:
         self.started_by.pop(kernel_id, None)
 

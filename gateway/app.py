@@ -191,7 +191,7 @@ class ElasticGatewayApp(ServerApp):
             )
             sys.exit(CONFIG_ERROR_EXIT)
         try:
-            quotas = ElasticQuota(parent=self).build(list(runtime.profiles))
+            quotas = ElasticQuota(parent=self).build(list(runtime.profiles), runtime.max_checkpoint_bytes)
         except ConfigError as exc:
             self.log.critical("elastic-gateway: invalid configuration: %s", exc.message)
             sys.exit(CONFIG_ERROR_EXIT)
@@ -225,6 +225,7 @@ class ElasticGatewayApp(ServerApp):
             live.appliers.append(self._live_quotas(access))
         if km.hibernator is not None:
             km.hibernator.admission = access.reserve_resume  # quota held until the resume ends
+            km.hibernator.space.quota_of = lambda owner: access.limits_for(owner).max_checkpoint_bytes
         self.log.info("elastic-gateway: JupyterHub users own their kernels; quotas %s", quotas)
 
     def _check_user_ids(self) -> None:
@@ -271,7 +272,7 @@ class ElasticGatewayApp(ServerApp):
         resume is checked against the new table; running kernels keep running."""
 
         def prepare(config: Any) -> Any:
-            table = ElasticQuota(config=config).build(sizes(config))
+            table = ElasticQuota(config=config).build(sizes(config), access.runtime.max_checkpoint_bytes)
 
             def apply() -> None:
                 access.quotas = table

@@ -107,16 +107,19 @@ class ElasticGateway(Configurable):
 
 
 class ElasticQuota(Configurable):
-    """Per-user and per-group limits: GPU sizes offered, kernels, GPU held at once.
+    """Per-user and per-group limits: GPU sizes offered, kernels, GPU held at once, checkpoint bytes.
 
     Each entry is a mapping of ``max_kernels`` (int), ``max_gpu`` (GPUs, the sum of the sizes'
-    fractions of a user's kernels that hold a slice: hibernated kernels do not count) and
-    ``profiles`` (the GPU size names offered); ``null`` or a missing key: no limit (or, in a
-    group or user entry, the next level's value).
+    fractions of a user's kernels that hold a slice: hibernated kernels do not count),
+    ``profiles`` (the GPU size names offered) and ``max_checkpoint_bytes`` (bytes or "20Gi": the
+    user's share of the checkpoint store; the default entry's falls back to
+    ElasticKernels.max_checkpoint_bytes); ``null`` or a missing key: no limit (or, in a group or
+    user entry, the next level's value).
     """
 
     default = Dict(
-        help='Limits for every user, e.g. {"max_kernels": 4, "max_gpu": 1, "profiles": ["quarter"]}.',
+        help='Limits for every user, e.g. {"max_kernels": 4, "max_gpu": 1, "profiles": ["quarter"], '
+        '"max_checkpoint_bytes": "50Gi"}.',
     ).tag(config=True)
 
     groups = Dict(
@@ -128,9 +131,11 @@ class ElasticQuota(Configurable):
         help="Limits per Hub user; a user's own entry wins over the defaults and groups.",
     ).tag(config=True)
 
-    def build(self, known_profiles: list[str]) -> QuotaTable:
-        """The validated table; raises ConfigError naming the entry to fix."""
+    def build(self, known_profiles: list[str], checkpoint_bytes: int | None = None) -> QuotaTable:
+        """The validated table; raises ConfigError naming the entry to fix. ``checkpoint_bytes``:
+        the default's checkpoint quota when it sets none (``ElasticKernels.max_checkpoint_bytes``)."""
         default = parse_limits("ElasticQuota.default", self.default, known_profiles)
+        default.setdefault("max_checkpoint_bytes", checkpoint_bytes)
         groups = {
             name: parse_limits(f"ElasticQuota.groups[{name!r}]", raw, known_profiles)
             for name, raw in self.groups.items()

@@ -7,7 +7,9 @@ gateway's handlers and in its resume admission. Three limits, each optional:
 - ``max_kernels``: how many kernels a user may have, hibernated ones included (each one is a
   notebook's state the gateway keeps);
 - ``max_gpu``: how much GPU a user may hold at once, as the sum of the sizes' GPU fractions of
-  kernels that hold a slice; hibernated kernels hold none, so they do not count.
+  kernels that hold a slice; hibernated kernels hold none, so they do not count;
+- ``max_checkpoint_bytes``: how much of the shared checkpoint store a user's checkpoints may
+  take (bytes or a size such as ``"20Gi"``), checked before each hibernation writes anything.
 
 The effective limits of a user: the defaults; then, for every group the user is in that sets a
 limit, the most generous of those groups (a larger number, more sizes); then the user's own
@@ -21,8 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kernelmgr.core.errors import ConfigError
+from kernelmgr.core.units import parse_bytes
 
-LIMIT_KEYS = ("max_kernels", "max_gpu", "profiles")
+LIMIT_KEYS = ("max_kernels", "max_gpu", "profiles", "max_checkpoint_bytes")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Limits:
     max_kernels: int | None = None
     max_gpu: float | None = None
     profiles: frozenset[str] | None = None
+    max_checkpoint_bytes: int | None = None
 
     def allows_profile(self, profile: str | None) -> bool:
         """CPU kernels (no GPU size) are always allowed; GPU sizes only when listed."""
@@ -56,6 +60,9 @@ def parse_limits(where: str, raw: Any, known_profiles: Iterable[str]) -> dict[st
         if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < 0):
             raise ConfigError(f"{where}.max_gpu must be a number of GPUs >= 0 or null, not {value!r}")
         parsed["max_gpu"] = float(value) if value is not None else None
+    if "max_checkpoint_bytes" in raw:
+        value = raw["max_checkpoint_bytes"]
+        parsed["max_checkpoint_bytes"] = parse_bytes(f"{where}.max_checkpoint_bytes", value)
     if "profiles" in raw:
         value = raw["profiles"]
         if value is not None:

@@ -10,8 +10,7 @@ what to restore, :meth:`~CheckpointStore.prune` and :meth:`~CheckpointStore.remo
 whose :attr:`~CheckpointStore.uploads` is true also takes the data through
 :meth:`~CheckpointStore.begin_upload` / :meth:`~CheckpointStore.finish_upload`.
 
-Runs in the server only, so it lives outside :mod:`kernelmgr.checkpoint` (whose modules may
-run inside the kernel and never import this one).
+Runs in the server only, outside :mod:`kernelmgr.checkpoint` (whose modules run in kernels too).
 
 The server never unpickles: it locates kernel directories, derives each owner's key for
 the agent, reads verified manifests for the REST API, reads the agent's restore report,
@@ -32,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,7 +52,7 @@ from kernelmgr.checkpoint.layout import (
     remove_stale,
 )
 from kernelmgr.checkpoint.progress import CHECKPOINT_PROGRESS, read_progress
-from kernelmgr.checkpoint.safedir import SafeDir, TooLarge, UnsafePath
+from kernelmgr.checkpoint.safedir import SafeDir, TooLarge, UnsafePath, check_component
 from kernelmgr.checkpoint.termination import ENV_CHECKPOINT_ON_SIGTERM
 from kernelmgr.checkpoint.verify import (
     MANIFEST_CAP,
@@ -66,24 +66,8 @@ from kernelmgr.objectstore.envelope import EnvelopeError, FileKeyRecords, OwnerK
 
 log = logging.getLogger(__name__)
 
-_MAX_COMPONENT = 128
 #: The agent's restore report lists each variable with a reason; the server reads no more than this.
 RESTORE_REPORT_CAP = 8 * 1024 * 1024
-
-
-def _check_component(what: str, value: str) -> str:
-    """``value`` if it is safe as one path component, else ``ValueError`` saying why."""
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string")
-    if len(value) > _MAX_COMPONENT:
-        raise ValueError(f"{what} is longer than {_MAX_COMPONENT} characters")
-    if value.startswith("."):
-        raise ValueError(f"{what} {value!r} must not start with '.'")
-    if any(ch in value for ch in "/\\") or any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
-        raise ValueError(f"{what} {value!r} must not contain '/', '\\\\' or control characters")
-    if value != value.strip():
-        raise ValueError(f"{what} {value!r} must not start or end with whitespace")
-    return value
 
 
 @dataclass(frozen=True)
@@ -137,8 +121,8 @@ class CheckpointStore:
 
         The server itself never opens this path: it opens folders with :meth:`open_kernel_dir`.
         """
-        owner_dir = self.root / _check_component("owner", owner)
-        path = owner_dir / _check_component("kernel id", kernel_id)
+        owner_dir = self.root / check_component("owner", owner)
+        path = owner_dir / check_component("kernel id", kernel_id)
         for folder in (owner_dir, path):
             try:
                 if stat.S_ISLNK(os.lstat(folder).st_mode):
@@ -155,8 +139,8 @@ class CheckpointStore:
         ``FileNotFoundError`` when it does not exist (unless ``create``); :class:`UnsafePath` (a
         ``ValueError``) when the owner or kernel folder is a symlink or not a folder.
         """
-        owner = _check_component("owner", owner)
-        kernel_id = _check_component("kernel id", kernel_id)
+        owner = check_component("owner", owner)
+        kernel_id = check_component("kernel id", kernel_id)
         if create:
             self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         with SafeDir.open(self.root) as root, root.subdir(owner, create=create) as owner_dir:
@@ -167,7 +151,7 @@ class CheckpointStore:
         loop): the owner's encryption key, when checkpoints are encrypted at rest."""
         if self.file_keys is not None:
             try:
-                self.file_keys.owner_key(_check_component("owner", owner))
+                self.file_keys.owner_key(check_component("owner", owner))
             except EnvelopeError as exc:
                 raise CheckpointRefused(str(exc)) from None
 
@@ -179,7 +163,7 @@ class CheckpointStore:
             return None
         try:
             return self.file_keys.kernel_key(
-                _check_component("owner", owner), _check_component("kernel id", kernel_id)
+                check_component("owner", owner), check_component("kernel id", kernel_id)
             )
         except EnvelopeError as exc:
             raise CheckpointRefused(str(exc)) from None
@@ -190,7 +174,7 @@ class CheckpointStore:
         Hand it to a kernel only through :mod:`kernelmgr.checkpoint.keys` (a key file), never
         in its environment, and never hand a kernel the secret or another owner's key.
         """
-        return owner_key(self._secret, _check_component("owner", owner))
+        return owner_key(self._secret, check_component("owner", owner))
 
     def agent_env(
         self,
@@ -450,6 +434,22 @@ class CheckpointStore:
             for handle in handles.values():
                 handle.close()
 
+    def usage(self, owner: str) -> dict[str, int]:
+        """Bytes on the volume per kernel folder of ``owner`` (blocking), for the storage quota."""
+        try:
+            with SafeDir.open(self.root) as root, root.subdir(check_component("owner", owner)) as folder:
+                return {name: folder.disk_bytes(name) for name in folder.names() if folder.is_dir(name)}
+        except FileNotFoundError:
+            return {}
+
+    def volume_space(self) -> tuple[int, int] | None:
+        """The checkpoint volume's free and total bytes (``None`` before its root exists)."""
+        try:
+            usage = shutil.disk_usage(self.root)
+        except FileNotFoundError:
+            return None
+        return usage.free, usage.total
+
     def prune(self, owner: str, kernel_id: str) -> None:
         """Delete superseded checkpoints and leftovers, keeping the committed one.
 
@@ -477,8 +477,8 @@ class CheckpointStore:
         (and the server) then cannot write to.
         """
         self.forget_cached(owner, kernel_id)
-        owner = _check_component("owner", owner)
-        kernel_id = _check_component("kernel id", kernel_id)
+        owner = check_component("owner", owner)
+        kernel_id = check_component("kernel id", kernel_id)
         try:
             with (
                 SafeDir.open(self.root) as root,

@@ -27,22 +27,24 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import json
-import os
 import sys
 import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from jupyter_core.paths import jupyter_runtime_dir
-
 from kernelmgr import cli_colour
+from kernelmgr.cli_http import (
+    DEFAULT_REQUEST_TIMEOUT,
+    CliError,
+    NotFound,
+    RequestTimedOut,
+    Target,
+    _try_fetch,
+    fetch,
+    resolve_target,
+)
 from kernelmgr.cli_local import (
     FAILURE,
     LOCAL_COMMANDS,
@@ -53,18 +55,18 @@ from kernelmgr.cli_local import (
 from kernelmgr.cli_refs import FULL_ID, KernelRefError, notebooks_of, resolve
 from kernelmgr.cli_render import (
     Progress,
+    human_bytes,
     render_gpus,
     render_kernel,
     render_kernels,
     render_profiles,
     render_progress,
     render_report,
+    render_storage,
 )
 
 #: Exit code after Ctrl-C (128 + SIGINT, as shells report it).
 INTERRUPTED = 130
-#: Seconds to wait for one HTTP answer (``--request-timeout``).
-DEFAULT_REQUEST_TIMEOUT = 30.0
 #: Seconds between polls of a kernel whose hibernate/resume outlasted one request.
 POLL_INTERVAL = 1.0
 #: What the server allows a checkpoint when it does not say (``ElasticKernels.checkpoint_timeout``).
@@ -74,113 +76,11 @@ DEFAULT_CHECKPOINT_TIMEOUT = 600.0
 SETTLE_MARGIN = 120.0
 
 
-class CliError(Exception):
-    """A failure to report as one line on stderr with exit code 1."""
-
-
-class NotFound(CliError):
-    """The server answered 404 for a kernel path: an unknown id (a user mistake, exit 2)."""
-
-
-class RequestTimedOut(CliError):
-    """No answer within the request timeout: the server may still be working on it."""
-
-
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but usage errors are one line and exit code 2."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see --help)\n")
-
-
-@dataclass(frozen=True)
-class Target:
-    url: str
-    token: str
-
-
-def _pid_alive(pid: Any) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (OSError, TypeError, ValueError):
-        return False
-    return True
-
-
-def find_local_server(runtime_dir: str | None = None) -> Target:
-    """The newest running server that wrote a ``jpserver-*.json`` runtime file."""
-    directory = runtime_dir or jupyter_runtime_dir()
-    candidates = sorted(
-        glob.glob(os.path.join(directory, "jpserver-*.json")), key=os.path.getmtime, reverse=True
-    )
-    for path in candidates:
-        try:
-            with open(path) as handle:
-                info = json.load(handle)
-        except (OSError, ValueError):
-            continue
-        if _pid_alive(info.get("pid")) and info.get("url"):
-            return Target(url=str(info["url"]).rstrip("/"), token=str(info.get("token", "")))
-    raise CliError(f"no running Jupyter server found in {directory}; pass --url and --token")
-
-
-def resolve_target(url: str | None, token: str | None) -> Target:
-    if url:
-        parsed = urllib.parse.urlparse(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"--url must look like http://host:port/base/, got {url!r}")
-        return Target(url=url.rstrip("/"), token=token or os.environ.get("JUPYTER_TOKEN", ""))
-    found = find_local_server()
-    return Target(url=found.url, token=token or found.token)
-
-
-def fetch(
-    target: Target,
-    path: str,
-    method: str = "GET",
-    timeout: float = DEFAULT_REQUEST_TIMEOUT,
-    body: dict[str, Any] | None = None,
-) -> Any:
-    """Call the API, turning every failure into one readable :class:`CliError`."""
-    data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-    request = urllib.request.Request(f"{target.url}{path}", method=method, data=data)
-    if body is not None:
-        request.add_header("Content-Type", "application/json")
-    if target.token:
-        request.add_header("Authorization", f"token {target.token}")
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read() or b"null")
-    except urllib.error.HTTPError as err:
-        try:
-            message = json.loads(err.read()).get("message") or err.reason
-        except (ValueError, AttributeError):
-            message = err.reason
-        if err.code in (401, 403):
-            raise CliError(f"{target.url} refused the request (HTTP {err.code}): check --token") from None
-        if err.code == 404 and path.startswith("/api/elastic/") and path.count("/") <= 3:
-            raise CliError(
-                f"{target.url} has no /api/elastic API: is the kernelmgr extension enabled?"
-            ) from None
-        if err.code == 404:
-            raise NotFound(f"HTTP {err.code} from {target.url}{path}: {message}") from None
-        raise CliError(f"HTTP {err.code} from {target.url}{path}: {message}") from None
-    except urllib.error.URLError as err:
-        if isinstance(err.reason, TimeoutError):
-            raise RequestTimedOut(f"no answer from {target.url}{path} within {timeout:g}s") from None
-        raise CliError(f"cannot reach {target.url}: {err.reason}") from None
-    except TimeoutError:
-        raise RequestTimedOut(f"no answer from {target.url}{path} within {timeout:g}s") from None
-    except ValueError as err:
-        raise CliError(f"bad answer from {target.url}{path}: {err}") from None
-
-
-def _try_fetch(target: Target, path: str, timeout: float) -> Any:
-    """``fetch``, but ``None`` instead of an error (for polls and best-effort reads)."""
-    try:
-        return fetch(target, path, timeout=timeout)
-    except CliError:
-        return None
 
 
 def _outcome(action: str, model: dict[str, Any], before: dict[str, Any] | None) -> str | None:
@@ -336,6 +236,7 @@ COMMANDS: dict[str, tuple[str, Renderer, str]] = {
     "profiles": ("/api/elastic/profiles", render_profiles, "the GPU sizes offered"),
     "gpus": ("/api/elastic/gpus", render_gpus, "the GPUs and the slices on them"),
     "list": ("/api/elastic/kernels", render_kernels, "every managed kernel"),
+    "storage": ("/api/elastic/storage", render_storage, "checkpoint space used, against your quota"),
 }
 
 
@@ -348,6 +249,7 @@ KERNEL_ACTIONS = {
 KERNEL_VIEWS: dict[str, tuple[str, Renderer, str]] = {
     "report": ("report", render_report, "what the kernel's last resume restored, recomputed and lost"),
 }
+DISCARD_HELP = "shut down a hibernated kernel and delete its checkpoint (its variables), to free space"
 KERNEL_HELP = "the kernel: its id, its first characters (as `jupyter elastic list` shows) or its notebook"
 
 
@@ -395,7 +297,7 @@ def build_parser() -> OneLineParser:
     )
     sub = parser.add_subparsers(
         dest="command",
-        metavar="{" + ",".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, *LOCAL_COMMANDS]) + "}",
+        metavar="{" + ",".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, "discard", *LOCAL_COMMANDS]) + "}",
     )
     for name, (_path, _render, help_text) in COMMANDS.items():
         _options_after(sub.add_parser(name, help=help_text))
@@ -407,8 +309,53 @@ def build_parser() -> OneLineParser:
         action.add_argument("kernel_id", metavar="KERNEL", help=KERNEL_HELP)
         if name == "resize":
             action.add_argument("size", help="the new GPU size (see `jupyter elastic profiles`)")
+    discard = _options_after(sub.add_parser("discard", help=DISCARD_HELP))
+    discard.add_argument("kernel_id", metavar="KERNEL", help=KERNEL_HELP)
+    discard.add_argument("--yes", action="store_true", help="do not ask (needed when not on a terminal)")
     add_local_commands(sub)
     return parser
+
+
+def discard_kernel(target: Target, kernel_id: str, yes: bool, timeout: float) -> int:
+    """``discard``: shut a hibernated kernel down for good, its checkpoint deleted with it.
+
+    Only a hibernated kernel (a running one is shut down from its notebook, where its user sees
+    it go); asked first on a terminal, and refused without ``--yes`` elsewhere: it cannot be undone.
+    """
+    try:
+        model = fetch(target, f"/api/elastic/kernels/{kernel_id}", timeout=timeout)
+    except NotFound:
+        say_error(f"jupyter elastic: no kernel {kernel_id}: `jupyter elastic list` shows them")
+        return USAGE_ERROR
+    except CliError as err:
+        say_error(f"jupyter elastic: {err}")
+        return FAILURE
+    if model.get("state") != "hibernated":
+        say_error(
+            f"jupyter elastic: kernel {kernel_id[:8]} is {model.get('state')}, not hibernated: only a "
+            "hibernated kernel's checkpoint is discarded (shut a running one down from its notebook)"
+        )
+        return USAGE_ERROR
+    size = human_bytes((model.get("checkpoint") or {}).get("bytes"))
+    if not yes:
+        if not sys.stdin.isatty():
+            say_error(
+                "jupyter elastic: discard deletes the kernel's variables for good: add --yes to confirm"
+            )
+            return USAGE_ERROR
+        answer = input(
+            f"Discard kernel {kernel_id[:8]} and its checkpoint ({size})? Its variables are lost. [y/N] "
+        )
+        if answer.strip().lower() not in ("y", "yes"):
+            print("kept")
+            return 0
+    try:
+        fetch(target, f"/api/kernels/{kernel_id}", "DELETE", timeout=timeout)
+    except CliError as err:
+        say_error(f"jupyter elastic: {err}")
+        return FAILURE
+    print(f"kernel {kernel_id} discarded: {size} of checkpoint freed")
+    return 0
 
 
 def say_error(text: str) -> None:
@@ -423,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         parser.error(
             "a command is required: "
-            + ", ".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, *LOCAL_COMMANDS])
+            + ", ".join([*COMMANDS, *KERNEL_VIEWS, *KERNEL_ACTIONS, "discard", *LOCAL_COMMANDS])
         )
     if args.command in LOCAL_COMMANDS:
         return run_local_command(parser, args)
@@ -438,7 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return FAILURE
     method = "GET"
     render: Renderer
-    if args.command in (*KERNEL_ACTIONS, *KERNEL_VIEWS):
+    if args.command in (*KERNEL_ACTIONS, *KERNEL_VIEWS, "discard"):
         try:
             args.kernel_id = kernel_named(target, args.kernel_id, args.request_timeout)
         except KernelRefError as err:  # the user's to fix: one line, exit 2
@@ -447,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except CliError as err:
             say_error(f"jupyter elastic: {err}")
             return FAILURE
+    if args.command == "discard":
+        return discard_kernel(target, args.kernel_id, args.yes, args.request_timeout)
     if args.command in KERNEL_ACTIONS:
         path, render, method = f"/api/elastic/kernels/{args.kernel_id}/{args.command}", render_kernel, "POST"
     elif args.command in KERNEL_VIEWS:
@@ -472,6 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 render = functools.partial(
                     render_kernels, notebooks=notebooks_of(sessions), colour=cli_colour.wanted(sys.stdout)
                 )
+            elif args.command == "storage" and not args.json:
+                sessions = _try_fetch(target, "/api/sessions", args.request_timeout)
+                render = functools.partial(render_storage, notebooks=notebooks_of(sessions))
     except NotFound:  # an unknown kernel id: the user's to fix, like a bad argument
         known = "`jupyter elastic list` shows them"
         say_error(f"jupyter elastic: no kernel {args.kernel_id}: {known}")

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 from kernelmgr import cli_colour
 from kernelmgr.cli_refs import SHORT_ID, shorten_path
+from kernelmgr.core.units import human_bytes
 
 MIB = 1024 * 1024
 
@@ -34,28 +36,6 @@ def table(
         for row in cells
     ]
     return "\n".join(lines)
-
-
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
-
-
-def human_bytes(count: Any) -> str:
-    """``80 B``, ``1.5 KiB``, ``300 MiB``, ``10 GiB``: at most three significant digits, never an
-    exponent (a checkpoint of 80 bytes is not ``7.45058e-08 GiB``)."""
-    if count is None:
-        return "-"
-    value = float(count)
-    unit = 0
-    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
-        value /= 1024
-        unit += 1
-    if unit == 0:
-        return f"{int(value)} B"
-    digits = 2 if abs(value) < 10 else 1 if abs(value) < 100 else 0
-    text = f"{value:.{digits}f}"
-    if "." in text:
-        text = text.rstrip("0").rstrip(".")
-    return f"{text} {_UNITS[unit]}"
 
 
 def human_mib(mib: Any) -> str:
@@ -203,6 +183,42 @@ def render_kernel(kernel: dict[str, Any]) -> str:
         size = f"GPU size {kernel['profile']}, " if kernel.get("profile") else ""
         line += f" ({size}on " + ", ".join(d["uuid"] for d in kernel["slice"]["devices"]) + ")"
     return line
+
+
+def render_storage(
+    doc: dict[str, Any], notebooks: Mapping[str, str] | None = None, now: float | None = None
+) -> str:
+    """``storage``: each owner's checkpoints against their quota, the longest hibernated first
+    (the first to discard with ``jupyter elastic discard``); for admins the volume's free space."""
+    notebooks = notebooks or {}
+    moment = time.time() if now is None else now
+    parts = []
+    volume = doc.get("volume")
+    if volume:
+        parts.append(
+            f"checkpoint volume: {human_bytes(volume['free_bytes'])} free of "
+            f"{human_bytes(volume['total_bytes'])} ({human_bytes(volume['reserve_bytes'])} kept for "
+            "kernels it holds)"
+        )
+    for owner in doc.get("owners", []):
+        quota = owner.get("quota_bytes")
+        limit = f"of {human_bytes(quota)} quota" if quota is not None else "(no quota)"
+        parts.append(f"{owner['owner']}: {human_bytes(owner['used_bytes'])} {limit}")
+        rows = [
+            [
+                row["kernel_id"][:SHORT_ID],
+                shorten_path(notebooks.get(row["kernel_id"]), NOTEBOOK_WIDTH),
+                row.get("state"),
+                human_bytes(row.get("bytes")),
+                _duration(moment - row["hibernated_at"])
+                if row.get("hibernated_at") and row.get("state") == "hibernated"
+                else "-",
+            ]
+            for row in owner.get("checkpoints", [])
+        ]
+        if rows:
+            parts.append(table(["KERNEL", "NOTEBOOK", "STATE", "CHECKPOINT", "HIBERNATED FOR"], rows))
+    return "\n".join(parts) if parts else "no checkpoints"
 
 
 def render_report(doc: dict[str, Any]) -> str:

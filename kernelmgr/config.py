@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from jupyter_core.paths import jupyter_data_dir
-from traitlets import Bool, Dict, Enum, Float, Integer, List, Type, Unicode
+from traitlets import Bool, Dict, Enum, Float, Integer, List, Type, Unicode, Union
 from traitlets.config import LoggingConfigurable
 
 from kernelmgr.activity.nvml import Nvml, PynvmlNvml, discover_inventory
@@ -36,6 +36,7 @@ from kernelmgr.core.modes import KernelMode
 from kernelmgr.core.policy import Policy, build_policy
 from kernelmgr.core.profiles import GpuProfile, parse_profiles
 from kernelmgr.core.queue import SliceQueue
+from kernelmgr.core.units import parse_bytes
 from kernelmgr.provisioners.accounts import KernelAccounts
 from kernelmgr.warm.pool import WarmPools
 from kernelmgr.warm.settings import WarmPoolConfigError, WarmPoolSettings, parse_warm_pool
@@ -81,6 +82,11 @@ class ElasticRuntime:
     #: ``ElasticKernels.scale_up_wait``: seconds a kernel pod that found no slice may stay
     #: Pending for a node the cluster autoscaler adds (0: off, such a kernel waits in the queue).
     scale_up_wait: float = 0.0
+    #: ``ElasticKernels.max_checkpoint_bytes``: each owner's checkpoint quota (``None``: none).
+    max_checkpoint_bytes: int | None = None
+    #: ``ElasticKernels.checkpoint_reserve``: the share of the checkpoint volume kept free for
+    #: the kernels it already holds.
+    checkpoint_reserve: float = 0.0
     #: The one writer of the kernels' lifecycle states (provisioners report starts and exits to it).
     states: KernelStates = field(init=False)
     #: Sizes removed from ``profiles`` while the server ran (the live file): no longer offered for
@@ -283,6 +289,24 @@ class ElasticKernels(LoggingConfigurable):
         "(behind the resumes and starts already waiting) before its start fails with 409 saying so. "
         "0: such a start is refused at once, as a size that does not fit has always been.",
     )
+    max_checkpoint_bytes = Union(
+        [Integer(), Unicode()],
+        default_value=None,
+        allow_none=True,
+        config=True,
+        help="""Bytes of checkpoints each user may keep (their hibernated kernels' and the latest
+        of their running ones'), as a number or a size such as "20Gi"; None: no limit. A hibernation
+        that would go over it is refused before anything is written, and the notebook is told what
+        holds the space. A shared gateway sets it per user and group in ElasticQuota.""",
+    )
+    checkpoint_reserve = Float(
+        0.05,
+        config=True,
+        help="""Share of the checkpoint volume (file system stores) kept free for the kernels whose
+        checkpoints it already holds: a kernel hibernating for the first time may not take the
+        volume's last bytes, so one user's large checkpoint cannot make another's next one fail.
+        0: nothing kept back.""",
+    )
     scale_up_wait = Float(
         0.0,
         config=True,
@@ -440,6 +464,12 @@ class ElasticKernels(LoggingConfigurable):
             raise ConfigError(
                 f"ElasticKernels.max_slice_wait must be >= 0 seconds (0: no limit), got {self.max_slice_wait}"
             )
+        if not 0 <= self.checkpoint_reserve < 1:
+            raise ConfigError(
+                "ElasticKernels.checkpoint_reserve must be a share of the volume from 0 to below 1, "
+                f"got {self.checkpoint_reserve}"
+            )
+        max_checkpoint_bytes = parse_bytes("ElasticKernels.max_checkpoint_bytes", self.max_checkpoint_bytes)
         if self.scale_up_wait < 0:
             raise ConfigError(
                 f"ElasticKernels.scale_up_wait must be >= 0 seconds (0: off), got {self.scale_up_wait}"
@@ -476,6 +506,8 @@ class ElasticKernels(LoggingConfigurable):
             max_slice_wait=self.max_slice_wait,
             start_queue_wait=self.start_queue_wait,
             scale_up_wait=self.scale_up_wait,
+            max_checkpoint_bytes=max_checkpoint_bytes,
+            checkpoint_reserve=self.checkpoint_reserve,
             hibernate_on_shutdown=self._hibernate_on_shutdown(),
             nvml=nvml,
             gpu_sample_interval=self.gpu_sample_interval,

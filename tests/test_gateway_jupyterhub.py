@@ -248,3 +248,52 @@ def test_a_quota_change_takes_effect_without_restarting_the_gateway(tmp_path: Pa
         model = gateway(hub, "GET", f"/api/elastic/kernels/{first.json()['id']}", bob).json()
         assert model["state"] == "running", model
         assert hub.log().count("Live configuration reloaded") == 1
+
+
+def test_one_users_checkpoints_cannot_fill_the_volume_for_another(tmp_path: Path) -> None:
+    """Issue 48: alice's checkpoint quota on a shared 64 MiB volume. Her second hibernation is
+    refused before it writes (naming the checkpoint that holds her space) and her kernel keeps
+    running; bob, beside her, still hibernates; each sees only their own checkpoints, an admin
+    every user's and the volume's free space."""
+    quotas = json.dumps({"alice": {"max_checkpoint_bytes": "16Mi"}})
+    with running_hub(tmp_path, quota_users=quotas, admins="ada", checkpoint_volume="64m") as hub:
+        alice, bob, ada = (hub.login_token(user) for user in ("alice", "bob", "ada"))
+        held: dict[str, list[str]] = {}
+        for user, token in (("alice", alice), ("bob", bob)):
+            hub.start_server(user, token)
+            spec = sized_spec(hub, user, token, "small")
+            for notebook in ("one.ipynb", "two.ipynb"):
+                kernel_id = open_session(hub, user, token, notebook, spec)["kernel"]["id"]
+                assert run(hub, user, token, kernel_id, "blob = bytearray(10 * 2**20); len(blob)") == str(
+                    10 * 2**20
+                )
+                held.setdefault(user, []).append(kernel_id)
+        first, second = held["alice"]
+        assert gateway(hub, "POST", f"/api/elastic/kernels/{first}/hibernate", alice).status_code == 200
+        refused = gateway(hub, "POST", f"/api/elastic/kernels/{second}/hibernate", alice)
+        assert refused.status_code == 403, refused.text
+        message = refused.json()["message"]
+        assert "checkpoint quota reached" in message and "over your quota of 16 MiB" in message
+        assert first[:8] in message, message
+        assert gateway(hub, "GET", f"/api/elastic/kernels/{second}", alice).json()["state"] == "running"
+        assert run(hub, "alice", alice, second, "len(blob)") == str(10 * 2**20)
+        # bob's hibernations are his own business: both go through.
+        for kernel_id in held["bob"]:
+            assert gateway(hub, "POST", f"/api/elastic/kernels/{kernel_id}/hibernate", bob).status_code == 200
+
+        mine = gateway(hub, "GET", "/api/elastic/storage", alice).json()
+        assert mine["volume"] is None, "the volume's free space is for admins"
+        assert [(o["owner"], o["quota_bytes"]) for o in mine["owners"]] == [("alice", 16 * 2**20)]
+        assert [c["kernel_id"] for c in mine["owners"][0]["checkpoints"]] == [first]
+        his = gateway(hub, "GET", "/api/elastic/storage", bob).json()
+        assert [o["owner"] for o in his["owners"]] == ["bob"]
+        assert {c["kernel_id"] for c in his["owners"][0]["checkpoints"]} == set(held["bob"])
+        everyone = gateway(hub, "GET", "/api/elastic/storage", ada).json()
+        assert {"alice", "bob"} <= {o["owner"] for o in everyone["owners"]}
+        assert everyone["volume"]["total_bytes"] == 64 * 2**20
+        # bob cannot free alice's space for her, nor read which kernels hold it.
+        assert gateway(hub, "DELETE", f"/api/kernels/{first}", bob).status_code == 404
+        # alice discards her hibernated kernel: her running one hibernates now.
+        assert gateway(hub, "DELETE", f"/api/kernels/{first}", alice).status_code == 204
+        assert gateway(hub, "POST", f"/api/elastic/kernels/{second}/hibernate", alice).status_code == 200
+        assert run(hub, "alice", alice, second, "len(blob)") == str(10 * 2**20)

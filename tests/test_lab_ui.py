@@ -932,19 +932,25 @@ def test_a_stopped_server_shows_as_unreachable_with_its_actions_off(tmp_path: Pa
                 server.stop()
 
 
+def _open_sized(page: Any, server: RunningServer, path: str, kernelspec: str) -> str:
+    """A new notebook ``path`` on ``kernelspec``, opened in the page; its kernel's id."""
+    notebook = {**CPU_NOTEBOOK, "metadata": {"kernelspec": {"name": kernelspec}}}
+    (server.home / "root" / path).write_text(json.dumps(notebook))
+    _open(page, server, path)
+    kernel_id = _kernel_of(server, path)
+    assert kernel_id is not None
+    return kernel_id
+
+
 def test_the_panel_cancels_a_resume_waiting_for_a_slice(lab: tuple[RunningServer, GpuScript]) -> None:
     """Both GPUs taken, a resume waits in the queue; the GPUs panel's Cancel ends the wait: the kernel
     stays hibernated with its checkpoint, and takes no slice when one frees up later."""
     from playwright.sync_api import expect
 
     server, _gpu = lab
-    notebook = {**CPU_NOTEBOOK, "metadata": {"kernelspec": {"name": "python3-gpu-medium"}}}
-    (server.home / "root" / "queued.ipynb").write_text(json.dumps(notebook))
     with browser_page() as page:
         try:
-            _open(page, server, "queued.ipynb")
-            kernel_id = _kernel_of(server, "queued.ipynb")
-            assert kernel_id is not None
+            kernel_id = _open_sized(page, server, "queued.ipynb", "python3-gpu-medium")
             reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate", timeout=120)
             assert reply.status == 200, reply
             holders = [server.start_kernel("python3-gpu-whole") for _ in INVENTORY]
@@ -991,13 +997,9 @@ def test_a_policy_hibernation_says_so(lab: tuple[RunningServer, GpuScript]) -> N
     from playwright.sync_api import expect
 
     server, _gpu = lab
-    notebook = {**CPU_NOTEBOOK, "metadata": {"kernelspec": {"name": "python3-gpu-small"}}}
-    (server.home / "root" / "culled.ipynb").write_text(json.dumps(notebook))
     with browser_page() as page:
         try:
-            _open(page, server, "culled.ipynb")
-            kernel_id = _kernel_of(server, "culled.ipynb")
-            assert kernel_id is not None
+            kernel_id = _open_sized(page, server, "culled.ipynb", "python3-gpu-small")
             # The test policy: a small kernel idle for 14 s is warned, then hibernated.
             told = page.locator(".Toastify__toast", has_text="was idle, so it was hibernated")
             expect(told).to_be_visible(timeout=90_000)
@@ -1006,5 +1008,47 @@ def test_a_policy_hibernation_says_so(lab: tuple[RunningServer, GpuScript]) -> N
             model = _model(server, kernel_id)
             assert (model["state"], model["state_reason"]) == ("hibernated", "policy"), model
             expect(page.locator(".Toastify__toast", has_text="will be hibernated in")).to_have_count(0)
+        finally:
+            server.shutdown_all_kernels()
+
+
+def test_the_panel_discards_a_hibernated_kernel_only_when_confirmed(
+    lab: tuple[RunningServer, GpuScript],
+) -> None:
+    """Issue 48: the panel shows the checkpoint space the user's kernels take, and frees it: a
+    hibernated kernel's Discard… asks first (Keep keeps it), then shuts it down and deletes its
+    checkpoint."""
+    from playwright.sync_api import expect
+
+    server, _gpu = lab
+    with browser_page() as page:
+        try:
+            kernel_id = _open_sized(page, server, "discarded.ipynb", "python3-gpu-small")
+            server.execute(kernel_id, "blob = bytearray(3 * 2**20)")
+            reply = server.request("POST", f"/api/elastic/kernels/{kernel_id}/hibernate", timeout=120)
+            assert reply.status == 200, reply
+            folders = list((server.home / "checkpoints").glob(f"*/{kernel_id}"))
+            assert folders, "the checkpoint is on disk"
+            page.locator('.lm-TabBar-tab[data-id="jupyter-elastic-kernels-gpus"]').click()
+            expect(page.locator(".jp-ElasticPanel-storage")).to_contain_text("Checkpoints: 3", timeout=15_000)
+            row = page.locator(f'.jp-ElasticPanel-kernel[data-kernel-id="{kernel_id}"]')
+            discard = row.get_by_role("button", name="Discard…")
+            expect(discard).to_be_enabled(timeout=15_000)
+            discard.click()
+            dialog = page.locator(".jp-Dialog")
+            expect(dialog).to_contain_text("Discard the hibernated kernel?")
+            expect(dialog).to_contain_text("discarded.ipynb")
+            expect(dialog).to_contain_text("its variables cannot be brought back")
+            dialog.get_by_role("button", name="Keep").click()
+            expect(dialog).to_have_count(0)
+            assert _model(server, kernel_id)["state"] == "hibernated" and folders[0].exists()
+            discard.click()
+            dialog.get_by_role("button", name="Discard").click()
+            expect(page.locator(".Toastify__toast", has_text="Discarded discarded.ipynb")).to_be_visible(
+                timeout=15_000
+            )
+            expect(row).to_have_count(0, timeout=15_000)
+            assert server.request("GET", f"/api/elastic/kernels/{kernel_id}").status == 404
+            assert not folders[0].exists(), "its checkpoint is deleted with it"
         finally:
             server.shutdown_all_kernels()

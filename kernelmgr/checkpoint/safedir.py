@@ -46,6 +46,25 @@ def check_name(name: str) -> str:
     return name
 
 
+#: The longest owner name or kernel id the stores accept as a folder name.
+MAX_COMPONENT = 128
+
+
+def check_component(what: str, value: str) -> str:
+    """``value`` if it is safe as one path component, else ``ValueError`` saying why."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string")
+    if len(value) > MAX_COMPONENT:
+        raise ValueError(f"{what} is longer than {MAX_COMPONENT} characters")
+    if value.startswith("."):
+        raise ValueError(f"{what} {value!r} must not start with '.'")
+    if any(ch in value for ch in "/\\") or any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
+        raise ValueError(f"{what} {value!r} must not contain '/', '\\\\' or control characters")
+    if value != value.strip():
+        raise ValueError(f"{what} {value!r} must not start or end with whitespace")
+    return value
+
+
 class SafeDir:
     """An open folder; names in it are opened, listed, renamed and removed without following links."""
 
@@ -108,6 +127,11 @@ class SafeDir:
 
     def names(self) -> list[str]:
         return os.listdir(self.fd)
+
+    def disk_bytes(self, name: str) -> int:
+        """Bytes on disk of ``name`` (a file, or a folder and all below it), no link followed:
+        what a user's checkpoints take from the shared volume, leftovers and quarantine included."""
+        return _disk_bytes(self.fd, check_name(name), 0)
 
     def open_file(self, name: str) -> int:
         """A descriptor of the plain file ``name`` (the caller closes it); ``UnsafePath`` otherwise."""
@@ -213,6 +237,27 @@ def _rmtree(parent: int, name: str, depth: int) -> None:
     finally:
         os.close(fd)
     os.rmdir(name, dir_fd=parent)
+
+
+def _disk_bytes(parent: int, name: str, depth: int) -> int:
+    info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    if not stat.S_ISDIR(info.st_mode):
+        return info.st_blocks * 512 if stat.S_ISREG(info.st_mode) else 0
+    if depth > _MAX_DEPTH:
+        return 0
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+    except OSError:  # became a link, or vanished, since the stat: nothing of it to count
+        return 0
+    try:
+        total = 0
+        with os.scandir(fd) as entries:
+            for entry in entries:
+                with contextlib.suppress(FileNotFoundError):
+                    total += _disk_bytes(fd, entry.name, depth + 1)
+        return total
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -36,6 +36,12 @@ HIBERNATION_FAILURES = Counter(
     "Hibernations that failed (the kernel kept running).",
     ["reason", "size"],
 )
+CHECKPOINT_SPACE_REFUSALS = Counter(
+    "elastic_checkpoint_space_refusals_total",
+    "Checkpoints refused before they were written, for want of room: limit is quota (the owner's "
+    "max_checkpoint_bytes), reserve (the volume's last bytes, kept for kernels it holds) or full.",
+    ["limit"],
+)
 BACKGROUND_CHECKPOINTS = Counter(
     "elastic_background_checkpoints_total",
     "Checkpoints of running idle kernels taken in the background (what a lost kernel resumes from).",

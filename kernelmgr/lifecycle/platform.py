@@ -48,6 +48,7 @@ from kernelmgr.core.kernels import Committed, LaunchPlan, ManagedKernel
 from kernelmgr.lifecycle.checkpoints import committed_of, newer_checkpoint
 from kernelmgr.lifecycle.host import KernelHost
 from kernelmgr.lifecycle.records import KernelRecords
+from kernelmgr.lifecycle.storage import CheckpointSpace
 from kernelmgr.provisioners.local import BIND_ERROR
 
 if TYPE_CHECKING:
@@ -172,6 +173,10 @@ class JupyterKernelPlatform:
         self.records = records
         self.activity = activity
         self.checkpoint_timeout = checkpoint_timeout
+        #: The owner's checkpoint quota and the volume's reserve, checked before a checkpoint.
+        self.space = CheckpointSpace(
+            runtime.checkpoints, runtime.max_checkpoint_bytes, runtime.checkpoint_reserve
+        )
 
     def _km(self, kernel_id: str) -> Any:
         return self.host.get_kernel(kernel_id) if kernel_id in self.host else None
@@ -253,8 +258,10 @@ class JupyterKernelPlatform:
         committed = False
         phases = [time.monotonic()]  # where a hibernation's checkpoint spends its time (logged)
         try:
+            estimate = await self._estimate(km)
+            await self.space.check(record.owner, kernel_id, estimate)  # before anything is written
             if store.uploads:  # the upload starts first: the kernel sends parts as it writes them
-                stream = await self._begin_stream(km, record.owner, kernel_id)
+                stream = await self._begin_stream(record.owner, kernel_id, estimate)
             phases.append(time.monotonic())
             record.kernel_info, record.execution_count, reported, uploaded = await self._run_checkpoint(
                 km, stream
@@ -303,14 +310,18 @@ class JupyterKernelPlatform:
                     await asyncio.to_thread(store.abort_upload, stream)
         return committed_of(manifest)
 
-    async def _begin_stream(self, km: Any, owner: str, kernel_id: str) -> Upload:
-        """Ask the kernel how big its checkpoint will be, then start the upload with part URLs for
-        that size: the kernel streams the parts while it writes (``ObjectCheckpointStore.begin_stream``)."""
+    async def _estimate(self, km: Any) -> int:
+        """How big the kernel's checkpoint will be, estimated by its agent before pickling (0 when
+        it cannot say): what the storage rules check and what an upload presigns parts for."""
         reply = await self._silent(km, "pass", ESTIMATE_EXPRESSION, 60, name="estimate")
         try:
-            estimate = int(_expression(reply, "estimate") or 0)
+            return max(0, int(_expression(reply, "estimate") or 0))
         except ValueError:
-            estimate = 0  # a wrong estimate costs a second round of parts, nothing else
+            return 0  # a wrong estimate costs a second round of parts, nothing else
+
+    async def _begin_stream(self, owner: str, kernel_id: str, estimate: int) -> Upload:
+        """Start the upload with part URLs for the estimated size: the kernel streams the parts
+        while it writes (``ObjectCheckpointStore.begin_stream``)."""
         store = self.runtime.checkpoints
         try:
             return await asyncio.to_thread(store.begin_stream, owner, kernel_id, estimate)

@@ -55,6 +55,7 @@ from kernelmgr.lifecycle.platform import JupyterKernelPlatform, disk_full, kill_
 from kernelmgr.lifecycle.records import KernelRecord, KernelRecords, RecordStore
 from kernelmgr.lifecycle.recovery import Recovery
 from kernelmgr.lifecycle.scheduler import run_bounded
+from kernelmgr.lifecycle.storage import CheckpointSpaceRefused
 
 if TYPE_CHECKING:
     from kernelmgr.config import ElasticRuntime
@@ -89,6 +90,8 @@ class Hibernator:
             state_file, runtime.kernels, mkm.log, self._cwd_of, definition_of=self._definition_of
         )
         self.platform = JupyterKernelPlatform(mkm, runtime, self.records, self.activity, checkpoint_timeout)
+        #: The checkpoint quota and reserve (a shared gateway sets ``space.quota_of`` per user).
+        self.space = self.platform.space
         self.controller = LifecycleController(
             runtime.kernels,
             runtime.allocator,
@@ -162,6 +165,19 @@ class Hibernator:
             committed = await self.controller.hibernate(kernel_id, reason)
         except HibernateFailed as exc:
             message = exc.message
+            if isinstance(exc.__cause__, CheckpointSpaceRefused):  # nothing was written
+                refused = exc.__cause__
+                self.mkm.log.warning("Kernel %s not hibernated, it keeps running: %s", kernel_id, message)
+                metrics.HIBERNATION_FAILURES.labels(reason, size).inc()
+                self.events.emit(
+                    "hibernate_failed", kernel_id, f"not hibernated: {message}", reason=reason, size=size
+                )
+                raise CheckpointSpaceRefused(
+                    f"kernel {kernel_id} was not hibernated, it keeps running: {message}",
+                    refused.status,
+                    refused.limit,
+                    refused.detail,
+                ) from None
             self.mkm.log.error("Hibernation of kernel %s failed; it keeps running: %s", kernel_id, message)
             metrics.HIBERNATION_FAILURES.labels(reason, size).inc()
             self.events.emit(

@@ -36,9 +36,9 @@ from typing import Any
 from kernelmgr.checkpoint import cipher
 from kernelmgr.checkpoint.errors import CheckpointRefused
 from kernelmgr.checkpoint.layout import CURRENT, DATA_FILE, MANIFEST_FILE, is_checkpoint_id, new_checkpoint_id
-from kernelmgr.checkpoint.safedir import UnsafePath
+from kernelmgr.checkpoint.safedir import UnsafePath, check_component
 from kernelmgr.checkpoint.verify import MANIFEST_CAP, Untrusted, check_manifest
-from kernelmgr.checkpoint_store import CheckpointStore, Upload, _check_component, log
+from kernelmgr.checkpoint_store import CheckpointStore, Upload, log
 from kernelmgr.core.manifest import Manifest
 from kernelmgr.objectstore.client import Bucket
 from kernelmgr.objectstore.envelope import EnvelopeError, OwnerKeys
@@ -109,7 +109,7 @@ class ObjectCheckpointStore(CheckpointStore):
             raise CheckpointRefused(str(exc)) from None
 
     def key(self, owner: str, kernel_id: str, *rest: str) -> str:
-        parts = [_check_component("owner", owner), _check_component("kernel id", kernel_id), *rest]
+        parts = [check_component("owner", owner), check_component("kernel id", kernel_id), *rest]
         return "/".join([self.prefix, *parts] if self.prefix else parts)
 
     # -- commit -----------------------------------------------------------------------------
@@ -316,6 +316,22 @@ class ObjectCheckpointStore(CheckpointStore):
                 # Only this checkpoint's key (the owner's key and the master stay in the server).
                 env[ENV_RESTORE_KEY] = self._checkpoint_key(owner, restore_checkpoint).hex()
         return env
+
+    # -- usage ------------------------------------------------------------------------------
+
+    def usage(self, owner: str) -> dict[str, int]:
+        """Bytes in the bucket per kernel of ``owner`` (blocking: one listing), for the quota. The
+        local scratch copies are not counted: the node's disk is not the store users share."""
+        base = self.key(owner, "x")[: -len("x")]
+        held: dict[str, int] = {}
+        for item in self.bucket.listing(base):
+            kernel_id = item.key[len(base) :].split("/", 1)[0]
+            held[kernel_id] = held.get(kernel_id, 0) + item.size
+        return held
+
+    def volume_space(self) -> tuple[int, int] | None:
+        """Unknown: a bucket does not say how much room it has left (its quota is the provider's)."""
+        return None
 
     # -- deleting ---------------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ from kernelmgr.lifecycle.host import KernelHost
 from kernelmgr.lifecycle.metrics import size_label
 from kernelmgr.lifecycle.scheduler import BoundedScheduler
 from kernelmgr.lifecycle.service import Hibernator
+from kernelmgr.lifecycle.storage import CheckpointSpaceRefused
 from kernelmgr.server.cluster_activity import ClusterGpuSampler
 
 if TYPE_CHECKING:
@@ -406,6 +407,9 @@ class Culler:
                 return  # gone meanwhile: nothing to retry
             state = record.cull
             state.failures += 1
+            if isinstance(exc, CheckpointSpaceRefused) and state.failures == 1:
+                # Only its user can free the space: told once, not at every retry.
+                self.broadcast(kernel_id, f"Not hibernated: {exc.detail}")
             delay = min(MAX_BACKOFF, self.policy.interval * 2**state.failures)
             state.retry_at = self.clock() + delay
             self.mkm.log.warning(

@@ -7,6 +7,7 @@ Thin: each reads the runtime or the kernel manager and writes a model from
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -20,7 +21,13 @@ from kernelmgr.config import ElasticRuntime
 from kernelmgr.server.errors import gateway_refusal, http_error, no_such_kernel
 from kernelmgr.server.kernelmanager import ElasticMappingKernelManager
 from kernelmgr.server.kernelspecs import ElasticKernelSpecManager
-from kernelmgr.server.models import add_device_activity, gpus_model, profiles_model, queue_model
+from kernelmgr.server.models import (
+    add_device_activity,
+    gpus_model,
+    profiles_model,
+    queue_model,
+    storage_model,
+)
 from kernelmgr.server.ownership import access_of
 from kernelmgr.server.resize import resize_kernel, size_from_body
 
@@ -207,6 +214,34 @@ class QueueHandler(ElasticHandler):
         self.write_json(queue_model(self.runtime, user, admin))
 
 
+class StorageHandler(ElasticHandler):
+    """Checkpoint storage: a user's checkpoints against their quota (an admin's: every owner's,
+    and the volume's free space), oldest first, for choosing what to discard."""
+
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        access = access_of(self.settings)
+        admin = access.is_admin_request(self)
+        km = self.elastic_kernel_manager
+        if km.hibernator is None:
+            raise http_error(503, "the kernelmgr extension is not loaded")
+        runtime = self.runtime
+        owners = {r.owner for r in runtime.kernels.all() if access.may_access(self, r.kernel_id)}
+        mine = access.owner_of_request(self, runtime.owner)
+        owners |= {mine} if mine else set()
+        records = km.hibernator.records
+
+        def hibernated_at(kernel_id: str) -> float | None:
+            record = records.get(kernel_id)
+            return record.hibernated_at if record is not None else None
+
+        model = await asyncio.to_thread(
+            storage_model, runtime, km.hibernator.space, sorted(owners), hibernated_at, admin
+        )
+        self.write_json(model)
+
+
 class MeHandler(ElasticHandler):
     """Who is asking: whether they are an admin, and (for admins) the GPU-hours hibernation released.
 
@@ -351,6 +386,7 @@ def elastic_handlers() -> list[tuple[str, type[APIHandler]]]:
         (r"/api/sessions", SessionsPreflightHandler),
         (rf"/api/elastic/kernels/{_KERNEL_ID}/activity", ActivityHandler),
         (r"/api/elastic/me", MeHandler),
+        (r"/api/elastic/storage", StorageHandler),
         (r"/api/elastic/queue", QueueHandler),
         (r"/api/elastic/version", VersionHandler),
         (r"/api/elastic/leader", LeaderHandler),

@@ -15,6 +15,7 @@ from kernelmgr.backends.isolation import isolation_of
 from kernelmgr.config import ElasticRuntime
 from kernelmgr.core.kernels import ManagedKernel
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.lifecycle.storage import CheckpointSpace
 
 
 def elastic_kernel_model(
@@ -238,3 +239,45 @@ def queue_model(runtime: ElasticRuntime, user: str | None, admin: bool) -> dict[
             }
         )
     return {"waiting": len(queue), "entries": entries}
+
+
+def storage_model(
+    runtime: ElasticRuntime,
+    space: CheckpointSpace,
+    owners: list[str],
+    hibernated_at: Callable[[str], float | None],
+    admin: bool,
+) -> dict[str, Any]:
+    """``GET /api/elastic/storage``: each owner's checkpoints (oldest hibernation first: the first
+    to discard), their bytes against the owner's quota, and for admins the volume's free space.
+    Blocking (it walks the owners' folders or lists the bucket): call it in a worker thread."""
+    volume = runtime.checkpoints.volume_space()
+    result: dict[str, Any] = {"volume": None, "owners": []}
+    if admin and volume is not None:
+        free, total = volume
+        reserve = int(total * space.reserve_fraction)
+        result["volume"] = {"free_bytes": free, "total_bytes": total, "reserve_bytes": reserve}
+    for owner in owners:
+        held = runtime.checkpoints.usage(owner)
+        rows = []
+        for kernel_id, size in held.items():
+            record = runtime.kernels.get(kernel_id)
+            state = record.state.value if record is not None else "orphaned"
+            rows.append(
+                {
+                    "kernel_id": kernel_id,
+                    "state": state,
+                    "bytes": size,
+                    "hibernated_at": hibernated_at(kernel_id),
+                }
+            )
+        rows.sort(key=lambda row: (row["hibernated_at"] is None, row["hibernated_at"] or 0, row["kernel_id"]))
+        result["owners"].append(
+            {
+                "owner": owner,
+                "quota_bytes": space.quota_of(owner),
+                "used_bytes": sum(held.values()),
+                "checkpoints": rows,
+            }
+        )
+    return result

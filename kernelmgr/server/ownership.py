@@ -34,6 +34,10 @@ class KernelAccess:
         """Whether the request's user may see every GPU and kernel (one user's server: yes)."""
         return True
 
+    def owner_of_request(self, handler: Any, server_owner: str) -> str | None:
+        """Whose checkpoints and quota the request's user has (one user's server: the server's)."""
+        return server_owner
+
 
 def access_of(settings: dict[str, Any]) -> KernelAccess:
     """The access rule the web application runs with (the default one if none is installed)."""

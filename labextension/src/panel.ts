@@ -1,12 +1,13 @@
 /**
  * The "GPUs" sidebar panel: the user's kernels, named by their notebook (size, state, idle time,
- * GPU use, checkpoint size) with hibernate / resume buttons; every GPU with live meters of its
+ * GPU use, checkpoint size) with hibernate / resume buttons, a hibernated one's Discard… (asked
+ * first), and the checkpoint space they take against the user's quota; every GPU with live meters of its
  * use and memory (a short history kept here, one sample per poll) and its slices drawn as parts
  * of it (an admin sees whose; a user sees their own and the other users' share as one part);
  * for admins, the GPU time released by hibernation with its trend. The notebook names come
  * from the sessions API; GPUs and totals are fetched only while the panel is visible.
  */
-import { Notification } from '@jupyterlab/apputils';
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
@@ -37,6 +38,7 @@ export const gpuIcon = new LabIcon({
 
 export class GpusPanel extends Widget {
   private admin: {
+    user?: string | null;
     admin: boolean;
     gpu_hours_released: Record<string, number> | null;
     gpus_released_now?: number | null;
@@ -46,6 +48,8 @@ export class GpusPanel extends Widget {
   private devices: Device[] = [];
   /** kernel id -> notebook path, from `GET /api/sessions`. */
   private notebooks = new Map<string, string>();
+  /** The user's checkpoint space, from `GET /api/elastic/storage` (null until it answers). */
+  private storage: { used_bytes: number; quota_bytes: number | null } | null = null;
 
   constructor(
     private poller: KernelPoller,
@@ -86,6 +90,7 @@ export class GpusPanel extends Widget {
       return;
     }
     this.admin = (await me.json()) as typeof this.admin;
+    await this.loadStorage();
     const gpus = await this.fetcher('api/elastic/gpus');
     if (gpus.status === 200) {
       this.devices = ((await gpus.json()) as { devices: Device[] }).devices;
@@ -98,6 +103,45 @@ export class GpusPanel extends Widget {
       this.history.push('released', this.releasedTotal());
     }
     this.render();
+  }
+
+  /** The caller's own line of the storage view: the only one for a user, theirs for an admin. */
+  private async loadStorage(): Promise<void> {
+    const reply = await this.fetcher('api/elastic/storage');
+    if (reply.status !== 200) {
+      return;
+    }
+    type Owner = { owner: string; used_bytes: number; quota_bytes: number | null };
+    const owners = ((await reply.json()) as { owners: Owner[] }).owners;
+    this.storage = (owners.length === 1 ? owners[0] : owners.find(o => o.owner === this.admin?.user)) ?? null;
+  }
+
+  /** Discard… : a hibernated kernel and its checkpoint deleted for good, once the user confirms. */
+  private async discard(kernel: ElasticKernel): Promise<void> {
+    const size = formatBytes(kernel.checkpoint?.bytes) || 'its checkpoint';
+    const answer = await showDialog({
+      title: 'Discard the hibernated kernel?',
+      body:
+        `The kernel of ${this.label(kernel.id)} is shut down and its checkpoint (${size}) deleted: ` +
+        'its variables cannot be brought back. This frees checkpoint space.',
+      buttons: [Dialog.cancelButton({ label: 'Keep' }), Dialog.warnButton({ label: 'Discard' })]
+    });
+    if (!answer.button.accept) {
+      return;
+    }
+    const reply = await this.fetcher(`api/kernels/${kernel.id}`, { method: 'DELETE' });
+    if (reply.status === 204) {
+      Notification.success(`Discarded ${this.label(kernel.id)}: ${size} of checkpoint space freed`, {
+        autoClose: 5000
+      });
+    } else {
+      const body = (await reply.json()) as { message?: string };
+      Notification.error(`Could not discard: ${body.message ?? reply.status}`);
+    }
+    await this.poller.refresh();
+    if (this.isVisible) {
+      await this.loadAdmin();
+    }
   }
 
   private async act(kernel: ElasticKernel, action: 'hibernate' | 'resume' | 'cancel'): Promise<void> {
@@ -152,6 +196,18 @@ export class GpusPanel extends Widget {
       const since = this.poller.lastAnswer ? new Date(this.poller.lastAnswer).toLocaleTimeString() : '?';
       away.textContent = `Server unreachable: what follows is as it was at ${since}; actions come back when it answers.`;
       node.appendChild(away);
+    }
+    if (this.storage) {
+      const space = document.createElement('p');
+      space.className = 'jp-ElasticPanel-storage';
+      const { used_bytes: used, quota_bytes: quota } = this.storage;
+      space.dataset.used = String(used);
+      space.textContent =
+        quota === null
+          ? `Checkpoints: ${formatBytes(used) || '0 B'}`
+          : `Checkpoints: ${formatBytes(used) || '0 B'} of your ${formatBytes(quota)}`;
+      space.title = 'Checkpoint space your kernels take; Discard… a hibernated kernel you no longer need to free it';
+      node.appendChild(space);
     }
     const mine = [...this.poller.kernels.values()].filter(k => k.profile);
     if (!mine.length) {
@@ -279,6 +335,15 @@ export class GpusPanel extends Widget {
       resize.onclick = () => this.changeSize?.(kernel.id);
       resize.disabled = !this.poller.reachable;
       actions.appendChild(resize);
+    }
+    if (kernel.state === 'hibernated') {
+      const discard = document.createElement('button');
+      discard.className = 'jp-mod-styled jp-ElasticPanel-action jp-ElasticPanel-discard';
+      discard.textContent = 'Discard…';
+      discard.title = 'Shut this kernel down and delete its checkpoint (its variables) to free space: asked first';
+      discard.onclick = () => void this.discard(kernel);
+      discard.disabled = !this.poller.reachable;
+      actions.appendChild(discard);
     }
     row.append(text, actions);
     return row;

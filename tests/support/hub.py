@@ -212,8 +212,10 @@ def running_hub(
     users: str = "alice,bob,carol,ada",
     admins: str = "",
     live_config: Path | None = None,
+    checkpoint_volume: str = "",
 ) -> Iterator[Hub]:
-    """The example's Hub and gateway; each user's kernels run as ``ekt-<user>``."""
+    """The example's Hub and gateway; each user's kernels run as ``ekt-<user>``. With
+    ``checkpoint_volume`` (a size, "64m"), the checkpoints go to a tmpfs of that size (root only)."""
     proxy = require_proxy()
     ensure_accounts(users.split(","))
     tmp.mkdir(parents=True, exist_ok=True)
@@ -222,25 +224,44 @@ def running_hub(
         state = Path(tempfile.mkdtemp(prefix="ekt-hub-"))
         state.chmod(0o711)
         make_enterable(state)
+        if checkpoint_volume:
+            mount_volume(state / "checkpoints", checkpoint_volume)
         log_path = tmp / ("hub.log" if attempt == 1 else f"hub-{attempt}.log")
         hub = _launch(tmp, state, log_path, proxy, quota_users, users, admins, live_config)
         try:
             up = _wait_up(hub)
         except BaseException:
             _stop(hub)
-            shutil.rmtree(state, ignore_errors=True)
+            _remove(state)
             raise
         if up:
             break
         _stop(hub)
-        shutil.rmtree(state, ignore_errors=True)
+        _remove(state)
     else:
         raise AssertionError(f"JupyterHub exited {HUB_STARTS} times:\n{hub.log()[-4000:]}")
     try:
         yield hub
     finally:
         _stop(hub)
-        shutil.rmtree(state, ignore_errors=True)
+        _remove(state)
+
+
+def mount_volume(path: Path, size: str) -> None:
+    """A tmpfs of ``size`` at ``path``, which everyone may pass through (kernels run as users)."""
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0711", "tmpfs", str(path)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+
+
+def _remove(state: Path) -> None:
+    """The Hub's state folder, and the volume mounted in it if there is one."""
+    if (state / "checkpoints").is_mount():
+        subprocess.run(["umount", "-l", str(state / "checkpoints")], capture_output=True)
+    shutil.rmtree(state, ignore_errors=True)
 
 
 def _launch(
