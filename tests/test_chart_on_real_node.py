@@ -643,6 +643,70 @@ def test_a_cell_spanning_helm_upgrade_reaches_the_notebook_that_reconnects(chart
     assert status == 204
 
 
+def gateway_pods(chart: Chart) -> list[Any]:
+    pods = chart.core.list_namespaced_pod(
+        chart.namespace, label_selector="app.kubernetes.io/component=gateway"
+    ).items
+    return [p for p in pods if p.metadata.deletion_timestamp is None]
+
+
+def test_helm_upgrade_with_two_gateways_rolls_out_and_keeps_the_kernel(chart: Chart) -> None:
+    """``gateway.replicas: 2`` (active and standby behind the Lease), then an upgrade that changes the
+    gateway's pod: the rollout replaces both pods and the new leader serves the kernel, its pod and
+    variables kept. The standby is never Ready (the Service must not send it notebooks), so a rolling
+    update that waits for a Ready new pod before stopping the old leader never ends."""
+    apps = client.AppsV1Api(chart.core.api_client)
+    gateway = chart.gateway()
+    kernel_id = chart.start_kernel(gateway)
+    pod = chart.kernel_pod(kernel_id).metadata.uid
+    assert gateway.execute(kernel_id, "w = 'kept'; print(w)").strip() == "kept"
+    chart.values["gateway"]["replicas"] = 2
+    try:
+        chart.upgrade()
+        wait_for(lambda: len(gateway_pods(chart)) == 2, 300, "a standby gateway beside the leader")
+        before = {p.metadata.uid for p in gateway_pods(chart)}
+        chart.values["gateway"]["extraEnv"] = [
+            *chart.values["gateway"].get("extraEnv", []),
+            {"name": "ELASTIC_TEST_ROLLOUT", "value": uuid.uuid4().hex},
+        ]
+        chart.upgrade()
+
+        def rolled_out() -> bool:
+            deployment = apps.read_namespaced_deployment(RELEASE, chart.namespace)
+            pods = gateway_pods(chart)
+            return (
+                deployment.status.observed_generation == deployment.metadata.generation
+                and (deployment.status.updated_replicas or 0) == 2
+                and len(pods) == 2
+                and not before & {p.metadata.uid for p in pods}
+            )
+
+        try:
+            wait_for(rolled_out, 240, "the rollout to replace both gateway pods")
+        except TimeoutError as exc:
+            states = [
+                (p.metadata.name, {c.type: c.status for c in p.status.conditions or []}.get("Ready"))
+                for p in gateway_pods(chart)
+            ]
+            status = apps.read_namespaced_deployment(RELEASE, chart.namespace).status
+            raise AssertionError(
+                f"{exc}: gateway pods (name, Ready): {states}; the Deployment: updated "
+                f"{status.updated_replicas}, available {status.available_replicas}, unavailable "
+                f"{status.unavailable_replicas}"
+            ) from None
+        gateway = chart.gateway()
+        wait_for(lambda: gateway.model(kernel_id)["state"] == "running", 300, "the kernel to be adopted")
+        assert gateway.execute(kernel_id, "print(w)").strip() == "kept"
+        assert chart.kernel_pod(kernel_id).metadata.uid == pod
+    finally:
+        chart.values["gateway"]["replicas"] = 1
+        chart.upgrade()
+    wait_for(lambda: len(gateway_pods(chart)) == 1, 420, "one gateway again")
+    gateway = chart.gateway()
+    status, _ = gateway.request("DELETE", f"/api/kernels/{kernel_id}", timeout=300)
+    assert status == 204
+
+
 def test_the_charts_network_policies_hold_for_kernel_pods(chart: Chart) -> None:
     """The chart's NetworkPolicies, enforced on the node (kube-router's firewall): a kernel reaches
     cluster DNS and the gateway, not the API server (private addresses are not in its defaults); a

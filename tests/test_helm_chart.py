@@ -1319,6 +1319,8 @@ def test_gateway_replicas_are_active_and_standby_behind_a_lease(tmp_path: Path) 
     deployment = only(docs, "Deployment", "jupyter-elastic-kernels")["spec"]
     assert deployment["replicas"] == 2
     assert deployment["strategy"]["type"] == "RollingUpdate"
+    # The standby is never Ready: a rollout that kept one pod available could never stop the leader.
+    assert deployment["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": "100%"}
     gateway = deployment["template"]["spec"]["containers"][0]
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/services/elastic-gateway/api/elastic/readyz"
     pod_name = next(e for e in gateway["env"] if e["name"] == "POD_NAME")
