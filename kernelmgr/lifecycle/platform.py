@@ -48,12 +48,12 @@ from kernelmgr.core.kernels import Committed, LaunchPlan, ManagedKernel
 from kernelmgr.lifecycle.checkpoints import committed_of, newer_checkpoint
 from kernelmgr.lifecycle.host import KernelHost
 from kernelmgr.lifecycle.records import KernelRecords
-from kernelmgr.lifecycle.storage import CheckpointSpace
 from kernelmgr.provisioners.local import BIND_ERROR
 
 if TYPE_CHECKING:
     from kernelmgr.checkpoint_store import Upload
     from kernelmgr.config import ElasticRuntime
+    from kernelmgr.lifecycle.storage import CheckpointSpace
 
 #: How long a hibernation request waits for a kernel reported busy to report idle.
 BUSY_GRACE_SECONDS = 1.0
@@ -167,16 +167,16 @@ class JupyterKernelPlatform:
         records: KernelRecords,
         activity: JupyterActivity,
         checkpoint_timeout: float,
+        space: CheckpointSpace | None = None,
     ) -> None:
         self.host = host
         self.runtime = runtime
         self.records = records
         self.activity = activity
         self.checkpoint_timeout = checkpoint_timeout
-        #: The owner's checkpoint quota and the volume's reserve, checked before a checkpoint.
-        self.space = CheckpointSpace(
-            runtime.checkpoints, runtime.max_checkpoint_bytes, runtime.checkpoint_reserve
-        )
+        #: The owner's checkpoint quota and the volume's reserve, checked before a checkpoint
+        #: (the Hibernator gives it one; ``None``: no rule applies).
+        self.space = space
 
     def _km(self, kernel_id: str) -> Any:
         return self.host.get_kernel(kernel_id) if kernel_id in self.host else None
@@ -259,7 +259,8 @@ class JupyterKernelPlatform:
         phases = [time.monotonic()]  # where a hibernation's checkpoint spends its time (logged)
         try:
             estimate = await self._estimate(km)
-            await self.space.check(record.owner, kernel_id, estimate)  # before anything is written
+            if self.space is not None:  # before anything is written
+                await self.space.check(record.owner, kernel_id, estimate)
             if store.uploads:  # the upload starts first: the kernel sends parts as it writes them
                 stream = await self._begin_stream(record.owner, kernel_id, estimate)
             phases.append(time.monotonic())

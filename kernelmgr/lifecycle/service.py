@@ -55,7 +55,7 @@ from kernelmgr.lifecycle.platform import JupyterKernelPlatform, disk_full, kill_
 from kernelmgr.lifecycle.records import KernelRecord, KernelRecords, RecordStore
 from kernelmgr.lifecycle.recovery import Recovery
 from kernelmgr.lifecycle.scheduler import run_bounded
-from kernelmgr.lifecycle.storage import CheckpointSpaceRefused
+from kernelmgr.lifecycle.storage import CheckpointSpace, CheckpointSpaceRefused
 
 if TYPE_CHECKING:
     from kernelmgr.config import ElasticRuntime
@@ -89,9 +89,13 @@ class Hibernator:
         self.records = KernelRecords(
             state_file, runtime.kernels, mkm.log, self._cwd_of, definition_of=self._definition_of
         )
-        self.platform = JupyterKernelPlatform(mkm, runtime, self.records, self.activity, checkpoint_timeout)
         #: The checkpoint quota and reserve (a shared gateway sets ``space.quota_of`` per user).
-        self.space = self.platform.space
+        self.space = CheckpointSpace(
+            runtime.checkpoints, runtime.max_checkpoint_bytes, runtime.checkpoint_reserve
+        )
+        self.platform = JupyterKernelPlatform(
+            mkm, runtime, self.records, self.activity, checkpoint_timeout, self.space
+        )
         self.controller = LifecycleController(
             runtime.kernels,
             runtime.allocator,
