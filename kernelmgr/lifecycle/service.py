@@ -169,24 +169,20 @@ class Hibernator:
             committed = await self.controller.hibernate(kernel_id, reason)
         except HibernateFailed as exc:
             message = exc.message
-            if isinstance(exc.__cause__, CheckpointSpaceRefused):  # nothing was written
-                refused = exc.__cause__
-                self.mkm.log.warning("Kernel %s not hibernated, it keeps running: %s", kernel_id, message)
-                metrics.HIBERNATION_FAILURES.labels(reason, size).inc()
-                self.events.emit(
-                    "hibernate_failed", kernel_id, f"not hibernated: {message}", reason=reason, size=size
-                )
+            # Refused for want of room before anything was written: a warning, not an error.
+            refused = exc.__cause__ if isinstance(exc.__cause__, CheckpointSpaceRefused) else None
+            said = "not hibernated" if refused else "hibernation failed"
+            log = self.mkm.log.warning if refused else self.mkm.log.error
+            log("Kernel %s: %s, it keeps running: %s", kernel_id, said, message)
+            metrics.HIBERNATION_FAILURES.labels(reason, size).inc()
+            self.events.emit("hibernate_failed", kernel_id, f"{said}: {message}", reason=reason, size=size)
+            if refused is not None:
                 raise CheckpointSpaceRefused(
                     f"kernel {kernel_id} was not hibernated, it keeps running: {message}",
                     refused.status,
                     refused.limit,
                     refused.detail,
                 ) from None
-            self.mkm.log.error("Hibernation of kernel %s failed; it keeps running: %s", kernel_id, message)
-            metrics.HIBERNATION_FAILURES.labels(reason, size).inc()
-            self.events.emit(
-                "hibernate_failed", kernel_id, f"hibernation failed: {message}", reason=reason, size=size
-            )
             status = 507 if disk_full(message) else exc.status
             raise LifecycleError(
                 f"hibernation of kernel {kernel_id} failed, it keeps running: {message}", status
