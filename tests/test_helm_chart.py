@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import json
 import os
 import subprocess
@@ -1569,6 +1570,7 @@ def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any],
         # Only what differs from a pod: where it listens, its token, root in a test container.
         f"--ElasticKubernetesProvisioner.kubeconfig={kubeconfig}",
         f"--port={port}",
+        "--ServerApp.port_retries=0",
         "--ip=127.0.0.1",
         "--allow-root",
         f"--IdentityProvider.token={TOKEN}",
@@ -1600,7 +1602,8 @@ def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any],
         try:
             # The chart's readiness probe: it holds the Lease and has taken the kernels over.
             return gateway.request("GET", "/api/elastic/leader", token=None).status == 200
-        except OSError:
+        except (OSError, http.client.HTTPException):
+            # Not up yet, or (port_retries=0) something else holds the port and the gateway exits.
             return False
 
     wait_for(answers, 60, what="the gateway to answer")

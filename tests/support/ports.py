@@ -1,4 +1,4 @@
-"""Fixed ports for kernels that tests start, below the machine's ephemeral range.
+"""Free ports below the machine's ephemeral range, for kernels and servers that tests start.
 
 A kernel's ports are chosen before it binds them, sometimes seconds before (a restore first). A
 port from the ephemeral range (what binding port 0 gives) can meanwhile become the source port of
@@ -17,6 +17,8 @@ from pathlib import Path
 
 #: The lowest port picked: above the well-known and registered services tests might meet.
 LOWEST = 20000
+#: Kubernetes' default NodePort range starts here; kube-proxy redirects those ports on the node.
+NODE_PORTS_FROM = 30000
 
 
 def ephemeral_floor() -> int:
@@ -28,8 +30,8 @@ def ephemeral_floor() -> int:
 
 
 def free_port_block(size: int = 5) -> int:
-    """The first of ``size`` consecutive ports free on every address, all below the ephemeral range."""
-    top = ephemeral_floor() - size
+    """The first of ``size`` consecutive ports free everywhere, below the ephemeral and NodePort ranges."""
+    top = min(ephemeral_floor(), NODE_PORTS_FROM) - size
     for _ in range(200):
         first = random.randrange(LOWEST, top, size)
         try:
