@@ -40,6 +40,50 @@ def test_the_memory_limit_is_read_from_the_cgroup(
     assert cgroup_memory_limit(tmp_path) == limit
 
 
+def _fake_proc(tmp_path: Path, cgroup: str, mountinfo: str) -> Path:
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    (proc / "mountinfo").write_text(mountinfo)
+    return proc
+
+
+def _limit_file(folder: Path, name: str, text: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(text)
+
+
+def test_a_service_below_the_mount_reads_its_own_cgroup_and_its_parents(tmp_path: Path) -> None:
+    """No cgroup namespace (a systemd service, a container without one): the process's folder is
+    below the mount, and the tightest limit on the way up binds it."""
+    root = tmp_path / "cgroup"
+    # cgroup v2: /system.slice/gateway.service with MemoryMax, its slice without a limit.
+    mountinfo = f"41 31 0:38 / {root} rw,relatime - cgroup2 cgroup2 rw\n"
+    proc = _fake_proc(tmp_path, "0::/system.slice/gateway.service\n", mountinfo)
+    _limit_file(root / "system.slice", "memory.max", "max\n")
+    _limit_file(root / "system.slice" / "gateway.service", "memory.max", f"{512 * MiB}\n")
+    assert cgroup_memory_limit(root, proc) == 512 * MiB
+    # A parent's tighter limit binds the child.
+    _limit_file(root / "system.slice", "memory.max", f"{256 * MiB}\n")
+    assert cgroup_memory_limit(root, proc) == 256 * MiB
+
+
+def test_a_v1_memory_controller_mounted_beside_others_is_found(tmp_path: Path) -> None:
+    root = tmp_path / "cgroup"
+    mountinfo = (
+        f"32 31 0:29 / {root / 'cpu'} rw,relatime - cgroup cgroup rw,cpu\n"
+        f"35 31 0:32 / {root / 'memory'} rw,relatime - cgroup cgroup rw,memory\n"
+    )
+    proc = _fake_proc(tmp_path, "4:memory:/gateway\n1:cpu:/elsewhere\n", mountinfo)
+    _limit_file(root / "memory", "memory.limit_in_bytes", "9223372036854771712\n")  # the root: none
+    _limit_file(root / "memory" / "gateway", "memory.limit_in_bytes", f"{384 * MiB}\n")
+    assert cgroup_memory_limit(root, proc) == 384 * MiB
+    # A process outside the mount's view (another namespace's path) falls back to the mount's root.
+    (tmp_path / "other").mkdir()
+    other = _fake_proc(tmp_path / "other", "4:memory:/gateway\n", mountinfo.replace(" / ", " /pods/x "))
+    assert cgroup_memory_limit(root, other) is None
+
+
 def test_the_caps_fit_the_limit() -> None:
     # The chart's gateway pod (1 GiB): a quarter for held messages, half of that for one user.
     assert held_bytes_total(GiB) == 256 * MiB

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -41,6 +41,16 @@ CHECKPOINT_SPACE_REFUSALS = Counter(
     "Checkpoints refused before they were written, for want of room: limit is quota (the owner's "
     "max_checkpoint_bytes), reserve (the volume's last bytes, kept for kernels it holds) or full.",
     ["limit"],
+)
+HELD_MESSAGE_REFUSALS = Counter(
+    "elastic_held_message_refusals_total",
+    "Messages for kernels that are not running refused, as holding them would go over a cap: limit "
+    "is connection, user or server (the server's share of its memory limit).",
+    ["limit"],
+)
+HELD_MESSAGE_BYTES = Gauge(
+    "elastic_held_message_bytes",
+    "Bytes of messages the server holds now for kernels that are hibernating, hibernated or resuming.",
 )
 BACKGROUND_CHECKPOINTS = Counter(
     "elastic_background_checkpoints_total",

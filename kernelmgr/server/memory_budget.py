@@ -22,24 +22,84 @@ HELD_SHARE = 4
 #: cgroup v1 says "no limit" with a huge number (the page-rounded maximum of a signed 64-bit value).
 _NO_LIMIT_V1 = 1 << 60
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF = Path("/proc/self")
 
 
-def cgroup_memory_limit(root: Path = CGROUP_ROOT) -> int | None:
-    """This process's cgroup memory limit in bytes (v2 ``memory.max``, else v1), or None: none set
-    or none readable (not Linux, no cgroup file system)."""
-    for path in (root / "memory.max", root / "memory" / "memory.limit_in_bytes"):
+def cgroup_memory_limit(root: Path = CGROUP_ROOT, proc: Path = PROC_SELF) -> int | None:
+    """This process's cgroup memory limit in bytes, or None: none set or none readable (not
+    Linux, no cgroup file system).
+
+    In a pod the container's own cgroup is the mount's root (a cgroup namespace); a gateway run as
+    a service (systemd's ``MemoryMax``, a container without a cgroup namespace) sits deeper: its
+    own folder comes from ``/proc/self/cgroup`` and the mounts, and the tightest limit on the way
+    up to the mount counts (a parent's limit binds its children)."""
+    limits = [limit for folder in _own_cgroup_folders(root, proc) if (limit := _limit_in(folder)) is not None]
+    return min(limits) if limits else None
+
+
+def _limit_in(folder: Path) -> int | None:
+    """The limit one cgroup folder sets (v2 ``memory.max`` or v1 ``memory.limit_in_bytes``)."""
+    for path in (folder / "memory.max", folder / "memory.limit_in_bytes"):
         try:
             text = path.read_text().strip()
         except OSError:
             continue
-        if text == "max":
-            return None
         try:
             limit = int(text)
         except ValueError:
-            return None
+            return None  # "max" (v2's no limit), or unreadable
         return None if limit >= _NO_LIMIT_V1 else limit
     return None
+
+
+def _own_cgroup_folders(root: Path, proc: Path) -> list[Path]:
+    """The folders of this process's memory cgroup and its parents up to the mounts (v2 and v1),
+    then the mounts' roots (where a pod's container sees its own cgroup)."""
+    folders: list[Path] = []
+    for mount, mount_root, path in _memory_mounts(proc):
+        if mount.is_relative_to(root) and (
+            path == mount_root or path.startswith(mount_root.rstrip("/") + "/")
+        ):
+            own = mount / path[len(mount_root) :].lstrip("/")
+            while own != mount and own.is_relative_to(mount):
+                folders.append(own)
+                own = own.parent
+    folders += [root, root / "memory"]
+    return folders
+
+
+def _memory_mounts(proc: Path) -> list[tuple[Path, str, str]]:
+    """(mount point, the cgroup it shows as its root, this process's cgroup path) for the v2
+    mount and the v1 memory controller's, from ``/proc/self/mountinfo`` and ``/proc/self/cgroup``."""
+    try:
+        mountinfo = (proc / "mountinfo").read_text().splitlines()
+        memberships = (proc / "cgroup").read_text().splitlines()
+    except OSError:
+        return []
+    paths: dict[str, str] = {}  # "v2" or "memory" -> this process's cgroup path
+    for line in memberships:
+        _, controllers, path = [*line.split(":", 2), "", ""][:3]
+        if controllers == "":
+            paths["v2"] = path
+        elif "memory" in controllers.split(","):
+            paths["memory"] = path
+    found = []
+    for line in mountinfo:
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        tail = fields[fields.index("-") + 1 :]
+        mount_root, mount_point = fields[3], Path(fields[4])
+        kind = (
+            "v2"
+            if tail[:1] == ["cgroup2"]
+            else "memory"
+            if tail[:1] == ["cgroup"] and "memory" in tail[-1].split(",")
+            else ""
+        )
+        if kind and kind in paths:
+            found.append((mount_point, mount_root, paths[kind]))
+    return found
 
 
 def held_bytes_total(limit: int | None) -> int:

@@ -79,6 +79,7 @@ from kernelmgr.checkpoint.outbox import CLIENT_TOPIC, DELIM
 from kernelmgr.cli_render import human_mib, queue_place
 from kernelmgr.core.controller import LifecycleError
 from kernelmgr.core.lifecycle import KernelState
+from kernelmgr.lifecycle.metrics import HELD_MESSAGE_BYTES, HELD_MESSAGE_REFUSALS
 from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.server import execution_state, undelivered
 from kernelmgr.server.hibernated_replies import ANSWERED_WHILE_HIBERNATED, CHECK_TIMEOUT, checker, local_reply
@@ -487,8 +488,23 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         return queued
 
     def _overflows(self, raw: Any) -> str:
-        """Why ``raw`` does not fit in the queue, or "" if it does."""
-        size = len(raw) if isinstance(raw, str | bytes) else 0
+        """Why ``raw`` does not fit in the queue, or "" if it does (counted by the cap it hits)."""
+        why, limit = self._cap_hit(len(raw) if isinstance(raw, str | bytes) else 0)
+        if why:
+            HELD_MESSAGE_REFUSALS.labels(limit).inc()
+        return why
+
+    def _cap_hit(self, size: int) -> tuple[str, str]:
+        """Why a message of ``size`` bytes would go over a cap, and whose cap; ("", "") if none."""
+        why = self._connection_cap(size)
+        if why:
+            return why, "connection"
+        why = self._user_cap(size)
+        if why:
+            return why, "user"
+        return self._server_cap(size), "server"
+
+    def _connection_cap(self, size: int) -> str:
         if len(self._pending()) >= self.max_queued_messages:
             return (
                 f"{len(self._pending())} messages already wait for it "
@@ -499,6 +515,9 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
                 f"the messages waiting for it would take {self._queued_bytes + size} bytes "
                 f"(ElasticWebsocketConnection.max_queued_bytes is {self.max_queued_bytes})"
             )
+        return ""
+
+    def _user_cap(self, size: int) -> str:
         messages, held = self._held_by_user.get(self._user, [0, 0])
         if messages >= self.max_queued_messages_per_user:
             return (
@@ -511,6 +530,9 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
                 f"your connections would hold {held + size} bytes for kernels that are not running "
                 f"(ElasticWebsocketConnection.max_queued_bytes_per_user is {self.max_queued_bytes_per_user})"
             )
+        return ""
+
+    def _server_cap(self, size: int) -> str:
         messages, held = self._held_total
         if messages >= self.max_queued_messages_total:
             return (
@@ -946,3 +968,6 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         for raw in kept:
             self._hold(raw)
         return cancelled
+
+
+HELD_MESSAGE_BYTES.set_function(lambda: ElasticWebsocketConnection._held_total[1])

@@ -343,6 +343,14 @@ def _stop(hub: Hub) -> None:
 def _kill_gateway(port: int) -> None:
     """Kill the Hub's gateway on ``port`` if it outlived the Hub: a Hub that gives up on its managed
     service exits without stopping it, and the service runs in a session of its own."""
+    pid = gateway_pid(port)
+    if pid is not None:
+        with suppress(ProcessLookupError):
+            os.kill(pid, 9)
+
+
+def gateway_pid(port: int) -> int | None:
+    """The process id of the Hub's gateway service listening on ``port``, or None."""
     wanted = f"--ServerApp.port={port}".encode()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -352,5 +360,5 @@ def _kill_gateway(port: int) -> None:
         except OSError:
             continue
         if b"gateway.app" in argv and wanted in argv:
-            with suppress(ProcessLookupError):
-                os.kill(int(entry.name), 9)
+            return int(entry.name)
+    return None
