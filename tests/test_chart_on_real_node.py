@@ -120,10 +120,12 @@ class Gateway:
 
 
 def gateway_pod(core: Any, namespace: str, not_uid: str | None = None) -> Any:
-    """The gateway's pod once Running and Ready (a new one when ``not_uid`` names the old one)."""
+    """The gateway's pod that serves (Ready, with the serving label the Service selects), a new one
+    when ``not_uid`` names the old one."""
 
     def ready() -> Any:
-        pods = core.list_namespaced_pod(namespace, label_selector="app.kubernetes.io/component=gateway").items
+        selector = "app.kubernetes.io/component=gateway,elastic.jupyter.org/serving=true"
+        pods = core.list_namespaced_pod(namespace, label_selector=selector).items
         for pod in pods:
             if pod.metadata.uid == not_uid or pod.metadata.deletion_timestamp is not None:
                 continue
@@ -398,8 +400,9 @@ def test_chart_defaults_on_the_real_node_start_hibernate_resume_and_upgrade(char
     assert [p.metadata.uid for p in gateways] == [pod.metadata.uid]  # not restarted
 
     # helm upgrade with a setting that needs a restart, three kernels running (two GPU sizes and a CPU
-    # kernel), each holding what no checkpoint keeps: the gateway pod is replaced (Recreate); the old
-    # one leaves the kernel pods running at SIGTERM, the new one adopts them, same processes.
+    # kernel), each holding what no checkpoint keeps: the gateway pod is replaced (a surge: the new
+    # one starts as a standby); the old one leaves the kernel pods running at SIGTERM and releases
+    # the Lease, the new one takes it, adopts them (same processes) and labels itself serving.
     kernels = [kernel_id, chart.start_kernel(gateway), chart.start_kernel(gateway, "python3-cpu")]
     pids = {k: gateway.execute(k, f"{UNPICKLABLE}; print(os.getpid())").strip() for k in kernels}
     pods = {k: chart.kernel_pod(k).metadata.uid for k in kernels}
@@ -653,8 +656,8 @@ def gateway_pods(chart: Chart) -> list[Any]:
 def test_helm_upgrade_with_two_gateways_rolls_out_and_keeps_the_kernel(chart: Chart) -> None:
     """``gateway.replicas: 2`` (active and standby behind the Lease), then an upgrade that changes the
     gateway's pod: the rollout replaces both pods and the new leader serves the kernel, its pod and
-    variables kept. The standby is never Ready (the Service must not send it notebooks), so a rolling
-    update that waits for a Ready new pod before stopping the old leader never ends."""
+    variables kept. A standby is Ready (the Service selects the serving label, not readiness); before
+    that a rolling update waiting for a Ready new pod before stopping the old leader never ended."""
     apps = client.AppsV1Api(chart.core.api_client)
     gateway = chart.gateway()
     kernel_id = chart.start_kernel(gateway)

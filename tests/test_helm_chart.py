@@ -1315,20 +1315,35 @@ def test_user_ids_and_the_auth_state_keys_reach_the_gateway(tmp_path: Path) -> N
 
 def test_gateway_replicas_are_active_and_standby_behind_a_lease(tmp_path: Path) -> None:
     """Every gateway pod takes part in the Lease (one replica too: a pod stuck Terminating and its
-    replacement never both write); with two, a rolling update and readiness on the Lease."""
+    replacement never both write). The Service selects the serving label the holder puts on its own
+    pod, so standbys may be Ready and an update starts the new pod before it stops the old leader
+    (a surge), where the claim lets two pods mount it; else the old pods stop first."""
     docs = render({"gateway": {"replicas": 2}}, tmp_path)
     deployment = only(docs, "Deployment", "jupyter-elastic-kernels")["spec"]
     assert deployment["replicas"] == 2
-    assert deployment["strategy"]["type"] == "RollingUpdate"
-    # The standby is never Ready: a rollout that kept one pod available could never stop the leader.
-    assert deployment["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": "100%"}
+    assert deployment["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     gateway = deployment["template"]["spec"]["containers"][0]
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/services/elastic-gateway/api/elastic/readyz"
-    pod_name = next(e for e in gateway["env"] if e["name"] == "POD_NAME")
-    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    fields = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in gateway["env"]
+        if "fieldRef" in e.get("valueFrom", {})
+    }
+    assert fields == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
     election = server_config(docs)["ElasticLeaderElection"]
-    assert election == {"enabled": True, "lease_name": "jupyter-elastic-kernels-gateway"}
-    # The Lease is the gateway's namespace's Role's (where the gateway keeps it), not the kernels'.
+    assert election == {
+        "enabled": True,
+        "lease_name": "jupyter-elastic-kernels-gateway",
+        "serving_label": "elastic.jupyter.org/serving",
+    }
+    service = only(docs, "Service", "jupyter-elastic-kernels")["spec"]
+    assert service["selector"]["elastic.jupyter.org/serving"] == "true"
+    # New pods start without it: only the Lease holder's pod ever carries it.
+    assert "elastic.jupyter.org/serving" not in deployment["template"]["metadata"]["labels"]
+    # The Lease and its own pods' label are the gateway namespace's Role's, not the kernels'.
     role = only(docs, "Role", "jupyter-elastic-kernels:gateway")
     assert (
         role["metadata"]["namespace"]
@@ -1339,9 +1354,28 @@ def test_gateway_replicas_are_active_and_standby_behind_a_lease(tmp_path: Path) 
         "resources": ["leases"],
         "verbs": ["get", "create", "update", "patch"],
     } in role["rules"]
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]} in role["rules"]
     single = render({}, tmp_path)
-    assert only(single, "Deployment", "jupyter-elastic-kernels")["spec"]["strategy"]["type"] == "Recreate"
+    assert only(single, "Deployment", "jupyter-elastic-kernels")["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 1,
+        "maxUnavailable": 0,
+    }
     assert server_config(single)["ElasticLeaderElection"]["enabled"] is True
+    # A ReadWriteOnce claim (a bucket's registry) cannot be mounted by a second pod on another node.
+    s3 = {"endpoint": "http://minio:9000", "bucket": "ckpt", "existingSecret": "s3"}
+    once = {"checkpoints": {"store": "s3", "objectStore": s3, "accessModes": ["ReadWriteOnce"]}}
+    assert only(render(once, tmp_path), "Deployment", "jupyter-elastic-kernels")["spec"]["strategy"] == {
+        "type": "Recreate"
+    }
+    twice = {**once, "gateway": {"replicas": 2}}
+    assert only(render(twice, tmp_path), "Deployment", "jupyter-elastic-kernels")["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": "100%"},
+    }
+    chosen = {"gateway": {"updateStrategy": {"type": "Recreate"}}}
+    assert only(render(chosen, tmp_path), "Deployment", "jupyter-elastic-kernels")["spec"]["strategy"] == {
+        "type": "Recreate"
+    }
 
 
 def test_values_reach_the_server_config(tmp_path: Path) -> None:

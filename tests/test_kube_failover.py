@@ -231,6 +231,67 @@ def test_the_standby_takes_over_the_kernels_when_the_leader_is_killed(
         cleanup(cluster)
 
 
+SERVING = "elastic.jupyter.org/serving"
+
+
+def placeholder_pod(cluster: PodCluster, name: str, labels: dict[str, str]) -> None:
+    """A pod object standing for a gateway's own pod (it never runs: no node matches it)."""
+    cluster.core.create_namespaced_pod(
+        NAMESPACE,
+        {
+            "metadata": {"name": name, "labels": labels},
+            "spec": {
+                "nodeSelector": {"elastic.test/no-such-node": "true"},
+                "containers": [{"name": "gateway", "image": "none"}],
+            },
+        },
+    )
+
+
+def serving(cluster: PodCluster, pod: str) -> bool:
+    labels = cluster.core.read_namespaced_pod(pod, NAMESPACE).metadata.labels or {}
+    return labels.get(SERVING) == "true"
+
+
+def test_the_serving_label_follows_the_lease_and_a_standby_is_ready(
+    cluster: PodCluster, tmp_path: Path
+) -> None:
+    """With ``serving_label`` (the chart's), the Lease holder labels its own pod once it serves, which
+    the gateway Service selects; a standby is Ready (so a surge rollout can start the new pod before
+    it stops the old leader) and takes a stale label off its pod as it starts (a restarted container
+    keeps its pod's labels). A gracefully stopped holder hands the Lease and the label over."""
+    lease = f"gw-{uuid.uuid4().hex[:8]}"
+    config = gateway_config(cluster, lease)
+    config["ElasticLeaderElection"]["serving_label"] = SERVING
+    placeholder_pod(cluster, f"{lease}-a", {})
+    placeholder_pod(cluster, f"{lease}-b", {SERVING: "true"})  # left from a container that restarted
+
+    def in_pod(pod: str) -> dict[str, str]:
+        return {"POD_NAME": pod, "POD_NAMESPACE": NAMESPACE}
+
+    # One home: the registry is named after the server's root directory, which replicas share.
+    active = start_server(tmp_path, config, env_extra=in_pod(f"{lease}-a"))
+    standby: RunningServer | None = None
+    try:
+        wait_for(lambda: ready(active), 60, "the first gateway to lead")
+        wait_for(lambda: serving(cluster, f"{lease}-a"), 60, "the leader's pod to be labelled serving")
+        standby = start_server(tmp_path, config, env_extra=in_pod(f"{lease}-b"))
+        assert not serving(cluster, f"{lease}-b")  # taken off before the server answered
+        assert standby.request("GET", "/api/elastic/readyz", token=None).status == 200
+        assert standby.request("GET", "/api/elastic/leader", token=None).status == 503
+        running = active.start_kernel(SIZE)
+        assert active.execute(running, "x = 41; print(x)").strip() == "41"
+
+        active.stop()  # SIGTERM, as a rollout stops the old pod: it releases the Lease at exit
+        wait_for(lambda: serving(cluster, f"{lease}-b"), LEASE + 60, "the standby's pod to be labelled")
+        assert ready(standby)
+        assert standby.execute(running, "print(x + 1)").strip() == "42"
+        standby.shutdown_kernel(running)
+    finally:
+        stopped(active, *([standby] if standby else []))
+        cleanup(cluster)
+
+
 def audit_writes(plane: ControlPlane, pid: int, after: float) -> list[dict[str, Any]]:
     """Successful writes (2xx) the gateway process ``pid`` made, received after ``after`` (epoch s)."""
     import datetime as dt

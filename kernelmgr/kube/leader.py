@@ -2,7 +2,8 @@
 
 Two gateway replicas (``replicas: 2``) share the kernel pods and the kernel records in the API;
 only the holder of the Lease may write them. The others are standbys: they answer no kernel
-operation and are not ready (the Service sends them nothing) until the holder stops renewing and
+operation, and the Service sends them nothing (it selects the serving label,
+:mod:`kernelmgr.kube.serving_label`, or, without one, readiness) until the holder stops renewing and
 one of them takes the Lease over.
 
 Timing (the same rules as client-go's leader election): the holder renews every ``retry_period``;
@@ -268,6 +269,15 @@ class ElasticLeaderElection(LoggingConfigurable):
         config=True,
         help="This gateway's name in the Lease (empty: the pod's name, from POD_NAME or the hostname, "
         "and the pid).",
+    )
+    serving_label = Unicode(
+        "",
+        config=True,
+        help="""A label key the holder puts on its own pod (value "true") once it serves the kernels, and
+        every gateway takes off its pod as it starts; the gateway Service selects it, so standbys can be
+        Ready and a rolling update hands over without a gap (the Helm chart sets
+        elastic.jupyter.org/serving). Needs POD_NAME and POD_NAMESPACE (the downward API) and get/patch
+        on the gateway's pods. Empty: only the holder is Ready, and the Service selects readiness.""",
     )
     lease_duration = Float(
         15.0,

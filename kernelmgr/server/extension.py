@@ -66,6 +66,8 @@ class ElasticKernelsExtension(ExtensionApp):
     live_config: LiveConfig | None = None
     #: The kernel pods a previous server left were adopted (Kubernetes mode; readiness waits for it).
     adopted = False
+    #: The label on this pod that the gateway Service selects (several gateways), or None.
+    serving_label: Any = None
     #: The server runs its kernels at a gateway (``GatewayClient.url``): the kernels, their GPU
     #: slices and their culling are the gateway's, and this extension stays out of the way.
     kernels_at_gateway = False
@@ -152,11 +154,13 @@ class ElasticKernelsExtension(ExtensionApp):
         if runtime.mode.in_pods:
             # Unready (readyz) until the kernel pods are adopted: by the Lease holder once it leads,
             # else once the loop runs (the pod watch must sync first); the server starts meanwhile.
+            # With the serving label a standby is Ready too: the Service selects the label, not readiness.
             if lease is None:
                 ioloop.IOLoop.current().add_callback(self._adopt_kernel_pods, km)
-            else:
-                self.health.readiness.append(lambda: None if lease.serving else "standby")
-            self.health.readiness.append(lambda: None if self.adopted else "kernel pods not adopted")
+            if self.serving_label is None:
+                if lease is not None:
+                    self.health.readiness.append(lambda: None if lease.serving else "standby")
+                self.health.readiness.append(lambda: None if self.adopted else "kernel pods not adopted")
         sampler: GpuActivitySampler | ClusterGpuSampler | None = None
         if runtime.mode.in_pods:
             # The kernels run on other nodes: their GPU activity comes from the node agents.
@@ -335,13 +339,19 @@ class ElasticKernelsExtension(ExtensionApp):
         election = ElasticLeaderElection(parent=self.serverapp, log=self.log)
         if not election.enabled:
             return None
+        from kernelmgr.kube.serving_label import ServingLabel
+
         cluster = runtime.kube
         try:
             namespace = cluster.settings.state_namespace or cluster.settings.namespace
             lease = election.build(cluster.api(), namespace, cluster.identity)
+            label = ServingLabel.of_this_pod(cluster.api(), election.serving_label, self.log)
+            if label is not None:
+                label.clear()  # before the fence: a standby's one write, to its own pod
         except ConfigError as exc:
             self.log.critical("jupyter-elastic-kernels: invalid configuration: %s", exc.message)
             sys.exit(CONFIG_ERROR_EXIT)
+        self.serving_label = label
         cluster.fence = lease.check
         runtime.leader = lease
         return lease
@@ -364,6 +374,8 @@ class ElasticKernelsExtension(ExtensionApp):
             await self._adopt_kernel_pods(km)
             lease.serving = True
             self.log.info("jupyter-elastic-kernels: this gateway serves the kernels")
+            if self.serving_label is not None:
+                await self.serving_label.mark_while(lease.holds, lease.retry_period)
 
         def fence() -> None:
             if not lease.holds():

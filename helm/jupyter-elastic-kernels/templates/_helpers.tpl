@@ -302,7 +302,7 @@ serves no files, so the claim's folder is as good a root as any. */ -}}
   "CullPolicy" $cull
   "ElasticGateway" $gateway
   "ElasticQuota" $quota
-  "ElasticLeaderElection" (dict "enabled" true "lease_name" (printf "%s-gateway" (include "jek.fullname" .))) -}}
+  "ElasticLeaderElection" (dict "enabled" true "lease_name" (printf "%s-gateway" (include "jek.fullname" .)) "serving_label" "elastic.jupyter.org/serving") -}}
 {{- if eq $v.checkpoints.store "s3" }}
 {{- $s3 := $v.checkpoints.objectStore -}}
 {{- $_ := required "checkpoints.objectStore.endpoint is required with checkpoints.store s3" $s3.endpoint -}}
