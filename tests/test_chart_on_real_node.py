@@ -287,6 +287,7 @@ def installed_chart(
     *,
     namespace: str = "",
     hub_api_url: str = "",
+    extra_values: dict[str, Any] | None = None,
 ) -> Iterator[Chart]:
     """Install the chart on the real node (also for benchmarks/bench_real_node.py); uninstall after.
 
@@ -331,6 +332,8 @@ def installed_chart(
     else:
         # Forced here: no JupyterHub in this test's cluster, so one static token (a Secret).
         values["gateway"].update({"auth": "token", "tokenSecret": "gateway-token"})
+    for section, settings in (extra_values or {}).items():  # an example's values, under what is forced
+        values[section] = {**settings, **values.get(section, {})}
     kubeconfig = ["--kubeconfig", str(kube_plane.admin_kubeconfig)]
     values_file = tmp / "values.yaml"
     values_file.write_text(yaml.safe_dump(values))

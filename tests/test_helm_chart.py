@@ -2179,6 +2179,20 @@ def test_z2jh_example_points_at_the_charts_gateway(tmp_path: Path) -> None:
     assert z2jh["cull"]["users"] is False
 
 
+def test_the_z2jh_gateway_values_give_kernel_pods_the_users_home(tmp_path: Path) -> None:
+    """examples/jupyterhub/z2jh/gateway-values.yaml passes the chart's schema and gives each owner's
+    kernel pods their z2jh home (claim-{owner}, HOME there, pinned beside their server's pod)."""
+    values = yaml.safe_load((ROOT / "examples/jupyterhub/z2jh/gateway-values.yaml").read_text())
+    provisioner = server_config(render(values, tmp_path))["ElasticKubernetesProvisioner"]
+    (home,) = provisioner["user_volumes"]
+    assert (home["claimName"], home["mountPath"]) == ("claim-{owner}", "/home/jovyan")
+    assert provisioner["home_volume"] == "home" and provisioner["home_access_mode"] == "ReadWriteOnce"
+    assert provisioner["user_pod_selector"] == {
+        "component": "singleuser-server",
+        "hub.jupyter.org/username": "{owner}",
+    }
+
+
 def _leaves(values: Any, prefix: str = "") -> Iterator[str]:
     if isinstance(values, dict) and values:
         for key, value in values.items():

@@ -6,8 +6,11 @@ On the real node with its cluster network (Services, DNS, enforced NetworkPolici
 proxy and the users' servers from the images ``scripts/images.sh export-hub`` builds, the gateway and
 kernel pods from the project's images (:mod:`tests.support.z2jh`). A user logs in through the proxy,
 gets a server from KubeSpawner (a pod with the ``claim-{username}`` home), and through their server
-starts a GPU kernel at the gateway (a kernel pod), runs cells, hibernates it through the Hub's route to
-the gateway and resumes it with the next cell. Another user's token is refused there.
+starts a GPU kernel at the gateway (a kernel pod with the same home, beside the server's pod, as the
+server's user: ``examples/jupyterhub/z2jh/gateway-values.yaml``), runs cells that read the home,
+hibernates it through the Hub's route to the gateway and resumes it with the next cell; the Hub
+stops and starts the user's server and the notebook's session names the same kernel, still running.
+Another user's token is refused at the gateway.
 
 Needs root, the Debian packages, ``scripts/node.sh build`` and the images: skipped without them,
 failed instead with ``ELASTIC_REQUIRE_NODE=1`` (CI).
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.support.kube import ControlPlane, require_envtest, wait_for
 
@@ -42,6 +46,10 @@ from tests.test_real_node import node, registry  # noqa: E402, F401
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(1800)]
 PLACEMENT = {"nodeSelector": {LABEL[0]: LABEL[1]}, "tolerations": [{**TAINT, "operator": "Equal"}]}
 USERS = ("alice", "bob")
+#: The project's chart values for this deployment (the users' homes in their kernel pods).
+GATEWAY_VALUES = (
+    Path(__file__).resolve().parents[1] / "examples" / "jupyterhub" / "z2jh" / "gateway-values.yaml"
+)
 
 
 @dataclass
@@ -121,8 +129,16 @@ def deployment(
     pushed = {"kernel": kernel, "gateway": gateway}
     homes = list(_homes(core, USERS))
     try:
+        gateway_values = yaml.safe_load(GATEWAY_VALUES.read_text())
         with installed_chart(
-            kube_api, node, pushed, kube_plane, tmp, namespace=NAMESPACE, hub_api_url=hub_api
+            kube_api,
+            node,
+            pushed,
+            kube_plane,
+            tmp,
+            namespace=NAMESPACE,
+            hub_api_url=hub_api,
+            extra_values=gateway_values,
         ) as chart:
             images = {"hub": hub_image, "proxy": proxy_image, "singleuser": singleuser_image}
             objects = manifests(example_values(), images, PLACEMENT, TOKEN)
@@ -177,8 +193,33 @@ def test_a_user_of_the_hub_runs_hibernates_and_resumes_a_gpu_kernel_through_thei
     kernel_pods = deployment.chart.kernel_pods(kernel_id)
     assert len(kernel_pods) == 1 and kernel_pods[0].spec.node_name == deployment.chart.node.name
 
+    # Her home, as KubeSpawner mounted it in her server, is in her kernel pod (gateway-values.yaml):
+    # the same claim, on the node of her server's pod (ReadWriteOnce), as her server's user.
+    written = hub.api(
+        "PUT",
+        "/user/alice/api/contents/hello.txt",
+        token,
+        json={"type": "file", "format": "text", "content": "written by alice's server"},
+    )
+    assert written.status_code in (200, 201), written.text
+    (kernel_pod,) = kernel_pods
+    claims = [
+        v.persistent_volume_claim.claim_name for v in kernel_pod.spec.volumes if v.persistent_volume_claim
+    ]
+    assert "claim-alice" in claims, claims
+    affinity = kernel_pod.spec.affinity.pod_affinity.required_during_scheduling_ignored_during_execution
+    assert affinity[0].label_selector.match_labels == {
+        "component": "singleuser-server",
+        "hub.jupyter.org/username": "alice",
+    }
     with KernelChannel(server, kernel_id, timeout=300, token=token) as tab:
         assert tab.execute("x = 41; print(x + 1)").stdout == "42\n"
+        said = tab.execute(
+            "import os; print(open('/home/jovyan/hello.txt').read(), os.getuid(), os.environ['HOME'])"
+        )
+        contexts = (pod.spec.containers[0].security_context, pod.spec.security_context)
+        uid = next((c.run_as_user for c in contexts if c is not None and c.run_as_user is not None), None)
+        assert said.stdout == f"written by alice's server {uid} /home/jovyan\n", said
 
     # Hibernate at the gateway through the Hub's route to its service, with alice's own token;
     # bob's token is refused there (by the gateway: a JSON message, not the Hub's page).
@@ -191,6 +232,19 @@ def test_a_user_of_the_hub_runs_hibernates_and_resumes_a_gpu_kernel_through_thei
     assert deployment.chart.kernel_pods(kernel_id) == []
     with KernelChannel(server, kernel_id, timeout=600, token=token) as tab:
         assert tab.execute("print(x)", timeout=600).stdout == "41\n"
+
+    # Her notebook's kernel outlives her server: the Hub stops it and starts it again, and the
+    # notebook's session (the database in her home) names the same kernel, still at the gateway.
+    notebook = {"path": "work.ipynb", "name": "work.ipynb", "type": "notebook", "kernel": {"id": kernel_id}}
+    made = hub.api("POST", "/user/alice/api/sessions", token, json=notebook, timeout=120)
+    assert made.status_code == 201 and made.json()["kernel"]["id"] == kernel_id, made.text
+    hub.stop_server("alice", token, timeout=300)
+    assert len(deployment.chart.kernel_pods(kernel_id)) == 1
+    hub.start_server("alice", token, timeout=600)
+    sessions = hub.api("GET", "/user/alice/api/sessions", token, timeout=120).json()
+    assert [(s["path"], s["kernel"]["id"]) for s in sessions] == [("work.ipynb", kernel_id)], sessions
+    with KernelChannel(server, kernel_id, timeout=300, token=token) as tab:
+        assert tab.execute("print(x)", timeout=300).stdout == "41\n"
     assert hub.api("DELETE", f"/user/alice/api/kernels/{kernel_id}", token, timeout=300).status_code == 204
 
 

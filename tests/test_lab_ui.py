@@ -166,7 +166,12 @@ def browser_page() -> Iterator[Any]:
             args=["--headless", "--no-sandbox", "--disable-background-networking"],
         )
         try:
-            yield browser.new_page(viewport={"width": 1280, "height": 720})
+            page = browser.new_page(viewport={"width": 1280, "height": 720})
+            # On a loaded machine JupyterLab's theme stylesheet can fail to load (its retries spent);
+            # its dialog then covers the page. A user reloads, and so does the test, whenever it shows.
+            theme_failed = page.locator(".jp-Dialog", has_text="Error Loading Theme")
+            page.add_locator_handler(theme_failed, lambda: page.reload())
+            yield page
         finally:
             browser.close()
 
