@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -34,11 +31,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.bench_real_node import chart_on_the_real_node
 from benchmarks.markdown import print_header, print_row
-from tests.support.kube import ControlPlane, free_port, wait_for
-from tests.support.node import Node, require_node
-from tests.test_chart_on_real_node import Chart, Gateway, gateway_pods, installed_chart
-from tests.test_images import images_script
+from tests.support.kube import wait_for
+from tests.test_chart_on_real_node import Chart, Gateway, gateway_pods
 
 #: (name, gateway values, the change): an upgrade that replaces the gateway pod, or its deletion.
 SCENARIOS: list[tuple[str, dict[str, Any], str]] = [
@@ -122,25 +118,8 @@ def main() -> None:
 
 
 def run(repeat: int) -> None:
-    paths = require_node()
-    with (
-        tempfile.TemporaryDirectory(prefix="elastic-gateway-change-") as tmp,
-        ControlPlane(Path(tmp) / "plane") as plane,
-    ):
-        api = plane.api_client()
-        registry_dir = Path(tmp) / "registry"
-        registry_dir.mkdir()
-        registry = images_script("registry-start", str(registry_dir), str(free_port())).strip()
-        node_dir = Path(f"/tmp/ekg-{os.getpid()}")  # short: shim sockets and mount options are length-limited
-        try:
-            with Node(node_dir, plane.admin_kubeconfig, paths=paths, registry=registry) as node:
-                kernel, gateway_image = images_script("push", registry).split()
-                images = {"kernel": kernel, "gateway": gateway_image}
-                with installed_chart(api, node, images, plane, Path(tmp)) as chart:
-                    measure(chart, repeat)
-        finally:
-            images_script("registry-stop", str(registry_dir))
-            shutil.rmtree(node_dir, ignore_errors=True)
+    with chart_on_the_real_node("elastic-gateway-change-") as chart:
+        measure(chart, repeat)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,9 +161,17 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    with chart_on_the_real_node("elastic-real-node-bench-") as chart:
+        measure(chart, sizes, args.repeat)
+
+
+@contextlib.contextmanager
+def chart_on_the_real_node(prefix: str) -> Iterator[Chart]:
+    """A control plane, the images in a registry, the real node, and the chart installed on it (as
+    ``tests/test_chart_on_real_node.py`` does); all of it gone after."""
     paths = require_node()
     with (
-        tempfile.TemporaryDirectory(prefix="elastic-real-node-bench-") as tmp,
+        tempfile.TemporaryDirectory(prefix=prefix) as tmp,
         ControlPlane(Path(tmp) / "plane") as plane,
     ):
         api = plane.api_client()
@@ -174,7 +184,7 @@ def main() -> None:
                 kernel, gateway_image = images_script("push", registry).split()
                 images = {"kernel": kernel, "gateway": gateway_image}
                 with installed_chart(api, node, images, plane, Path(tmp)) as chart:
-                    measure(chart, sizes, args.repeat)
+                    yield chart
         finally:
             images_script("registry-stop", str(registry_dir))
             shutil.rmtree(node_dir, ignore_errors=True)
