@@ -57,6 +57,14 @@ def answered_cells(gateway: Gateway, kernel_id: str, stop: threading.Event, time
         stop.wait(0.1)
 
 
+def pod_uids(chart: Chart) -> set[str]:
+    """Every gateway pod's uid, terminating ones too."""
+    pods = chart.core.list_namespaced_pod(
+        chart.namespace, label_selector="app.kubernetes.io/component=gateway"
+    )
+    return {p.metadata.uid for p in pods.items}
+
+
 def one_change(chart: Chart, kernel_id: str, values: dict[str, Any], change: str) -> tuple[float, float]:
     """One gateway change: (longest gap between answered cells, seconds to the old pod's end)."""
     if any(chart.values["gateway"].get(k) != v for k, v in values.items()):
@@ -77,9 +85,11 @@ def one_change(chart: Chart, kernel_id: str, values: dict[str, Any], change: str
         chart.upgrade()
     else:
         chart.core.delete_namespaced_pod(leader.metadata.name, chart.namespace)
-    wait_for(lambda: not old & {p.metadata.uid for p in gateway_pods(chart)}, 600, "the old pod to end")
+    # Gone from the API, not just terminating (a terminating gateway may still answer what it has).
+    wait_for(lambda: not old & pod_uids(chart), 600, "the old pod to be gone")
     ended = time.monotonic() - began
     wait_for(lambda: times and times[-1] > began + ended, 600, "a cell answered by the new gateway")
+    print(f"{values} {change}: old pod gone after {ended:.1f} s", file=sys.stderr, flush=True)
     stop.set()
     poller.join()
     marks = [began, *[t for t in times if t > began]]
