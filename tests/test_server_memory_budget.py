@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 from kernelmgr.server.memory_budget import (
+    MAX_CONNECTIONS,
     MAX_HELD_BYTES,
     cgroup_memory_limit,
+    connections_per_user,
+    connections_total,
     held_bytes_per_user,
     held_bytes_total,
 )
@@ -103,3 +106,23 @@ def test_the_websocket_caps_take_these_defaults(monkeypatch: pytest.MonkeyPatch)
     connection = cls.__new__(cls)  # the traits alone (traitlets sets them up in __new__)
     assert connection.max_queued_bytes_total == 128 * MiB
     assert connection.max_queued_bytes_per_user == 64 * MiB
+
+
+def test_the_connection_caps_fit_the_limit() -> None:
+    """A kernel websocket costs the server about 400 KiB: 10,000 of them (the old cap) would need
+    4 GiB, and 128 for each of 20 users would fill the chart's 1 GiB gateway pod."""
+    assert connections_total(GiB) == 512 and connections_per_user(512) == 128
+    assert connections_total(256 * MiB) == 128 and connections_per_user(128) == 32
+    assert connections_total(16 * MiB) == 16  # a floor: a tiny pod still serves a few notebooks
+    assert connections_total(None) == MAX_CONNECTIONS == connections_total(64 * GiB)
+    assert connections_per_user(MAX_CONNECTIONS) == 128
+
+
+def test_the_websocket_connection_caps_take_these_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernelmgr.server import websocket
+
+    monkeypatch.setattr(websocket, "server_connections_total", lambda: connections_total(GiB))
+    cls = websocket.ElasticWebsocketConnection
+    connection = cls.__new__(cls)
+    assert connection.max_connections == 512
+    assert connection.max_connections_per_user == 128

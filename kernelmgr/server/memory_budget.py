@@ -1,4 +1,5 @@
-"""How much of its memory the server lets messages held for sleeping kernels take, by default.
+"""How much of its memory the server lets messages held for sleeping kernels, and kernel
+websockets, take by default.
 
 Messages for a kernel that is hibernating, hibernated or resuming wait in the server's memory
 until it is back (:mod:`kernelmgr.server.websocket`). Their server-wide cap must fit the memory the
@@ -19,6 +20,13 @@ MAX_HELD_BYTES_PER_USER = 128 * 1024 * 1024
 #: The share of the memory limit held messages may take: the rest is the server's own (its kernels'
 #: records and watches, the Python heap, a message's copies while it is parsed and sent).
 HELD_SHARE = 4
+#: What one kernel websocket costs the server: 350 to 430 KiB measured with a running kernel (its
+#: ZeroMQ sockets and their buffers, tornado's), rounded up.
+CONNECTION_BYTES = 512 * 1024
+#: The connection cap without a memory limit, and the most any default allows.
+MAX_CONNECTIONS = 10000
+#: One user's default: at most this many, and at most a quarter of the server's cap.
+MAX_CONNECTIONS_PER_USER = 128
 #: cgroup v1 says "no limit" with a huge number (the page-rounded maximum of a signed 64-bit value).
 _NO_LIMIT_V1 = 1 << 60
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -118,3 +126,22 @@ def server_held_bytes_total() -> int:
     asks for it as it opens, on the event loop, and the limit is the process's, not the
     connection's."""
     return held_bytes_total(cgroup_memory_limit())
+
+
+def connections_total(limit: int | None) -> int:
+    """The server-wide default cap on kernel websockets: what a share of its memory limit pays for
+    (the same share as held messages: each quarter fits beside the other and the server itself)."""
+    if limit is None:
+        return MAX_CONNECTIONS
+    return max(MAX_CONNECTIONS_PER_USER // 8, min(MAX_CONNECTIONS, limit // HELD_SHARE // CONNECTION_BYTES))
+
+
+def connections_per_user(total: int) -> int:
+    """One user's default cap: a quarter of the server's at most, so a few cannot take them all."""
+    return min(MAX_CONNECTIONS_PER_USER, max(1, total // 4))
+
+
+@functools.cache
+def server_connections_total() -> int:
+    """:func:`connections_total` for this process's own limit, read once (as the held bytes')."""
+    return connections_total(cgroup_memory_limit())

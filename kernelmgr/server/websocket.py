@@ -83,7 +83,12 @@ from kernelmgr.lifecycle.metrics import HELD_MESSAGE_BYTES, HELD_MESSAGE_REFUSAL
 from kernelmgr.lifecycle.service import Hibernator
 from kernelmgr.server import execution_state, undelivered
 from kernelmgr.server.hibernated_replies import ANSWERED_WHILE_HIBERNATED, CHECK_TIMEOUT, checker, local_reply
-from kernelmgr.server.memory_budget import held_bytes_per_user, server_held_bytes_total
+from kernelmgr.server.memory_budget import (
+    connections_per_user,
+    held_bytes_per_user,
+    server_connections_total,
+    server_held_bytes_total,
+)
 from kernelmgr.server.ownership import SETTINGS_KEY
 
 V1 = "v1.kernel.websocket.jupyter.org"
@@ -187,16 +192,26 @@ class ElasticWebsocketConnection(ZMQChannelsWebsocketConnection):
         return held_bytes_per_user(self.max_queued_bytes_total)
 
     max_connections_per_user = Integer(
-        128,
         config=True,
         help="""Kernel websockets one user may have open at once (every notebook tab holds one
-        per kernel); one more is refused at the handshake (HTTP 429). 0: no limit.""",
+        per kernel); one more is refused at the handshake (HTTP 429). Default: 128, and at most a
+        quarter of ``max_connections``. 0: no limit.""",
     )
     max_connections = Integer(
-        10000,
         config=True,
-        help="Kernel websockets the server keeps open at once, all users; 0: no limit.",
+        help="""Kernel websockets the server keeps open at once, all users; 0: no limit. Default:
+        as many as a quarter of the server's cgroup memory limit pays for (512 KiB each: a 1 GiB pod
+        takes 512), at most 10,000.""",
     )
+
+    @default("max_connections")
+    def _default_connections(self) -> int:
+        return server_connections_total()
+
+    @default("max_connections_per_user")
+    def _default_connections_per_user(self) -> int:
+        return connections_per_user(self.max_connections)
+
     max_is_complete_bytes = Integer(
         64 * 1024,
         config=True,
