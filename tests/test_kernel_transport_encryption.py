@@ -7,7 +7,9 @@ sockets when ``KernelManager.transport_encryption`` asks for it (the keys in the
 which only the kernel's account can read). With the project's provisioner, its GPU-size
 kernelspecs (which keep ipykernel's ``supported_encryption``) and hibernation, a spy on the
 IOPub port reads the outputs without it and nothing with it, and the kernel hibernates and
-resumes with its variables. Not yet the default, nor for kernel pods (docs/security.md).
+resumes with its variables. The local JupyterHub example turns it on: from another user's notebook
+cell, a socket to a kernel's IOPub port is refused at its handshake. Not yet the project's default,
+nor for kernel pods (docs/security.md).
 """
 
 from __future__ import annotations
@@ -102,3 +104,42 @@ def test_a_process_without_the_key_reads_no_kernel_output_with_transport_encrypt
         server.shutdown_kernel(kernel_id)
     finally:
         server.stop()
+
+
+SPY_CELL = """
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+spy = zmq.Context().socket(zmq.SUB)
+spy.setsockopt(zmq.SUBSCRIBE, b"")
+monitor = spy.get_monitor_socket()
+spy.connect("tcp://127.0.0.1:{port}")
+names = {{getattr(zmq, n): n for n in dir(zmq) if n.startswith("EVENT_HANDSHAKE")}}
+while monitor.poll(60_000):
+    event = recv_monitor_message(monitor)["event"]
+    if event in names:
+        print(names[event])
+        break
+"""
+
+
+def test_another_users_notebook_cannot_read_a_kernels_output_at_the_shared_gateway(tmp_path: Path) -> None:
+    """The local JupyterHub example (per-user accounts) turns CurveZMQ on: from bob's notebook, a
+    socket to alice's kernel's IOPub port is refused at its handshake (before this, it connected
+    and read every output she printed)."""
+    if not _supported():
+        pytest.skip("jupyter_client < 8.9 (no transport_encryption) or pyzmq without CurveZMQ")
+    from tests.support.hub import running_hub
+    from tests.test_gateway_authz import start_kernel
+
+    with running_hub(tmp_path) as hub:
+        alice, bob = hub.login_token("alice"), hub.login_token("bob")
+        hers = start_kernel(hub, alice, "small")
+        (connection,) = hub.state.rglob(f"kernel-{hers}.json")  # root reads it; bob's account cannot
+        info = json.loads(connection.read_text())
+        assert "curve_secretkey" in info, sorted(info)
+        his = start_kernel(hub, bob, "small")
+        from tests.support.server import KernelChannel
+
+        with KernelChannel(f"{hub.url}{hub.gateway_prefix}", his, timeout=120, token=bob) as channel:
+            said = channel.execute(SPY_CELL.format(port=info["iopub_port"]), timeout=120)
+        assert said.stdout.strip().startswith("EVENT_HANDSHAKE_FAILED"), (said.stdout, said.error)

@@ -31,6 +31,12 @@ else:
     c.ElasticGateway.kernel_account = os.environ.get("ELASTIC_KERNEL_ACCOUNT") or "{username}"
     # Connection and key files, one root-owned folder per account (state and its parents: o+x).
     c.ElasticGateway.kernel_runtime_dir = os.path.join(state, "kernel-runtime")
+    # Other accounts can reach a kernel's localhost ports, and its IOPub publishes to anyone who
+    # subscribes: CurveZMQ (jupyter_client 8.9+, ipykernel 7.4+) keeps its outputs theirs alone.
+    from jupyter_client.manager import KernelManager
+
+    if "transport_encryption" in KernelManager.class_trait_names():
+        c.KernelManager.transport_encryption = "auto"
 c.ElasticKernels.profiles = {
     "small": {"display_name": "GPU small (10 GiB)", "gpu_fraction": 0.25, "memory_mib": 10240},
     "medium": {"display_name": "GPU medium (20 GiB)", "gpu_fraction": 0.5, "memory_mib": 20480},
