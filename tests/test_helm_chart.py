@@ -1354,7 +1354,7 @@ def test_gateway_replicas_are_active_and_standby_behind_a_lease(tmp_path: Path) 
         "resources": ["leases"],
         "verbs": ["get", "create", "update", "patch"],
     } in role["rules"]
-    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]} in role["rules"]
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]} in role["rules"]
     single = render({}, tmp_path)
     assert only(single, "Deployment", "jupyter-elastic-kernels")["spec"]["strategy"]["rollingUpdate"] == {
         "maxSurge": 1,

@@ -276,8 +276,9 @@ class ElasticLeaderElection(LoggingConfigurable):
         help="""A label key the holder puts on its own pod (value "true") once it serves the kernels, and
         every gateway takes off its pod as it starts; the gateway Service selects it, so standbys can be
         Ready and a rolling update hands over without a gap (the Helm chart sets
-        elastic.jupyter.org/serving). Needs POD_NAME and POD_NAMESPACE (the downward API) and get/patch
-        on the gateway's pods. Empty: only the holder is Ready, and the Service selects readiness.""",
+        elastic.jupyter.org/serving). Needs POD_NAME and POD_NAMESPACE (the downward API) and patch
+        on pods in the gateway's namespace. Empty: only the holder is Ready, and the Service
+        selects readiness.""",
     )
     lease_duration = Float(
         15.0,

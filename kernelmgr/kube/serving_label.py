@@ -50,7 +50,7 @@ class ServingLabel:
         except self._api_exception as exc:
             raise ConfigError(
                 f"could not take the label {self.key} off this gateway's pod {self.namespace}/{self.pod} "
-                f"({exc.status} {exc.reason}): the gateway needs get and patch on its own pods"
+                f"({exc.status} {exc.reason}): the gateway needs patch on pods in its namespace"
             ) from None
 
     async def mark_while(self, leading: Callable[[], bool], retry: float) -> None:
