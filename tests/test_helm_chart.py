@@ -1597,21 +1597,6 @@ def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any],
             path.write_bytes(base64.b64decode(core.read_namespaced_secret(secret, namespace).data[key]))
             path.chmod(0o400)
             mounted.append(f"--{setting}={path}")
-    port = free_port()
-    command = [
-        str(Path(sys.executable).parent / "jupyter-elastic-gateway"),
-        f"--config={config_file}",
-        # Only what differs from a pod: where it listens, its token, root in a test container.
-        f"--ElasticKubernetesProvisioner.kubeconfig={kubeconfig}",
-        f"--port={port}",
-        "--ServerApp.port_retries=0",
-        "--ip=127.0.0.1",
-        "--allow-root",
-        f"--IdentityProvider.token={TOKEN}",
-        f"--ElasticKernels.live_config_file={live_file(home)}",
-        "--ElasticKernels.live_config_interval=0.5",
-        *mounted,
-    ]
     log_path = home / "gateway.log"
     env = isolated_env(home)
     # The environment the Deployment gives the gateway container (the metrics token from its Secret).
@@ -1624,24 +1609,44 @@ def start_gateway(tmp_path: Path, plane: Any, api: Any, release: dict[str, Any],
             env[entry.name] = base64.b64decode(
                 core.read_namespaced_secret(ref.name, namespace).data[ref.key]
             ).decode()
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=home)
-    gateway = RunningServer(
-        url=f"http://127.0.0.1:{port}", process=process, home=home, log_path=log_path, env=env
-    )
+    for _attempt in range(5):  # again on a new port when another process took this one first
+        port = free_port()
+        command = [
+            str(Path(sys.executable).parent / "jupyter-elastic-gateway"),
+            f"--config={config_file}",
+            # Only what differs from a pod: where it listens, its token, root in a test container.
+            f"--ElasticKubernetesProvisioner.kubeconfig={kubeconfig}",
+            f"--port={port}",
+            "--ServerApp.port_retries=0",
+            "--ip=127.0.0.1",
+            "--allow-root",
+            f"--IdentityProvider.token={TOKEN}",
+            f"--ElasticKernels.live_config_file={live_file(home)}",
+            "--ElasticKernels.live_config_interval=0.5",
+            *mounted,
+        ]
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=home)
+        gateway = RunningServer(
+            url=f"http://127.0.0.1:{port}", process=process, home=home, log_path=log_path, env=env
+        )
 
-    def answers() -> bool:
-        if process.poll() is not None:
-            raise AssertionError(f"the gateway exited with {process.returncode}:\n{gateway.log()}")
-        try:
-            # The chart's readiness probe: it holds the Lease and has taken the kernels over.
-            return gateway.request("GET", "/api/elastic/leader", token=None).status == 200
-        except (OSError, http.client.HTTPException):
-            # Not up yet, or (port_retries=0) something else holds the port and the gateway exits.
-            return False
+        def answers(process: Any = process, gateway: Any = gateway) -> bool:
+            if process.poll() is not None:
+                if "is not available" in gateway.log():
+                    return True  # its port was taken: launched again below
+                raise AssertionError(f"the gateway exited with {process.returncode}:\n{gateway.log()}")
+            try:
+                # The chart's readiness probe: it holds the Lease and has taken the kernels over.
+                return gateway.request("GET", "/api/elastic/leader", token=None).status == 200
+            except (OSError, http.client.HTTPException):
+                # Not up yet, or another process's socket on the port (the gateway then exits).
+                return False
 
-    wait_for(answers, 60, what="the gateway to answer")
-    return gateway
+        wait_for(answers, 60, what="the gateway to answer")
+        if process.poll() is None:
+            return gateway
+    raise AssertionError(f"the gateway found no free port in 5 tries:\n{gateway.log()}")
 
 
 def _get(url: str, authorization: str) -> tuple[int, str]:

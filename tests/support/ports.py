@@ -1,4 +1,4 @@
-"""Free ports below the machine's ephemeral range, for kernels and servers that tests start.
+"""Fixed ports for kernels that tests start, below the machine's ephemeral range.
 
 A kernel's ports are chosen before it binds them, sometimes seconds before (a restore first). A
 port from the ephemeral range (what binding port 0 gives) can meanwhile become the source port of

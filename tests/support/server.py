@@ -23,15 +23,16 @@ from typing import Any
 import websocket
 from jupyter_server.services.kernels.connection.base import deserialize_msg_from_ws_v1, serialize_msg_to_ws_v1
 
-from tests.support.ports import free_port_block
-
 TOKEN = "elastic-test-token"
 
 
 def free_port() -> int:
-    """A free port below the ephemeral range, where no kernel's or client's port of 0 can land on it
-    between now and the server binding it (CI once met a kernel's ZMQ socket on a gateway's port)."""
-    return free_port_block(1)
+    """A port free a moment ago. Something else may bind it before the caller does (CI once met a
+    kernel's ZMQ socket on a gateway's port): callers launch again on a new one when theirs was
+    taken (:func:`start_server`, the chart tests' gateway)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def isolated_env(home: Path) -> dict[str, str]:
