@@ -131,7 +131,10 @@ def test_shipped_rules_are_exactly_the_calls_the_code_makes() -> None:
     assert _granted(kernel_role) == namespaced, "rbac.yaml's kernel-pods rules differ from the code's calls"
     gateway_role = [d for d in docs if d["metadata"]["name"] == "jupyter-elastic-kernels:gateway"]
     assert [d["kind"] for d in gateway_role] == ["Role", "RoleBinding"]
-    assert _granted(gateway_role, "Role") == own
+    # And the serving label the Lease holder puts on its own pod there (kube/serving_label.py).
+    serving = ROOT / "kernelmgr" / "kube" / "serving_label.py"
+    assert "self.core.patch_namespaced_pod(" in serving.read_text()
+    assert _granted(gateway_role, "Role") == own | {("patch", "pods")}
     (lease_rule,) = [r for r in gateway_role[0]["rules"] if r["apiGroups"] == ["coordination.k8s.io"]]
     assert lease_rule == {
         "apiGroups": ["coordination.k8s.io"],
