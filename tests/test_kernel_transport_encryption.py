@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tests.support.server import start_server
+from tests.support.server import RunningServer, start_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,7 +55,7 @@ def _handshake(monitor: zmq.Socket[bytes]) -> bool:
     raise AssertionError("no handshake with the kernel's IOPub port within 60 s")
 
 
-def _spy_reads(server: object, home: Path, kernel_id: str) -> bool:
+def _spy_reads(server: RunningServer, home: Path, kernel_id: str) -> bool:
     """Whether a process with no key, subscribed to the kernel's IOPub port, reads a cell's output."""
     info = json.loads(next(home.rglob(f"kernel-{kernel_id}.json")).read_text())
     context = zmq.Context()
@@ -67,10 +67,10 @@ def _spy_reads(server: object, home: Path, kernel_id: str) -> bool:
         if _handshake(monitor):
             # Connected: until its subscription has reached the kernel, outputs go past it.
             for _ in range(60):
-                server.execute(kernel_id, "print('warming up')")  # type: ignore[attr-defined]
+                server.execute(kernel_id, "print('warming up')")
                 if spy.poll(500):
                     break
-        server.execute(kernel_id, "print('the secret output')")  # type: ignore[attr-defined]
+        server.execute(kernel_id, "print('the secret output')")
         seen = []
         while spy.poll(2000):
             seen.append(b"".join(spy.recv_multipart()))
